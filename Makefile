@@ -1,0 +1,30 @@
+# pagedserve: `make test` runs lint + the whole suite; `make bench-blockmgr` runs the block-manager benchmark.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test lint protos bench-blockmgr clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# No CUDA on this machine: take the CPU torch wheel first, so the project's
+	# `torch` requirement is already satisfied and pip pulls no CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+protos: $(STAMP)
+	$(PY) -m pagedserve._protogen
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: protos lint
+	$(PY) -m pytest -q
+
+bench-blockmgr: protos
+	$(PY) bench/blockmgr_bench.py
+
+clean:
+	rm -rf $(VENV) pagedserve/v1/*_pb2*.py pagedserve/v1/*_pb2*.pyi

@@ -1,0 +1,1 @@
+"""pagedserve: the distribution's namespace for generated API stubs (``pagedserve.v1``)."""

@@ -1,0 +1,264 @@
+"""The executor's view of a block manager: one interface, two implementations.
+
+:class:`InProcessClient` calls a :class:`BlockManagerCore` directly (no serialization);
+:class:`GrpcClient` talks to any implementation of ``pagedserve.v1.BlockManager``. Both raise
+:class:`BlockManagerError` with the same codes for the same input, which the conformance suite
+checks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import grpc
+
+from pagedserve.v1 import blockmgr_pb2 as pb
+from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
+from services.blockmgr import convert
+from services.blockmgr.core import BlockManagerCore
+from services.blockmgr.errors import BlockManagerError, ErrorCode
+from services.blockmgr.types import (
+    KVEvent,
+    Operation,
+    PoolInfo,
+    PoolStats,
+    RestoredSequence,
+    RestoreResult,
+    ServiceInfo,
+    StepResult,
+)
+
+
+class EventStream(Protocol):
+    """Batches of KV events, in order; iteration ends when the stream is closed."""
+
+    def __iter__(self) -> Iterator[list[KVEvent]]: ...
+    def close(self) -> None: ...
+
+
+class BlockManagerClient(Protocol):
+    def info(self, pool_id: str = "") -> ServiceInfo: ...
+
+    def register(
+        self,
+        pool_id: str,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        eviction_policy: str = "lru",
+    ) -> PoolInfo: ...
+
+    def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult: ...
+
+    def restore(
+        self, pool_id: str, epoch: int, sequences: Sequence[RestoredSequence]
+    ) -> RestoreResult: ...
+
+    def stats(self, pool_id: str) -> PoolStats: ...
+
+    def events(self, pool_id: str, start_after_seq: int = 0) -> EventStream: ...
+
+    def close(self) -> None: ...
+
+
+# ---- in-process ----------------------------------------------------------------------------
+
+
+class _QueueEventStream:
+    _CLOSED = object()
+
+    def __init__(self, core: BlockManagerCore, pool_id: str, start_after_seq: int) -> None:
+        self._core = core
+        self._pool_id = pool_id
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._error: BlockManagerError | None = None
+        try:
+            replay = core.subscribe(pool_id, self._on_events, start_after_seq)
+        except BlockManagerError as exc:  # raised on iteration, as the gRPC stream does
+            self._error = exc
+            return
+        if replay:
+            self._queue.put(replay)
+
+    def _on_events(self, pool_id: str, events: list[KVEvent]) -> None:
+        self._queue.put(events)
+
+    def __iter__(self) -> Iterator[list[KVEvent]]:
+        if self._error is not None:
+            raise self._error
+        while True:
+            item = self._queue.get()
+            if item is self._CLOSED:
+                return
+            yield item  # type: ignore[misc]
+
+    def close(self) -> None:
+        self._core.unsubscribe(self._pool_id, self._on_events)
+        self._queue.put(self._CLOSED)
+
+
+class InProcessClient:
+    """Direct calls into a core living in this process."""
+
+    def __init__(self, core: BlockManagerCore | None = None) -> None:
+        self.core = core if core is not None else BlockManagerCore()
+
+    def info(self, pool_id: str = "") -> ServiceInfo:
+        return self.core.info(pool_id)
+
+    def register(
+        self,
+        pool_id: str,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        eviction_policy: str = "lru",
+    ) -> PoolInfo:
+        return self.core.register(
+            pool_id,
+            num_blocks,
+            block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            eviction_policy=eviction_policy,
+        )
+
+    def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult:
+        return self.core.step(pool_id, epoch, ops)
+
+    def restore(
+        self, pool_id: str, epoch: int, sequences: Sequence[RestoredSequence]
+    ) -> RestoreResult:
+        return self.core.restore(pool_id, epoch, sequences)
+
+    def stats(self, pool_id: str) -> PoolStats:
+        return self.core.stats(pool_id)
+
+    def events(self, pool_id: str, start_after_seq: int = 0) -> EventStream:
+        return _QueueEventStream(self.core, pool_id, start_after_seq)
+
+    def close(self) -> None:
+        pass
+
+
+# ---- gRPC ----------------------------------------------------------------------------------
+
+_STATUS_TO_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND: ErrorCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION: ErrorCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE: ErrorCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED: ErrorCode.UNAVAILABLE,
+}
+
+
+def _error(exc: grpc.RpcError) -> BlockManagerError:
+    status = exc.code()  # type: ignore[attr-defined]
+    code = _STATUS_TO_CODE.get(status, ErrorCode.INTERNAL)
+    return BlockManagerError(code, f"{exc.details()} [{status.name}]")  # type: ignore[attr-defined]
+
+
+class _GrpcEventStream:
+    def __init__(self, call: grpc.Future) -> None:
+        self._call = call
+        self._closed = threading.Event()
+
+    def __iter__(self) -> Iterator[list[KVEvent]]:
+        try:
+            for batch in self._call:  # type: ignore[attr-defined]
+                yield convert.events_from_pb(batch)
+        except grpc.RpcError as exc:
+            if self._closed.is_set() and exc.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+                return
+            raise _error(exc) from None
+
+    def close(self) -> None:
+        self._closed.set()
+        self._call.cancel()
+
+
+class GrpcClient:
+    """Client of any ``pagedserve.v1.BlockManager`` server. Thread-safe (one channel)."""
+
+    def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        )
+        self._stub = pb_grpc.BlockManagerStub(self._channel)
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def info(self, pool_id: str = "") -> ServiceInfo:
+        resp = self._call(self._stub.Info, pb.BlockManagerInfoRequest(pool_id=pool_id))
+        return convert.info_from_pb(resp)
+
+    def register(
+        self,
+        pool_id: str,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        eviction_policy: str = "lru",
+    ) -> PoolInfo:
+        policy = convert.POLICY_TO_PB.get(eviction_policy)
+        if policy is None:
+            raise BlockManagerError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"eviction_policy {eviction_policy!r} is not one of {sorted(convert.POLICY_TO_PB)}",
+            )
+        resp = self._call(
+            self._stub.Register,
+            pb.RegisterPoolRequest(
+                pool_id=pool_id,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                eviction_policy=policy,
+            ),
+        )
+        return convert.pool_info_from_pb(resp.pool)
+
+    def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult:
+        request = pb.StepRequest(pool_id=pool_id, epoch=epoch, ops=convert.ops_to_pb(ops))
+        return convert.step_from_pb(self._call(self._stub.Step, request))
+
+    def restore(
+        self, pool_id: str, epoch: int, sequences: Sequence[RestoredSequence]
+    ) -> RestoreResult:
+        request = pb.RestoreRequest(
+            pool_id=pool_id, epoch=epoch, sequences=convert.restored_to_pb(sequences)
+        )
+        return convert.restore_from_pb(self._call(self._stub.Restore, request))
+
+    def stats(self, pool_id: str) -> PoolStats:
+        resp = self._call(self._stub.Stats, pb.PoolStatsRequest(pool_id=pool_id))
+        return convert.stats_from_pb(resp)
+
+    def events(self, pool_id: str, start_after_seq: int = 0) -> EventStream:
+        call = self._stub.StreamEvents(
+            pb.StreamEventsRequest(pool_id=pool_id, start_after_seq=start_after_seq)
+        )
+        return _GrpcEventStream(call)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def connect(address: str | None, core: BlockManagerCore | None = None) -> BlockManagerClient:
+    """``address`` None or "inproc" gives an in-process client; otherwise a gRPC client."""
+    if address in (None, "", "inproc"):
+        return InProcessClient(core)
+    return GrpcClient(address)

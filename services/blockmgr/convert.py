@@ -1,0 +1,330 @@
+"""Protobuf <-> domain conversion for the block manager: the only module that knows both."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedserve.v1 import blockmgr_pb2 as pb
+from services.blockmgr.types import (
+    Admit,
+    AdmitResult,
+    BlockCopy,
+    Commit,
+    CommitResult,
+    Fork,
+    ForkResult,
+    Free,
+    FreeResult,
+    Grow,
+    GrowResult,
+    KVEvent,
+    KVEventKind,
+    Operation,
+    OpResult,
+    OpStatus,
+    PoolCounters,
+    PoolInfo,
+    PoolStats,
+    RestoredSequence,
+    RestoreResult,
+    ServiceInfo,
+    StepResult,
+)
+
+POLICY_TO_PB = {"lru": pb.EVICTION_POLICY_LRU, "lfu": pb.EVICTION_POLICY_LFU}
+PB_TO_POLICY = {v: k for k, v in POLICY_TO_PB.items()}
+DEFAULT_POLICY = "lru"
+
+
+def policy_from_pb(value: int) -> str:
+    """Unknown enum values map to an unknown name, which the core rejects (INVALID_ARGUMENT)."""
+    if value == pb.EVICTION_POLICY_UNSPECIFIED:
+        return DEFAULT_POLICY
+    return PB_TO_POLICY.get(value, f"<enum {value}>")
+
+
+# ---- requests ----------------------------------------------------------------------------
+
+
+def ops_to_pb(ops: Sequence[Operation]) -> list[pb.Operation]:
+    out = []
+    for op in ops:
+        if isinstance(op, Grow):
+            out.append(pb.Operation(grow=pb.GrowOp(seq_ids=op.seq_ids, num_tokens=op.num_tokens)))
+        elif isinstance(op, Free):
+            out.append(pb.Operation(free=pb.FreeOp(seq_ids=op.seq_ids)))
+        elif isinstance(op, Commit):
+            out.append(
+                pb.Operation(
+                    commit=pb.CommitOp(
+                        seq_id=op.seq_id, start_block=op.start_block, block_hashes=op.block_hashes
+                    )
+                )
+            )
+        elif isinstance(op, Admit):
+            out.append(
+                pb.Operation(
+                    admit=pb.AdmitOp(
+                        seq_id=op.seq_id,
+                        num_prompt_tokens=op.num_prompt_tokens,
+                        max_new_tokens=op.max_new_tokens,
+                        block_hashes=op.block_hashes,
+                        reserve_blocks=op.reserve_blocks,
+                    )
+                )
+            )
+        elif isinstance(op, Fork):
+            out.append(
+                pb.Operation(
+                    fork=pb.ForkOp(parent_seq_id=op.parent_seq_id, child_seq_id=op.child_seq_id)
+                )
+            )
+        else:
+            raise TypeError(f"not a block manager operation: {op!r}")
+    return out
+
+
+def ops_from_pb(ops: Sequence[pb.Operation]) -> list[Operation] | str:
+    """Domain ops, or the name of the first operation with no oneof set."""
+    out: list[Operation] = []
+    for i, op in enumerate(ops):
+        kind = op.WhichOneof("op")
+        if kind == "grow":
+            out.append(Grow(tuple(op.grow.seq_ids), tuple(op.grow.num_tokens)))
+        elif kind == "free":
+            out.append(Free(tuple(op.free.seq_ids)))
+        elif kind == "commit":
+            c = op.commit
+            out.append(Commit(c.seq_id, c.start_block, tuple(c.block_hashes)))
+        elif kind == "admit":
+            a = op.admit
+            out.append(
+                Admit(
+                    a.seq_id,
+                    a.num_prompt_tokens,
+                    a.max_new_tokens,
+                    tuple(a.block_hashes),
+                    a.reserve_blocks,
+                )
+            )
+        elif kind == "fork":
+            out.append(Fork(op.fork.parent_seq_id, op.fork.child_seq_id))
+        else:
+            return f"ops[{i}]"
+    return out
+
+
+def restored_to_pb(seqs: Sequence[RestoredSequence]) -> list[pb.RestoredSequence]:
+    return [
+        pb.RestoredSequence(
+            seq_id=s.seq_id, num_tokens=s.num_tokens, block_ids=s.block_ids,
+            block_hashes=s.block_hashes,
+        )
+        for s in seqs
+    ]
+
+
+def restored_from_pb(seqs: Sequence[pb.RestoredSequence]) -> list[RestoredSequence]:
+    return [
+        RestoredSequence(s.seq_id, s.num_tokens, tuple(s.block_ids), tuple(s.block_hashes))
+        for s in seqs
+    ]
+
+
+# ---- results -----------------------------------------------------------------------------
+
+
+def counters_to_pb(c: PoolCounters) -> pb.PoolCounters:
+    return pb.PoolCounters(
+        num_usable_blocks=c.num_usable_blocks,
+        num_free_blocks=c.num_free_blocks,
+        num_cached_free_blocks=c.num_cached_free_blocks,
+        num_in_use_blocks=c.num_in_use_blocks,
+        num_sequences=c.num_sequences,
+    )
+
+
+def counters_from_pb(c: pb.PoolCounters) -> PoolCounters:
+    return PoolCounters(
+        c.num_usable_blocks,
+        c.num_free_blocks,
+        c.num_cached_free_blocks,
+        c.num_in_use_blocks,
+        c.num_sequences,
+    )
+
+
+def result_to_pb(r: OpResult) -> pb.OpResult:
+    if isinstance(r, GrowResult):
+        return pb.OpResult(
+            grow=pb.GrowResult(
+                statuses=r.statuses,
+                num_new_blocks=[len(ids) for ids in r.new_block_ids],
+                new_block_ids=[b for ids in r.new_block_ids for b in ids],
+                copies=[
+                    pb.BlockCopy(
+                        entry_index=c.entry, block_index=c.block_index,
+                        src_block_id=c.src, dst_block_id=c.dst,
+                    )
+                    for c in r.copies
+                ],
+            )
+        )
+    if isinstance(r, FreeResult):
+        return pb.OpResult(free=pb.FreeResult(num_freed_blocks=r.num_freed_blocks))
+    if isinstance(r, CommitResult):
+        return pb.OpResult(
+            commit=pb.CommitResult(status=r.status, num_stored_blocks=r.num_stored_blocks)
+        )
+    if isinstance(r, AdmitResult):
+        return pb.OpResult(
+            admit=pb.AdmitResult(
+                status=r.status, block_ids=r.block_ids,
+                num_cached_tokens=r.num_cached_tokens, num_tokens=r.num_tokens,
+            )
+        )
+    return pb.OpResult(fork=pb.ForkResult(status=r.status, num_shared_blocks=r.num_shared_blocks))
+
+
+def result_from_pb(r: pb.OpResult) -> OpResult:
+    kind = r.WhichOneof("result")
+    if kind == "grow":
+        g = r.grow
+        ids = list(g.new_block_ids)
+        new_ids: list[tuple[int, ...]] = []
+        pos = 0
+        for n in g.num_new_blocks:
+            new_ids.append(tuple(ids[pos : pos + n]))
+            pos += n
+        return GrowResult(
+            tuple(OpStatus(s) for s in g.statuses),
+            tuple(new_ids),
+            tuple(
+                BlockCopy(c.entry_index, c.block_index, c.src_block_id, c.dst_block_id)
+                for c in g.copies
+            ),
+        )
+    if kind == "free":
+        return FreeResult(r.free.num_freed_blocks)
+    if kind == "commit":
+        return CommitResult(OpStatus(r.commit.status), r.commit.num_stored_blocks)
+    if kind == "admit":
+        a = r.admit
+        return AdmitResult(
+            OpStatus(a.status), tuple(a.block_ids), a.num_cached_tokens, a.num_tokens
+        )
+    if kind == "fork":
+        return ForkResult(OpStatus(r.fork.status), r.fork.num_shared_blocks)
+    raise ValueError(f"operation result with no kind: {r!r}")
+
+
+def step_to_pb(result: StepResult) -> pb.StepResponse:
+    return pb.StepResponse(
+        results=[result_to_pb(r) for r in result.results],
+        counters=counters_to_pb(result.counters),
+    )
+
+
+def step_from_pb(resp: pb.StepResponse) -> StepResult:
+    return StepResult(
+        tuple(result_from_pb(r) for r in resp.results), counters_from_pb(resp.counters)
+    )
+
+
+def restore_to_pb(r: RestoreResult) -> pb.RestoreResponse:
+    return pb.RestoreResponse(
+        num_sequences=r.num_sequences,
+        num_stored_blocks=r.num_stored_blocks,
+        counters=counters_to_pb(r.counters),
+    )
+
+
+def restore_from_pb(r: pb.RestoreResponse) -> RestoreResult:
+    return RestoreResult(r.num_sequences, r.num_stored_blocks, counters_from_pb(r.counters))
+
+
+def pool_info_to_pb(p: PoolInfo) -> pb.PoolInfo:
+    return pb.PoolInfo(
+        pool_id=p.pool_id,
+        epoch=p.epoch,
+        num_blocks=p.num_blocks,
+        block_size=p.block_size,
+        num_usable_blocks=p.num_usable_blocks,
+        enable_prefix_caching=p.enable_prefix_caching,
+        eviction_policy=POLICY_TO_PB[p.eviction_policy],
+    )
+
+
+def pool_info_from_pb(p: pb.PoolInfo) -> PoolInfo:
+    return PoolInfo(
+        p.pool_id,
+        p.epoch,
+        p.num_blocks,
+        p.block_size,
+        p.enable_prefix_caching,
+        policy_from_pb(p.eviction_policy),
+    )
+
+
+def info_to_pb(i: ServiceInfo) -> pb.BlockManagerInfo:
+    return pb.BlockManagerInfo(
+        implementation=i.implementation,
+        version=i.version,
+        hash_algorithm=i.hash_algorithm,
+        hash_size_bytes=i.hash_size,
+        eviction_policies=[POLICY_TO_PB[p] for p in i.eviction_policies],
+        pools=[pool_info_to_pb(p) for p in i.pools],
+    )
+
+
+def info_from_pb(i: pb.BlockManagerInfo) -> ServiceInfo:
+    return ServiceInfo(
+        i.implementation,
+        i.version,
+        i.hash_algorithm,
+        i.hash_size_bytes,
+        tuple(policy_from_pb(p) for p in i.eviction_policies),
+        tuple(pool_info_from_pb(p) for p in i.pools),
+    )
+
+
+def stats_to_pb(s: PoolStats) -> pb.PoolStats:
+    return pb.PoolStats(
+        pool=pool_info_to_pb(s.pool),
+        counters=counters_to_pb(s.counters),
+        prefix_cache_queries_tokens=s.prefix_cache_queries_tokens,
+        prefix_cache_hits_tokens=s.prefix_cache_hits_tokens,
+        num_evicted_blocks=s.num_evicted_blocks,
+        num_cow_copies=s.num_cow_copies,
+        num_steps=s.num_steps,
+        last_event_seq=s.last_event_seq,
+    )
+
+
+def stats_from_pb(s: pb.PoolStats) -> PoolStats:
+    return PoolStats(
+        pool_info_from_pb(s.pool),
+        counters_from_pb(s.counters),
+        s.prefix_cache_queries_tokens,
+        s.prefix_cache_hits_tokens,
+        s.num_evicted_blocks,
+        s.num_cow_copies,
+        s.num_steps,
+        s.last_event_seq,
+    )
+
+
+def events_to_pb(pool_id: str, events: Sequence[KVEvent]) -> pb.KVEventBatch:
+    return pb.KVEventBatch(
+        pool_id=pool_id,
+        events=[
+            pb.KVEvent(seq=e.seq, epoch=e.epoch, kind=e.kind, block_hashes=e.block_hashes)
+            for e in events
+        ],
+    )
+
+
+def events_from_pb(batch: pb.KVEventBatch) -> list[KVEvent]:
+    return [
+        KVEvent(e.seq, e.epoch, KVEventKind(e.kind), tuple(e.block_hashes)) for e in batch.events
+    ]

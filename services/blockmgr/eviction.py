@@ -1,0 +1,116 @@
+"""Eviction policies: the order in which free blocks that still hold a cached hash are reused.
+
+A policy only sees *cached* free blocks (refcount 0, hash still matchable). Free blocks without
+a hash are always reused first by the pool: they carry nothing worth keeping.
+
+Contract: ``push`` when a cached block's refcount drops to 0, ``remove`` when a prefix hit takes
+it back, ``pop`` to choose a victim, ``touch`` when an in-use block is hit (for policies that
+count use). Every method is O(1) or O(log n).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from typing import Protocol
+
+
+class EvictionPolicy(Protocol):
+    name: str
+
+    def push(self, block_id: int) -> None: ...
+    def remove(self, block_id: int) -> None: ...
+    def pop(self) -> int: ...
+    def touch(self, block_id: int) -> None: ...
+    def forget(self, block_id: int) -> None: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, block_id: int) -> bool: ...
+
+
+class LRUPolicy:
+    """Least recently freed first. Pools free a sequence's blocks tail first, so within one
+    chain the tail is evicted before the head (the head is the most shareable part)."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._queue: OrderedDict[int, None] = OrderedDict()
+
+    def push(self, block_id: int) -> None:
+        self._queue[block_id] = None
+
+    def remove(self, block_id: int) -> None:
+        del self._queue[block_id]
+
+    def pop(self) -> int:
+        block_id, _ = self._queue.popitem(last=False)
+        return block_id
+
+    def touch(self, block_id: int) -> None:
+        pass
+
+    def forget(self, block_id: int) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._queue
+
+
+class LFUPolicy:
+    """Fewest prefix hits first, ties broken least recently freed first.
+
+    Hit counts live as long as the block keeps its hash (``forget`` resets them on reuse), so a
+    system prompt shared by many requests outlives one-off prompts under memory pressure, where
+    LRU would evict it if it went idle for a while.
+    """
+
+    name = "lfu"
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, int]] = []
+        self._entry: dict[int, tuple[int, int, int]] = {}
+        self._hits: dict[int, int] = {}
+        self._tick = itertools.count()
+
+    def push(self, block_id: int) -> None:
+        entry = (self._hits.get(block_id, 0), next(self._tick), block_id)
+        self._entry[block_id] = entry
+        heapq.heappush(self._heap, entry)
+
+    def remove(self, block_id: int) -> None:
+        del self._entry[block_id]  # lazily deleted from the heap
+        self._hits[block_id] = self._hits.get(block_id, 0) + 1
+
+    def pop(self) -> int:
+        while True:
+            entry = heapq.heappop(self._heap)
+            if self._entry.get(entry[2]) is entry:
+                del self._entry[entry[2]]
+                return entry[2]
+
+    def touch(self, block_id: int) -> None:
+        self._hits[block_id] = self._hits.get(block_id, 0) + 1
+
+    def forget(self, block_id: int) -> None:
+        self._hits.pop(block_id, None)
+
+    def __len__(self) -> int:
+        return len(self._entry)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._entry
+
+
+POLICIES: dict[str, type[LRUPolicy] | type[LFUPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        choices = sorted(POLICIES)
+        raise ValueError(f"unknown eviction policy {name!r}; choose from {choices}") from None

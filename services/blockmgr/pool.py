@@ -1,0 +1,113 @@
+"""Physical block metadata of one pool: refcounts, cached hashes, the free structures.
+
+Invariants (checked by the property tests):
+- block 0 is never handed out; every other block is either in use (refcount > 0) or free;
+- a free block is in exactly one free structure: the uncached queue (no hash) or the eviction
+  policy (it still holds a committed hash and stays matchable until reused);
+- ``hash_to_block[h] == b`` iff ``block_hash[b] == h``.
+
+The pool knows nothing of sequences; :mod:`services.blockmgr.sequences` owns block tables.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from services.blockmgr.eviction import make_policy
+from services.blockmgr.types import KVEventKind, PendingEvent
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, eviction_policy: str = "lru") -> None:
+        self.num_blocks = num_blocks
+        self.refcount = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
+        self._uncached: deque[int] = deque(range(1, num_blocks))
+        self._policy = make_policy(eviction_policy)
+        self.eviction_policy = eviction_policy
+        self.num_evicted = 0
+        self.events: list[PendingEvent] = []
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._uncached) + len(self._policy)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._policy)
+
+    def allocate(self) -> int:
+        """A free block with refcount 1: an uncached one if any, else the policy's victim.
+
+        The caller has checked ``num_free``; evicting a cached block drops its hash."""
+        if self._uncached:
+            block_id = self._uncached.popleft()
+        else:
+            block_id = self._policy.pop()
+            self._drop_hash(block_id)
+            self.num_evicted += 1
+        self.refcount[block_id] = 1
+        return block_id
+
+    def incref(self, block_id: int) -> None:
+        """Share a block; a cached free block comes back out of the eviction queue."""
+        if self.refcount[block_id] == 0:
+            self._policy.remove(block_id)
+        self.refcount[block_id] += 1
+
+    def decref(self, block_id: int) -> bool:
+        """Drop one reference; return True if the block became free."""
+        ref = self.refcount[block_id] - 1
+        self.refcount[block_id] = ref
+        if ref:
+            return False
+        if self.block_hash[block_id] is None:
+            self._uncached.append(block_id)
+        else:
+            self._policy.push(block_id)
+        return True
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.hash_to_block.get(block_hash)
+
+    def note_hit(self, block_id: int) -> None:
+        if self.refcount[block_id]:
+            self._policy.touch(block_id)
+
+    def store(self, block_id: int, block_hash: bytes) -> bool:
+        """Make an in-use, full block matchable under ``block_hash``.
+
+        Returns False (and stores nothing) when the block already has a hash or another block
+        already holds this one: the first writer wins, the duplicate stays uncached."""
+        if self.block_hash[block_id] is not None or block_hash in self.hash_to_block:
+            return False
+        self.block_hash[block_id] = block_hash
+        self.hash_to_block[block_hash] = block_id
+        self.events.append(PendingEvent(KVEventKind.STORED, block_hash))
+        return True
+
+    def take_free(self, block_ids: set[int]) -> None:
+        """Take specific free blocks out of the free structures (restore), dropping their hashes;
+        their refcounts are left at 0 for the caller to set."""
+        for block_id in block_ids:
+            if block_id in self._policy:
+                self._policy.remove(block_id)
+                self._drop_hash(block_id)
+        self._uncached = deque(b for b in self._uncached if b not in block_ids)
+
+    def _drop_hash(self, block_id: int) -> None:
+        block_hash = self.block_hash[block_id]
+        if block_hash is not None:
+            del self.hash_to_block[block_hash]
+            self.block_hash[block_id] = None
+            self._policy.forget(block_id)
+            self.events.append(PendingEvent(KVEventKind.REMOVED, block_hash))
+
+    def free_block_ids(self) -> list[int]:
+        """All free block ids (for invariant checks and tests; O(n))."""
+        return list(self._uncached) + [b for b in range(1, self.num_blocks) if b in self._policy]

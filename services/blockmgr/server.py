@@ -1,0 +1,71 @@
+"""The block manager's grpc.aio server: servicer + standard health + reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagedserve.v1 import blockmgr_pb2 as pb
+from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
+from services.blockmgr.config import BlockManagerServiceConfig
+from services.blockmgr.core import BlockManagerCore
+from services.blockmgr.servicer import BlockManagerServicer
+
+log = structlog.get_logger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
+
+
+class BlockManagerServer:
+    """A started server. ``port`` is the bound port (useful with ``port=0``)."""
+
+    def __init__(self, config: BlockManagerServiceConfig, core: BlockManagerCore | None = None):
+        self.config = config
+        self.core = core if core is not None else BlockManagerCore(
+            event_buffer=config.event_buffer
+        )
+        self.server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        )
+        pb_grpc.add_BlockManagerServicer_to_server(
+            BlockManagerServicer(
+                self.core, max_queued_event_batches=config.max_queued_event_batches
+            ),
+            self.server,
+        )
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {config.host}:{config.port}")
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("blockmgr_listening", host=self.config.host, port=self.port)
+
+    async def stop(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.config.grace_period_s)
+        log.info("blockmgr_stopped")
+
+
+async def serve(config: BlockManagerServiceConfig) -> None:
+    """Run until SIGTERM/SIGINT, then shut down gracefully."""
+    server = BlockManagerServer(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("blockmgr_shutdown_requested")
+    await server.stop()

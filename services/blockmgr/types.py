@@ -1,0 +1,199 @@
+"""Domain types of the block manager: operations, results, counters, events.
+
+These are what the core and both clients speak; protobuf appears only in
+:mod:`services.blockmgr.convert`, at the gRPC edge.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class OpStatus(enum.IntEnum):
+    """Per-operation outcome inside an accepted Step (values match the proto enum)."""
+
+    OK = 1
+    RESOURCE_EXHAUSTED = 2  # not enough free blocks: nothing was allocated for this entry
+    SKIPPED = 3  # an earlier op on the same sequence failed in this step: nothing changed
+
+
+class KVEventKind(enum.IntEnum):
+    STORED = 1  # a block hash became matchable
+    REMOVED = 2  # a cached block was reused: its hash is no longer matchable
+    CLEARED = 3  # the pool was (re)registered: every hash of the previous epoch is gone
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Admit a new sequence: reuse the longest run of committed blocks matching ``block_hashes``
+    (never covering the last prompt token), then allocate slots for up to ``max_new_tokens``
+    more prompt tokens. All or nothing; fails unless ``reserve_blocks`` stay free afterwards."""
+
+    seq_id: int
+    num_prompt_tokens: int
+    max_new_tokens: int
+    block_hashes: tuple[bytes, ...] = ()
+    reserve_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Grow:
+    """Append ``num_tokens[i]`` token slots to ``seq_ids[i]``; each entry all or nothing."""
+
+    seq_ids: tuple[int, ...]
+    num_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Fork:
+    """``child_seq_id`` gets ``parent_seq_id``'s table, sharing every block (refcount + 1)."""
+
+    parent_seq_id: int
+    child_seq_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """Release the sequences' blocks, tail first."""
+
+    seq_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """Blocks ``start_block .. start_block + len(block_hashes) - 1`` of the sequence are full and
+    their forward succeeded: make them matchable under these chained hashes."""
+
+    seq_id: int
+    start_block: int
+    block_hashes: tuple[bytes, ...]
+
+
+Operation = Admit | Grow | Fork | Free | Commit
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResult:
+    status: OpStatus
+    block_ids: tuple[int, ...] = ()
+    num_cached_tokens: int = 0
+    num_tokens: int = 0  # token slots the sequence holds: cached + newly allocated
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy-on-write: the executor copies ``src`` to ``dst`` before the forward; ``dst``
+    replaces ``src`` at ``block_index`` in the table of grow entry ``entry``."""
+
+    entry: int
+    block_index: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class GrowResult:
+    statuses: tuple[OpStatus, ...]
+    new_block_ids: tuple[tuple[int, ...], ...]  # per entry, appended to its table
+    copies: tuple[BlockCopy, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ForkResult:
+    status: OpStatus
+    num_shared_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FreeResult:
+    num_freed_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    status: OpStatus
+    num_stored_blocks: int = 0
+
+
+OpResult = AdmitResult | GrowResult | ForkResult | FreeResult | CommitResult
+
+
+@dataclass(frozen=True, slots=True)
+class PoolCounters:
+    num_usable_blocks: int
+    num_free_blocks: int  # allocatable now, cached-free included
+    num_cached_free_blocks: int
+    num_in_use_blocks: int
+    num_sequences: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    results: tuple[OpResult, ...]
+    counters: PoolCounters
+
+
+@dataclass(frozen=True, slots=True)
+class RestoredSequence:
+    seq_id: int
+    num_tokens: int
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...] = ()  # hashes of its first committed full blocks
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    num_sequences: int
+    num_stored_blocks: int
+    counters: PoolCounters
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    pool_id: str
+    epoch: int
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool
+    eviction_policy: str
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceInfo:
+    implementation: str
+    version: str
+    hash_algorithm: str
+    hash_size: int
+    eviction_policies: tuple[str, ...]
+    pools: tuple[PoolInfo, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    pool: PoolInfo
+    counters: PoolCounters
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    num_evicted_blocks: int
+    num_cow_copies: int
+    num_steps: int
+    last_event_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class PendingEvent:
+    kind: KVEventKind
+    block_hash: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    seq: int  # strictly increasing per pool id, across epochs
+    epoch: int
+    kind: KVEventKind
+    block_hashes: tuple[bytes, ...] = field(default=())

@@ -1,0 +1,41 @@
+"""The ``pagedserve`` command: one entry point, one subcommand per service or tool.
+
+Each subcommand lives in its own module exposing ``main(argv: list[str]) -> int``; modules are
+imported lazily so that ``pagedserve blockmgr`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "blockmgr": ("services.blockmgr.__main__", "run the KV block manager gRPC service"),
+    "make-tiny-model": (
+        "services.executor.tiny_model",
+        "write a tiny random Llama checkpoint with a real tokenizer",
+    ),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: pagedserve <command> [options]", "", "commands:"]
+    lines += [f"  {name:<18} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"pagedserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Our core's exact behaviour: block ids, free order, eviction order (not part of the contract,
+but what our scheduler and benchmarks rely on)."""
+
+from __future__ import annotations
+
+from services.blockmgr.core import BlockManagerCore
+from services.blockmgr.errors import ErrorCode
+from services.blockmgr.kv_manager import KVBlockManager
+from services.blockmgr.types import (
+    Admit,
+    BlockCopy,
+    Commit,
+    Fork,
+    Free,
+    Grow,
+    OpStatus,
+    RestoredSequence,
+)
+from tests.blockmgr.helpers import hashes, raises_code
+
+BS = 4
+
+
+def _admit(m: KVBlockManager, seq_id: int, tokens: list[int], budget: int = 10**6, salt=b""):
+    (r,) = m.step([Admit(seq_id, len(tokens), budget, hashes(tokens, BS, salt))])
+    return r
+
+
+def _commit(m: KVBlockManager, seq_id: int, tokens: list[int], start: int = 0):
+    m.step([Commit(seq_id, start, hashes(tokens, BS)[start:])])
+
+
+def test_blocks_are_handed_out_in_id_order_starting_at_one():
+    m = KVBlockManager(8, BS)
+    assert _admit(m, 1, list(range(9))).block_ids == (1, 2, 3)
+    assert _admit(m, 2, list(range(2))).block_ids == (4,)
+    (g,) = m.step([Grow((2,), (3,))])
+    assert g.new_block_ids == ((5,),)
+
+
+def test_uncached_freed_blocks_are_reused_fifo_after_never_used_ones():
+    m = KVBlockManager(6, BS)
+    _admit(m, 1, list(range(8)))  # 1, 2
+    m.step([Free((1,))])  # freed tail first: uncached queue is 3, 4, 5, 2, 1
+    assert _admit(m, 2, list(range(20))).block_ids == (3, 4, 5, 2, 1)
+
+
+def test_uncached_free_blocks_are_used_before_any_cached_block_is_evicted():
+    m = KVBlockManager(6, BS)
+    tokens = list(range(8))
+    _admit(m, 1, tokens)  # 1, 2
+    _commit(m, 1, tokens)
+    m.step([Free((1,))])
+    assert m.pool.num_cached_free == 2
+    assert _admit(m, 2, list(range(100, 112))).block_ids == (3, 4, 5)
+    assert m.pool.num_evicted == 0
+
+
+def test_lru_evicts_least_recently_freed_chain_tail_first():
+    m = KVBlockManager(7, BS)  # 6 usable
+    a, b = list(range(8)), list(range(50, 58))
+    _admit(m, 1, a)  # 1, 2
+    _admit(m, 2, b)  # 3, 4
+    _commit(m, 1, a)
+    _commit(m, 2, b)
+    m.step([Free((1,))])  # LRU queue: 2, 1
+    m.step([Free((2,))])  # LRU queue: 2, 1, 4, 3
+    assert _admit(m, 3, list(range(100, 116))).block_ids == (5, 6, 2, 1)
+    assert m.pool.lookup(hashes(a, BS)[0]) is None
+    assert m.pool.lookup(hashes(b, BS)[0]) == 3
+
+
+def test_lfu_keeps_the_most_hit_prefix_under_pressure():
+    m = KVBlockManager(6, BS, eviction_policy="lfu")  # 5 usable
+    hot, cold = list(range(5)), list(range(50, 55))
+    _admit(m, 1, hot)  # 1, 2
+    _commit(m, 1, hot)
+    for seq_id in (2, 3):  # two hits on the hot block 1
+        assert _admit(m, seq_id, hot).num_cached_tokens == 4
+    m.step([Free((1, 2, 3))])
+    _admit(m, 4, cold)
+    _commit(m, 4, cold)
+    m.step([Free((4,))])  # cold freed last: LRU would evict hot's block 1 first
+    (r,) = m.step([Admit(5, 16, 16)])
+    assert r.status is OpStatus.OK
+    assert m.pool.lookup(hashes(hot, BS)[0]) == 1
+    assert m.pool.lookup(hashes(cold, BS)[0]) is None
+
+
+def test_hit_on_free_cached_block_removes_it_from_the_eviction_queue():
+    m = KVBlockManager(5, BS)
+    tokens = list(range(9))
+    _admit(m, 1, tokens)  # 1, 2, 3
+    _commit(m, 1, tokens)
+    m.step([Free((1,))])
+    r = _admit(m, 2, tokens)
+    assert r.block_ids == (1, 2, 4)
+    assert m.pool.refcount[1:4] == [1, 1, 0]
+    assert m.pool.num_cached_free == 0
+    # the only free blocks are 3 (uncached, freed) and none cached: the next grow takes 3
+    (g,) = m.step([Grow((2,), (4,))])
+    assert g.new_block_ids == ((3,),)
+
+
+def test_commit_first_writer_wins_and_duplicates_stay_uncached():
+    m = KVBlockManager(8, BS)
+    tokens = list(range(5))
+    _admit(m, 1, tokens)  # 1, 2
+    _admit(m, 2, tokens)  # 3, 4 (nothing committed yet)
+    (c1,) = m.step([Commit(1, 0, hashes(tokens, BS))])
+    (c2,) = m.step([Commit(2, 0, hashes(tokens, BS))])
+    assert (c1.num_stored_blocks, c2.num_stored_blocks) == (1, 0)
+    assert m.pool.block_hash[3] is None
+    m.step([Free((2,))])
+    assert m.pool.num_cached_free == 0
+
+
+def test_cow_copy_replaces_the_last_block_of_the_writer_only():
+    m = KVBlockManager(8, BS)
+    _admit(m, 1, list(range(6)))  # 1, 2
+    m.step([Fork(1, 2)])
+    (g,) = m.step([Grow((1, 2), (1, 1))])
+    assert g.copies == (BlockCopy(0, 1, 2, 3),)
+    assert m.seqs[1].block_table == [1, 3]
+    assert m.seqs[2].block_table == [1, 2]
+    assert m.pool.refcount[1:4] == [2, 1, 1]
+
+
+def test_restore_takes_exactly_the_listed_blocks_out_of_the_free_queue():
+    m = KVBlockManager(8, BS)
+    m.restore([RestoredSequence(1, 6, (5, 2)), RestoredSequence(2, 6, (5, 7))])
+    assert m.pool.refcount == [0, 0, 1, 0, 0, 2, 0, 1]
+    assert _admit(m, 3, list(range(12))).block_ids == (1, 3, 4)
+
+
+def test_epochs_increase_and_are_unique_per_registration():
+    core = BlockManagerCore()
+    epochs = [core.register("p", 4, BS).epoch for _ in range(3)]
+    assert epochs == sorted(epochs) and len(set(epochs)) == 3
+    other = core.register("q", 4, BS).epoch
+    assert other > epochs[-1]
+    with raises_code(ErrorCode.FAILED_PRECONDITION):
+        core.step("p", epochs[0], [])
+
+
+def test_readmitting_a_freed_sequence_id_is_allowed():
+    m = KVBlockManager(8, BS)
+    _admit(m, 1, list(range(4)))
+    m.step([Free((1,))])
+    assert _admit(m, 1, list(range(4))).status is OpStatus.OK
+    m.step([Free((1,))])
+    with raises_code(ErrorCode.FAILED_PRECONDITION, "already freed"):
+        m.step([Free((1,))])
+
+
+def test_step_validation_sees_earlier_ops_of_the_same_step():
+    m = KVBlockManager(8, BS)
+    # admit then grow then commit then free in one step: valid as a whole
+    tokens = list(range(4))
+    results = m.step(
+        [
+            Admit(1, 4, 4, hashes(tokens, BS)),
+            Grow((1,), (4,)),
+            Commit(1, 0, hashes(tokens, BS)),
+            Fork(1, 2),
+            Free((1, 2)),
+        ]
+    )
+    assert [getattr(r, "status", OpStatus.OK) for r in results] == [OpStatus.OK] * 5
+    assert m.counters().num_in_use_blocks == 0
+    assert m.pool.num_cached_free == 1
+    with raises_code(ErrorCode.FAILED_PRECONDITION, "freed earlier in this step"):
+        m.step([Admit(3, 4, 4), Free((3,)), Grow((3,), (1,))])

@@ -1,0 +1,177 @@
+"""The gRPC edge: raw-proto bad input, health, reflection, and the real process entry point."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pagedserve.v1 import blockmgr_pb2 as pb
+from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
+from services.blockmgr.client import GrpcClient
+from services.blockmgr.types import Admit, OpStatus
+from tests.blockmgr.helpers import ThreadedServer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ThreadedServer]:
+    s = ThreadedServer()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(server: ThreadedServer) -> Iterator[pb_grpc.BlockManagerStub]:
+    with grpc.insecure_channel(server.address) as channel:
+        yield pb_grpc.BlockManagerStub(channel)
+
+
+def _code(fn, request) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        fn(request, timeout=5)
+    return info.value.code(), info.value.details()
+
+
+def _register(stub, pool_id: str) -> int:
+    req = pb.RegisterPoolRequest(pool_id=pool_id, num_blocks=16, block_size=4)
+    return stub.Register(req, timeout=5).pool.epoch
+
+
+def test_operation_without_a_kind_is_invalid_argument(stub):
+    epoch = _register(stub, "raw-1")
+    code, details = _code(
+        stub.Step, pb.StepRequest(pool_id="raw-1", epoch=epoch, ops=[pb.Operation()])
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "ops[0]" in details
+
+
+def test_unknown_eviction_policy_enum_is_invalid_argument(stub):
+    code, details = _code(
+        stub.Register,
+        pb.RegisterPoolRequest(pool_id="raw-2", num_blocks=8, block_size=4, eviction_policy=77),
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "eviction_policy" in details
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("num_blocks", -1), ("num_blocks", 2**31), ("block_size", 0)]
+)
+def test_register_out_of_range_is_invalid_argument_naming_the_field(stub, field, value):
+    req = pb.RegisterPoolRequest(pool_id="raw-3", num_blocks=8, block_size=4)
+    setattr(req, field, value)
+    code, details = _code(stub.Register, req)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
+
+
+def test_every_rpc_maps_unknown_pool_to_not_found(stub):
+    calls = [
+        (stub.Info, pb.BlockManagerInfoRequest(pool_id="nope")),
+        (stub.Step, pb.StepRequest(pool_id="nope", epoch=1)),
+        (stub.Restore, pb.RestoreRequest(pool_id="nope", epoch=1)),
+        (stub.Stats, pb.PoolStatsRequest(pool_id="nope")),
+    ]
+    for fn, req in calls:
+        assert _code(fn, req)[0] == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.StreamEvents(pb.StreamEventsRequest(pool_id="nope"), timeout=5))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_stale_epoch_and_double_free_are_failed_precondition(stub):
+    epoch = _register(stub, "raw-4")
+    assert _code(stub.Step, pb.StepRequest(pool_id="raw-4", epoch=epoch + 1))[0] == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
+    admit = pb.Operation(admit=pb.AdmitOp(seq_id=1, num_prompt_tokens=3, max_new_tokens=3))
+    free = pb.Operation(free=pb.FreeOp(seq_ids=[1]))
+    stub.Step(pb.StepRequest(pool_id="raw-4", epoch=epoch, ops=[admit, free]), timeout=5)
+    code, details = _code(stub.Step, pb.StepRequest(pool_id="raw-4", epoch=epoch, ops=[free]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "already freed" in details
+
+
+def test_resource_exhaustion_is_reported_per_operation_not_as_an_rpc_error(stub):
+    epoch = _register(stub, "raw-5")
+    big = pb.Operation(admit=pb.AdmitOp(seq_id=1, num_prompt_tokens=1000, max_new_tokens=1000))
+    resp = stub.Step(pb.StepRequest(pool_id="raw-5", epoch=epoch, ops=[big]), timeout=5)
+    assert resp.results[0].admit.status == pb.OP_STATUS_RESOURCE_EXHAUSTED
+    assert resp.counters.num_free_blocks == 15
+
+
+def test_health_is_serving_for_the_server_and_the_service(server):
+    with grpc.insecure_channel(server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", "pagedserve.v1.BlockManager"):
+            resp = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_the_block_manager_service(server):
+    with grpc.insecure_channel(server.address) as channel:
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        req = reflection_pb2.ServerReflectionRequest(list_services="")
+        (resp,) = list(refl.ServerReflectionInfo(iter([req]), timeout=5))
+        names = {s.name for s in resp.list_services_response.service}
+        assert "pagedserve.v1.BlockManager" in names
+        assert "grpc.health.v1.Health" in names
+
+
+def _wait_for_port(proc: subprocess.Popen[str], timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    assert proc.stderr is not None
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            if proc.poll() is not None:
+                raise AssertionError(f"blockmgr exited early with {proc.returncode}")
+            continue
+        record = json.loads(line)
+        assert record["service"] == "blockmgr"
+        if record["event"] == "blockmgr_listening":
+            return int(record["port"])
+    raise AssertionError("blockmgr did not report its port")
+
+
+def test_process_serves_then_shuts_down_gracefully_on_sigterm():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "blockmgr", "--port", "0"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        port = _wait_for_port(proc)
+        client = GrpcClient(f"127.0.0.1:{port}")
+        epoch = client.register("proc", 8, 4).epoch
+        (r,) = client.step("proc", epoch, [Admit(1, 5, 5)]).results
+        assert r.status is OpStatus.OK
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        rest = proc.stderr.read()
+        events = [json.loads(line)["event"] for line in rest.splitlines() if line.strip()]
+        assert "blockmgr_stopped" in events
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_rejects_a_bad_port_with_usage_error():
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "blockmgr", "--port", "70000"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2 and "--port" in proc.stderr

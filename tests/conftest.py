@@ -1,0 +1,34 @@
+"""Suite-wide setup.
+
+Without CUDA, Triton kernels run under the interpreter: TRITON_INTERPRET must be set before
+anything imports triton, so it is set here, first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+if not shutil.which("nvidia-smi"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--blockmgr-address",
+        default=None,
+        help="also run the block-manager conformance suite against the server at host:port",
+    )
