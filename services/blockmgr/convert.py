@@ -186,6 +186,16 @@ def result_to_pb(r: OpResult) -> pb.OpResult:
     return pb.OpResult(fork=pb.ForkResult(status=r.status, num_shared_blocks=r.num_shared_blocks))
 
 
+_STATUSES = (None, OpStatus.OK, OpStatus.RESOURCE_EXHAUSTED, OpStatus.SKIPPED)
+_NO_BLOCKS: tuple[int, ...] = ()
+
+
+def _status(value: int) -> OpStatus:
+    if 0 < value < len(_STATUSES):
+        return _STATUSES[value]  # type: ignore[return-value]
+    raise ValueError(f"unknown OpStatus {value}")
+
+
 def result_from_pb(r: pb.OpResult) -> OpResult:
     kind = r.WhichOneof("result")
     if kind == "grow":
@@ -193,11 +203,14 @@ def result_from_pb(r: pb.OpResult) -> OpResult:
         ids = list(g.new_block_ids)
         new_ids: list[tuple[int, ...]] = []
         pos = 0
-        for n in g.num_new_blocks:
-            new_ids.append(tuple(ids[pos : pos + n]))
-            pos += n
+        for n in g.num_new_blocks:  # mostly 0 in decode: share one empty tuple
+            if n:
+                new_ids.append(tuple(ids[pos : pos + n]))
+                pos += n
+            else:
+                new_ids.append(_NO_BLOCKS)
         return GrowResult(
-            tuple(OpStatus(s) for s in g.statuses),
+            tuple(map(_status, g.statuses)),
             tuple(new_ids),
             tuple(
                 BlockCopy(c.entry_index, c.block_index, c.src_block_id, c.dst_block_id)
@@ -207,14 +220,14 @@ def result_from_pb(r: pb.OpResult) -> OpResult:
     if kind == "free":
         return FreeResult(r.free.num_freed_blocks)
     if kind == "commit":
-        return CommitResult(OpStatus(r.commit.status), r.commit.num_stored_blocks)
+        return CommitResult(_status(r.commit.status), r.commit.num_stored_blocks)
     if kind == "admit":
         a = r.admit
         return AdmitResult(
-            OpStatus(a.status), tuple(a.block_ids), a.num_cached_tokens, a.num_tokens
+            _status(a.status), tuple(a.block_ids), a.num_cached_tokens, a.num_tokens
         )
     if kind == "fork":
-        return ForkResult(OpStatus(r.fork.status), r.fork.num_shared_blocks)
+        return ForkResult(_status(r.fork.status), r.fork.num_shared_blocks)
     raise ValueError(f"operation result with no kind: {r!r}")
 
 

@@ -214,12 +214,12 @@ class BlockManagerCore:
             return
         grouped: list[tuple[KVEventKind, tuple[bytes, ...]]] = []
         run: list[bytes] = []
-        kind = pending[0].kind
-        for event in pending:
-            if event.kind != kind:
+        kind = pending[0][0]
+        for event_kind, block_hash in pending:
+            if event_kind != kind:
                 grouped.append((kind, tuple(run)))
-                run, kind = [], event.kind
-            run.append(event.block_hash)
+                run, kind = [], event_kind
+            run.append(block_hash)
         grouped.append((kind, tuple(run)))
         pending.clear()
         self._publish(pool_id, self._events[pool_id], pool.info.epoch, grouped)

@@ -142,7 +142,11 @@ class KVBlockManager:
                 for j, (seq_id, n) in enumerate(zip(op.seq_ids, op.num_tokens, strict=True)):
                     if not 0 <= n <= MAX_TOKENS:
                         raise invalid(f"{where}.grow.num_tokens[{j}] must be >= 0, got {n}")
-                    overlay[seq_id] = tokens_of(seq_id, f"{where}.grow.seq_ids[{j}]") + n
+                    state = seqs.get(seq_id)  # fast path: a live sequence untouched so far
+                    if state is not None and seq_id not in overlay:
+                        overlay[seq_id] = state.num_tokens + n
+                    else:
+                        overlay[seq_id] = tokens_of(seq_id, f"{where}.grow.seq_ids[{j}]") + n
             elif isinstance(op, Free):
                 for j, seq_id in enumerate(op.seq_ids):
                     tokens_of(seq_id, f"{where}.free.seq_ids[{j}]")
@@ -217,17 +221,24 @@ class KVBlockManager:
         statuses: list[OpStatus] = []
         new_ids: list[tuple[int, ...]] = []
         copies: list[BlockCopy] = []
+        refcount = pool.refcount
+        ok, empty = OpStatus.OK, ()
         for entry, (seq_id, n) in enumerate(zip(op.seq_ids, op.num_tokens, strict=True)):
-            if seq_id in failed:
+            if failed and seq_id in failed:
                 statuses.append(OpStatus.SKIPPED)
-                new_ids.append(())
+                new_ids.append(empty)
                 continue
             state = seqs[seq_id]
             table, old = state.block_table, state.num_tokens
             new_total = old + n
-            need = _cdiv(new_total, bs) - len(table)
+            need = (new_total + bs - 1) // bs - len(table)
             # Writing into a shared, partially filled last block needs a private copy first.
-            cow = n > 0 and old % bs != 0 and pool.refcount[table[-1]] > 1
+            cow = n > 0 and old % bs != 0 and refcount[table[-1]] > 1
+            if not need and not cow:  # the common decode case: room left in the last block
+                state.num_tokens = new_total
+                statuses.append(ok)
+                new_ids.append(empty)
+                continue
             if need + cow > pool.num_free:
                 failed.add(seq_id)
                 statuses.append(OpStatus.RESOURCE_EXHAUSTED)

@@ -88,7 +88,7 @@ class BlockPool:
             return False
         self.block_hash[block_id] = block_hash
         self.hash_to_block[block_hash] = block_id
-        self.events.append(PendingEvent(KVEventKind.STORED, block_hash))
+        self.events.append((KVEventKind.STORED, block_hash))
         return True
 
     def take_free(self, block_ids: set[int]) -> None:
@@ -106,7 +106,7 @@ class BlockPool:
             del self.hash_to_block[block_hash]
             self.block_hash[block_id] = None
             self._policy.forget(block_id)
-            self.events.append(PendingEvent(KVEventKind.REMOVED, block_hash))
+            self.events.append((KVEventKind.REMOVED, block_hash))
 
     def free_block_ids(self) -> list[int]:
         """All free block ids (for invariant checks and tests; O(n))."""

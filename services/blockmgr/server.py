@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 
 import grpc
@@ -62,6 +63,7 @@ async def serve(config: BlockManagerServiceConfig) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
     server = BlockManagerServer(config)
     await server.start()
+    gc.freeze()  # start-up objects leave the collector's view: shorter gen-2 pauses per Step
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -185,10 +185,7 @@ class PoolStats:
     last_event_seq: int
 
 
-@dataclass(frozen=True, slots=True)
-class PendingEvent:
-    kind: KVEventKind
-    block_hash: bytes
+PendingEvent = tuple[KVEventKind, bytes]  # (kind, block hash): a plain tuple, made per block
 
 
 @dataclass(frozen=True, slots=True)
