@@ -199,7 +199,6 @@ class KVBlockManager:
                 if block_id is None:
                     break
                 hits.append(block_id)
-            self.prefix_queries_tokens += op.num_prompt_tokens
         num_cached = len(hits) * bs
         num_tokens = num_cached + min(op.num_prompt_tokens - num_cached, op.max_new_tokens)
         need = _cdiv(num_tokens, bs) - len(hits)
@@ -213,7 +212,9 @@ class KVBlockManager:
         table = hits + [pool.allocate() for _ in range(need)]
         self.seqs[op.seq_id] = SeqState(table, num_tokens)
         self._recently_freed.pop(op.seq_id, None)
-        self.prefix_hits_tokens += num_cached
+        if self.enable_prefix_caching:  # counted once per admission, not per refused attempt
+            self.prefix_queries_tokens += op.num_prompt_tokens
+            self.prefix_hits_tokens += num_cached
         return AdmitResult(OpStatus.OK, tuple(table), num_cached, num_tokens)
 
     def _grow(self, op: Grow, failed: set[int]) -> GrowResult:

@@ -1,0 +1,166 @@
+"""Dispatch for the KV-cache ops used by the model.
+
+Each op has the signature of its reference in :mod:`kernels.reference`. CUDA tensors go
+to the Triton kernels; CPU tensors go to the torch reference, unless the environment
+variable ``PAGEDSERVE_FORCE_TRITON=1`` is set (tests use it to run the Triton kernels
+under the interpreter, ``TRITON_INTERPRET=1``). Triton is imported lazily, on first use,
+so a CPU-only process never needs it and a test can set ``TRITON_INTERPRET`` first.
+
+Attention picks between two kernels with :func:`split_kv_heuristic`: the unified kernel
+(one program per query tile x KV head, the whole context in one program) and the
+split-KV "flash-decoding" kernel (each sequence's context split across programs, merged
+by log-sum-exp), which wins only when a decode batch has too few (sequence, KV head)
+pairs to fill the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+from kernels import reference
+
+__all__ = [
+    "FORCE_TRITON_ENV",
+    "copy_blocks",
+    "paged_attention",
+    "reshape_and_cache",
+    "split_kv_heuristic",
+]
+
+FORCE_TRITON_ENV = "PAGEDSERVE_FORCE_TRITON"
+
+# split_kv_heuristic tuning. See its docstring for the reasoning.
+_PROGRAMS_PER_SM = 2  # target resident programs per SM for a memory-bound decode
+_MIN_TOKENS_PER_SPLIT = 256  # below this, partial-result traffic + merge cost dominate
+_MAX_SPLITS = 64
+_DEFAULT_NUM_SMS = 132  # H100/H200; only used when no CUDA device is involved
+
+
+def _use_triton(t: Tensor) -> bool:
+    return t.is_cuda or os.environ.get(FORCE_TRITON_ENV, "") == "1"
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_kv_heuristic(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_seq_len: int,
+    num_sms: int = _DEFAULT_NUM_SMS,
+) -> int:
+    """Number of context splits for attention; ``1`` means use the unified kernel.
+
+    Rule: split only a pure-decode batch (``max_query_len == 1``) whose unified grid,
+    ``num_seqs * num_kv_heads`` programs, is below ``2 * num_sms``. Decode attention is
+    memory-bound; each program streams one (sequence, KV head) context, so with fewer
+    programs than about two per SM the GPU cannot keep enough loads in flight and most
+    of its bandwidth idles. Splitting multiplies the programs up to that target, as a
+    power of two (rounded up; powers of two bound the compiled variants), but never below
+    ``256`` context tokens per split (so the fp32 partials and the merge stay small
+    against the K/V read) and never above 64 splits. Batches with prefill tokens already
+    have ``ceil(q_len / BLOCK_Q)`` programs per sequence, and their partial buffers would
+    scale with the token count, so they always use the unified kernel.
+
+    Examples on an H200 (132 SMs), 8 KV heads: batch 64 or 256 -> 1 (>= 512 programs);
+    batch 16 at 1k/4k/16k -> 4 (512 programs); batch 1 at 1k -> 4, at 4k -> 16, at
+    16k -> 64.
+    """
+    if max_query_len != 1 or num_seqs <= 0:
+        return 1
+    programs = num_seqs * num_kv_heads
+    target = _PROGRAMS_PER_SM * num_sms
+    if programs >= target:
+        return 1
+    want = -(-target // programs)  # ceil
+    want_pow2 = 1 << (want - 1).bit_length()  # round up: fill the machine
+    by_length = max_seq_len // _MIN_TOKENS_PER_SPLIT
+    if by_length <= 1:
+        return 1
+    by_length_pow2 = 1 << (by_length.bit_length() - 1)  # round down: keep splits long
+    return min(want_pow2, by_length_pow2, _MAX_SPLITS)
+
+
+def reshape_and_cache(
+    key: Tensor,  # [T, Hkv, D]
+    value: Tensor,  # [T, Hkv, D]
+    key_cache: Tensor,  # [NB, BS, Hkv, D]
+    value_cache: Tensor,  # [NB, BS, Hkv, D]
+    slot_mapping: Tensor,  # [T] int64, < 0 = padding
+) -> None:
+    """See :func:`kernels.reference.reshape_and_cache`."""
+    if _use_triton(key):
+        from kernels.reshape_and_cache import reshape_and_cache_triton
+
+        reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    query: Tensor,  # [T, Hq, D]
+    key_cache: Tensor,  # [NB, BS, Hkv, D]
+    value_cache: Tensor,  # [NB, BS, Hkv, D]
+    block_tables: Tensor,  # [B, max_blocks] int32
+    query_start_loc: Tensor,  # [B + 1] int32
+    seq_lens: Tensor,  # [B] int32
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> Tensor:  # [T, Hq, D]
+    """See :func:`kernels.reference.paged_attention`.
+
+    On the Triton path, pass ``max_query_len`` and ``max_seq_len`` (known on the host
+    when the batch is built) to avoid a device sync; without them they are read back.
+    """
+    if not _use_triton(query):
+        return reference.paged_attention(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
+        )  # fmt: skip
+    num_seqs = seq_lens.shape[0]
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    num_splits = 1
+    if max_query_len == 1:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max().item())
+        num_sms = _num_sms(query.device.index or 0) if query.is_cuda else _DEFAULT_NUM_SMS
+        num_splits = split_kv_heuristic(
+            num_seqs, key_cache.shape[2], max_query_len, max_seq_len, num_sms
+        )
+    if num_splits > 1:
+        from kernels.paged_attention_split_kv import paged_attention_split_kv_triton
+
+        return paged_attention_split_kv_triton(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+            num_splits=num_splits, max_query_len=max_query_len, max_seq_len=max_seq_len,
+        )  # fmt: skip
+    from kernels.paged_attention import paged_attention_triton
+
+    return paged_attention_triton(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+        max_query_len=max_query_len, max_seq_len=max_seq_len,
+    )  # fmt: skip
+
+
+def copy_blocks(
+    kv_cache: Tensor,  # [L, 2, NB, BS, Hkv, D]
+    src: Tensor,  # [N] int64
+    dst: Tensor,  # [N] int64
+) -> None:
+    """See :func:`kernels.reference.copy_blocks`."""
+    if _use_triton(kv_cache):
+        from kernels.copy_blocks import copy_blocks_triton
+
+        copy_blocks_triton(kv_cache, src, dst)
+    else:
+        reference.copy_blocks(kv_cache, src, dst)

@@ -1,0 +1,140 @@
+"""Unified paged-attention Triton kernel over a flattened batch.
+
+One launch serves decode tokens, prefill chunks and prefills after a prefix-cache hit.
+Grid ``(T // BLOCK_Q + B, Hkv)``: a program takes one query tile (up to ``BLOCK_Q``
+tokens of one sequence) and one KV head with its whole GQA group, streams the
+sequence's context once through the block table up to the tile's causal bound, and
+writes the normalised output. Tiling and masking are described in
+:mod:`kernels._attention_common`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels._attention_common import (
+    LOG2E,
+    attend_range,
+    check_attention_inputs,
+    dot_precision,
+    load_q_tile,
+    locate_tile,
+    tile_config,
+)
+
+__all__ = ["paged_attention_triton"]
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [T, Hq, D]
+    query_ptr,  # [T, Hq, D]
+    key_cache_ptr,  # [NB, BS, Hkv, D]
+    value_cache_ptr,  # [NB, BS, Hkv, D]
+    block_tables_ptr,  # [B, max_blocks]
+    query_start_loc_ptr,  # [B + 1]
+    seq_lens_ptr,  # [B]
+    qk_scale,  # fp32: scale * log2(e)
+    num_seqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_k_blk,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_blk,
+    stride_v_tok,
+    stride_v_head,
+    stride_bt_seq,
+    QUERIES_PER_KV: tl.constexpr,
+    QUERIES_PER_KV_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile_idx = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)
+    seq_idx, q_begin, q_len, q_tile_start, context_len = locate_tile(
+        query_start_loc_ptr, seq_lens_ptr, tile_idx, num_seqs, BLOCK_Q
+    )
+    if q_tile_start >= q_len:
+        return  # spare program of the bounded grid
+    q, q_tok, q_head, row_mask, q_pos = load_q_tile(
+        query_ptr, q_begin, q_len, q_tile_start, context_len, kv_head,
+        stride_q_tok, stride_q_head,
+        QUERIES_PER_KV, QUERIES_PER_KV_PAD, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
+    )  # fmt: skip
+    # The tile's last token sees context positions < context_len + min(tile end, q_len).
+    kv_end = context_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_seq
+    acc, m_i, l_i = attend_range(
+        q, acc, m_i, l_i, q_pos,
+        key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head, 0, kv_end, qk_scale,
+        stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
+    )  # fmt: skip
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows that saw no key -> 0
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    ptrs = out_ptr + q_tok[:, None] * stride_o_tok + q_head[:, None] * stride_o_head
+    mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tl.store(ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def paged_attention_triton(
+    query: Tensor,  # [T, Hq, D]
+    key_cache: Tensor,  # [NB, BS, Hkv, D]
+    value_cache: Tensor,  # [NB, BS, Hkv, D]
+    block_tables: Tensor,  # [B, max_blocks] int32
+    query_start_loc: Tensor,  # [B + 1] int32
+    seq_lens: Tensor,  # [B] int32
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> Tensor:  # [T, Hq, D]
+    """Unified paged attention; contract of :func:`kernels.reference.paged_attention`.
+
+    ``max_query_len`` picks decode tiles when it is 1 (``None``: prefill tiles, correct
+    for any batch). ``max_seq_len`` is unused: each program reads its own ``seq_lens``.
+    The output is zero-initialised, so rows past ``qsl[B]`` are zeros.
+    """
+    del max_seq_len
+    dims = check_attention_inputs(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens
+    )
+    out = torch.zeros_like(query, memory_format=torch.contiguous_format)
+    if dims.num_tokens == 0 or dims.num_seqs == 0:
+        return out
+    cfg = tile_config(dims, max_query_len, query.dtype)
+    grid = (cfg.num_q_tiles_bound(dims), dims.num_kv_heads)
+    _paged_attention_kernel[grid](
+        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+        scale * LOG2E, dims.num_seqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        QUERIES_PER_KV=dims.queries_per_kv,
+        QUERIES_PER_KV_PAD=cfg.queries_per_kv_pad,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_M=cfg.block_m,
+        BLOCK_SIZE=dims.block_size,
+        TILE_N=cfg.tile_n,
+        HEAD_DIM=dims.head_dim,
+        HEAD_DIM_PAD=dims.head_dim_pad,
+        DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

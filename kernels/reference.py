@@ -1,0 +1,126 @@
+"""Torch reference implementations of the KV-cache ops.
+
+These are the test oracle for the Triton kernels AND the CPU serving path, so they are
+written for clarity first but avoid per-token Python loops: attention gathers each
+sequence's context through its block table and runs one
+``torch.nn.functional.scaled_dot_product_attention`` per sequence (a loop over the batch,
+not over tokens).
+
+Cache layout (one allocation per executor, made elsewhere)::
+
+    kv_cache:    [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache:   kv_cache[l, 0] -> [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: kv_cache[l, 1] -> same shape
+
+A slot is ``block_id * block_size + offset``. Block 0 is reserved by the block manager
+and may appear in block tables as padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["copy_blocks", "paged_attention", "reshape_and_cache"]
+
+
+def reshape_and_cache(
+    key: Tensor,  # [T, Hkv, D]
+    value: Tensor,  # [T, Hkv, D]
+    key_cache: Tensor,  # [NB, BS, Hkv, D]
+    value_cache: Tensor,  # [NB, BS, Hkv, D]
+    slot_mapping: Tensor,  # [T] int64; < 0 = padding token, skipped
+) -> None:
+    """Write each token's K/V into its cache slot, in place.
+
+    Token ``t`` goes to block ``slot_mapping[t] // block_size`` at offset
+    ``slot_mapping[t] % block_size``. Tokens with a negative slot are padding and are
+    skipped (the cache is left untouched). Slots must be distinct among valid tokens.
+    """
+    block_size = key_cache.shape[1]
+    valid = slot_mapping >= 0  # [T] bool
+    slots = slot_mapping[valid].long()  # [T_valid]
+    block_ids = slots // block_size
+    offsets = slots % block_size
+    key_cache[block_ids, offsets] = key[valid].to(key_cache.dtype)
+    value_cache[block_ids, offsets] = value[valid].to(value_cache.dtype)
+
+
+def paged_attention(
+    query: Tensor,  # [T, Hq, D]
+    key_cache: Tensor,  # [NB, BS, Hkv, D]
+    value_cache: Tensor,  # [NB, BS, Hkv, D]
+    block_tables: Tensor,  # [B, max_blocks] int32
+    query_start_loc: Tensor,  # [B + 1] int32, cumulative
+    seq_lens: Tensor,  # [B] int32, context length including the new query tokens
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> Tensor:  # [T, Hq, D], query's dtype
+    """Causal grouped-query attention over a flattened, paged batch.
+
+    The batch mixes decode tokens, prefill chunks and prefills that start after a
+    prefix-cache hit. Sequence ``b``'s query tokens are
+    ``query[qsl[b]:qsl[b+1]]`` (``q_len_b`` of them); they sit at context positions
+    ``seq_lens[b] - q_len_b ... seq_lens[b] - 1`` and attend causally to every context
+    position ``<=`` their own. Their own K/V must already be in the cache
+    (``reshape_and_cache`` runs first). Query head ``h`` uses KV head
+    ``h // (Hq // Hkv)``. Math is in fp32; the result is cast to ``query.dtype``.
+    Rows past ``qsl[B]`` (batch padding) are zeros.
+
+    ``max_query_len`` / ``max_seq_len`` are host-side hints for device kernels; this
+    implementation reads the (host) metadata directly and ignores them.
+    """
+    del max_query_len, max_seq_len  # hints for device implementations
+    _, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"num_q_heads={num_q_heads} not a multiple of num_kv_heads={num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+
+    out = torch.zeros_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q_start, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(f"sequence {b}: {q_len} query tokens but seq_len={seq_len}")
+        num_blocks = -(-seq_len // block_size)
+        block_ids = block_tables[b, :num_blocks].long()  # [nb]
+        # Gather the context, token-major: [nb, BS, Hkv, D] -> [S, Hkv, D].
+        k = key_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = value_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        # Heads first, fp32; expand KV heads to their query-head groups.
+        q = query[q_start:q_end].transpose(0, 1).float()  # [Hq, q_len, D]
+        k = k.transpose(0, 1).float().repeat_interleave(group, dim=0)  # [Hq, S, D]
+        v = v.transpose(0, 1).float().repeat_interleave(group, dim=0)  # [Hq, S, D]
+        # Query i is at position seq_len - q_len + i; it sees keys j <= that position.
+        # A lone decode token sees the whole context: no mask needed.
+        mask = None
+        if q_len > 1:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
+            k_pos = torch.arange(seq_len, device=query.device)  # [S]
+            mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, S] bool, True = attend
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[q_start:q_end] = o.transpose(0, 1).to(query.dtype)
+    return out
+
+
+def copy_blocks(
+    kv_cache: Tensor,  # [L, 2, NB, BS, Hkv, D]
+    src: Tensor,  # [N] int64 block ids
+    dst: Tensor,  # [N] int64 block ids
+) -> None:
+    """Copy block ``src[i]`` to ``dst[i]`` for K and V of every layer (copy-on-write).
+
+    ``dst`` ids must be distinct and disjoint from ``src`` (the block manager hands out
+    fresh blocks as copy-on-write targets), so the order of the copies does not matter.
+    """
+    if src.numel() == 0:
+        return
+    kv_cache[:, :, dst.long()] = kv_cache[:, :, src.long()]

@@ -1,0 +1,111 @@
+"""The executor's configuration: one frozen dataclass whose flags mirror vLLM's."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass
+
+
+def _parse_bytes(text: str) -> int:
+    """``"512MiB"``, ``"2GiB"``, ``"1e9"`` or a plain integer of bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    t = text.strip().lower()
+    for suffix, mult in units.items():
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(float(t))
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"  # auto: cuda if available, else cpu
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes of KV cache (CPU default 256 MiB)
+    num_kv_blocks: int | None = None  # exact block count override (tests, experiments)
+    eviction_policy: str = "lru"
+    blockmgr: str = "inproc"  # "inproc" or "grpc" (with blockmgr_address)
+    blockmgr_address: str | None = None
+    pool_id: str | None = None  # default: derived from host and port
+    watermark: float = 0.01  # share of blocks admissions keep free
+    seed: int = 0
+    host: str = "127.0.0.1"
+    port: int = 50061
+    served_model_name: str | None = None
+    log_level: str = "INFO"
+
+    @classmethod
+    def parser(cls) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(
+            prog="pagedserve executor",
+            description="Run the executor: scheduler loop + model over a paged KV cache.",
+        )
+        a = p.add_argument
+        a("--model", required=True, help="local Hugging Face checkpoint directory")
+        a("--served-model-name", default=None)
+        a("--dtype", default=cls.dtype, choices=["auto", "float32", "float16", "bfloat16"])
+        a("--device", default=cls.device, choices=["auto", "cpu", "cuda"])
+        a("--block-size", type=int, default=cls.block_size)
+        a("--max-num-seqs", type=int, default=cls.max_num_seqs)
+        a("--max-num-batched-tokens", type=int, default=cls.max_num_batched_tokens)
+        a("--max-model-len", type=int, default=None)
+        a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        a("--gpu-memory-utilization", type=float, default=cls.gpu_memory_utilization)
+        a("--kv-cache-memory", type=_parse_bytes, default=None,
+          help="KV-cache bytes (e.g. 512MiB); the CPU default is 256MiB")
+        a("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
+        a("--eviction-policy", default=cls.eviction_policy, choices=["lru", "lfu"])
+        a("--blockmgr", default=cls.blockmgr, choices=["inproc", "grpc"])
+        a("--blockmgr-address", default=os.environ.get("PAGEDSERVE_BLOCKMGR_ADDRESS"),
+          help="host:port of a block manager service (implies --blockmgr grpc)")
+        a("--pool-id", default=None)
+        a("--watermark", type=float, default=cls.watermark)
+        a("--seed", type=int, default=cls.seed)
+        a("--host", default=cls.host)
+        a("--port", type=int, default=cls.port)
+        a("--log-level", default=cls.log_level)
+        return p
+
+    @classmethod
+    def from_args(cls, argv: list[str]) -> ExecutorConfig:
+        p = cls.parser()
+        ns = p.parse_args(argv)
+        values = {k.replace("-", "_"): v for k, v in vars(ns).items()}
+        if values["blockmgr_address"]:
+            values["blockmgr"] = "grpc"
+        try:
+            config = cls(**values)
+            config.validate()
+        except ValueError as exc:
+            p.error(str(exc))
+        return config
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError("--max-num-seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("--max-model-len must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if self.blockmgr == "grpc" and not self.blockmgr_address:
+            raise ValueError("--blockmgr grpc needs --blockmgr-address")
+        if not 0 <= self.watermark < 1:
+            raise ValueError("--watermark must be in [0, 1)")
+        if not 0 <= self.port <= 65535:
+            raise ValueError("--port must be in [0, 65535]")
+
+    def as_log_dict(self) -> dict[str, object]:
+        return asdict(self)

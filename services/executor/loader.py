@@ -1,0 +1,173 @@
+"""Loading a local Hugging Face checkpoint directory: config, weights, tokenizer.
+
+Expected layout: ``config.json``; the weights as one ``model.safetensors`` or as shards
+listed by ``model.safetensors.index.json``; the tokenizer files ``AutoTokenizer`` reads.
+Nothing is ever fetched from a hub. Every failure is a :class:`ModelLoadError` (or its
+subclass :class:`UnsupportedModelError`) whose message names the file, field or value.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from safetensors import safe_open
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from services.executor.errors import ModelLoadError
+from services.executor.model import DecoderLM
+from services.executor.model_config import ModelConfig
+
+__all__ = [
+    "iter_checkpoint_weights",
+    "load_model",
+    "load_tokenizer",
+    "read_model_config",
+    "resolve_device",
+    "resolve_dtype",
+]
+
+log = structlog.get_logger(__name__)
+
+CONFIG_FILE = "config.json"
+SINGLE_WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def read_model_config(model_dir: str | Path, *, max_model_len: int | None = None) -> ModelConfig:
+    """Parse ``model_dir/config.json`` into a :class:`ModelConfig`."""
+    path = Path(model_dir) / CONFIG_FILE
+    if not Path(model_dir).is_dir():
+        raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
+    if not path.is_file():
+        raise ModelLoadError(f"{path} not found: a checkpoint directory needs {CONFIG_FILE}")
+    try:
+        hf_config: Any = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot read JSON ({exc})") from exc
+    if not isinstance(hf_config, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return ModelConfig.from_hf_config(hf_config, max_model_len=max_model_len)
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
+    """``float32``/``float16``/``bfloat16`` (or a torch dtype, or an alias such as ``bf16``);
+    ``auto`` takes the checkpoint's declared dtype, float32 when it declares none.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ModelLoadError(
+                f"dtype {dtype} is not supported; use float32, float16 or bfloat16"
+            )
+        return dtype
+    name = (config.torch_dtype or "float32") if dtype == "auto" else dtype
+    if name not in _DTYPES:
+        where = " (the checkpoint's torch_dtype)" if dtype == "auto" else ""
+        raise ModelLoadError(
+            f"dtype {name!r}{where} is not supported; use auto, float32, float16 or bfloat16"
+        )
+    return _DTYPES[name]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``cpu`` or ``cuda[:n]``; an unavailable CUDA device is an error, not a fallback."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ModelLoadError(f"device {device!r} is not a valid torch device") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ModelLoadError(f"device {device!r}: only {torch.cuda.device_count()} GPUs")
+    elif dev.type != "cpu":
+        raise ModelLoadError(f"device {device!r} is not supported; use cpu or cuda[:n]")
+    return dev
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of the checkpoint, single or sharded."""
+    model_dir = Path(model_dir)
+    single = model_dir / SINGLE_WEIGHTS_FILE
+    index = model_dir / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{index}: not a safetensors index with a weight_map") from exc
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} lists shards that are missing: {missing}")
+        return files
+    if single.is_file():
+        return [single]
+    others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
+        p.name for p in model_dir.glob("*.safetensors")
+    )
+    hint = f" (found {others}; only {SINGLE_WEIGHTS_FILE} or an index is read)" if others else ""
+    raise ModelLoadError(
+        f"no weights in {model_dir}: neither {SINGLE_WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}{hint}"
+    )
+
+
+def iter_checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, cpu_tensor)`` for every tensor of every weight file, one at a time."""
+    for path in weight_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+        except (OSError, RuntimeError) as exc:
+            raise ModelLoadError(f"{path}: cannot read safetensors ({exc})") from exc
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    max_model_len: int | None = None,
+) -> DecoderLM:
+    """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint."""
+    config = read_model_config(model_dir, max_model_len=max_model_len)
+    torch_dtype = resolve_dtype(dtype, config)
+    dev = resolve_device(device)
+    files = weight_files(model_dir)  # fail on missing weights before allocating anything
+    model = DecoderLM.empty(config, torch_dtype, dev)
+    model.load_weights(iter_checkpoint_weights(model_dir))
+    log.info(
+        "model_loaded",
+        model_dir=str(model_dir),
+        architecture=config.architecture,
+        dtype=str(torch_dtype),
+        device=str(dev),
+        num_weight_files=len(files),
+        num_params=sum(p.numel() for p in model.parameters()),
+    )
+    return model
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer via ``AutoTokenizer``, from local files only."""
+    if not Path(model_dir).is_dir():
+        raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {exc}") from exc

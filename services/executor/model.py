@@ -1,0 +1,294 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
+
+One implementation for the family; the members differ only in configuration (biases, RoPE
+scaling, tied embeddings), all read from :class:`ModelConfig`. The forward pass runs on a
+FLATTENED batch: the query tokens of every sequence in the step are concatenated on one
+token axis ``T``, with no padding; :class:`ForwardBatch` says where each sequence's tokens
+and cached context are. Attention goes through ``kernels.ops`` (Triton on CUDA, torch on CPU).
+
+Shapes: T tokens in the step, H hidden size, Hq/Hkv query/KV heads, D head dim, I MLP
+intermediate size, V vocabulary, K rows whose logits are wanted, L layers,
+NB blocks of BS slots in the cache.
+
+Numerics follow Hugging Face transformers (RMSNorm in fp32, RoPE with the rotate-half
+convention and cos/sin cast to the model dtype) so that results match it in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels import ops
+from services.executor.errors import ModelLoadError
+from services.executor.forward_batch import ForwardBatch
+from services.executor.model_config import ModelConfig, RopeConfig
+
+__all__ = ["DecoderLM", "rope_inv_freq"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> Tensor:  # [D/2] float32
+    """Inverse frequencies of the rotary embedding, including its scaling (CPU, fp32)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)  # [D/2]
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        assert rope.low_freq_factor is not None and rope.high_freq_factor is not None
+        assert rope.original_max_position_embeddings is not None
+        old_context_len = rope.original_max_position_embeddings
+        low_freq_wavelen = old_context_len / rope.low_freq_factor
+        high_freq_wavelen = old_context_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths (low frequencies) are interpolated by `factor`, short ones kept.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        # In between: blend the two smoothly.
+        smooth = (old_context_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables for positions ``0 .. max_len-1``, gathered by position."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_len: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.rope, self.head_dim, self.max_len, self.dtype = rope, head_dim, max_len, dtype
+        self.register_buffer(
+            "cos", torch.empty(max_len, head_dim // 2, dtype=dtype), persistent=False
+        )
+        self.register_buffer(
+            "sin", torch.empty(max_len, head_dim // 2, dtype=dtype), persistent=False
+        )
+
+    def compute_tables(self) -> None:
+        """(Re)compute the tables in place on their current device (after ``to_empty``)."""
+        inv_freq = rope_inv_freq(self.rope, self.head_dim).to(self.cos.device)  # [D/2]
+        t = torch.arange(self.max_len, device=self.cos.device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_len, D/2] fp32
+        self.cos.copy_(freqs.cos())
+        self.sin.copy_(freqs.sin())
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] by their tokens' positions [T]."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)  # [T, 1, D/2]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # [T, h, D] -> [T, h, D]
+    # HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), with rotate_half(x) = (-x2, x1).
+    x1, x2 = x.chunk(2, dim=-1)  # [T, h, D/2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
+
+    def forward(
+        self,
+        x: Tensor,  # [T, H]
+        batch: ForwardBatch,
+        rotary_emb: RotaryEmbedding,
+        kv_cache: Tensor,  # [2, NB, BS, Hkv, D], this layer's slice
+    ) -> Tensor:  # [T, H]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = rotary_emb(batch.positions, q, k)
+
+        key_cache, value_cache = kv_cache[0], kv_cache[1]  # [NB, BS, Hkv, D] each
+        ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
+        out = ops.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            batch.block_tables,
+            batch.query_start_loc,
+            batch.seq_lens,
+            self.scale,
+            max_query_len=batch.max_query_len,
+            max_seq_len=batch.max_seq_len,
+        )  # [T, Hq, D]
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias, dtype=dtype
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype
+        )
+
+    def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(
+        self, h: Tensor, batch: ForwardBatch, rotary_emb: RotaryEmbedding, kv_cache: Tensor
+    ) -> Tensor:  # [T, H] -> [T, H]
+        h = h + self.self_attn(self.input_layernorm(h), batch, rotary_emb, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# Our fused projections and the HF projections stacked into them, in order along dim 0.
+_FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+class DecoderLM(nn.Module):
+    """The whole causal LM: embeddings, decoder layers, final norm, LM head."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len, dtype)
+        self._tie_weights()
+
+    @classmethod
+    def empty(
+        cls, config: ModelConfig, dtype: torch.dtype, device: torch.device | str
+    ) -> DecoderLM:
+        """A model on ``device`` with uninitialised weights (no time spent on random init),
+        ready for :meth:`load_weights`; the RoPE tables are computed.
+        """
+        with torch.device("meta"):
+            model = cls(config, dtype)
+        model.to_empty(device=device)
+        model._tie_weights()  # to_empty gives each module its own new parameter
+        model.rotary_emb.compute_tables()
+        return model.eval().requires_grad_(False)
+
+    def _tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: Tensor) -> Tensor:
+        """Run every token of ``batch``, writing its K/V into ``kv_cache``
+        ``[L, 2, NB, BS, Hkv, D]``; return fp32 logits ``[K, V]`` for
+        ``batch.logits_indices`` only.
+        """
+        h = self.embed_tokens(batch.input_ids)  # [T, H]
+        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
+            h = layer(h, batch, self.rotary_emb, layer_cache)  # [T, H]
+        h = self.norm(h[batch.logits_indices])  # [K, H]; the norm is per token
+        return self.lm_head(h).float()  # [K, V]
+
+    def hf_weight_names(self) -> set[str]:
+        """The tensor names a complete HF-format checkpoint of this model provides."""
+        names: set[str] = set()
+        for name, _ in self.named_parameters():  # a tied lm_head is listed once, as embed
+            hf_name = name if name == "lm_head.weight" else f"model.{name}"
+            for fused, parts in _FUSED_PARTS.items():
+                if f".{fused}." in hf_name:
+                    names |= {hf_name.replace(fused, part) for part in parts}
+                    break
+            else:
+                names.add(hf_name)
+        return names
+
+    @torch.inference_mode()
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy HF-named tensors into the model (converting dtype, stacking q/k/v and
+        gate/up into the fused projections).
+
+        Raises :class:`ModelLoadError` for an unknown name, a wrong shape, or (at the end)
+        a tensor of :meth:`hf_weight_names` the stream did not provide.
+        """
+        params = dict(self.named_parameters())
+        missing = self.hf_weight_names()
+        for hf_name, tensor in weights:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue  # some old checkpoints store the (recomputed) RoPE frequencies
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding is the LM head
+            target = self._target(params, hf_name)
+            if target is None:
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}"
+                )
+            if target.shape != tensor.shape:
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            missing.discard(hf_name)
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors: {sorted(missing)[:8]}")
+
+    def _target(self, params: dict[str, nn.Parameter], hf_name: str) -> Tensor | None:
+        """The parameter, or the rows of a fused one, that checkpoint tensor ``hf_name`` fills."""
+        if hf_name == "lm_head.weight":
+            return params.get(hf_name)
+        if not hf_name.startswith("model.") or hf_name.startswith("model.lm_head."):
+            return None
+        name = hf_name.removeprefix("model.")
+        for fused, parts in _FUSED_PARTS.items():
+            for shard, part in enumerate(parts):
+                if f".{part}." in name:
+                    param = params.get(name.replace(part, fused))
+                    return None if param is None else param[self._fused_rows(fused, shard)]
+        return params.get(name)
+
+    def _fused_rows(self, fused: str, shard: int) -> slice:
+        c = self.config
+        sizes = {
+            "self_attn.qkv_proj": (c.q_size, c.kv_size, c.kv_size),
+            "mlp.gate_up_proj": (c.intermediate_size, c.intermediate_size),
+        }[fused]
+        start = sum(sizes[:shard])
+        return slice(start, start + sizes[shard])

@@ -1,0 +1,112 @@
+"""``ModelRunner``: the model, its paged KV cache and the step the scheduler loop calls.
+
+The runner owns device state only. Which blocks a sequence uses is decided elsewhere (the
+block manager); the scheduler hands the runner :class:`SeqChunk` descriptions that carry
+those block tables, and the block pairs to copy for copy-on-write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+import torch
+from torch import Tensor
+
+from kernels import ops
+from services.executor.forward_batch import SeqChunk, build_forward_batch
+from services.executor.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
+from services.executor.loader import load_model
+from services.executor.model import DecoderLM
+from services.executor.model_config import ModelConfig
+
+__all__ = ["ModelRunner"]
+
+log = structlog.get_logger(__name__)
+
+
+class ModelRunner:
+    """Runs forward passes of one model over its own KV cache."""
+
+    def __init__(self, model: DecoderLM, kv_cache: Tensor, block_size: int) -> None:
+        expected = (model.config.num_layers, 2, kv_cache.shape[2], block_size,
+                    model.config.num_kv_heads, model.config.head_dim)  # fmt: skip
+        if tuple(kv_cache.shape) != expected:
+            raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} != expected {expected}")
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.kv_cache = kv_cache  # [L, 2, NB, BS, Hkv, D]
+        self.block_size = block_size
+        self.num_blocks: int = kv_cache.shape[2]
+        self.device: torch.device = kv_cache.device
+        self.dtype: torch.dtype = model.dtype
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "cpu",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        max_model_len: int | None = None,
+    ) -> ModelRunner:
+        """Load the checkpoint in ``model_dir`` and allocate its KV cache.
+
+        Size the cache with exactly one of ``num_blocks`` (including the reserved block 0)
+        or ``kv_cache_bytes`` (a memory budget). Loading errors are ``ModelLoadError``.
+        """
+        if (num_blocks is None) == (kv_cache_bytes is None):
+            raise ValueError("give exactly one of num_blocks or kv_cache_bytes")
+        model = load_model(model_dir, dtype=dtype, device=device, max_model_len=max_model_len)
+        if num_blocks is None:
+            assert kv_cache_bytes is not None
+            num_blocks = num_blocks_for_budget(
+                model.config, block_size, model.dtype, kv_cache_bytes
+            )
+        kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, model.dtype,
+                                     next(model.parameters()).device)  # fmt: skip
+        log.info(
+            "kv_cache_allocated",
+            num_blocks=num_blocks,
+            block_size=block_size,
+            bytes=num_blocks * bytes_per_block(model.config, block_size, model.dtype),
+        )
+        return cls(model, kv_cache, block_size)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[SeqChunk]) -> Tensor:
+        """One forward pass over ``chunks``; returns fp32 logits ``[num_need_logits, vocab]``,
+        one row per chunk with ``need_logits``, in chunk order.
+
+        Writes the new tokens' K/V into the cache slots their block tables name.
+        """
+        batch = build_forward_batch(
+            chunks,
+            self.block_size,
+            self.device,
+            num_blocks=self.num_blocks,
+            max_model_len=self.config.max_model_len,
+            vocab_size=self.config.vocab_size,
+        )
+        return self.model(batch, self.kv_cache)
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy every layer's K/V of block ``src`` into block ``dst`` for each ``(src, dst)``
+        (copy-on-write). ``dst`` ids must be distinct and not among the sources.
+        """
+        if not pairs:
+            return
+        ids = torch.tensor(pairs, dtype=torch.int64).T.contiguous()  # [2, N]: src row, dst row
+        if ((ids <= 0) | (ids >= self.num_blocks)).any():
+            raise ValueError(f"block ids must lie in [1, {self.num_blocks}), got {list(pairs)}")
+        src, dst = ids.to(self.device).unbind(0)
+        ops.copy_blocks(self.kv_cache, src, dst)

@@ -1,0 +1,181 @@
+"""Vectorised sampling over the batch: penalties, temperature, top-k / top-p / min-p, seeded
+per-sequence randomness, and top-k logprobs of the chosen tokens.
+
+Every operation is a tensor op over ``[K, V]``; the only Python loops run over rows that
+carry a per-request generator (one ``exponential_`` draw each) or banned tokens, never over
+the vocabulary. Randomness: sampling is ``argmax(probs / q)`` with ``q ~ Exp(1)`` (the
+exponential-race form of categorical sampling); a seeded sequence draws its ``q`` from its own
+generator, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of logits."""
+
+    temperature: float
+    top_k: int  # <= 0: disabled
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    num_logprobs: int | None
+    banned_token_ids: tuple[int, ...] = ()  # e.g. EOS while min_tokens is not reached
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Per row (None where not asked): (chosen logprob, [(token, logprob)] top-k alternatives)
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SampleResult:
+        """``logits`` [K, V] float32, one row per entry of ``rows``."""
+        assert logits.shape[0] == len(rows)
+        dev = logits.device
+        raw = logits.float()
+        want_logprobs = any(r.num_logprobs is not None for r in rows)
+        raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
+
+        logits = self._apply_penalties(raw, rows)
+        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
+        if banned:
+            if logits is raw:
+                logits = raw.clone()
+            bi = torch.tensor(banned, dtype=torch.long, device=dev)
+            logits[bi[:, 0], bi[:, 1]] = _NEG_INF
+
+        temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=dev)
+        greedy_mask = temps == 0
+        greedy_tokens = logits.argmax(dim=-1)
+        if bool(greedy_mask.all()):
+            tokens = greedy_tokens
+        else:
+            tokens = self._sample(logits, rows, temps, greedy_mask, greedy_tokens)
+
+        token_list = tokens.tolist()
+        return SampleResult(token_list, self._logprobs(raw_logprobs, rows, tokens, token_list))
+
+    # ---- pieces ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _apply_penalties(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+        need_rep = any(r.repetition_penalty != 1.0 for r in rows)
+        need_freq = any(r.presence_penalty or r.frequency_penalty for r in rows)
+        if not (need_rep or need_freq):
+            return logits
+        k_rows, vocab = logits.shape
+        dev = logits.device
+        logits = logits.clone()
+        out_ids, out_rows = _flatten([r.output_token_ids for r in rows], dev)
+        counts = torch.zeros(k_rows, vocab, dtype=torch.float32, device=dev)
+        if out_ids.numel():
+            counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32),
+                              accumulate=True)  # fmt: skip
+        if need_rep:
+            # HF semantics: tokens seen in prompt or output are divided (positive logits) or
+            # multiplied (negative) by the penalty.
+            seen = counts > 0
+            p_ids, p_rows = _flatten([r.prompt_token_ids for r in rows], dev)
+            if p_ids.numel():
+                seen[p_rows, p_ids] = True
+            rp = torch.tensor([r.repetition_penalty for r in rows], device=dev).unsqueeze(1)
+            penalized = torch.where(logits > 0, logits / rp, logits * rp)
+            logits = torch.where(seen, penalized, logits)
+        if need_freq:
+            freq = torch.tensor([r.frequency_penalty for r in rows], device=dev).unsqueeze(1)
+            pres = torch.tensor([r.presence_penalty for r in rows], device=dev).unsqueeze(1)
+            logits = logits - freq * counts - pres * (counts > 0).float()
+        return logits
+
+    def _sample(
+        self,
+        logits: Tensor,
+        rows: list[SamplingRow],
+        temps: Tensor,
+        greedy_mask: Tensor,
+        greedy_tokens: Tensor,
+    ) -> Tensor:
+        dev = logits.device
+        k_rows, vocab = logits.shape
+        scaled = logits / torch.where(greedy_mask, torch.ones_like(temps), temps).unsqueeze(1)
+
+        top_k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=dev)
+        top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=dev)
+        min_p = torch.tensor([r.min_p for r in rows], dtype=torch.float32, device=dev)
+        if bool((top_k < vocab).any() | (top_p < 1).any() | (min_p > 0).any()):
+            sorted_logits, order = scaled.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+            drop = ranks >= top_k.clamp(min=1).unsqueeze(1)
+            probs = sorted_logits.softmax(dim=-1)
+            # top-p: drop a token once the mass before it already reaches top_p (keeps >= 1)
+            drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+            drop |= probs < min_p.unsqueeze(1) * probs[:, :1]
+            sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+            scaled = torch.full_like(scaled, _NEG_INF).scatter(1, order, sorted_logits)
+
+        probs = scaled.softmax(dim=-1)
+        q = torch.empty_like(probs)
+        seeded = [i for i, r in enumerate(rows) if r.generator is not None]
+        if len(seeded) < k_rows:
+            q.exponential_(generator=self.generator)
+        for i in seeded:
+            q[i].exponential_(generator=rows[i].generator)
+        sampled = (probs / q).argmax(dim=-1)
+        return torch.where(greedy_mask, greedy_tokens, sampled)
+
+    @staticmethod
+    def _logprobs(
+        raw_logprobs: Tensor | None,
+        rows: list[SamplingRow],
+        tokens: Tensor,
+        token_list: list[int],
+    ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        if raw_logprobs is None:
+            return [None] * len(rows)
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        max_k = max(r.num_logprobs or 0 for r in rows)
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if max_k:
+            vals, ids = raw_logprobs.topk(max_k, dim=-1)
+            top_vals, top_ids = vals.tolist(), ids.tolist()
+        out: list[tuple[float, list[tuple[int, float]]] | None] = []
+        for i, r in enumerate(rows):
+            if r.num_logprobs is None:
+                out.append(None)
+                continue
+            k = r.num_logprobs
+            top = list(zip(top_ids[i][:k], top_vals[i][:k], strict=True)) if k else []
+            out.append((chosen[i], top))
+        return out
+
+
+def _flatten(lists: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Concatenate per-row id lists into (ids, row index) tensors."""
+    ids = [t for lst in lists for t in lst]
+    rows = [i for i, lst in enumerate(lists) for _ in lst]
+    return (
+        torch.tensor(ids, dtype=torch.long, device=device),
+        torch.tensor(rows, dtype=torch.long, device=device),
+    )

@@ -1,0 +1,94 @@
+"""Requests and their sequences: the executor's per-request state (pure data, no torch)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from services.blockmgr.hashing import ROOT_HASH, hash_block
+from services.executor.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # aborted by the client or the gateway
+    ERROR = "error"  # cannot be served (e.g. does not fit the KV cache)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request. ``token_ids`` is prompt + output; the first
+    ``num_computed_tokens`` of them have their K/V in the cache."""
+
+    seq_id: int  # unique per executor, the block manager's key
+    req_id: str
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    priority: int
+    arrival: int  # admission order tie-break (monotonic counter)
+    cache_salt: bytes = b""
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks
+    num_committed_blocks: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_token: int | None = None
+    admitted_once: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        """Scheduling order: lower priority value first, then arrival, then sample index."""
+        return (self.priority, self.arrival, self.index)
+
+    def full_block_hashes(self, block_size: int) -> list[bytes]:
+        """Chained hashes of every full block of the known tokens (extends the cache)."""
+        hashes = self.block_hashes
+        num_full = len(self.token_ids) // block_size
+        parent = hashes[-1] if hashes else ROOT_HASH
+        for i in range(len(hashes), num_full):
+            chunk = self.token_ids[i * block_size : (i + 1) * block_size]
+            parent = hash_block(parent, chunk, self.cache_salt if i == 0 else b"")
+            hashes.append(parent)
+        return hashes
+
+
+@dataclass(eq=False)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival: int
+    seqs: list[Sequence]
+    cache_salt: bytes = b""
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(
+            s.status is SeqStatus.FINISHED for s in self.seqs
+        )

@@ -1,0 +1,193 @@
+"""``pagedserve make-tiny-model DIR``: a tiny, random, real Hugging Face checkpoint.
+
+The checkpoint is an ordinary HF directory (``config.json``, ``model.safetensors`` written by
+``save_pretrained``, ``generation_config.json``, tokenizer files with a chat template) of a
+Llama-family model (``llama``, ``qwen2`` or ``mistral``) small enough for CPU tests. Weights
+are drawn from a seeded generator in a fixed order, so a given seed and size always give
+the same files. Norm weights and biases are random too (not ones/zeros), so a loader that
+forgot to load them would be caught, and the init scale is large enough for logits that
+differ clearly between tokens: greedy decoding varies with the prompt instead of repeating
+one token, and near-ties that would make exact-match tests flaky are rare.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+)
+
+from services.executor.tiny_tokenizer import (
+    BOS,
+    DEFAULT_VOCAB_SIZE,
+    EOS,
+    PAD,
+    build_tokenizer,
+    save_tokenizer,
+)
+
+__all__ = ["TinyModelSpec", "main", "write_tiny_model"]
+
+Arch = Literal["llama", "qwen2", "mistral"]
+RopeScaling = Literal["none", "linear", "llama3"]
+ARCHS: tuple[Arch, ...] = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Sizes and variants of a tiny checkpoint (defaults: ~100k parameters)."""
+
+    arch: Arch = "llama"
+    seed: int = 0
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    intermediate_size: int = 128
+    max_position_embeddings: int = 2048
+    tokenizer_vocab_size: int = DEFAULT_VOCAB_SIZE  # BPE target; the model takes the actual size
+    tie_word_embeddings: bool = False
+    rope_scaling: RopeScaling = "none"
+    init_std: float = 0.25
+    max_shard_size: str | None = None  # e.g. "100KB" for a sharded checkpoint
+
+
+def write_tiny_model(
+    model_dir: str | Path, arch: Arch = "llama", seed: int = 0, **sizes: Any
+) -> Path:
+    """Write a tiny checkpoint to ``model_dir`` (created if needed; files overwritten).
+
+    ``sizes`` are the other :class:`TinyModelSpec` fields. Returns the directory.
+    """
+    spec = TinyModelSpec(arch=arch, seed=seed, **sizes)
+    if spec.arch not in ARCHS:
+        raise ValueError(f"arch {spec.arch!r} not in {ARCHS}")
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tokenizer(spec.tokenizer_vocab_size)
+    special_ids = {tok: tokenizer.token_to_id(tok) for tok in (BOS, EOS, PAD)}
+    config = _hf_config(spec, tokenizer.get_vocab_size(), special_ids)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _init_weights(model, spec)
+    model.generation_config = GenerationConfig(
+        bos_token_id=special_ids[BOS], eos_token_id=special_ids[EOS], pad_token_id=special_ids[PAD]
+    )
+    save_kwargs = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}
+    model.save_pretrained(str(model_dir), **save_kwargs)
+    save_tokenizer(tokenizer, model_dir, model_max_length=spec.max_position_embeddings)
+    return model_dir
+
+
+def _hf_config(
+    spec: TinyModelSpec, vocab_size: int, special_ids: dict[str, int]
+) -> PretrainedConfig:
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
+    if spec.rope_scaling == "linear":
+        rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    elif spec.rope_scaling == "llama3":
+        # Llama 3.1's settings with the original context cut down so that, at head_dim 16,
+        # some frequencies are scaled, some kept and some smoothed.
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256}  # fmt: skip
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim or spec.hidden_size // spec.num_heads,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": spec.init_std,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "rope_parameters": rope,
+        "bos_token_id": special_ids[BOS],
+        "eos_token_id": special_ids[EOS],
+        "pad_token_id": special_ids[PAD],
+    }
+    if spec.arch == "llama":
+        return LlamaConfig(**common)
+    if spec.arch == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
+    # A window at least as long as the context: full attention, as our executor requires.
+    return MistralConfig(**common, sliding_window=2 * spec.max_position_embeddings)
+
+
+@torch.no_grad()
+def _init_weights(model: torch.nn.Module, spec: TinyModelSpec) -> None:
+    generator = torch.Generator().manual_seed(spec.seed)
+    # named_parameters() lists a tied lm_head once; sorting fixes the draw order.
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            param.copy_(1.0 + 0.2 * noise)
+        else:
+            param.copy_(spec.init_std * noise)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``pagedserve make-tiny-model``."""
+    defaults = TinyModelSpec()
+    parser = argparse.ArgumentParser(
+        prog="pagedserve make-tiny-model",
+        description="Write a tiny random Llama-family checkpoint with a real BPE tokenizer.",
+    )
+    parser.add_argument("dir", type=Path, help="output directory (created if needed)")
+    parser.add_argument("--arch", choices=ARCHS, default=defaults.arch)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
+    parser.add_argument("--num-layers", type=int, default=defaults.num_layers)
+    parser.add_argument("--num-heads", type=int, default=defaults.num_heads)
+    parser.add_argument("--num-kv-heads", type=int, default=defaults.num_kv_heads)
+    parser.add_argument("--head-dim", type=int, default=None, help="default: hidden/heads")
+    parser.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size)
+    parser.add_argument(
+        "--max-position-embeddings", type=int, default=defaults.max_position_embeddings
+    )
+    parser.add_argument("--tokenizer-vocab-size", type=int, default=defaults.tokenizer_vocab_size)
+    parser.add_argument("--tie-word-embeddings", action="store_true")
+    parser.add_argument("--rope-scaling", choices=("none", "linear", "llama3"), default="none")
+    parser.add_argument("--init-std", type=float, default=defaults.init_std)
+    parser.add_argument("--max-shard-size", default=None, help='e.g. "100KB" to shard the weights')
+    parser.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    args = parser.parse_args(argv)
+
+    if args.dir.exists() and any(args.dir.iterdir()) and not args.force:
+        parser.error(f"{args.dir} is not empty (use --force to overwrite)")
+    if args.num_heads % args.num_kv_heads:
+        parser.error("--num-heads must be a multiple of --num-kv-heads")
+    if args.head_dim is None and args.hidden_size % args.num_heads:
+        parser.error("--hidden-size must be a multiple of --num-heads (or give --head-dim)")
+    out = write_tiny_model(
+        args.dir,
+        arch=args.arch,
+        seed=args.seed,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate_size,
+        max_position_embeddings=args.max_position_embeddings,
+        tokenizer_vocab_size=args.tokenizer_vocab_size,
+        tie_word_embeddings=args.tie_word_embeddings,
+        rope_scaling=args.rope_scaling,
+        init_std=args.init_std,
+        max_shard_size=args.max_shard_size,
+    )
+    print(f"wrote tiny {args.arch} checkpoint to {out}")
+    return 0

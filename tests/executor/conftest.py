@@ -1,0 +1,83 @@
+"""Fixtures: tiny checkpoints written once per session, their HF reference models, runners."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from services.executor.loader import load_tokenizer
+from services.executor.model_runner import ModelRunner
+from services.executor.tiny_model import write_tiny_model
+
+from .greedy import PROMPT_TEXTS
+
+# name -> write_tiny_model arguments. Distinct seeds, so no two checkpoints share weights.
+CHECKPOINTS: dict[str, dict[str, Any]] = {
+    "llama": {"arch": "llama", "seed": 1},
+    "llama_tied": {"arch": "llama", "seed": 2, "tie_word_embeddings": True},
+    "llama3_rope": {"arch": "llama", "seed": 3, "rope_scaling": "llama3"},
+    "llama_linear_rope": {"arch": "llama", "seed": 4, "rope_scaling": "linear"},
+    "llama_head_dim": {"arch": "llama", "seed": 5, "head_dim": 32, "num_kv_heads": 1},
+    "qwen2": {"arch": "qwen2", "seed": 6},
+    "qwen2_tied": {"arch": "qwen2", "seed": 7, "tie_word_embeddings": True},
+    "mistral": {"arch": "mistral", "seed": 8},
+}
+
+CheckpointFactory = Callable[[str], Path]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
+    """``tiny_checkpoint(name)`` -> directory of that checkpoint, written on first use."""
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    written: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in written:
+            written[name] = write_tiny_model(root / name, **CHECKPOINTS[name])
+        return written[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_checkpoint: CheckpointFactory) -> Callable[[str], PreTrainedModel]:
+    """``hf_model(name)`` -> the transformers reference model of that checkpoint (fp32)."""
+    models: dict[str, PreTrainedModel] = {}
+
+    def get(name: str) -> PreTrainedModel:
+        if name not in models:
+            model = AutoModelForCausalLM.from_pretrained(
+                tiny_checkpoint(name), dtype=torch.float32, local_files_only=True
+            )
+            models[name] = model.eval()
+        return models[name]
+
+    return get
+
+
+@pytest.fixture
+def make_runner(tiny_checkpoint: CheckpointFactory) -> Callable[..., ModelRunner]:
+    """``make_runner(name, block_size=16, num_blocks=128)`` -> a fresh fp32 CPU runner."""
+
+    def make(name: str, *, block_size: int = 16, num_blocks: int = 128) -> ModelRunner:
+        return ModelRunner.load(
+            tiny_checkpoint(name), dtype="float32", device="cpu",
+            block_size=block_size, num_blocks=num_blocks,
+        )  # fmt: skip
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tiny_checkpoint: CheckpointFactory) -> list[list[int]]:
+    """Token ids (with BOS) of ``greedy.PROMPT_TEXTS``; every tiny checkpoint shares the
+    tokenizer. Lengths range from 3 to over 40 tokens (several 16-token blocks).
+    """
+    tokenizer = load_tokenizer(tiny_checkpoint("llama"))
+    return [tokenizer(text).input_ids for text in PROMPT_TEXTS]

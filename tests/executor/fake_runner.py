@@ -1,0 +1,73 @@
+"""A model-free runner that still exercises paging for real.
+
+It keeps a token-level "KV cache" (slot -> token id) and, on every forward, reads each
+sequence's whole context back through its block table and asserts it is exactly the
+sequence's own tokens: a wrong block table, a missed copy-on-write, a prefix hit on the wrong
+block or a preemption that lost state shows up as an assertion, not as a silently different
+output. The next token is a hash of the context read from the cache, so outputs also diverge
+from :func:`reference_tokens` if anything is off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.executor.forward_batch import SeqChunk
+
+VOCAB = 101
+
+
+def next_token(context: Sequence[int]) -> int:
+    acc = 0
+    for i, t in enumerate(context):
+        acc = (acc * 31 + (i + 1) * (t + 7)) % 1_000_003
+    return 3 + acc % (VOCAB - 3)  # never 0..2 (pad / bos / eos)
+
+
+def reference_tokens(prompt: Sequence[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt) :]
+
+
+class FakePagedRunner:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.device = torch.device("cpu")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.cache: dict[int, int] = {}
+        self.calls: list[list[tuple[int, int]]] = []  # per forward: (num_computed, num_new)
+        self.num_copies = 0
+
+    def _slot(self, table: Sequence[int], pos: int) -> int:
+        block = table[pos // self.block_size]
+        assert 0 < block < self.num_blocks, f"block {block} out of range or reserved"
+        return block * self.block_size + pos % self.block_size
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        for src, dst in pairs:
+            self.num_copies += 1
+            for off in range(self.block_size):
+                value = self.cache.get(src * self.block_size + off)
+                if value is None:
+                    self.cache.pop(dst * self.block_size + off, None)
+                else:
+                    self.cache[dst * self.block_size + off] = value
+
+    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        rows = []
+        self.calls.append([(c.num_computed_tokens, len(c.token_ids)) for c in chunks])
+        for c in chunks:
+            context = [self.cache.get(self._slot(c.block_table, p))
+                       for p in range(c.num_computed_tokens)]  # fmt: skip
+            assert None not in context, "context slot never written"
+            for i, t in enumerate(c.token_ids):
+                self.cache[self._slot(c.block_table, c.num_computed_tokens + i)] = t
+            if c.need_logits:
+                logits = torch.full((VOCAB,), -1e4)
+                logits[next_token([*context, *c.token_ids])] = 0.0  # type: ignore[list-item]
+                rows.append(logits)
+        return torch.stack(rows) if rows else torch.empty(0, VOCAB)

@@ -1,0 +1,102 @@
+"""Flattening per-sequence chunks into the tensors of one forward pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.executor.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
+
+
+def test_decode_prefill_and_cache_hit_chunks_flatten_to_exact_tensors() -> None:
+    block_size = 4
+    chunks = [
+        SeqChunk([7], num_computed_tokens=5, block_table=[3, 9]),  # decode at position 5
+        SeqChunk([1, 2, 3], num_computed_tokens=0, block_table=[4, 5, 6], need_logits=False),
+        SeqChunk([8, 8], num_computed_tokens=4, block_table=[2, 11, 12]),  # after a cache hit
+    ]
+    b = build_forward_batch(chunks, block_size, "cpu")
+    assert b.input_ids.tolist() == [7, 1, 2, 3, 8, 8]
+    assert b.positions.tolist() == [5, 0, 1, 2, 4, 5]
+    # position p of a sequence -> block_table[p // 4] * 4 + p % 4
+    assert b.slot_mapping.tolist() == [9 * 4 + 1, 16, 17, 18, 11 * 4 + 0, 11 * 4 + 1]
+    # Tables cover the blocks touched this step (trailing unused entries dropped), 0-padded.
+    assert b.block_tables.tolist() == [[3, 9], [4, 0], [2, 11]]
+    assert b.query_start_loc.tolist() == [0, 1, 4, 6]
+    assert b.seq_lens.tolist() == [6, 3, 6]
+    assert b.logits_indices.tolist() == [0, 5]
+    assert (b.max_query_len, b.max_seq_len, b.num_tokens, b.num_seqs) == (3, 6, 6, 3)
+    assert b.input_ids.dtype == b.positions.dtype == b.slot_mapping.dtype == torch.int64
+    assert b.logits_indices.dtype == torch.int64
+    assert b.block_tables.dtype == b.query_start_loc.dtype == b.seq_lens.dtype == torch.int32
+
+
+def _naive(chunks: list[SeqChunk], block_size: int) -> dict[str, list]:
+    """Per-token Python reference of the builder."""
+    out: dict[str, list] = {"input_ids": [], "positions": [], "slot_mapping": [], "qsl": [0],
+                            "seq_lens": [], "logits_indices": []}  # fmt: skip
+    for c in chunks:
+        for i, token in enumerate(c.token_ids):
+            pos = c.num_computed_tokens + i
+            out["input_ids"].append(token)
+            out["positions"].append(pos)
+            out["slot_mapping"].append(
+                c.block_table[pos // block_size] * block_size + pos % block_size
+            )
+        out["qsl"].append(out["qsl"][-1] + len(c.token_ids))
+        out["seq_lens"].append(c.num_computed_tokens + len(c.token_ids))
+        if c.need_logits:
+            out["logits_indices"].append(out["qsl"][-1] - 1)
+    return out
+
+
+@st.composite
+def _chunks(draw: st.DrawFn) -> tuple[list[SeqChunk], int]:
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    chunks = []
+    for _ in range(draw(st.integers(1, 6))):
+        num_computed = draw(st.integers(0, 40))
+        tokens = draw(st.lists(st.integers(0, 999), min_size=1, max_size=20))
+        num_blocks = -(-(num_computed + len(tokens)) // block_size) + draw(st.integers(0, 2))
+        table = draw(st.lists(st.integers(1, 500), min_size=num_blocks, max_size=num_blocks))
+        chunks.append(SeqChunk(tokens, num_computed, table, draw(st.booleans())))
+    return chunks, block_size
+
+
+@settings(max_examples=150, deadline=None)
+@given(_chunks())
+def test_builder_matches_per_token_reference(case: tuple[list[SeqChunk], int]) -> None:
+    chunks, block_size = case
+    b: ForwardBatch = build_forward_batch(chunks, block_size, "cpu", num_blocks=501)
+    ref = _naive(chunks, block_size)
+    assert b.input_ids.tolist() == ref["input_ids"]
+    assert b.positions.tolist() == ref["positions"]
+    assert b.slot_mapping.tolist() == ref["slot_mapping"]
+    assert b.query_start_loc.tolist() == ref["qsl"]
+    assert b.seq_lens.tolist() == ref["seq_lens"]
+    assert b.logits_indices.tolist() == ref["logits_indices"]
+    for row, c, seq_len in zip(b.block_tables.tolist(), chunks, ref["seq_lens"], strict=True):
+        used = -(-seq_len // block_size)
+        assert row[:used] == list(c.block_table[:used]) and set(row[used:]) <= {0}
+
+
+@pytest.mark.parametrize(
+    ("chunks", "kwargs", "match"),
+    [
+        ([], {}, "empty batch"),
+        ([SeqChunk([], 0, [1])], {}, "chunk 0 has no tokens"),
+        ([SeqChunk([1], 0, [1]), SeqChunk([1] * 5, 0, [2])], {}, "chunk 1: block table has 1"),
+        ([SeqChunk([1], -1, [1])], {}, "negative"),
+        ([SeqChunk([1, 2], 0, [0])], {"num_blocks": 8}, "block id 0 outside"),
+        ([SeqChunk([1, 2], 0, [8])], {"num_blocks": 8}, "block id 8 outside"),
+        ([SeqChunk([1, 2], 3, [1, 2])], {"max_model_len": 4}, "length 5 exceeds max_model_len=4"),
+        ([SeqChunk([1, 99], 0, [1])], {"vocab_size": 99}, "token id 99 outside"),
+    ],
+)
+def test_invalid_chunks_are_rejected_on_the_host_with_a_clear_message(
+    chunks: list[SeqChunk], kwargs: dict[str, int], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_forward_batch(chunks, 4, "cpu", **kwargs)

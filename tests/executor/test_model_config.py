@@ -1,0 +1,166 @@
+"""Parsing HF ``config.json`` files of the Llama family, and refusing everything else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.executor.errors import ModelLoadError, UnsupportedModelError
+from services.executor.model_config import ModelConfig, RopeConfig
+
+# Abridged from the published config.json files (the fields we read).
+LLAMA2_7B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "torch_dtype": "float16", "vocab_size": 32000,
+    "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+LLAMA31_8B: dict[str, Any] = {
+    **LLAMA2_7B, "intermediate_size": 14336, "num_key_value_heads": 8,
+    "max_position_embeddings": 131072, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+    "vocab_size": 128256, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+}  # fmt: skip
+MISTRAL_7B_V01: dict[str, Any] = {
+    **LLAMA2_7B, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+    "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+    "sliding_window": 4096,
+}  # fmt: skip
+QWEN2_7B: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+    "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+    "max_window_layers": 28, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "use_sliding_window": False, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "vocab_size": 152064, "eos_token_id": 151643,
+}  # fmt: skip
+
+
+def test_llama2_legacy_config_parses_with_derived_head_dim_and_default_rope() -> None:
+    c = ModelConfig.from_hf_config(LLAMA2_7B)
+    assert (c.architecture, c.model_type) == ("LlamaForCausalLM", "llama")
+    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (32, 32, 32, 128)
+    assert (c.hidden_size, c.intermediate_size, c.vocab_size) == (4096, 11008, 32000)
+    assert c.rope == RopeConfig(theta=10000.0)
+    assert c.max_model_len == c.max_position_embeddings == 4096
+    assert (c.qkv_bias, c.o_bias, c.mlp_bias, c.tie_word_embeddings) == (False,) * 4
+    assert (c.torch_dtype, c.bos_token_id, c.eos_token_ids) == ("float16", 1, (2,))
+
+
+def test_llama31_legacy_rope_scaling_llama3_is_parsed() -> None:
+    c = ModelConfig.from_hf_config(LLAMA31_8B, max_model_len=8192)
+    assert c.rope == RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0,
+                                low_freq_factor=1.0, high_freq_factor=4.0,
+                                original_max_position_embeddings=8192)  # fmt: skip
+    assert c.num_kv_heads == 8 and c.max_model_len == 8192
+    assert c.eos_token_ids == (128001, 128008, 128009)
+
+
+def test_transformers5_rope_parameters_format_is_parsed() -> None:
+    hf = {k: v for k, v in LLAMA2_7B.items() if k not in ("rope_theta", "rope_scaling")}
+    hf["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 250.0}
+    assert ModelConfig.from_hf_config(hf).rope == RopeConfig(250.0, "linear", factor=2.0)
+
+
+def test_legacy_rope_scaling_type_key_linear_is_parsed() -> None:
+    hf = {**LLAMA2_7B, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    assert ModelConfig.from_hf_config(hf).rope == RopeConfig(10000.0, "linear", factor=4.0)
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "yarn", "longrope", "su"])
+def test_unsupported_rope_type_is_a_clear_error(rope_type: str) -> None:
+    hf = {**LLAMA2_7B, "rope_scaling": {"rope_type": rope_type, "factor": 2.0}}
+    with pytest.raises(UnsupportedModelError, match=f"rope type '{rope_type}'"):
+        ModelConfig.from_hf_config(hf)
+
+
+def test_llama3_rope_missing_factor_is_a_clear_error() -> None:
+    hf = {**LLAMA2_7B, "rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0}}  # fmt: skip
+    with pytest.raises(ModelLoadError, match="rope factor"):
+        ModelConfig.from_hf_config(hf)
+
+
+def test_explicit_head_dim_wins_over_hidden_over_heads() -> None:
+    c = ModelConfig.from_hf_config({**LLAMA2_7B, "head_dim": 64})
+    assert c.head_dim == 64 and c.q_size == 32 * 64 and c.kv_size == 32 * 64
+
+
+def test_mistral_sliding_window_shorter_than_context_is_refused_unless_context_capped() -> None:
+    with pytest.raises(UnsupportedModelError, match=r"sliding_window=4096 < max_model_len=32768"):
+        ModelConfig.from_hf_config(MISTRAL_7B_V01)
+    capped = ModelConfig.from_hf_config(MISTRAL_7B_V01, max_model_len=4096)
+    assert capped.max_model_len == 4096 and capped.model_type == "mistral"
+    no_window = ModelConfig.from_hf_config({**MISTRAL_7B_V01, "sliding_window": None})
+    assert no_window.max_model_len == 32768
+    # An absent key means transformers' default window of 4096, not "no window".
+    absent = {k: v for k, v in MISTRAL_7B_V01.items() if k != "sliding_window"}
+    with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):
+        ModelConfig.from_hf_config(absent)
+
+
+def test_qwen2_has_qkv_bias_only_and_ignores_disabled_sliding_window() -> None:
+    c = ModelConfig.from_hf_config(QWEN2_7B)
+    assert (c.qkv_bias, c.o_bias, c.mlp_bias) == (True, False, False)
+    assert (c.head_dim, c.num_kv_heads, c.rope.theta) == (128, 4, 1000000.0)
+
+
+def test_qwen2_enabled_sliding_window_is_refused() -> None:
+    hf = {**QWEN2_7B, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 4}
+    with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):
+        ModelConfig.from_hf_config(hf)
+    # Enabled, but max_window_layers covers every layer: no layer actually uses the window.
+    assert ModelConfig.from_hf_config({**hf, "max_window_layers": 28}).qkv_bias
+
+
+def test_llama_attention_bias_puts_bias_on_all_four_projections() -> None:
+    c = ModelConfig.from_hf_config({**LLAMA2_7B, "attention_bias": True, "mlp_bias": True})
+    assert (c.qkv_bias, c.o_bias, c.mlp_bias) == (True, True, True)
+
+
+def test_architecture_falls_back_to_model_type() -> None:
+    hf = {k: v for k, v in QWEN2_7B.items() if k != "architectures"}
+    assert ModelConfig.from_hf_config(hf).architecture == "Qwen2ForCausalLM"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
+        ({"architectures": None, "model_type": "falcon"}, "falcon"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ],
+)
+def test_unsupported_models_raise_unsupported_model_error_naming_the_feature(
+    overrides: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(UnsupportedModelError, match=match) as info:
+        ModelConfig.from_hf_config({**LLAMA2_7B, **overrides})
+    assert isinstance(info.value, NotImplementedError)  # also catchable as that
+
+
+@pytest.mark.parametrize(
+    ("overrides", "max_model_len", "match"),
+    [
+        ({"hidden_size": None}, None, "hidden_size"),
+        ({"num_key_value_heads": 5}, None, "num_key_value_heads=5"),
+        ({}, 4097, "max_model_len=4097"),
+        ({"vocab_size": "32000"}, None, "vocab_size"),
+    ],
+)
+def test_invalid_configs_raise_model_load_error_naming_the_field(
+    overrides: dict[str, Any], max_model_len: int | None, match: str
+) -> None:
+    with pytest.raises(ModelLoadError, match=match):
+        ModelConfig.from_hf_config({**LLAMA2_7B, **overrides}, max_model_len=max_model_len)
+
+
+def test_config_is_frozen() -> None:
+    c = ModelConfig.from_hf_config(LLAMA2_7B)
+    with pytest.raises(AttributeError):
+        c.vocab_size = 1  # type: ignore[misc]

@@ -1,0 +1,308 @@
+"""Scheduler behaviour through the real engine loop with a model-free paged runner."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+import pytest
+
+from services.blockmgr.client import InProcessClient
+from services.executor.engine import Engine, EngineError, EngineSettings, SeqOutput
+from services.executor.sampling_params import SamplingParams
+from services.executor.scheduler import SchedulerConfig
+from services.executor.sequence import FinishReason
+
+from .fake_runner import VOCAB, FakePagedRunner, reference_tokens
+
+BS = 4
+
+
+def make_engine(
+    num_blocks: int = 64,
+    *,
+    max_num_seqs: int = 16,
+    budget: int = 32,
+    chunked: bool = True,
+    prefix: bool = True,
+    max_model_len: int = 128,
+    watermark: int = 0,
+) -> tuple[Engine, FakePagedRunner, InProcessClient]:
+    runner = FakePagedRunner(num_blocks, BS)
+    client = InProcessClient()
+    settings = EngineSettings(
+        max_model_len=max_model_len,
+        vocab_size=VOCAB,
+        eos_token_ids=(2,),
+        scheduler=SchedulerConfig(
+            block_size=BS,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=chunked,
+            enable_prefix_caching=prefix,
+            watermark_blocks=watermark,
+        ),
+        pool_id="test",
+    )
+    return Engine(settings, runner, client), runner, client
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def run(engine: Engine, max_steps: int = 10_000) -> dict[tuple[str, int], list[SeqOutput]]:
+    outs: dict[tuple[str, int], list[SeqOutput]] = {}
+    for _ in range(max_steps):
+        if not engine.has_work:
+            return outs
+        for o in engine.step():
+            outs.setdefault((o.req_id, o.index), []).append(o)
+    raise AssertionError("engine did not finish")
+
+
+def tokens(outs: Iterable[SeqOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def assert_no_leak(engine: Engine, client: InProcessClient) -> None:
+    c = client.stats("test").counters
+    assert c.num_in_use_blocks == 0 and c.num_sequences == 0
+    assert c.num_free_blocks == c.num_usable_blocks
+    assert not engine.scheduler.refs and not engine.requests
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def test_long_prompt_is_split_by_the_token_budget_and_decodes_go_first():
+    engine, runner, client = make_engine(budget=16)
+    engine.add_request("short", prompt(3, 0), greedy(8))
+    engine.step()  # "short" prefilled (3 tokens) and sampled
+    engine.add_request("long", prompt(40, 1), greedy(2))
+    run(engine)
+    # First step with "long": 1 decode token of "short", then 15 prefill tokens of "long".
+    assert runner.calls[1] == [(3, 1), (0, 15)]
+    assert runner.calls[2] == [(4, 1), (15, 15)]
+    assert runner.calls[3] == [(5, 1), (30, 10)]
+    assert all(sum(n for _, n in call) <= 16 for call in runner.calls)
+    assert_no_leak(engine, client)
+
+
+def test_chunked_prefill_off_admits_whole_prompts_only():
+    engine, runner, client = make_engine(budget=16, chunked=False)
+    engine.add_request("a", prompt(10, 0), greedy(3))
+    engine.add_request("b", prompt(10, 1), greedy(3))
+    outs = run(engine)
+    assert runner.calls[0] == [(0, 10)]  # b does not fit the rest of the budget
+    assert runner.calls[1] == [(10, 1), (0, 10)]
+    with pytest.raises(EngineError, match="max_num_batched_tokens"):
+        engine.add_request("c", prompt(17, 2), greedy(3))
+    assert tokens(outs[("a", 0)]) == reference_tokens(prompt(10, 0), 3)
+    assert_no_leak(engine, client)
+
+
+def test_fcfs_admission_order_with_one_slot():
+    engine, _runner, client = make_engine(max_num_seqs=1)
+    for i in range(4):
+        engine.add_request(f"r{i}", prompt(5, i), greedy(2))
+    order = []
+    while engine.has_work:
+        for o in engine.step():
+            if o.finish_reason is not None:
+                order.append(o.req_id)
+    assert order == ["r0", "r1", "r2", "r3"]
+    assert_no_leak(engine, client)
+
+
+def test_priority_admission_order_lower_value_first_ties_by_arrival():
+    engine, _runner, _client = make_engine(max_num_seqs=1)
+    for i, prio in enumerate([5, 1, 5, 0, 1]):
+        engine.add_request(f"r{i}", prompt(5, i), greedy(2), priority=prio)
+    order = []
+    while engine.has_work:
+        order += [o.req_id for o in engine.step() if o.finish_reason is not None]
+    assert order == ["r3", "r1", "r4", "r0", "r2"]
+
+
+def test_preemption_by_recompute_resumes_with_identical_tokens():
+    engine, _runner, client = make_engine(num_blocks=13, budget=64)  # 12 usable = 48 slots
+    prompts = {f"r{i}": prompt(6 + i, i) for i in range(5)}
+    for req_id, p in prompts.items():
+        engine.add_request(req_id, p, greedy(20))
+    outs = run(engine)
+    assert engine.scheduler.num_preemptions > 0
+    for req_id, p in prompts.items():
+        assert tokens(outs[(req_id, 0)]) == reference_tokens(p, 20), req_id
+    assert_no_leak(engine, client)
+
+
+def test_newest_sequence_is_the_one_preempted():
+    engine, _runner, _client = make_engine(num_blocks=9, budget=64)  # 8 usable = 32 slots
+    engine.add_request("old", prompt(8, 0), greedy(20))
+    engine.add_request("new", prompt(8, 1), greedy(20))
+    preempted = []
+    while engine.has_work:
+        engine.step()
+        for seq in engine.scheduler.waiting:
+            if seq.num_preemptions and seq.req_id not in preempted:
+                preempted.append(seq.req_id)
+    assert preempted == ["new"]
+
+
+def test_no_preemption_while_free_blocks_remain():
+    # 16 sequences x (8 prompt + 8 output) = 16 x 4 blocks = 64 blocks: exactly the pool.
+    engine, _runner, client = make_engine(num_blocks=65, budget=256)
+    for i in range(16):
+        engine.add_request(f"r{i}", prompt(8, i), greedy(8))
+    run(engine)
+    assert engine.scheduler.num_preemptions == 0
+    assert_no_leak(engine, client)
+
+
+def test_oldest_request_keeps_progressing_under_constant_pressure():
+    engine, _runner, client = make_engine(num_blocks=11, budget=64)  # 10 usable = 40 slots
+    engine.add_request("oldest", prompt(10, 0), greedy(24))
+    done_at = None
+    for step in range(400):
+        if step % 2 == 0:
+            engine.add_request(f"n{step}", prompt(10, step + 1), greedy(8))
+        for o in engine.step():
+            if o.req_id == "oldest" and o.finish_reason is not None:
+                done_at = step
+        if done_at is not None:
+            break
+    assert done_at is not None and done_at < 60
+    for seq in engine.scheduler.waiting + engine.scheduler.running:
+        engine.abort_request(seq.req_id)
+    run(engine)
+    assert_no_leak(engine, client)
+
+
+@pytest.mark.parametrize("when", ["waiting", "running", "final_step", "after_finish"])
+def test_abort_frees_blocks_and_is_idempotent(when):
+    """Abort while queued, mid-generation, one step before the last token, or after the end:
+    exactly one final message per index, and every block back in the pool."""
+    engine, _runner, client = make_engine(max_num_seqs=1)
+    engine.add_request("keep", prompt(6, 0), greedy(4))
+    engine.add_request("x", prompt(9, 1), greedy(3))
+    early: list[SeqOutput] = []
+
+    def x_tokens() -> int:
+        return sum(len(o.token_ids) for o in early if o.req_id == "x")
+
+    target = {"waiting": -1, "running": 1, "final_step": 2, "after_finish": 3}[when]
+    early += engine.step()
+    while x_tokens() < target:
+        early += engine.step()
+    finished_before = any(o.req_id == "x" and o.finish_reason for o in early)
+    assert engine.abort_request("x") is (not finished_before)
+    assert engine.abort_request("x") is False  # idempotent: nothing more happens
+    outs = run(engine)
+    for o in reversed(early):
+        outs.setdefault((o.req_id, o.index), []).insert(0, o)
+    finals = [o for o in outs[("x", 0)] if o.finish_reason is not None]
+    assert len(finals) == 1
+    expected = FinishReason.LENGTH if finished_before else FinishReason.ABORT
+    assert finals[0].finish_reason is expected
+    assert tokens(outs[("keep", 0)]) == reference_tokens(prompt(6, 0), 4)
+    assert_no_leak(engine, client)
+
+
+def test_prefix_cache_hit_skips_prefill_of_cached_blocks():
+    engine, runner, _client = make_engine()
+    shared = prompt(12, 0)
+    engine.add_request("a", [*shared, 50], greedy(2))
+    run(engine)
+    engine.add_request("b", [*shared, 60, 61], greedy(2))
+    outs = run(engine)
+    assert runner.calls[-2][0] == (12, 2)  # 12 cached tokens, only the 2 new ones computed
+    assert tokens(outs[("b", 0)]) == reference_tokens([*shared, 60, 61], 2)
+    final = outs[("b", 0)][-1]
+    assert final.usage is not None and final.usage.cached_prompt_tokens == 12
+
+
+def test_prefix_caching_off_recomputes_everything():
+    engine, runner, _client = make_engine(prefix=False)
+    shared = prompt(12, 0)
+    engine.add_request("a", [*shared, 50], greedy(2))
+    run(engine)
+    engine.add_request("b", [*shared, 60], greedy(2))
+    run(engine)
+    assert runner.calls[-2][0] == (0, 13)
+
+
+def test_parallel_samples_share_the_prompt_and_copy_on_write():
+    engine, runner, client = make_engine()
+    p = prompt(10, 3)  # 10 tokens: the last prompt block is partial, so samples COW it
+    engine.add_request("n4", p, SamplingParams(n=4, temperature=0.0, max_tokens=6,
+                                               ignore_eos=True))  # fmt: skip
+    early = engine.step()  # prefill once, then four first tokens from the same logits
+    assert runner.calls[0] == [(0, 10)]
+    early += engine.step()  # fork + first decode of all four
+    stats = client.stats("test")
+    # 3 prompt blocks shared by 4 samples; 3 samples got a private copy of the partial block.
+    assert stats.counters.num_in_use_blocks == 3 + 3
+    assert stats.num_cow_copies == 3 and runner.num_copies == 3
+    outs = run(engine)
+    for o in reversed(early):
+        outs.setdefault((o.req_id, o.index), []).insert(0, o)
+    for i in range(4):
+        assert tokens(outs[("n4", i)]) == reference_tokens(p, 6)
+        assert sum(o.finish_reason is not None for o in outs[("n4", i)]) == 1
+    assert_no_leak(engine, client)
+
+
+def test_validation_errors_are_refused_before_queueing():
+    engine, _, _ = make_engine(max_model_len=32)
+    engine.add_request("dup", [5, 6], greedy(2))
+    cases = [
+        ("dup", [5], greedy(2), "ALREADY_EXISTS"),
+        ("", [5], greedy(2), "INVALID_ARGUMENT"),
+        ("e", [], greedy(2), "INVALID_ARGUMENT"),
+        ("long", [5] * 32, greedy(2), "INVALID_ARGUMENT"),
+        ("vocab", [5, VOCAB], greedy(2), "INVALID_ARGUMENT"),
+        ("neg", [5, -1], greedy(2), "INVALID_ARGUMENT"),
+        ("temp", [5], SamplingParams(temperature=-1), "INVALID_ARGUMENT"),
+    ]
+    for req_id, p, params, code in cases:
+        with pytest.raises(EngineError) as info:
+            engine.add_request(req_id, p, params)
+        assert info.value.code == code, (req_id, info.value)
+    assert len(engine.requests) == 1
+
+
+def test_generation_stops_at_max_model_len_with_length():
+    engine, _, client = make_engine(max_model_len=20)
+    engine.add_request("r", prompt(15, 0), greedy(100))
+    outs = run(engine)
+    assert len(tokens(outs[("r", 0)])) == 5
+    assert outs[("r", 0)][-1].finish_reason is FinishReason.LENGTH
+    assert_no_leak(engine, client)
+
+
+def test_random_workload_matches_reference_and_leaks_nothing():
+    rng = random.Random(7)
+    engine, _runner, client = make_engine(num_blocks=20, budget=24, max_num_seqs=6)
+    expected = {}
+    got: dict[str, list[int]] = {}
+    finals: dict[str, int] = {}
+    for step in range(1000):
+        if step < 120 and rng.random() < 0.4:
+            req_id = f"r{step}"
+            p = prompt(rng.randrange(1, 30), step)
+            n = rng.randrange(1, 12)
+            engine.add_request(req_id, p, greedy(n), priority=rng.randrange(3))
+            expected[req_id] = reference_tokens(p, n)
+        for o in engine.step():
+            got.setdefault(o.req_id, []).extend(o.token_ids)
+            finals[o.req_id] = finals.get(o.req_id, 0) + (o.finish_reason is not None)
+        if step >= 120 and not engine.has_work:
+            break
+    assert engine.scheduler.num_preemptions > 0
+    assert got == expected
+    assert set(finals.values()) == {1}
+    assert_no_leak(engine, client)

@@ -1,0 +1,67 @@
+"""``bench/gpu_check.py`` works before it meets a GPU.
+
+The script cannot be run for real here, so its every code path is exercised by its
+``--cpu-dry-run`` mode (Triton interpreter, tiny shapes), and its CPU-only exit path is
+checked as CI sees it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = REPO_ROOT / "bench" / "gpu_check.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+
+
+def _load_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", module)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_gpu_check_without_cuda_says_so_and_exits_zero() -> None:
+    proc = _run()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "no CUDA: nothing to check"
+
+
+def test_gpu_check_cpu_dry_run_passes_every_check_and_prints_the_tables() -> None:
+    proc = _run("--cpu-dry-run")
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    assert "FAIL" not in proc.stdout
+    assert "| batch | ctx | kernel | splits |" in proc.stdout
+    assert "| tokens | time (us) |" in proc.stdout
+    assert "checks passed" in proc.stdout
+
+
+def test_gpu_check_exits_nonzero_when_a_check_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    script = _load_script(monkeypatch)
+
+    def failing_checks(report, plan) -> None:  # type: ignore[no-untyped-def]
+        report.close("planted", torch.ones(2), torch.zeros(2), torch.float32)
+
+    monkeypatch.setattr(script, "check_correctness", failing_checks)
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--cpu-dry-run", "--no-bench"])
+    assert script.main() == 1
