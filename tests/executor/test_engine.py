@@ -1,0 +1,221 @@
+"""The engine with the tiny Llama: token-identical to transformers under greedy decoding,
+whatever the batching, chunking, preemption, prefix caching or block-manager transport."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
+from services.blockmgr.config import BlockManagerServiceConfig
+from services.executor.config import ExecutorConfig
+from services.executor.engine import Engine
+from services.executor.sampling_params import SamplingParams
+from services.executor.startup import build_engine, load_runner
+from tests.blockmgr.helpers import ThreadedServer
+
+NUM_REQUESTS = 32
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def workload(llama, hf_model) -> list[tuple[list[int], int, list[int]]]:
+    """32 (prompt, max_tokens, transformers' greedy output); half share a 40-token prefix."""
+    rng = random.Random(0)
+    shared = [1] + [rng.randrange(3, 600) for _ in range(39)]
+    hf = hf_model("llama")
+    out = []
+    for i in range(NUM_REQUESTS):
+        tail = [rng.randrange(3, 600) for _ in range(rng.randrange(1, 50))]
+        prompt = [*shared, *tail] if i % 2 else [1, *tail]
+        max_tokens = rng.randrange(1, 24)
+        with torch.inference_mode():
+            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                              do_sample=False)[0, len(prompt):].tolist()  # fmt: skip
+        out.append((prompt, max_tokens, ids))
+    return out
+
+
+def _engine(model: str, client: BlockManagerClient | None = None, **kw) -> Engine:
+    kw.setdefault("max_model_len", 512)
+    config = ExecutorConfig(model=model, dtype="float32", device="cpu", **kw)
+    engine, _ = build_engine(config, runner=load_runner(config),
+                             blockmgr=client or InProcessClient())  # fmt: skip
+    return engine
+
+
+def _run_staggered(engine: Engine, workload, per_step: int = 4) -> dict[str, list[int]]:
+    """Requests arrive a few per step while earlier ones are running."""
+    got: dict[str, list[int]] = {}
+    pending = list(enumerate(workload))
+    while pending or engine.has_work:
+        for i, (prompt, max_tokens, _) in pending[:per_step]:
+            engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0,
+                                                               max_tokens=max_tokens))
+        pending = pending[per_step:]
+        for o in engine.step():
+            got.setdefault(o.req_id, []).extend(o.token_ids)
+    return got
+
+
+def _assert_matches(got: dict[str, list[int]], workload) -> None:
+    for i, (_, _, expected) in enumerate(workload):
+        assert got[f"r{i}"] == expected, f"request r{i}"
+
+
+def _assert_pool_empty(engine: Engine) -> None:
+    c = engine.blockmgr.stats(engine.settings.pool_id).counters
+    assert c.num_in_use_blocks == 0 and c.num_free_blocks == c.num_usable_blocks
+
+
+CONFIGS = {
+    "default": {},
+    "no_prefix_caching": {"enable_prefix_caching": False},
+    "no_chunked_prefill": {"enable_chunked_prefill": False, "max_num_batched_tokens": 512},
+    "small_budget": {"max_num_batched_tokens": 24},
+    "preempting_kv_cache": {"num_kv_blocks": 12, "max_model_len": 176},
+    "block_size_32": {"block_size": 32, "num_kv_blocks": 40},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_32_concurrent_requests_match_transformers_greedy(llama, workload, name):
+    kw = {"num_kv_blocks": 96, "max_num_batched_tokens": 128, **CONFIGS[name]}
+    engine = _engine(llama, **kw)
+    _assert_matches(_run_staggered(engine, workload), workload)
+    if name == "preempting_kv_cache":
+        assert engine.scheduler.num_preemptions > 0
+    if name == "default":
+        assert engine.blockmgr.stats(engine.settings.pool_id).prefix_cache_hits_tokens > 0
+    assert engine.num_blockmgr_round_trips == engine.num_steps
+    _assert_pool_empty(engine)
+
+
+@pytest.fixture
+def grpc_blockmgr() -> Iterator[ThreadedServer]:
+    server = ThreadedServer()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("name", ["default", "preempting_kv_cache"])
+def test_same_tokens_with_the_block_manager_over_grpc(llama, workload, grpc_blockmgr, name):
+    kw = {"num_kv_blocks": 96, "max_num_batched_tokens": 128, **CONFIGS[name]}
+    client = GrpcClient(grpc_blockmgr.address)
+    engine = _engine(llama, client, **kw)
+    _assert_matches(_run_staggered(engine, workload), workload)
+    assert engine.num_blockmgr_round_trips == engine.num_steps  # one Step per iteration
+    _assert_pool_empty(engine)
+    client.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_generation_survives_a_block_manager_restart(llama, workload):
+    port = _free_port()
+    config = BlockManagerServiceConfig(port=port, grace_period_s=0.1)
+    server = ThreadedServer(config)
+    client = GrpcClient(f"127.0.0.1:{port}", timeout_s=2.0)
+    health: list[bool] = []
+    config_e = ExecutorConfig(model=llama, dtype="float32", device="cpu", num_kv_blocks=96,
+                              max_num_batched_tokens=128, max_model_len=512)  # fmt: skip
+    engine, _ = build_engine(config_e, runner=load_runner(config_e), blockmgr=client,
+                             on_health=health.append)  # fmt: skip
+    got: dict[str, list[int]] = {}
+    for i, (prompt, max_tokens, _) in enumerate(workload):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0,
+                                                           max_tokens=max_tokens))
+    for _ in range(6):
+        for o in engine.step():
+            got.setdefault(o.req_id, []).extend(o.token_ids)
+    old_epoch = engine.pool.epoch
+    server.stop()  # the block manager dies with every table it had
+
+    restarted: list[ThreadedServer] = []
+
+    def restart_later() -> None:
+        time.sleep(0.5)
+        restarted.append(ThreadedServer(config))
+
+    t = threading.Thread(target=restart_later)
+    t.start()
+    while engine.has_work:  # the first step blocks until the new block manager answers
+        for o in engine.step():
+            got.setdefault(o.req_id, []).extend(o.token_ids)
+    t.join()
+    _assert_matches(got, workload)
+    assert engine.pool.epoch != old_epoch and engine.num_blockmgr_recoveries == 1
+    assert health[:2] == [False, True]
+    _assert_pool_empty(engine)
+    client.close()
+    restarted[0].stop()
+
+
+def test_seeded_sampling_is_reproducible_regardless_of_batch(llama, workload):
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.02,
+                            repetition_penalty=1.2, frequency_penalty=0.3, seed=1234,
+                            max_tokens=20, logprobs=3)  # fmt: skip
+    prompt = workload[3][0]
+
+    def sample(extra: int) -> tuple[list[int], list[float]]:
+        engine = _engine(llama, num_kv_blocks=96)
+        for i in range(extra):
+            engine.add_request(f"x{i}", workload[i + 5][0],
+                               SamplingParams(temperature=1.0, max_tokens=25))  # fmt: skip
+        engine.add_request("seeded", prompt, params)
+        toks: list[int] = []
+        lps: list[float] = []
+        while engine.has_work:
+            for o in engine.step():
+                if o.req_id == "seeded":
+                    toks += o.token_ids
+                    lps += [lp.logprob for lp in o.logprobs]
+                    assert all(len(lp.top) == 3 for lp in o.logprobs)
+        return toks, lps
+
+    alone_tokens, alone_logprobs = sample(0)
+    assert len(alone_tokens) == 20
+    for extra in (7, 3):
+        tokens, logprobs = sample(extra)
+        assert tokens == alone_tokens
+        # Logprobs only differ by float reduction order across batch shapes.
+        assert logprobs == pytest.approx(alone_logprobs, abs=1e-4)
+
+
+def test_parallel_samples_share_prompt_blocks_and_copy_on_write(llama, workload):
+    engine = _engine(llama, num_kv_blocks=96)
+    prompt = workload[1][0]  # 40+ tokens: several full blocks and a partial one
+    engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=7,
+                                                    max_tokens=12))  # fmt: skip
+    outs: dict[int, list[int]] = {}
+    finals = {}
+    engine.step()
+    engine.step()
+    stats = engine.blockmgr.stats(engine.settings.pool_id)
+    prompt_blocks = -(-len(prompt) // 16)
+    assert stats.counters.num_in_use_blocks < 4 * prompt_blocks
+    if len(prompt) % 16:
+        assert stats.num_cow_copies == 3
+    engine2 = engine
+    while engine2.has_work:
+        for o in engine2.step():
+            outs.setdefault(o.index, []).extend(o.token_ids)
+            if o.finish_reason is not None:
+                finals[o.index] = o.usage
+    assert set(finals) == {0, 1, 2, 3}
+    assert all(u.prompt_tokens == len(prompt) for u in finals.values())
+    _assert_pool_empty(engine)
