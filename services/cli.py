@@ -11,6 +11,7 @@ import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "blockmgr": ("services.blockmgr.__main__", "run the KV block manager gRPC service"),
+    "executor": ("services.executor.__main__", "run the executor (scheduler + model) service"),
     "make-tiny-model": (
         "services.executor.tiny_model",
         "write a tiny random Llama checkpoint with a real tokenizer",

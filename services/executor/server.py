@@ -1,0 +1,91 @@
+"""The executor process: gRPC server first (health NOT_SERVING), then the model load and KV
+sizing in a worker thread, then the engine loop; SERVING once it runs and the block manager
+answers."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import signal
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagedserve.v1 import executor_pb2, executor_pb2_grpc
+from services.executor.config import ExecutorConfig
+from services.executor.engine_loop import EngineLoop
+from services.executor.servicer import ExecutorServicer
+
+log = structlog.get_logger(__name__)
+SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+GRACE_PERIOD_S = 5.0
+
+
+async def serve(config: ExecutorConfig) -> int:
+    """Run until SIGTERM/SIGINT (exit 0) or until the engine dies (exit 1)."""
+    aio_loop = asyncio.get_running_loop()
+    servicer = ExecutorServicer()
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
+    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"could not bind {config.host}:{config.port}")
+
+    async def set_health(serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)  # fmt: skip
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, status)
+
+    await set_health(False)
+    await server.start()
+    log.info("executor_listening", host=config.host, port=port)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio_loop.add_signal_handler(sig, stop.set)
+
+    def on_health(healthy: bool) -> None:  # called from the engine thread
+        log.info("executor_health", serving=healthy)
+        aio_loop.call_soon_threadsafe(lambda: asyncio.ensure_future(set_health(healthy)))
+
+    from services.executor.startup import build_engine
+
+    load = asyncio.ensure_future(asyncio.to_thread(build_engine, config, on_health=on_health))
+    done, _ = await asyncio.wait({load, asyncio.ensure_future(stop.wait())},
+                                 return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+    if load not in done:  # stopped while loading
+        await server.stop(0)
+        return 0
+    engine, served = load.result()
+    engine_loop = EngineLoop(engine)
+    engine_loop.start()
+    servicer.ready(engine_loop, served)
+    gc.freeze()
+    await set_health(engine.healthy)
+    log.info("executor_ready", model=served.name, max_model_len=served.max_model_len,
+             num_kv_blocks=served.num_kv_blocks, device=served.device)  # fmt: skip
+
+    code = 0
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=0.5)
+        except TimeoutError:
+            if not engine_loop.alive:
+                log.error("engine_loop_died", error=repr(engine_loop.error))
+                code = 1
+                break
+    log.info("executor_shutting_down")
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(GRACE_PERIOD_S)
+    engine_loop.stop()
+    engine.blockmgr.close()
+    log.info("executor_stopped")
+    return code

@@ -1,0 +1,180 @@
+"""Thin grpc.aio servicer of ``pagedserve.v1.Executor`` over the :class:`EngineLoop`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+from services.blockmgr.hashing import HASH_ALGORITHM
+from services.executor.engine import MAX_REQUEST_ID_LEN, SeqOutput
+from services.executor.engine_loop import AddCommand, Delivery, EngineLoop, Load, Session
+from services.executor.sampling_params import SamplingParams
+from services.executor.sequence import FinishReason
+from services.executor.startup import ServedModel
+
+log = structlog.get_logger(__name__)
+
+FINISH_TO_PB = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def params_from_pb(p: executor_pb2.ExecutorSamplingParams) -> SamplingParams:
+    return SamplingParams(
+        n=p.n,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=p.max_tokens,
+        min_tokens=p.min_tokens,
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+    )
+
+
+def update_to_pb(out: SeqOutput) -> executor_pb2.SequenceUpdate:
+    msg = executor_pb2.SequenceUpdate(
+        request_id=out.req_id,
+        index=out.index,
+        token_ids=out.token_ids,
+        logprobs=[
+            common_pb2.TokenLogprob(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            )
+            for lp in out.logprobs
+        ],
+    )
+    if out.finish_reason is not None:
+        msg.finish_reason = FINISH_TO_PB[out.finish_reason]
+        if out.stop_token_id is not None:
+            msg.stop_token_id = out.stop_token_id
+        if out.usage is not None:
+            u = out.usage
+            msg.usage.CopyFrom(common_pb2.Usage(
+                prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                cached_prompt_tokens=u.cached_prompt_tokens,
+            ))  # fmt: skip
+    return msg
+
+
+def load_to_pb(load: Load) -> executor_pb2.ExecutorLoad:
+    return executor_pb2.ExecutorLoad(**{f: getattr(load, f) for f in load.__slots__})
+
+
+def delivery_to_pb(d: Delivery) -> executor_pb2.ExecutorStep:
+    return executor_pb2.ExecutorStep(
+        step=d.step,
+        updates=[update_to_pb(o) for o in d.outputs],
+        errors=[
+            executor_pb2.RequestError(request_id=r, code=c, message=m) for r, c, m in d.errors
+        ],
+        load=load_to_pb(d.load),
+    )
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+    """Serves once :meth:`ready` is called with a running loop; UNAVAILABLE before."""
+
+    def __init__(self) -> None:
+        self.loop_: EngineLoop | None = None
+        self.served: ServedModel | None = None
+        self.info: executor_pb2.ExecutorInfo | None = None
+
+    def ready(self, engine_loop: EngineLoop, served: ServedModel) -> None:
+        self.loop_ = engine_loop
+        self.served = served
+        cfg = engine_loop.engine.settings.scheduler
+        self.info = executor_pb2.ExecutorInfo(
+            model_name=served.name,
+            dtype=served.dtype,
+            max_model_len=served.max_model_len,
+            block_size=served.block_size,
+            vocab_size=served.vocab_size,
+            eos_token_ids=served.eos_token_ids,
+            num_kv_blocks=served.num_kv_blocks,
+            kv_capacity_tokens=(served.num_kv_blocks - 1) * served.block_size,
+            hash_algorithm=HASH_ALGORITHM,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            device=served.device,
+        )
+
+    async def Info(
+        self, request: executor_pb2.ExecutorInfoRequest, context: grpc.aio.ServicerContext
+    ) -> executor_pb2.ExecutorInfo:
+        if self.info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        assert self.info is not None
+        return self.info
+
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[executor_pb2.SessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[executor_pb2.ExecutorStep]:
+        engine_loop = self.loop_
+        if engine_loop is None or not engine_loop.alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not running")
+        assert engine_loop is not None
+        aio_loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[Delivery | None] = asyncio.Queue()
+        session = Session(lambda d: aio_loop.call_soon_threadsafe(inbox.put_nowait, d))
+        engine_loop.open(session)
+        log.info("session_opened", session_id=session.session_id, peer=context.peer())
+
+        async def read() -> None:
+            async for req in request_iterator:
+                kind = req.WhichOneof("kind")
+                if kind == "add":
+                    error = self._add(engine_loop, session, req.add)
+                    if error is not None:
+                        inbox.put_nowait(Delivery(0, [], [error], engine_loop.load()))
+                elif kind == "abort":
+                    engine_loop.abort(session, req.abort.request_id)
+            engine_loop.half_close(session)
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                delivery = await inbox.get()
+                if delivery is None:
+                    if engine_loop.error is not None:
+                        await context.abort(grpc.StatusCode.INTERNAL,
+                                            f"engine failed: {engine_loop.error!r}")  # fmt: skip
+                    return
+                yield delivery_to_pb(delivery)
+        finally:
+            reader.cancel()
+            engine_loop.close(session)
+
+    @staticmethod
+    def _add(
+        engine_loop: EngineLoop, session: Session, add: executor_pb2.AddRequest
+    ) -> tuple[str, str, str] | None:
+        rid = add.request_id
+        if not rid or len(rid) > MAX_REQUEST_ID_LEN:
+            return (rid, "INVALID_ARGUMENT",
+                    f"request_id must be 1..{MAX_REQUEST_ID_LEN} characters")  # fmt: skip
+        if not add.HasField("sampling_params"):
+            return (rid, "INVALID_ARGUMENT", "sampling_params is required")
+        engine_loop.add(session, AddCommand(
+            rid, list(add.prompt_token_ids), params_from_pb(add.sampling_params),
+            add.priority, add.cache_salt,
+        ))  # fmt: skip
+        return None

@@ -1,0 +1,79 @@
+"""Real service processes for end-to-end tests: start, read the bound port from the JSON log,
+stop with SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class ServiceProcess:
+    def __init__(self, args: list[str], ready_event: str, *, env: dict[str, str] | None = None,
+                 timeout: float = 60.0) -> None:  # fmt: skip
+        self.args = args
+        self.lines: list[dict] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *args],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})},
+        )
+        self._ready = threading.Event()
+        self.port: int | None = None
+        self._ready_event = ready_event
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self._ready.wait(timeout) or self.port is None:
+            self.stop()
+            raise RuntimeError(f"{args[0]} did not become ready: {self.lines[-5:]}")
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = {"event": "raw", "line": line.rstrip()}
+            self.lines.append(record)
+            if "port" in record and record.get("event", "").endswith("_listening"):
+                self.port = int(record["port"])
+            if record.get("event") == self._ready_event:
+                self._ready.set()
+        self._ready.set()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def events(self) -> list[str]:
+        return [r.get("event", "") for r in self.lines]
+
+    def wait_for_event(self, event: str, timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for r in list(self.lines):
+                if r.get("event") == event:
+                    return r
+            time.sleep(0.05)
+        raise AssertionError(f"no {event!r} in {self.events()[-10:]}")
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)
+        return self.proc.returncode
