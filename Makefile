@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint protos bench-blockmgr clean
+.PHONY: test lint protos serve bench-blockmgr bench-engine clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,6 +22,11 @@ lint: $(STAMP)
 
 test: protos lint
 	$(PY) -m pytest -q
+
+# The whole stack on loopback: blockmgr + executor + gateway (localhost:50051). Without
+# MODEL=DIR it serves the tiny default model, written to models/tiny-llama on first use.
+serve: protos
+	$(VENV)/bin/pagedserve serve $(if $(MODEL),--model $(MODEL),) $(SERVE_ARGS)
 
 bench-blockmgr: protos
 	$(PY) bench/blockmgr_bench.py

@@ -12,6 +12,10 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "blockmgr": ("services.blockmgr.__main__", "run the KV block manager gRPC service"),
     "executor": ("services.executor.__main__", "run the executor (scheduler + model) service"),
+    "gateway": ("services.gateway.__main__", "run the public gRPC API in front of executors"),
+    "serve": ("services.serve", "run blockmgr + executor + gateway as supervised processes"),
+    "generate": ("services.client_cli:generate", "stream a completion from a gateway"),
+    "chat": ("services.client_cli:chat", "stream a chat reply from a gateway"),
     "make-tiny-model": (
         "services.executor.tiny_model",
         "write a tiny random Llama checkpoint with a real tokenizer",
@@ -34,8 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"pagedserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    target = SUBCOMMANDS[name][0]
+    module_name, _, func = target.partition(":")
+    module = importlib.import_module(module_name)
+    return int(getattr(module, f"{func}_main" if func else "main")(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -188,28 +188,34 @@ class Engine:
         self._make_generator(seq)
         self.scheduler.add(seq)
 
-    def abort_request(self, req_id: str) -> bool:
-        """Abort at this step boundary (idempotent). Every index not finished yet gets a final
-        ``ABORT`` output; blocks are freed by the next Step. False if the id is unknown."""
-        req = self.requests.pop(req_id, None)
+    def abort_request(self, req_id: str, index: int | None = None) -> bool:
+        """Abort at this step boundary (idempotent): the whole request, or only sample
+        ``index``. Every sample not finished yet gets a final ``ABORT`` output; blocks are
+        freed by the next Step. False if nothing was running under that id / index."""
+        req = self.requests.get(req_id)
         if req is None:
             return False
-        req.aborted = True
-        finished_indices = set()
-        for seq in req.seqs:
-            if seq.status is SeqStatus.FINISHED:
-                finished_indices.add(seq.index)
-                continue
+        targets = [s for s in req.seqs if index is None or s.index == index]
+        live = [s for s in targets if s.status is not SeqStatus.FINISHED]
+        for seq in live:
             self.scheduler.finish(seq, FinishReason.ABORT)
             self._generators.pop(seq.seq_id, None)
-        for index in range(req.params.n):
-            if index not in finished_indices:
-                seq = next((s for s in req.seqs if s.index == index), None)
-                usage = self._usage(seq) if seq is not None else Usage(len(req.prompt_token_ids),
-                                                                       0, 0)  # fmt: skip
-                self._pending.append(SeqOutput(req_id, index, finish_reason=FinishReason.ABORT,
-                                               usage=usage))  # fmt: skip
-        return True
+            self._pending.append(SeqOutput(req_id, seq.index, finish_reason=FinishReason.ABORT,
+                                           usage=self._usage(seq)))  # fmt: skip
+        if index is None:
+            # Samples of an n > 1 request that were never forked end here too.
+            known = {s.index for s in req.seqs}
+            for missing in sorted(set(range(req.params.n)) - known):
+                self._pending.append(SeqOutput(
+                    req_id, missing, finish_reason=FinishReason.ABORT,
+                    usage=Usage(len(req.prompt_token_ids), 0, 0),
+                ))  # fmt: skip
+            req.aborted = True
+            del self.requests[req_id]
+            return bool(live) or len(known) < req.params.n
+        if req.finished:
+            del self.requests[req_id]
+        return bool(live)
 
     # ---- the iteration --------------------------------------------------------------------
 
@@ -300,6 +306,8 @@ class Engine:
     def _emit(self, seq: Seq, token: int, lp: tuple | None) -> SeqOutput:
         self.num_generation_tokens += 1
         out = SeqOutput(seq.req_id, seq.index, [token])
+        if seq.num_output_tokens == 1:  # the first token also reports the prompt's cache hits
+            out.usage = self._usage(seq)
         if lp is not None:
             chosen, top = lp
             out.logprobs.append(TokenLogprob(token, chosen, tuple(top)))

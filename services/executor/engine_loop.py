@@ -100,8 +100,8 @@ class EngineLoop:
     def add(self, session: Session, command: AddCommand) -> None:
         self._inbox.put(("add", session, command))
 
-    def abort(self, session: Session, request_id: str) -> None:
-        self._inbox.put(("abort", session, request_id))
+    def abort(self, session: Session, request_id: str, index: int | None = None) -> None:
+        self._inbox.put(("abort", session, request_id, index))
 
     def half_close(self, session: Session) -> None:
         self._inbox.put(("half_close", session))
@@ -172,8 +172,8 @@ class EngineLoop:
             session.live.add(cmd.request_id)
             self._owner[key] = session
         elif kind == "abort":
-            session, request_id = item[1], item[2]
-            self.engine.abort_request(session.key(request_id))
+            session, request_id, index = item[1], item[2], item[3]
+            self.engine.abort_request(session.key(request_id), index)
         elif kind == "half_close":
             session = item[1]
             session.half_closed = True

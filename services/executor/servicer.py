@@ -63,12 +63,12 @@ def update_to_pb(out: SeqOutput) -> executor_pb2.SequenceUpdate:
         msg.finish_reason = FINISH_TO_PB[out.finish_reason]
         if out.stop_token_id is not None:
             msg.stop_token_id = out.stop_token_id
-        if out.usage is not None:
-            u = out.usage
-            msg.usage.CopyFrom(common_pb2.Usage(
-                prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                cached_prompt_tokens=u.cached_prompt_tokens,
-            ))  # fmt: skip
+    if out.usage is not None:
+        u = out.usage
+        msg.usage.CopyFrom(common_pb2.Usage(
+            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+            cached_prompt_tokens=u.cached_prompt_tokens,
+        ))  # fmt: skip
     return msg
 
 
@@ -146,7 +146,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     if error is not None:
                         inbox.put_nowait(Delivery(0, [], [error], engine_loop.load()))
                 elif kind == "abort":
-                    engine_loop.abort(session, req.abort.request_id)
+                    index = req.abort.index if req.abort.HasField("index") else None
+                    engine_loop.abort(session, req.abort.request_id, index)
             engine_loop.half_close(session)
 
         reader = asyncio.create_task(read())

@@ -1,0 +1,1 @@
+"""The gateway: the public streaming API in front of the executors."""

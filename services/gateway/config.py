@@ -1,0 +1,81 @@
+"""Configuration of the gateway (frozen; parsed once in the entry point)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str  # checkpoint directory: the gateway reads its tokenizer and chat template
+    executor_addresses: tuple[str, ...] = ("127.0.0.1:50061",)
+    host: str = "0.0.0.0"
+    port: int = 50051
+    max_concurrent_requests: int = 256
+    max_n: int = 16
+    api_key: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    metrics_port: int | None = 9090  # None: no metrics endpoint
+    enable_reflection: bool = True
+    served_model_name: str | None = None
+    log_level: str = "INFO"
+
+    @classmethod
+    def parser(cls) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(
+            prog="pagedserve gateway",
+            description="Run the public gRPC API (pagedserve.v1.Generation) in front of "
+            "executors.",
+        )
+        a = p.add_argument
+        a("--model", required=True, help="checkpoint directory (tokenizer, chat template)")
+        a("--executor", action="append", dest="executor_addresses", default=None,
+          help="executor host:port; repeat for several (default 127.0.0.1:50061)")
+        a("--host", default=cls.host)
+        a("--port", type=int, default=cls.port)
+        a("--max-concurrent-requests", type=int, default=cls.max_concurrent_requests)
+        a("--max-n", type=int, default=cls.max_n, help="largest n (parallel samples) accepted")
+        a("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+          help="require `authorization: Bearer <key>` (also PAGEDSERVE_API_KEY)")
+        a("--tls-cert", default=None, help="PEM certificate chain (enables TLS with --tls-key)")
+        a("--tls-key", default=None, help="PEM private key")
+        a("--metrics-port", type=int, default=cls.metrics_port,
+          help="Prometheus /metrics HTTP port; 0 picks a free one; -1 disables")
+        a("--no-reflection", dest="enable_reflection", action="store_false")
+        a("--served-model-name", default=None)
+        a("--log-level", default=cls.log_level)
+        return p
+
+    @classmethod
+    def from_args(cls, argv: list[str]) -> GatewayConfig:
+        p = cls.parser()
+        ns = vars(p.parse_args(argv))
+        ns["executor_addresses"] = tuple(ns["executor_addresses"] or cls.executor_addresses)
+        if ns["metrics_port"] is not None and ns["metrics_port"] < 0:
+            ns["metrics_port"] = None
+        try:
+            config = cls(**ns)
+            config.validate()
+        except ValueError as exc:
+            p.error(str(exc))
+        return config
+
+    def validate(self) -> None:
+        if not self.executor_addresses:
+            raise ValueError("at least one --executor is needed")
+        if self.max_concurrent_requests < 1:
+            raise ValueError("--max-concurrent-requests must be >= 1")
+        if self.max_n < 1:
+            raise ValueError("--max-n must be >= 1")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")
+
+    def as_log_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["api_key"] = "***" if self.api_key else None
+        return d

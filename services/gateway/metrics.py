@@ -1,0 +1,90 @@
+"""Prometheus metrics of the gateway, on their own registry and HTTP port.
+
+Gateway-side observations (latencies, tokens, outcomes) are recorded as requests stream;
+executor-side state (running / waiting sequences, KV usage, preemptions, prefix-cache hits)
+is read from the latest ``ExecutorLoad`` of each executor at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pagedserve.v1 import executor_pb2
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class _ExecutorCollector(Collector):
+    def __init__(self, loads: Callable[[], list[executor_pb2.ExecutorLoad]]) -> None:
+        self._loads = loads
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        loads = self._loads()
+        running = sum(x.num_running for x in loads)
+        waiting = sum(x.num_waiting for x in loads)
+        usable = sum(x.num_usable_blocks for x in loads)
+        free = sum(x.num_free_blocks for x in loads)
+        prompt = sum(x.num_prompt_tokens for x in loads)
+        cached = sum(x.num_cached_prompt_tokens for x in loads)
+        yield GaugeMetricFamily("pagedserve_num_requests_running",
+                                "Sequences running on the executors", value=running)  # fmt: skip
+        yield GaugeMetricFamily("pagedserve_num_requests_waiting",
+                                "Sequences waiting on the executors", value=waiting)  # fmt: skip
+        yield GaugeMetricFamily("pagedserve_kv_cache_usage_ratio",
+                                "Share of KV blocks in use (cached-free blocks count as free)",
+                                value=(1 - free / usable) if usable else 0.0)  # fmt: skip
+        yield GaugeMetricFamily(
+            "pagedserve_prefix_cache_hit_ratio",
+            "Prompt tokens served from the prefix cache / prompt tokens computed or cached",
+            value=cached / (prompt + cached) if prompt + cached else 0.0,
+        )
+        yield CounterMetricFamily("pagedserve_num_preemptions",
+                                  "Sequences preempted (recomputed) by the executors",
+                                  value=sum(x.num_preemptions for x in loads))  # fmt: skip
+        yield CounterMetricFamily("pagedserve_executor_steps",
+                                  "Scheduler steps run by the executors",
+                                  value=sum(x.num_steps for x in loads))  # fmt: skip
+
+
+class GatewayMetrics:
+    def __init__(self, loads: Callable[[], list[executor_pb2.ExecutorLoad]]) -> None:
+        r = self.registry = CollectorRegistry()
+        r.register(_ExecutorCollector(loads))
+        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished "
+                                     "requests", registry=r)  # fmt: skip
+        self.cached_prompt_tokens = Counter("pagedserve_cached_prompt_tokens",
+                                            "Prompt tokens served from the prefix cache",
+                                            registry=r)  # fmt: skip
+        self.generation_tokens = Counter("pagedserve_generation_tokens",
+                                         "Tokens generated and streamed", registry=r)  # fmt: skip
+        self.requests = Counter("pagedserve_requests", "Finished requests by outcome",
+                                ["outcome"], registry=r)  # fmt: skip
+        self.inflight = Gauge("pagedserve_gateway_requests_inflight",
+                              "Generate streams open on this gateway", registry=r)  # fmt: skip
+        self.ttft = Histogram("pagedserve_time_to_first_token_seconds",
+                              "Time from request to its first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)  # fmt: skip
+        self.itl = Histogram("pagedserve_inter_token_latency_seconds",
+                             "Time between consecutive token messages of a sample", registry=r,
+                             buckets=_ITL_BUCKETS)  # fmt: skip
+        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds",
+                             "Time from request to its final message", registry=r,
+                             buckets=_LATENCY_BUCKETS)  # fmt: skip
+        self.port: int | None = None
+        self._server = None
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        self.port = server.server_port
+        return self.port
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None

@@ -1,0 +1,107 @@
+"""The gateway process: tokenizer, executor connections, the public gRPC server (health,
+reflection, optional TLS and API key), and the Prometheus endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import signal
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from services.gateway.auth import ApiKeyInterceptor
+from services.gateway.config import GatewayConfig
+from services.gateway.executor_client import ExecutorPool
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.servicer import GenerationServicer
+
+log = structlog.get_logger(__name__)
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+GRACE_PERIOD_S = 5.0
+
+
+def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"--model {model_dir!r} is not a directory")
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+class GatewayServer:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
+        self.pool = ExecutorPool(config.executor_addresses, on_change=self._on_pool_change)
+        self.metrics = GatewayMetrics(
+            lambda: [c.load for c in self.pool.connections if c.ready and c.load is not None]
+        )
+        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+        self.server = grpc.aio.server(interceptors=interceptors)
+        self.servicer = GenerationServicer(config, self.tokenizer, self.pool, self.metrics)
+        generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if config.enable_reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            )
+        address = f"{config.host}:{config.port}"
+        if config.tls_cert and config.tls_key:
+            creds = grpc.ssl_server_credentials(
+                [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
+            )
+            self.port = self.server.add_secure_port(address, creds)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind {address}")
+        self._health_task: asyncio.Task[None] | None = None
+
+    def _on_pool_change(self) -> None:
+        serving = bool(self.pool.ready)
+        log.info("gateway_health", serving=serving,
+                 executors_ready=[c.address for c in self.pool.ready])  # fmt: skip
+        self._health_task = asyncio.ensure_future(self._set_health(serving))
+
+    async def _set_health(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)  # fmt: skip
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def start(self) -> None:
+        await self._set_health(False)
+        if self.config.metrics_port is not None:
+            port = self.metrics.serve(self.config.metrics_port, self.config.host)
+            log.info("metrics_listening", metrics_port=port)
+        self.pool.start()
+        await self.server.start()
+        log.info("gateway_listening", host=self.config.host, port=self.port,
+                 tls=bool(self.config.tls_cert), auth=bool(self.config.api_key),
+                 executors=list(self.config.executor_addresses))  # fmt: skip
+
+    async def stop(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(GRACE_PERIOD_S)
+        await self.pool.close()
+        self.metrics.shutdown()
+        log.info("gateway_stopped")
+
+
+async def serve(config: GatewayConfig) -> int:
+    server = GatewayServer(config)
+    await server.start()
+    gc.freeze()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("gateway_shutting_down")
+    await server.stop()
+    return 0
