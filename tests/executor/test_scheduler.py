@@ -306,3 +306,45 @@ def test_random_workload_matches_reference_and_leaks_nothing():
     assert got == expected
     assert set(finals.values()) == {1}
     assert_no_leak(engine, client)
+
+
+def test_stop_token_finishes_with_stop_and_reports_the_token():
+    engine, _, client = make_engine()
+    p = prompt(7, 11)
+    ref = reference_tokens(p, 10)
+    engine.add_request("s", p, SamplingParams(temperature=0.0, max_tokens=10,
+                                              stop_token_ids=(ref[3],)))  # fmt: skip
+    outs = run(engine)[("s", 0)]
+    assert tokens(outs) == ref[: ref.index(ref[3]) + 1]
+    assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].stop_token_id == ref[3]
+    assert_no_leak(engine, client)
+
+
+def test_min_tokens_bans_stop_tokens_until_reached():
+    engine, _, client = make_engine()
+    p = prompt(7, 11)
+    ref = reference_tokens(p, 10)
+    engine.add_request("s", p, SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5,
+                                              stop_token_ids=(ref[0],)))  # fmt: skip
+    outs = run(engine)[("s", 0)]
+    assert tokens(outs)[0] != ref[0]  # banned at the first position
+    assert len(tokens(outs)) >= 5
+    assert_no_leak(engine, client)
+
+
+def test_aborting_one_sample_of_n_keeps_the_others_running():
+    engine, _, client = make_engine()
+    p = prompt(10, 4)
+    engine.add_request("n3", p, SamplingParams(n=3, temperature=0.0, max_tokens=8,
+                                               ignore_eos=True))  # fmt: skip
+    early = engine.step() + engine.step()
+    assert engine.abort_request("n3", index=1) is True
+    assert engine.abort_request("n3", index=1) is False
+    outs = run(engine)
+    for o in reversed(early):
+        outs.setdefault((o.req_id, o.index), []).insert(0, o)
+    assert outs[("n3", 1)][-1].finish_reason is FinishReason.ABORT
+    for i in (0, 2):
+        assert tokens(outs[("n3", i)]) == reference_tokens(p, 8)
+        assert outs[("n3", i)][-1].finish_reason is FinishReason.LENGTH
+    assert_no_leak(engine, client)

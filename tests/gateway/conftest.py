@@ -1,0 +1,110 @@
+"""The whole stack as real processes on loopback: blockmgr, executor (tiny Llama, CPU) and
+gateway, started once per module that asks for it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from pagedserve.v1 import generation_pb2_grpc
+from services.blockmgr.client import GrpcClient
+from services.executor.tiny_model import write_tiny_model
+from tests.procs import ServiceProcess
+
+POOL_ID = "gateway-tests"
+
+
+@dataclass
+class Stack:
+    model_dir: Path
+    blockmgr: ServiceProcess
+    executor: ServiceProcess
+    gateway: ServiceProcess
+    metrics_port: int
+
+    def stub(self, address: str | None = None) -> generation_pb2_grpc.GenerationStub:
+        channel = grpc.insecure_channel(address or self.gateway.address)
+        return generation_pb2_grpc.GenerationStub(channel)
+
+    def blocks_in_use(self) -> int:
+        client = GrpcClient(self.blockmgr.address)
+        try:
+            return client.stats(POOL_ID).counters.num_in_use_blocks
+        finally:
+            client.close()
+
+    def start_gateway(self, *extra: str) -> ServiceProcess:
+        return ServiceProcess(
+            ["gateway", "--model", str(self.model_dir), "--port", "0", "--host", "127.0.0.1",
+             "--metrics-port", "-1", "--executor", self.executor.address, *extra],
+            "gateway_listening",
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("gateway_model") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+    def run(prompt_ids: list[int], max_tokens: int) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens,
+                                 do_sample=False)  # fmt: skip
+        return out[0, len(prompt_ids):].tolist()
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_model_dir: Path) -> Iterator[Stack]:
+    blockmgr = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")
+    executor = ServiceProcess(
+        ["executor", "--model", str(tiny_model_dir), "--port", "0", "--dtype", "float32",
+         "--num-kv-blocks", "256", "--max-model-len", "512", "--max-num-seqs", "64",
+         "--blockmgr-address", blockmgr.address, "--pool-id", POOL_ID],
+        "executor_ready",
+    )  # fmt: skip
+    gateway = ServiceProcess(
+        ["gateway", "--model", str(tiny_model_dir), "--port", "0", "--host", "127.0.0.1",
+         "--metrics-port", "0", "--executor", executor.address, "--max-n", "4"],
+        "gateway_listening",
+    )  # fmt: skip
+    metrics_port = int(gateway.wait_for_event("metrics_listening")["metrics_port"])
+    _wait_serving(gateway.address)
+    yield Stack(tiny_model_dir, blockmgr, executor, gateway, metrics_port)
+    for proc in (gateway, executor, blockmgr):
+        assert proc.stop() == 0, proc.args[0]
+
+
+def _wait_serving(address: str, timeout: float = 30.0) -> None:
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    raise AssertionError(f"{address} never became SERVING")

@@ -1,0 +1,359 @@
+"""End to end through the public API: real gateway, executor and block manager processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+G = generation_pb2
+STOP, LENGTH, ABORT = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH,
+                       common_pb2.FINISH_REASON_ABORT)  # fmt: skip
+
+
+def collect(stream) -> dict[int, dict]:
+    """Per index: tokens, text, number of final messages, the final message."""
+    out: dict[int, dict] = {}
+    for resp in stream:
+        s = out.setdefault(resp.index, {"tokens": [], "text": "", "finals": 0, "final": None})
+        s["tokens"] += list(resp.token_ids)
+        s["text"] += resp.text
+        if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            s["finals"] += 1
+            s["final"] = resp
+    return out
+
+
+def greedy(max_tokens: int, **kw) -> G.SamplingParams:
+    return G.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def test_greedy_generate_matches_transformers(stack, tokenizer, hf_greedy):
+    prompt = "A good cup of tea needs only three things"
+    out = collect(stack.stub().Generate(G.GenerateRequest(prompt=prompt,
+                                                          sampling_params=greedy(24))))  # fmt: skip
+    ids = tokenizer(prompt).input_ids
+    expected = hf_greedy(ids, 24)
+    s = out[0]
+    assert s["tokens"] == expected
+    assert s["finals"] == 1
+    final = s["final"]
+    assert final.usage.prompt_tokens == len(ids)
+    assert final.usage.completion_tokens == len(expected)
+    eos = expected[-1] == 2
+    assert final.finish_reason == (STOP if eos else LENGTH)
+    assert s["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_64_concurrent_streams_all_finish_with_reasons_and_usage(stack):
+    results: dict[int, dict] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            req = G.GenerateRequest(prompt=f"Request number {i} says", request_id=f"c{i}",
+                                    sampling_params=G.SamplingParams(
+                                        max_tokens=4 + i % 13, temperature=0.8, seed=i,
+                                        ignore_eos=True))  # fmt: skip
+            results[i] = collect(stack.stub().Generate(req, timeout=120))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i, out in results.items():
+        s = out[0]
+        assert s["finals"] == 1 and s["final"].finish_reason == LENGTH
+        assert s["final"].request_id == f"c{i}"
+        assert len(s["tokens"]) == s["final"].usage.completion_tokens == 4 + i % 13
+    assert stack.blocks_in_use() == 0
+
+
+def test_n_samples_each_end_with_exactly_one_final_message(stack):
+    req = G.GenerateRequest(prompt="Once upon a time", sampling_params=G.SamplingParams(
+        n=3, max_tokens=10, temperature=1.0, seed=5, ignore_eos=True))  # fmt: skip
+    out = collect(stack.stub().Generate(req))
+    assert sorted(out) == [0, 1, 2]
+    for s in out.values():
+        assert s["finals"] == 1 and len(s["tokens"]) == 10
+    assert len({tuple(s["tokens"]) for s in out.values()}) > 1  # different samples
+
+
+def test_stop_string_split_across_tokens_is_trimmed_and_stops(stack, tokenizer):
+    base = collect(stack.stub().Generate(G.GenerateRequest(
+        prompt="The server", sampling_params=greedy(30, ignore_eos=True))))[0]  # fmt: skip
+    tokens = base["tokens"]
+    # A stop string that starts inside one token's text and ends inside a later one.
+    pieces = [tokenizer.decode(tokens[: i + 1]) for i in range(len(tokens))]
+    k = next(i for i in range(5, len(tokens) - 2)
+             if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) > len(pieces[i]))
+    stop = pieces[k + 1][len(pieces[k]) - 1 : len(pieces[k]) + 1]
+    start = base["text"].index(stop)
+    for include in (False, True):
+        out = collect(stack.stub().Generate(G.GenerateRequest(
+            prompt="The server", sampling_params=greedy(
+                30, ignore_eos=True, stop=[stop, "zzzz-never"],
+                include_stop_str_in_output=include))))[0]  # fmt: skip
+        expected = base["text"][: start + (len(stop) if include else 0)]
+        assert out["text"] == expected
+        assert out["final"].finish_reason == STOP and out["final"].stop_string == stop
+        assert out["finals"] == 1
+        assert len(out["tokens"]) < 30
+    time.sleep(0.2)
+    assert stack.blocks_in_use() == 0  # the executor was told to stop at once
+
+
+def test_streamed_text_never_splits_a_utf8_character(stack, tokenizer):
+    seen_non_ascii = False
+    for seed in range(6):
+        params = G.SamplingParams(max_tokens=48, temperature=1.2, seed=seed, ignore_eos=True)
+        req = G.GenerateRequest(prompt="Café crème, 日本語 and 🙂", sampling_params=params)
+        texts, tokens = [], []
+        for resp in stack.stub().Generate(req):
+            texts.append(resp.text)
+            tokens += resp.token_ids
+        assert all("\ufffd" not in t for t in texts[:-1])
+        assert "".join(texts) == tokenizer.decode(tokens, skip_special_tokens=True)
+        seen_non_ascii |= any(ord(c) > 127 for c in "".join(texts))
+    assert seen_non_ascii  # the seeds above produce multi-byte output
+
+
+def test_chat_messages_use_the_chat_template(stack, tokenizer):
+    messages = [G.ChatMessage(role="system", content="Be brief."),
+                G.ChatMessage(role="user", content="Hello there")]  # fmt: skip
+    expected_ids = tokenizer(tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages],
+        add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
+    tok = stack.stub().Tokenize(G.TokenizeRequest(messages=G.ChatMessages(messages=messages)))
+    assert list(tok.token_ids) == expected_ids
+    out = collect(stack.stub().Generate(G.GenerateRequest(
+        messages=G.ChatMessages(messages=messages), sampling_params=greedy(5))))[0]
+    assert out["final"].usage.prompt_tokens == len(expected_ids)
+
+
+def test_logprobs_come_with_every_token(stack, tokenizer):
+    req = G.GenerateRequest(prompt="Hello", sampling_params=greedy(6, logprobs=2,
+                                                                    ignore_eos=True))  # fmt: skip
+    n = 0
+    for resp in stack.stub().Generate(req):
+        assert len(resp.logprobs) == len(resp.token_ids)
+        for tid, lp in zip(resp.token_ids, resp.logprobs, strict=True):
+            n += 1
+            assert lp.token_id == tid and lp.logprob <= 0
+            assert len(lp.top_logprobs) == 2
+            assert lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob
+            assert lp.token_id == lp.top_logprobs[0].token_id  # greedy picks the top one
+            assert lp.token == tokenizer.convert_ids_to_tokens(tid)
+    assert n == 6
+
+
+def test_tokenize_detokenize_and_model_info(stack, tokenizer):
+    stub = stack.stub()
+    tok = stub.Tokenize(G.TokenizeRequest(text="Hello world"))
+    assert list(tok.token_ids) == tokenizer("Hello world").input_ids
+    assert len(tok.tokens) == len(tok.token_ids)
+    text = stub.Detokenize(G.DetokenizeRequest(token_ids=tok.token_ids)).text
+    assert text == "Hello world"
+    info = stub.GetModelInfo(G.GetModelInfoRequest())
+    assert info.model_name == "tiny-llama" and info.max_model_len == 512
+    assert info.vocab_size == len(tokenizer) and info.block_size == 16
+    assert info.kv_capacity_tokens == 255 * 16 and info.max_n == 4
+
+
+BAD = [
+    ("input", G.GenerateRequest(sampling_params=greedy(4))),
+    ("prompt", G.GenerateRequest(prompt="", sampling_params=greedy(4))),
+    ("prompt_token_ids", G.GenerateRequest(prompt_token_ids=G.TokenIds(ids=[]))),
+    ("prompt_token_ids.ids[1]", G.GenerateRequest(prompt_token_ids=G.TokenIds(ids=[1, 99999]))),
+    ("sampling_params.max_tokens", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
+        max_tokens=0))),
+    ("sampling_params.max_tokens", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
+        max_tokens=600))),
+    ("sampling_params.temperature", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
+        temperature=-0.5))),
+    ("sampling_params.temperature", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
+        temperature=float("nan")))),
+    ("sampling_params.top_p", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
+        top_p=0.0))),
+    ("sampling_params.top_p", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
+        top_p=1.5))),
+    ("sampling_params.top_k", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
+        top_k=-2))),
+    ("sampling_params.n", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(n=0))),
+    ("sampling_params.n", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(n=5))),
+    ("sampling_params.stop[1]", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
+        stop=["ok", ""]))),
+    ("sampling_params.stop_token_ids[0]", G.GenerateRequest(
+        prompt="x", sampling_params=G.SamplingParams(stop_token_ids=[10**6]))),
+    ("sampling_params.repetition_penalty", G.GenerateRequest(
+        prompt="x", sampling_params=G.SamplingParams(repetition_penalty=0.0))),
+    ("sampling_params.presence_penalty", G.GenerateRequest(
+        prompt="x", sampling_params=G.SamplingParams(presence_penalty=3.0))),
+    ("sampling_params.frequency_penalty", G.GenerateRequest(
+        prompt="x", sampling_params=G.SamplingParams(frequency_penalty=-2.5))),
+    ("sampling_params.min_tokens", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
+        max_tokens=2, min_tokens=3))),
+    ("messages.messages[0].role", G.GenerateRequest(messages=G.ChatMessages(
+        messages=[G.ChatMessage(role="wizard", content="hi")]))),
+    ("messages.messages", G.GenerateRequest(messages=G.ChatMessages())),
+    ("request_id", G.GenerateRequest(request_id="x" * 300, prompt="x")),
+]
+
+
+@pytest.mark.parametrize(("field", "request_"), BAD, ids=[f for f, _ in BAD])
+def test_invalid_requests_are_invalid_argument_naming_the_field(stack, field, request_):
+    with pytest.raises(grpc.RpcError) as info:
+        list(stack.stub().Generate(request_, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(field), info.value.details()
+
+
+def test_prompt_plus_max_tokens_over_max_model_len_is_refused(stack):
+    req = G.GenerateRequest(prompt_token_ids=G.TokenIds(ids=[1] * 500),
+                            sampling_params=G.SamplingParams(max_tokens=20))  # fmt: skip
+    with pytest.raises(grpc.RpcError) as info:
+        list(stack.stub().Generate(req, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_model_len=512" in info.value.details()
+
+
+def test_cancel_mid_stream_frees_the_blocks(stack):
+    req = G.GenerateRequest(prompt="Tell me everything", sampling_params=G.SamplingParams(
+        max_tokens=400, temperature=0.0, ignore_eos=True))  # fmt: skip
+    call = stack.stub().Generate(req)
+    got = 0
+    for resp in call:
+        got += len(resp.token_ids)
+        if got >= 3:
+            assert stack.blocks_in_use() > 0
+            call.cancel()
+            break
+    deadline = time.monotonic() + 5
+    while stack.blocks_in_use() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stack.blocks_in_use() == 0
+
+
+def test_deadline_expiry_is_deadline_exceeded_and_frees_the_blocks(stack):
+    req = G.GenerateRequest(prompt="Tell me everything", sampling_params=G.SamplingParams(
+        max_tokens=480, temperature=0.0, ignore_eos=True))  # fmt: skip
+    with pytest.raises(grpc.RpcError) as info:
+        list(stack.stub().Generate(req, timeout=0.4))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 5
+    while stack.blocks_in_use() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stack.blocks_in_use() == 0
+
+
+def test_api_key_is_required_when_configured(stack):
+    gw = stack.start_gateway("--api-key", "s3cret")
+    try:
+        stub = stack.stub(gw.address)
+        req = G.GenerateRequest(prompt="hi", sampling_params=greedy(2))
+        for metadata in (None, [("authorization", "Bearer wrong")],
+                         [("authorization", "s3cret")]):  # fmt: skip
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(req, metadata=metadata, timeout=10))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetModelInfo(G.GetModelInfoRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        _wait_serving_via(gw.address)  # health stays open
+        out = collect(stub.Generate(req, metadata=[("authorization", "Bearer s3cret")]))
+        assert out[0]["finals"] == 1
+    finally:
+        assert gw.stop() == 0
+
+
+def test_admission_limit_refuses_at_once_beyond_max_concurrent_requests(stack):
+    gw = stack.start_gateway("--max-concurrent-requests", "2")
+    try:
+        _wait_serving_via(gw.address)
+        stub = stack.stub(gw.address)
+        long = G.GenerateRequest(prompt="go on", sampling_params=G.SamplingParams(
+            max_tokens=400, temperature=0.0, ignore_eos=True))  # fmt: skip
+        calls = [stub.Generate(long) for _ in range(2)]
+        for call in calls:
+            next(iter(call))  # both streams are running
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(G.GenerateRequest(prompt="x", sampling_params=greedy(2)),
+                               timeout=10))  # fmt: skip
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - t0 < 2
+        for call in calls:
+            call.cancel()
+        time.sleep(0.3)
+        assert collect(stub.Generate(G.GenerateRequest(prompt="x", sampling_params=greedy(2)),
+                                     timeout=30))[0]["finals"] == 1  # fmt: skip
+    finally:
+        assert gw.stop() == 0
+
+
+def _wait_serving_via(address: str) -> None:
+    from tests.gateway.conftest import _wait_serving
+
+    _wait_serving(address)
+
+
+def test_health_not_serving_until_an_executor_is_ready(stack, tiny_model_dir):
+    import socket
+
+    from tests.procs import ServiceProcess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    gw = ServiceProcess(
+        ["gateway", "--model", str(tiny_model_dir), "--port", "0", "--host", "127.0.0.1",
+         "--metrics-port", "-1", "--executor", f"127.0.0.1:{port}"],
+        "gateway_listening",
+    )  # fmt: skip
+    executor = None
+    try:
+        with grpc.insecure_channel(gw.address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as info:
+                list(generation_pb2_grpc.GenerationStub(ch).Generate(
+                    G.GenerateRequest(prompt="x"), timeout=5))  # fmt: skip
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            executor = ServiceProcess(
+                ["executor", "--model", str(tiny_model_dir), "--port", str(port),
+                 "--num-kv-blocks", "64", "--max-model-len", "256"],
+                "executor_ready",
+            )  # fmt: skip
+            _wait_serving_via(gw.address)
+    finally:
+        assert gw.stop() == 0
+        if executor is not None:
+            executor.stop()
+
+
+def test_metrics_endpoint_exposes_latency_histograms_and_counters(stack):
+    collect(stack.stub().Generate(G.GenerateRequest(prompt="metrics", sampling_params=greedy(3))))
+    body = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics",
+                                  timeout=5).read().decode()  # fmt: skip
+    for name in ("pagedserve_time_to_first_token_seconds_bucket",
+                 "pagedserve_inter_token_latency_seconds_bucket",
+                 "pagedserve_e2e_request_latency_seconds_count",
+                 "pagedserve_num_requests_running", "pagedserve_num_requests_waiting",
+                 "pagedserve_kv_cache_usage_ratio", "pagedserve_prefix_cache_hit_ratio",
+                 "pagedserve_num_preemptions_total", "pagedserve_prompt_tokens_total",
+                 "pagedserve_generation_tokens_total"):  # fmt: skip
+        assert name in body, name
+    gen = next(line for line in body.splitlines()
+               if line.startswith("pagedserve_generation_tokens_total"))  # fmt: skip
+    assert float(gen.split()[-1]) > 0
