@@ -32,8 +32,11 @@ Correctness is checked in the same run: our greedy tokens must equal HF's (misma
 torch runs single-threaded (``torch.set_num_threads(1)``): on a small, shared CPU box more
 threads make tiny-model forwards far slower, and one thread makes runs comparable.
 
-Usage: ``python bench/engine_bench.py [--num-requests 128] [--repeats 2] [--grpc]``.
-Not a test: prints markdown.
+Usage: ``python bench/engine_bench.py [--num-requests 128] [--repeats 2] [--grpc]`` (about 3
+minutes on 2 CPU cores with ``--grpc``); ``--only a/ours,b/ours`` runs a subset (for a profile:
+``python -m cProfile -s cumtime bench/engine_bench.py --only b/ours --repeats 1``), ``--watermark``
+and ``--max-num-batched-tokens`` set our scheduler's knobs, ``--help`` lists the sizes. Exit
+status 1 if any greedy output differs. Not a test: prints markdown.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -65,6 +69,7 @@ from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessCl
 from services.common.logging import configure_logging  # noqa: E402
 from services.executor.config import ExecutorConfig  # noqa: E402
 from services.executor.engine import Engine  # noqa: E402
+from services.executor.forward_batch import SeqChunk  # noqa: E402
 from services.executor.model_runner import ModelRunner  # noqa: E402
 from services.executor.sampling_params import SamplingParams  # noqa: E402
 from services.executor.startup import build_engine, load_runner  # noqa: E402
@@ -133,24 +138,31 @@ def static_batches(
 
 @dataclass
 class WasteStats:
-    """KV slots allocated (ours) or reserved (static) that hold no requested token."""
+    """KV slots allocated (ours) or reserved (static) that hold no requested token, sampled
+    after every step."""
 
     peak_slots: int = 0
-    peak_share: float = 0.0  # max over steps of waste / allocated
-    sum_share: float = 0.0
-    num_samples: int = 0
+    peak_allocated: int = 0  # allocated slots at the step of peak waste
+    peak_seqs: int = 0  # sequences holding blocks at that step
+    max_per_seq: int = 0  # largest waste of one sequence (ours: < block_size by design)
+    waste_sum: int = 0
+    allocated_sum: int = 0
 
-    def add(self, waste: int, allocated: int) -> None:
-        if allocated <= 0:
-            return
-        self.peak_slots = max(self.peak_slots, waste)
-        self.peak_share = max(self.peak_share, waste / allocated)
-        self.sum_share += waste / allocated
-        self.num_samples += 1
+    def add(self, waste: int, allocated: int, num_seqs: int, max_per_seq: int = 0) -> None:
+        if waste > self.peak_slots:
+            self.peak_slots, self.peak_allocated, self.peak_seqs = waste, allocated, num_seqs
+        self.max_per_seq = max(self.max_per_seq, max_per_seq)
+        self.waste_sum += waste
+        self.allocated_sum += allocated
+
+    @property
+    def peak_share(self) -> float:
+        return self.peak_slots / max(1, self.peak_allocated)
 
     @property
     def mean_share(self) -> float:
-        return self.sum_share / max(1, self.num_samples)
+        """Slot-weighted over steps: sum of waste / sum of allocated."""
+        return self.waste_sum / max(1, self.allocated_sum)
 
 
 def static_waste(batches: Sequence[Sequence[Req]]) -> WasteStats:
@@ -162,7 +174,8 @@ def static_waste(batches: Sequence[Sequence[Req]]) -> WasteStats:
         reserved = len(batch) * reservation(batch)
         prompt = sum(len(r.prompt) for r in batch)
         for t in range(1, max(r.max_tokens for r in batch) + 1):
-            w.add(reserved - prompt - sum(min(t, r.max_tokens) for r in batch), reserved)
+            useful = prompt + sum(min(t, r.max_tokens) for r in batch)
+            w.add(reserved - useful, reserved, len(batch))
     return w
 
 
@@ -179,6 +192,7 @@ class RunResult:
     forward_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)  # wall of Engine.step() seen by the caller
     round_trips: int = 0
+    computed_tokens: int = 0  # tokens run through the model (recomputation included)
     preemptions: int = 0
     waste: WasteStats | None = None
 
@@ -224,17 +238,34 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+class CountingRunner:
+    """The engine's runner, counting the tokens each forward computes (to see the cost of
+    recomputing preempted sequences); everything else is the real runner's."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.num_computed_tokens = 0
+
+    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        self.num_computed_tokens += sum(len(c.token_ids) for c in chunks)
+        return self.runner.execute(chunks)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+
 class OurSystem:
     """A loaded runner (model + KV cache, reused) and a fresh engine per run, so that no run
     sees blocks another left in the prefix cache."""
 
     def __init__(self, model_dir: str, max_model_len: int, num_kv_blocks: int,
-                 max_num_seqs: int, blockmgr_address: str | None = None) -> None:  # fmt: skip
+                 max_num_seqs: int, blockmgr_address: str | None = None,
+                 **config: Any) -> None:  # fmt: skip
         self.config = ExecutorConfig(
             model=model_dir, dtype="float32", device="cpu", num_kv_blocks=num_kv_blocks,
-            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, **config,
         )  # fmt: skip
-        self.runner: ModelRunner = load_runner(self.config)
+        self.runner = CountingRunner(load_runner(self.config))
         self.address = blockmgr_address
         self._runs = 0
 
@@ -242,7 +273,8 @@ class OurSystem:
         self._runs += 1
         client: BlockManagerClient = GrpcClient(self.address) if self.address else InProcessClient()
         config = ExecutorConfig(**{**self.config.__dict__, "pool_id": f"bench-{self._runs}"})
-        engine, _ = build_engine(config, runner=self.runner, blockmgr=client)
+        runner: Any = self.runner  # duck-typed ModelRunner
+        engine, _ = build_engine(config, runner=runner, blockmgr=client)
         return engine, client
 
 
@@ -257,6 +289,7 @@ def run_ours(system: OurSystem, waves: list[list[Req]], *, pad_to_batch_max: boo
     res = RunResult(0.0, 0.0, outputs, waste=WasteStats())
     assert res.waste is not None
     rt0, pre0 = engine.num_blockmgr_round_trips, sched.num_preemptions
+    tok0 = system.runner.num_computed_tokens
     conc_sum = 0
     instr_s = 0.0  # bookkeeping time, taken off the wall clock
     t0, c0 = time.perf_counter(), time.process_time()
@@ -277,8 +310,9 @@ def run_ours(system: OurSystem, waves: list[list[Req]], *, pad_to_batch_max: boo
             running = sched.running
             conc_sum += len(running)
             res.max_concurrency = max(res.max_concurrency, len(running))
+            per_seq = [len(s.block_table) * bs - s.num_computed_tokens for s in running]
             allocated = sum(len(s.block_table) for s in running) * bs
-            res.waste.add(allocated - sum(s.num_computed_tokens for s in running), allocated)
+            res.waste.add(sum(per_seq), allocated, len(running), max(per_seq, default=0))
             instr_s += time.perf_counter() - te
     res.wall_s = time.perf_counter() - t0 - instr_s
     res.cpu_s = time.process_time() - c0 - instr_s
@@ -290,6 +324,7 @@ def run_ours(system: OurSystem, waves: list[list[Req]], *, pad_to_batch_max: boo
     res.mean_concurrency = conc_sum / max(1, res.num_steps)
     res.round_trips = engine.num_blockmgr_round_trips - rt0
     res.preemptions = sched.num_preemptions - pre0
+    res.computed_tokens = system.runner.num_computed_tokens - tok0
     return res
 
 
@@ -386,6 +421,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="(a): KV budget in max-length sequences (max_prompt + max_output slots each)",
     )
     a("--batch-size", type=int, default=16, help="(b): max concurrent sequences, both systems")
+    a("--watermark", type=float, default=ExecutorConfig.watermark,
+      help="ours: share of KV blocks admissions keep free")  # fmt: skip
+    a("--max-num-batched-tokens", type=int, default=ExecutorConfig.max_num_batched_tokens,
+      help="ours: token budget of one step (chunked prefill)")  # fmt: skip
     a("--repeats", type=int, default=2, help="timed runs of each system (interleaved)")
     a(
         "--check",
@@ -395,7 +434,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     a("--grpc", action="store_true", help="also run (a) with the block manager over gRPC")
     a("--no-static-ours", action="store_true", help="skip static batching on our engine")
+    a("--only", default="", help="comma-separated systems to run, e.g. a/ours,b/ours")
     return ap.parse_args(argv)
+
+
+SYSTEM_LABELS = {
+    "ours": "ours (continuous + paged)",
+    "ours-grpc": "ours, block manager over gRPC",
+    "static-hf": "static: HF generate()",
+    "static-ours": "static batches on our engine",
+}
+ALL_SYSTEMS = ("a/ours", "a/static-hf", "a/static-ours", "b/ours", "b/static-hf",
+               "b/static-ours", "a/ours-grpc")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -405,6 +455,15 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore")
+    wanted = [n for n in ALL_SYSTEMS if n != "a/ours-grpc" or args.grpc]
+    if args.no_static_ours:
+        wanted = [n for n in wanted if "static-ours" not in n]
+    if args.only:
+        only = args.only.split(",")
+        bad = sorted(set(only) - set(ALL_SYSTEMS))
+        if bad:
+            sys.exit(f"--only: unknown {bad}; choose from {list(ALL_SYSTEMS)}")
+        wanted = [n for n in ALL_SYSTEMS if n in only]
     bs = args.block_size
     max_len = args.max_prompt + args.max_output
     budget = int(args.budget_seqs * max_len) // bs * bs
@@ -418,196 +477,221 @@ def main(argv: list[str] | None = None) -> None:
         ))  # fmt: skip
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         # ignore_eos on our side makes EOS an ordinary token; HF must neither stop at it nor
-        # (as min_new_tokens would, given an EOS id) ban it, or greedy tokens would differ.
+        # ban it (min_new_tokens does, when the config has an EOS id), or greedy tokens differ.
+        eos_id = int(hf.generation_config.eos_token_id)
         hf.generation_config.eos_token_id = None
         pad_id = int(hf.config.pad_token_id)
         vocab = hf.config.vocab_size
         n_params = sum(p.numel() for p in hf.parameters())
         reqs = make_requests(args, vocab)
         total = requested_tokens(reqs)
+        # Tokens a forward must see: every prompt token and every output token but the last.
+        needed = sum(len(r.prompt) for r in reqs) + total - len(reqs)
 
-        batches_a = static_batches(reqs, budget_tokens=budget, batch_size=None)
-        batches_b = static_batches(reqs, budget_tokens=None, batch_size=args.batch_size)
-        ours_a = OurSystem(model_dir, max_len, budget // bs + 1, 1024)
-        ours_b = OurSystem(model_dir, max_len, (args.batch_size + 1) * -(-max_len // bs) + 1,
-                           args.batch_size)  # fmt: skip
+        batches = {
+            "a": static_batches(reqs, budget_tokens=budget, batch_size=None),
+            "b": static_batches(reqs, budget_tokens=None, batch_size=args.batch_size),
+        }
+        kv_blocks = {"a": budget // bs + 1,
+                     "b": (args.batch_size + 1) * -(-max_len // bs) + 1}  # fmt: skip
+        max_seqs = {"a": 1024, "b": args.batch_size}
+        knobs = {"watermark": args.watermark,
+                 "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
+        ours = {k: OurSystem(model_dir, max_len, kv_blocks[k], max_seqs[k], None, **knobs)
+                for k in "ab"}  # fmt: skip
 
         # Warm-up (first-call costs of torch / transformers), untimed.
         warm = [Req(f"w{i}", [BOS_ID, 5 + i, 7, 9], 4) for i in range(2)]
         hf_generate(hf, warm, pad_id)
-        run_ours(ours_a, [warm], pad_to_batch_max=False)
+        run_ours(ours["a"], [warm], pad_to_batch_max=False)
 
-        systems: dict[str, Callable[[], RunResult]] = {
-            "a/ours": lambda: run_ours(ours_a, [reqs], pad_to_batch_max=False),
-            "a/static-hf": lambda: run_hf_static(hf, batches_a, pad_id),
-            "b/ours": lambda: run_ours(ours_b, [reqs], pad_to_batch_max=False),
-            "b/static-hf": lambda: run_hf_static(hf, batches_b, pad_id),
-        }
-        if not args.no_static_ours:
-            systems["a/static-ours"] = lambda: run_ours(ours_a, batches_a, pad_to_batch_max=True)
-            systems["b/static-ours"] = lambda: run_ours(ours_b, batches_b, pad_to_batch_max=True)
-        results: dict[str, list[RunResult]] = {k: [] for k in systems}
-        grpc_ctx = blockmgr_process() if args.grpc else contextlib.nullcontext(None)
+        def system(name: str) -> Callable[[], RunResult]:
+            scen, kind = name.split("/")
+            if kind == "ours":
+                return lambda: run_ours(ours[scen], [reqs], pad_to_batch_max=False)
+            if kind == "static-ours":
+                return lambda: run_ours(ours[scen], batches[scen], pad_to_batch_max=True)
+            if kind == "static-hf":
+                return lambda: run_hf_static(hf, batches[scen], pad_id)
+            return lambda: run_ours(ours["grpc"], [reqs], pad_to_batch_max=False)
+
+        results: dict[str, list[RunResult]] = {n: [] for n in wanted}
+        grpc_ctx = blockmgr_process() if "a/ours-grpc" in wanted else contextlib.nullcontext()
+        t_all = time.perf_counter()
         with grpc_ctx as address:
             if address:
-                ours_grpc = OurSystem(model_dir, max_len, budget // bs + 1, 1024, address)
-                run_ours(ours_grpc, [warm], pad_to_batch_max=False)
-                systems["a/ours-grpc"] = lambda: run_ours(ours_grpc, [reqs],
-                                                          pad_to_batch_max=False)  # fmt: skip
-                results["a/ours-grpc"] = []
-            t_all = time.perf_counter()
+                ours["grpc"] = OurSystem(model_dir, max_len, kv_blocks["a"], 1024, address,
+                                         **knobs)  # fmt: skip
+                run_ours(ours["grpc"], [warm], pad_to_batch_max=False)
             for rep in range(args.repeats):
-                for name, fn in systems.items():
-                    res = fn()
+                for name in wanted:
+                    res = system(name)()
                     results[name].append(res)
-                    print(
-                        f"[repeat {rep + 1}/{args.repeats}] {name:14s} {res.wall_s:7.2f} s  "
-                        f"cpu/wall {res.cpu_s / res.wall_s:.2f}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    print(f"[repeat {rep + 1}/{args.repeats}] {name:14s} {res.wall_s:7.2f} s  "
+                          f"cpu/wall {res.cpu_s / res.wall_s:.2f}", file=sys.stderr,
+                          flush=True)  # fmt: skip
 
-        # Correctness: every request, ours vs HF's padded static batch; a sample vs HF alone.
+        # Correctness. HF's padded static batches cover every request; HF generate() on one
+        # unpadded prompt (the plainest reference) covers a sample.
         ids = [r.req_id for r in reqs]
-        hf_a = results["a/static-hf"][0].outputs
-        checks = {
-            f"ours (a) vs HF static batches, all {len(ids)}":
-                mismatches(results["a/ours"][0].outputs, hf_a, ids),
-            f"ours (b) vs HF static batches, all {len(ids)}":
-                mismatches(results["b/ours"][0].outputs, hf_a, ids),
-            f"HF static (b) vs HF static (a), all {len(ids)}":
-                mismatches(results["b/static-hf"][0].outputs, hf_a, ids),
-        }  # fmt: skip
-        for name in ("a/static-ours", "b/static-ours", "a/ours-grpc"):
-            if name in results:
-                checks[f"{name} vs HF static batches, all {len(ids)}"] = mismatches(
-                    results[name][0].outputs, hf_a, ids
-                )
+        ref_name = next((n for n in ("a/static-hf", "b/static-hf") if n in results), None)
+        checks: dict[str, int] = {}
+        if ref_name:
+            ref = results[ref_name][0].outputs
+            for name in results:
+                if name != ref_name:
+                    checks[f"{name} vs {ref_name}, all {len(ids)} requests"] = mismatches(
+                        results[name][0].outputs, ref, ids
+                    )
         sample = random.Random(args.seed + 1).sample(reqs, min(args.check, len(reqs)))
         alone = {r.req_id: hf_generate(hf, [r], pad_id)[0] for r in sample}
-        checks[f"ours (a) vs HF generate() alone, unpadded, sample of {len(sample)}"] = mismatches(
-            results["a/ours"][0].outputs, alone, list(alone)
-        )
-        eos_id = int(hf.config.eos_token_id)
-        num_eos = sum(t == eos_id for toks in hf_a.values() for t in toks)
+        for name in results:
+            checks[f"{name} vs HF generate() alone (unpadded), sample of {len(alone)}"] = (
+                mismatches(results[name][0].outputs, alone, list(alone))
+            )
+        some = results[wanted[0]][0].outputs
+        num_eos = sum(t == eos_id for toks in some.values() for t in toks)
         bench_s = time.perf_counter() - t_all
 
-    # ---- print -----------------------------------------------------------------------------
+    report(args, results, checks, reqs, batches, ours, budget, vocab, n_params, num_eos,
+           needed, bench_s)  # fmt: skip
+    if any(checks.values()):
+        sys.exit(1)
+
+
+def report(
+    args: argparse.Namespace,
+    results: dict[str, list[RunResult]],
+    checks: dict[str, int],
+    reqs: list[Req],
+    batches: dict[str, list[list[Req]]],
+    ours: dict[str, OurSystem],
+    budget: int,
+    vocab: int,
+    n_params: int,
+    num_eos: int,
+    needed: int,
+    bench_s: float,
+) -> None:
     out = print
+    bs = args.block_size
+    total = requested_tokens(reqs)
+    max_len = args.max_prompt + args.max_output
     out("\n## Engine benchmark: continuous batching + paged KV vs static batching\n")
     out(
-        f"- machine: {os.cpu_count()} CPUs, torch {torch.__version__} on CPU, "
-        f"**torch.set_num_threads(1)** (more threads on this small shared box are much slower "
-        f"for a tiny model); transformers {transformers.__version__}; fp32"
+        f"- machine: {os.cpu_count()} CPUs, torch {torch.__version__}, CPU, fp32, "
+        f"**torch.set_num_threads(1)** (on this small shared box more threads make a tiny "
+        f"model's forward far slower); transformers {transformers.__version__}"
     )
     out(
         f"- model: tiny random Llama, hidden {args.hidden_size}, {args.num_layers} layers, "
         f"{args.num_heads} heads / {args.num_kv_heads} KV heads (head dim "
-        f"{args.hidden_size // args.num_heads}), MLP {args.intermediate_size}, vocab {vocab}; "
+        f"{args.hidden_size // args.num_heads}), MLP {args.intermediate_size}, vocab {vocab}: "
         f"{n_params / 1e6:.2f} M parameters"
     )
     p_lens = [len(r.prompt) for r in reqs]
     o_lens = [r.max_tokens for r in reqs]
     out(
-        f"- requests: {len(reqs)} (seed {args.seed}), all arriving at t=0, greedy, "
-        f"ignore_eos; prompt tokens {min(p_lens)}-{max(p_lens)} (mean {med(p_lens):.0f} "
-        f"median, {sum(p_lens)} total); max_tokens {min(o_lens)}-{max(o_lens)} (mean "
-        f"{statistics.mean(o_lens):.0f}); **{total} requested output tokens**; EOS token "
-        f"appears {num_eos}x among them (ignored, so must not stop or be banned)"
+        f"- requests: {len(reqs)} (seed {args.seed}), all arriving at t=0, greedy, ignore_eos; "
+        f"prompt {min(p_lens)}-{max(p_lens)} tokens (mean {statistics.mean(p_lens):.0f}, "
+        f"{sum(p_lens)} in all); max_tokens {min(o_lens)}-{max(o_lens)} (mean "
+        f"{statistics.mean(o_lens):.0f}): **{total} requested output tokens**, of which "
+        f"{num_eos} are the EOS id (generated and ignored: neither stop nor ban it)"
+    )
+    ba, bb = batches["a"], batches["b"]
+    out(
+        f"- (a) same KV budget: {budget} token slots = {args.budget_seqs:g} x {max_len} "
+        f"(max prompt + max output). Ours: num_kv_blocks {budget // bs + 1} x {bs} slots, no "
+        f"max_num_seqs cap (watermark {args.watermark:g}, max_num_batched_tokens "
+        f"{args.max_num_batched_tokens}). Static: {len(ba)} FCFS batches of {min(map(len, ba))}-"
+        f"{max(map(len, ba))} (batch = budget // (padded prompt + max_new_tokens))"
     )
     out(
-        f"- (a) KV budget {budget} token slots = {args.budget_seqs:g} x {max_len} "
-        f"(max prompt + max output); ours: num_kv_blocks {budget // bs + 1} of {bs}, no "
-        f"max_num_seqs cap; static: {len(batches_a)} FCFS batches of "
-        f"{min(map(len, batches_a))}-{max(map(len, batches_a))} "
-        f"(batch = budget // (padded prompt + max_new_tokens))"
+        f"- (b) same batch size {args.batch_size}: ours max_num_seqs {args.batch_size}, "
+        f"{ours['b'].runner.num_blocks} KV blocks (never binding). Static: {len(bb)} batches "
+        f"of <= {args.batch_size}"
     )
     out(
-        f"- (b) batch size {args.batch_size}: ours max_num_seqs {args.batch_size} with "
-        f"{ours_b.runner.num_blocks} KV blocks (never binding); static: {len(batches_b)} "
-        f"batches of {args.batch_size}"
-    )
-    out(
-        f"- {args.repeats} timed repeat(s) per system, interleaved; numbers are median "
-        f"(min-max). Wall clock excludes model load and warm-up; the benchmark's own "
-        f"per-step bookkeeping is subtracted. cpu/wall < ~0.95 means other jobs took the core.\n"
+        f"- {args.repeats} timed repeat(s) per system, interleaved; cells are median "
+        f"(min-max). Wall clock excludes model load and warm-up, and the benchmark's own "
+        f"per-step bookkeeping. cpu/wall well under 1 means another job took the core.\n"
     )
 
     tps = {k: [total / r.wall_s for r in v] for k, v in results.items()}
-    labels = {
-        "ours": "ours (continuous + paged)",
-        "ours-grpc": "ours, block manager over gRPC",
-        "static-hf": "static: HF generate()",
-        "static-ours": "static batches on our engine",
-    }
     out(
-        "| scenario | system | concurrency max / mean | steps | wall s | output tok/s | "
-        "ours / this | cpu/wall |"
+        "| scenario | system | concurrency max / mean | steps | ms / step | wall s | "
+        "output tok/s | ours / this | cpu/wall |"
     )
-    out("|---|---|---:|---:|---:|---:|---:|---:|")
+    out("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, runs in results.items():
-        scen, sys_name = name.split("/")
-        ours_tps = tps[f"{scen}/ours"]
-        ratio = (
-            "—"
-            if sys_name.startswith("ours")
-            else spread([o / s for o, s in zip(ours_tps, tps[name], strict=True)], "{:.2f}x")
-        )
+        scen, kind = name.split("/")
+        ours_tps = tps.get(f"{scen}/ours")
+        ratio = "-"
+        if ours_tps and not kind.startswith("ours"):
+            ratio = spread([o / s for o, s in zip(ours_tps, tps[name], strict=True)], "{:.2f}x")
         r0 = runs[0]
+        ms_step = [r.wall_s / r.num_steps * 1e3 for r in runs]
         out(
-            f"| ({scen}) | {labels[sys_name]} | {r0.max_concurrency} / "
-            f"{r0.mean_concurrency:.1f} | {r0.num_steps} | {spread([r.wall_s for r in runs])} | "
+            f"| ({scen}) | {SYSTEM_LABELS[kind]} | {r0.max_concurrency} / "
+            f"{r0.mean_concurrency:.1f} | {r0.num_steps} | {spread(ms_step, '{:.2f}')} | "
+            f"{spread([r.wall_s for r in runs], '{:.2f}')} | "
             f"{spread(tps[name], '{:.0f}')} | {ratio} | "
             f"{spread([r.cpu_s / r.wall_s for r in runs], '{:.2f}')} |"
         )
     out(
-        "\n(static rows: steps = decode steps, each batch running to its longest member; "
-        "ours / this is computed per repeat, then the median taken.)\n"
+        "\nSteps of static rows are decode steps: each batch runs to its longest member. "
+        '"ours / this" is taken per repeat (same repeat index), then the median. '
+        '"static batches on our engine" runs the static batches through our engine in '
+        "waves, each request generating to its batch's max: static scheduling at our "
+        "runtime's per-token cost.\n"
     )
 
-    out("### Our engine per step\n")
+    out("### Our engine: host overhead, block manager, preemption, KV waste\n")
     out(
-        "| run | host ms mean / p50 / p99 | forward ms mean / p50 | host share of step | "
-        "blockmgr round trips / step | preemptions | peak KV waste: slots (share of "
-        "allocated) | mean waste share |"
+        "| run | host ms / step: mean / p50 / p99 | forward ms: mean / p50 | host share | "
+        "Step RPCs / step | preemptions | model tokens / needed | peak KV waste: slots, "
+        "share of allocated (seqs) | mean waste share | max waste of one seq |"
     )
-    out("|---|---:|---:|---:|---:|---:|---:|---:|")
+    out("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, runs in results.items():
         if "static-hf" in name:
             continue
         host = [h for r in runs for h in r.host_s]
         fwd = [f for r in runs for f in r.forward_s]
-        share = sum(host) / (sum(host) + sum(fwd))
         r0 = runs[0]
-        assert r0.waste is not None
+        w = r0.waste
+        assert w is not None
         out(
             f"| {name} | {statistics.mean(host) * 1e3:.2f} / {med(host) * 1e3:.2f} / "
             f"{pct(host, 0.99) * 1e3:.2f} | {statistics.mean(fwd) * 1e3:.2f} / "
-            f"{med(fwd) * 1e3:.2f} | {share:.1%} | {r0.round_trips / r0.num_steps:.3f} | "
-            f"{r0.preemptions} | {r0.waste.peak_slots} ({r0.waste.peak_share:.1%}) | "
-            f"{r0.waste.mean_share:.1%} |"
+            f"{med(fwd) * 1e3:.2f} | {sum(host) / (sum(host) + sum(fwd)):.1%} | "
+            f"{r0.round_trips / r0.num_steps:.3f} | {r0.preemptions} | "
+            f"{r0.computed_tokens / needed:.3f} | {w.peak_slots}, {w.peak_share:.1%} "
+            f"({w.peak_seqs}) | {w.mean_share:.1%} | {w.max_per_seq} |"
         )
-    for name, batches in (("a", batches_a), ("b", batches_b)):
-        w = static_waste(batches)
+    for scen in "ab":
+        w = static_waste(batches[scen])
         out(
-            f"| ({name}) static reservation (model) | — | — | — | — | — | {w.peak_slots} "
-            f"({w.peak_share:.1%} of reserved) | {w.mean_share:.1%} |"
+            f"| ({scen}) static, max-length reservation | - | - | - | - | - | - | "
+            f"{w.peak_slots}, {w.peak_share:.1%} of reserved ({w.peak_seqs}) | "
+            f"{w.mean_share:.1%} | {w.max_per_seq or '-'} |"
         )
     out(
-        "\nhost = `Engine.last_step_host_s` (scheduling, block-manager Step, sampling, "
-        "bookkeeping); forward = `last_step_forward_s` (batch building + model). KV waste = "
-        "allocated slots not holding a computed token, sum over running sequences of "
-        "len(block_table)*block_size - num_computed_tokens, after every step; static: reserved "
-        "B*(padded prompt + max_new) minus slots holding a prompt or requested token, per "
-        "decode step.\n"
+        "\nhost = `Engine.last_step_host_s` (plan, block-manager Step, sampling, "
+        "bookkeeping); forward = `last_step_forward_s` (batch building + model); host share = "
+        "sum(host) / sum(host + forward). Model tokens / needed: tokens run through the model "
+        "over prompt tokens + output tokens but the last (> 1: recomputation after preemption "
+        "or, for static, tokens past max_tokens). KV waste = sum over running sequences of "
+        "len(block_table) * block_size - num_computed_tokens, after every step; for static, "
+        "B * (padded prompt + max_new_tokens) reserved minus slots holding a prompt or "
+        "requested token, at every decode step. Mean waste share = sum(waste) / "
+        "sum(allocated) over steps.\n"
     )
 
     out("### Correctness (greedy token ids)\n")
     for k, v in checks.items():
         out(f"- {k}: **{v} mismatches**")
-    out(f"\n(timed runs + checks took {bench_s:.0f} s)")
-    if any(checks.values()):
-        sys.exit(1)
+    out(f"\n(timed runs + checks: {bench_s:.0f} s)")
 
 
 if __name__ == "__main__":

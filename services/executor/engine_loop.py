@@ -189,18 +189,21 @@ class EngineLoop:
 
     def _dispatch(self, outputs: list[SeqOutput]) -> None:
         by_session: dict[int, list[SeqOutput]] = {}
+        ended: list[tuple[Session, str]] = []
         for out in outputs:
             session = self._owner.get(out.req_id)
             if session is None:
                 continue  # its session was closed: the request is being aborted
-            request_id = out.req_id.split(":", 1)[1]
-            out.req_id = request_id
+            key = out.req_id
+            out.req_id = key.split(":", 1)[1]
             by_session.setdefault(session.session_id, []).append(out)
-            if out.finish_reason is not None and self.engine.requests.get(
-                session.key(request_id)
-            ) is None:
-                session.live.discard(request_id)
-                self._owner.pop(session.key(request_id), None)
+            if out.finish_reason is not None and key not in self.engine.requests:
+                ended.append((session, key))
+        # Forget finished requests only after routing every output of this step: the samples
+        # of an n > 1 request often finish together.
+        for session, key in ended:
+            session.live.discard(key.split(":", 1)[1])
+            self._owner.pop(key, None)
         if not by_session:
             return
         load = self.load()

@@ -217,3 +217,22 @@ def test_block_manager_outage_turns_not_serving_then_recovers_without_losing_tok
     finally:
         executor.stop()
         blockmgr.stop()
+
+
+def test_every_sample_of_an_n_request_gets_its_final_update(channel):
+    """The samples of one request finish in the same step: each must still be delivered."""
+    session = SessionClient(channel)
+    session.add("n3", [1, 300, 301, 302], n=3, temperature=1.0, seed=5, max_tokens=6,
+                ignore_eos=True)  # fmt: skip
+    finals: dict[int, executor_pb2.SequenceUpdate] = {}
+    counts = {0: 0, 1: 0, 2: 0}
+    for step in session.call:
+        for u in step.updates:
+            counts[u.index] += len(u.token_ids)
+            if u.finish_reason:
+                finals[u.index] = u
+        if len(finals) == 3:
+            break
+    assert counts == {0: 6, 1: 6, 2: 6}
+    assert all(f.finish_reason == common_pb2.FINISH_REASON_LENGTH for f in finals.values())
+    assert all(f.usage.completion_tokens == 6 for f in finals.values())

@@ -3,6 +3,7 @@ gateway, started once per module that asks for it."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.v1 import generation_pb2_grpc
@@ -38,6 +40,14 @@ class Stack:
             return client.stats(POOL_ID).counters.num_in_use_blocks
         finally:
             client.close()
+
+    def wait_blocks_free(self, timeout: float = 5.0) -> int:
+        """Blocks still in use once the pool settles (finished sequences are freed by the
+        executor's next step, just after their final token went out)."""
+        deadline = time.monotonic() + timeout
+        while (n := self.blocks_in_use()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return n
 
     def start_gateway(self, *extra: str) -> ServiceProcess:
         return ServiceProcess(
@@ -92,9 +102,6 @@ def stack(tiny_model_dir: Path) -> Iterator[Stack]:
 
 
 def _wait_serving(address: str, timeout: float = 30.0) -> None:
-    import time
-
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as ch:

@@ -76,7 +76,7 @@ def test_64_concurrent_streams_all_finish_with_reasons_and_usage(stack):
         assert s["finals"] == 1 and s["final"].finish_reason == LENGTH
         assert s["final"].request_id == f"c{i}"
         assert len(s["tokens"]) == s["final"].usage.completion_tokens == 4 + i % 13
-    assert stack.blocks_in_use() == 0
+    assert stack.wait_blocks_free() == 0
 
 
 def test_n_samples_each_end_with_exactly_one_final_message(stack):
@@ -109,8 +109,7 @@ def test_stop_string_split_across_tokens_is_trimmed_and_stops(stack, tokenizer):
         assert out["final"].finish_reason == STOP and out["final"].stop_string == stop
         assert out["finals"] == 1
         assert len(out["tokens"]) < 30
-    time.sleep(0.2)
-    assert stack.blocks_in_use() == 0  # the executor was told to stop at once
+    assert stack.wait_blocks_free() == 0  # the executor was told to stop at once
 
 
 def test_streamed_text_never_splits_a_utf8_character(stack, tokenizer):
@@ -122,7 +121,9 @@ def test_streamed_text_never_splits_a_utf8_character(stack, tokenizer):
         for resp in stack.stub().Generate(req):
             texts.append(resp.text)
             tokens += resp.token_ids
-        assert all("\ufffd" not in t for t in texts[:-1])
+        # A random model may emit bytes that are invalid UTF-8 in the full decode too; what must
+        # never happen is a replacement character for a character that later completes, which
+        # would make the streamed text differ from the decode of all tokens.
         assert "".join(texts) == tokenizer.decode(tokens, skip_special_tokens=True)
         seen_non_ascii |= any(ord(c) > 127 for c in "".join(texts))
     assert seen_non_ascii  # the seeds above produce multi-byte output
@@ -238,22 +239,16 @@ def test_cancel_mid_stream_frees_the_blocks(stack):
             assert stack.blocks_in_use() > 0
             call.cancel()
             break
-    deadline = time.monotonic() + 5
-    while stack.blocks_in_use() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert stack.blocks_in_use() == 0
+    assert stack.wait_blocks_free() == 0
 
 
 def test_deadline_expiry_is_deadline_exceeded_and_frees_the_blocks(stack):
     req = G.GenerateRequest(prompt="Tell me everything", sampling_params=G.SamplingParams(
         max_tokens=480, temperature=0.0, ignore_eos=True))  # fmt: skip
     with pytest.raises(grpc.RpcError) as info:
-        list(stack.stub().Generate(req, timeout=0.4))
+        list(stack.stub().Generate(req, timeout=0.2))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    deadline = time.monotonic() + 5
-    while stack.blocks_in_use() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert stack.blocks_in_use() == 0
+    assert stack.wait_blocks_free() == 0
 
 
 def test_api_key_is_required_when_configured(stack):
