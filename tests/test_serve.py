@@ -45,7 +45,8 @@ class Stack:
             cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
@@ -82,6 +83,7 @@ def test_serve_runs_three_processes_and_generate_streams_text(tmp_path):
         assert set(stack.pids()) == {"blockmgr", "executor", "gateway"}
         stack.proc.send_signal(signal.SIGTERM)
         assert stack.proc.wait(30) == 0
+        stack.reader.join(5)
         assert any(r.get("event") == "stack_stopped" for r in stack.lines)
     finally:
         if stack.proc.poll() is None:
@@ -96,6 +98,7 @@ def test_serve_stops_everything_when_one_service_dies(tmp_path):
         pids = stack.pids()
         os.kill(pids["executor"], signal.SIGKILL)
         assert stack.proc.wait(30) == 1
+        stack.reader.join(5)
         died = [r for r in stack.lines if r.get("event") == "service_died"]
         assert died and died[0]["name"] == "executor" and died[0]["status"] == -9
         for name in ("gateway", "blockmgr"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 from services.common.logging import configure_logging
@@ -10,13 +11,24 @@ from services.executor.config import ExecutorConfig
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the executor; the process ends here (see :func:`_exit`)."""
     config = ExecutorConfig.from_args(sys.argv[1:] if argv is None else argv)
     log = configure_logging("executor", config.log_level)
     log.info("executor_starting", config=config.as_log_dict())
     from services.executor.server import serve
 
-    return asyncio.run(serve(config))
+    _exit(asyncio.run(serve(config)))
+    return 1  # unreachable
+
+
+def _exit(code: int) -> None:
+    """Leave without interpreter finalization once the server stopped cleanly: torch pulls in
+    Triton, whose nanobind extension prints spurious reference-leak reports at finalization,
+    interleaved with our JSON log lines."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
