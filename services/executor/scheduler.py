@@ -212,6 +212,14 @@ class Scheduler:
         return plan
 
     def _plan_admissions(self, plan: SchedulePlan, free: int, budget: int) -> None:
+        """Admit waiting sequences in priority order (FCFS within a priority).
+
+        An admission must leave ``watermark_blocks`` plus one block per sequence that will be
+        running free: each running sequence needs at most one new block in the next
+        ``block_size`` steps, so this headroom keeps growth from preempting what was just
+        admitted (admitting on prompt blocks alone makes the newest sequences thrash:
+        admitted, preempted, recomputed, again). With nothing running no headroom is needed.
+        """
         cfg = self.config
         bs = cfg.block_size
         num_running = len(self.running)
@@ -226,7 +234,9 @@ class Scheduler:
             k_max = budget if cfg.enable_chunked_prefill else total
             first = min(total, k_max)
             upper = -(-first // bs)  # blocks if nothing is cached
-            if upper + cfg.watermark_blocks > free:
+            others = num_running + len(admits)
+            reserve = cfg.watermark_blocks + others if others else 0
+            if upper + reserve > free:
                 # A prefix hit may still make it fit: send it, but nothing after it (FCFS).
                 if not cfg.enable_prefix_caching or speculative:
                     break
@@ -236,7 +246,7 @@ class Scheduler:
                 if cfg.enable_prefix_caching
                 else ()
             )
-            admits.append(Admit(seq.seq_id, total, k_max, hashes, cfg.watermark_blocks))
+            admits.append(Admit(seq.seq_id, total, k_max, hashes, reserve))
             plan.admissions.append(seq)
             free -= min(upper, free)
             budget -= first
