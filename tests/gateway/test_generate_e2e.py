@@ -352,3 +352,39 @@ def test_metrics_endpoint_exposes_latency_histograms_and_counters(stack):
     gen = next(line for line in body.splitlines()
                if line.startswith("pagedserve_generation_tokens_total"))  # fmt: skip
     assert float(gen.split()[-1]) > 0
+
+
+def test_tls_serves_encrypted_clients_only(stack, tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    gw = stack.start_gateway("--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        creds = grpc.ssl_channel_credentials(cert.read_bytes())
+        with grpc.secure_channel(f"localhost:{gw.port}", creds) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            deadline = time.monotonic() + 30
+            while True:  # the new gateway connects to the executor first
+                try:
+                    out = collect(stub.Generate(G.GenerateRequest(
+                        prompt="secure", sampling_params=greedy(3)), timeout=10))  # fmt: skip
+                    break
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+            assert out[0]["finals"] == 1
+        with pytest.raises(grpc.RpcError) as info:
+            stack.stub(gw.address).GetModelInfo(G.GetModelInfoRequest(), timeout=3)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # plaintext is refused
+    finally:
+        assert gw.stop() == 0
