@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import gc
-import signal
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pagedserve.v1 import blockmgr_pb2 as pb
 from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
 from services.blockmgr.config import BlockManagerServiceConfig
 from services.blockmgr.core import BlockManagerCore
 from services.blockmgr.servicer import BlockManagerServicer
+from services.common.grpc_server import add_health_and_reflection, set_serving, stop_event
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
@@ -38,19 +35,14 @@ class BlockManagerServer:
             ),
             self.server,
         )
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-        )
+        self.health = add_health_and_reflection(self.server, SERVICE_NAME)
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         if self.port == 0:
             raise OSError(f"could not bind {config.host}:{config.port}")
 
     async def start(self) -> None:
         await self.server.start()
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await set_serving(self.health, SERVICE_NAME, True)
         log.info("blockmgr_listening", host=self.config.host, port=self.port)
 
     async def stop(self) -> None:
@@ -64,10 +56,6 @@ async def serve(config: BlockManagerServiceConfig) -> None:
     server = BlockManagerServer(config)
     await server.start()
     gc.freeze()  # start-up objects leave the collector's view: shorter gen-2 pauses per Step
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await stop_event().wait()
     log.info("blockmgr_shutdown_requested")
     await server.stop()

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import signal
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
+from services.common.grpc_server import add_health_and_reflection, set_serving, stop_event
 from services.executor.config import ExecutorConfig
 from services.executor.engine_loop import EngineLoop
 from services.executor.servicer import ExecutorServicer
@@ -29,28 +27,19 @@ async def serve(config: ExecutorConfig) -> int:
     servicer = ExecutorServicer()
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
 
     async def set_health(serving: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)  # fmt: skip
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, status)
+        await set_serving(health_servicer, SERVICE_NAME, serving)
 
     await set_health(False)
     await server.start()
     log.info("executor_listening", host=config.host, port=port)
 
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        aio_loop.add_signal_handler(sig, stop.set)
+    stop = stop_event()
 
     def on_health(healthy: bool) -> None:  # called from the engine thread
         log.info("executor_health", serving=healthy)

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import signal
 from pathlib import Path
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from services.common.grpc_server import add_health_and_reflection, set_serving, stop_event
 from services.gateway.auth import ApiKeyInterceptor
 from services.gateway.config import GatewayConfig
 from services.gateway.executor_client import ExecutorPool
@@ -44,12 +42,9 @@ class GatewayServer:
         self.server = grpc.aio.server(interceptors=interceptors)
         self.servicer = GenerationServicer(config, self.tokenizer, self.pool, self.metrics)
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        if config.enable_reflection:
-            reflection.enable_server_reflection(
-                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-            )
+        self.health = add_health_and_reflection(
+            self.server, SERVICE_NAME, enable_reflection=config.enable_reflection
+        )
         address = f"{config.host}:{config.port}"
         if config.tls_cert and config.tls_key:
             creds = grpc.ssl_server_credentials(
@@ -69,10 +64,7 @@ class GatewayServer:
         self._health_task = asyncio.ensure_future(self._set_health(serving))
 
     async def _set_health(self, serving: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)  # fmt: skip
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
+        await set_serving(self.health, SERVICE_NAME, serving)
 
     async def start(self) -> None:
         await self._set_health(False)
@@ -97,11 +89,7 @@ async def serve(config: GatewayConfig) -> int:
     server = GatewayServer(config)
     await server.start()
     gc.freeze()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await stop_event().wait()
     log.info("gateway_shutting_down")
     await server.stop()
     return 0
