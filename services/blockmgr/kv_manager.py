@@ -4,7 +4,7 @@ A Step is validated whole before anything changes: a malformed op, an unknown se
 double free or a duplicate id rejects the Step with nothing applied. Capacity is then checked
 per entry at apply time: an admission or a grow entry that does not fit gets
 ``RESOURCE_EXHAUSTED`` and changes nothing, and later ops on that sequence in the same step are
-``SKIPPED``.
+``SKIPPED`` (except Free, which always releases a live sequence).
 """
 
 from __future__ import annotations
@@ -271,11 +271,12 @@ class KVBlockManager:
         return ForkResult(OpStatus.OK, len(parent.block_table))
 
     def _free(self, op: Free, failed: set[int]) -> FreeResult:
+        """Free applies to every live sequence, even one whose grow failed earlier in this
+        step; only a sequence whose admission or fork failed (so never existed) is skipped."""
         freed = 0
         for seq_id in op.seq_ids:
-            if seq_id in failed:
-                continue
-            freed += self._release(seq_id)
+            if seq_id in self.seqs:
+                freed += self._release(seq_id)
         return FreeResult(freed)
 
     def _release(self, seq_id: int) -> int:

@@ -32,7 +32,8 @@ from services.executor.sequence import Sequence as Seq
 
 log = structlog.get_logger(__name__)
 
-MAX_REQUEST_ID_LEN = 256
+MAX_REQUEST_KEY_LEN = 512  # the engine's request keys ("<session>:<request_id>")
+MAX_CONSECUTIVE_RESYNCS = 8
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -126,6 +127,15 @@ class Engine:
         self.num_cached_prompt_tokens = 0
         self.last_step_host_s = 0.0
         self.last_step_forward_s = 0.0
+        cfg = settings.scheduler
+        if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < settings.max_model_len:
+            # A preempted sequence comes back with prompt + output tokens, up to max_model_len,
+            # and without chunking it must fit one step's budget.
+            raise ValueError(
+                "with chunked prefill disabled, max_num_batched_tokens "
+                f"({cfg.max_num_batched_tokens}) must be >= max_model_len "
+                f"({settings.max_model_len})"
+            )
         self.pool = self._register_with_retry()
         self.scheduler = Scheduler(settings.scheduler, self._initial_counters())
 
@@ -146,8 +156,8 @@ class Engine:
     ) -> None:
         """Queue a request; raises :class:`EngineError` (nothing queued) if it is invalid."""
         s = self.settings
-        if not req_id or len(req_id) > MAX_REQUEST_ID_LEN:
-            raise EngineError("INVALID_ARGUMENT", f"request_id must be 1..{MAX_REQUEST_ID_LEN} "
+        if not req_id or len(req_id) > MAX_REQUEST_KEY_LEN:
+            raise EngineError("INVALID_ARGUMENT", f"request_id must be 1..{MAX_REQUEST_KEY_LEN} "
                               "characters")  # fmt: skip
         if req_id in self.requests:
             raise EngineError("ALREADY_EXISTS", f"request_id {req_id!r} is already running")
@@ -191,31 +201,48 @@ class Engine:
     def abort_request(self, req_id: str, index: int | None = None) -> bool:
         """Abort at this step boundary (idempotent): the whole request, or only sample
         ``index``. Every sample not finished yet gets a final ``ABORT`` output; blocks are
-        freed by the next Step. False if nothing was running under that id / index."""
+        freed by the next Step. A sample of an n > 1 request that does not exist yet (its
+        prompt is still being prefilled) is aborted as soon as it is forked. False if nothing
+        was running under that id / index."""
         req = self.requests.get(req_id)
         if req is None:
             return False
-        targets = [s for s in req.seqs if index is None or s.index == index]
-        live = [s for s in targets if s.status is not SeqStatus.FINISHED]
+        if index is not None and req.params.n == 1:
+            index = None
+        if index is not None:
+            seq = next((s for s in req.seqs if s.index == index), None)
+            if seq is None or len(req.seqs) < req.params.n:
+                # Not forked yet (the parent, index 0, still prefills for every sample):
+                # applied when the samples are created.
+                if not 0 <= index < req.params.n or index in req.pending_aborts:
+                    return False
+                req.pending_aborts.add(index)
+                return True
+            if seq.status is SeqStatus.FINISHED:
+                return False
+            self._abort_seq(seq)
+            if req.finished:
+                del self.requests[req_id]
+            return True
+        live = [s for s in req.seqs if s.status is not SeqStatus.FINISHED]
         for seq in live:
-            self.scheduler.finish(seq, FinishReason.ABORT)
-            self._generators.pop(seq.seq_id, None)
-            self._pending.append(SeqOutput(req_id, seq.index, finish_reason=FinishReason.ABORT,
-                                           usage=self._usage(seq)))  # fmt: skip
-        if index is None:
-            # Samples of an n > 1 request that were never forked end here too.
-            known = {s.index for s in req.seqs}
-            for missing in sorted(set(range(req.params.n)) - known):
-                self._pending.append(SeqOutput(
-                    req_id, missing, finish_reason=FinishReason.ABORT,
-                    usage=Usage(len(req.prompt_token_ids), 0, 0),
-                ))  # fmt: skip
-            req.aborted = True
-            del self.requests[req_id]
-            return bool(live) or len(known) < req.params.n
-        if req.finished:
-            del self.requests[req_id]
-        return bool(live)
+            self._abort_seq(seq)
+        # Samples of an n > 1 request that were never forked end here too.
+        known = {s.index for s in req.seqs}
+        for missing in sorted(set(range(req.params.n)) - known):
+            self._pending.append(SeqOutput(
+                req_id, missing, finish_reason=FinishReason.ABORT,
+                usage=Usage(len(req.prompt_token_ids), 0, 0),
+            ))  # fmt: skip
+        req.aborted = True
+        del self.requests[req_id]
+        return bool(live) or len(known) < req.params.n
+
+    def _abort_seq(self, seq: Seq) -> None:
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._generators.pop(seq.seq_id, None)
+        self._pending.append(SeqOutput(seq.req_id, seq.index, finish_reason=FinishReason.ABORT,
+                                       usage=self._usage(seq)))  # fmt: skip
 
     # ---- the iteration --------------------------------------------------------------------
 
@@ -288,6 +315,15 @@ class Engine:
                 self.scheduler.fork(seq, child)
                 self.requests[seq.req_id].seqs.append(child)
         for target, out in emitted:
+            req = self.requests.get(target.req_id)
+            if req is not None and target.index in req.pending_aborts:
+                req.pending_aborts.discard(target.index)  # aborted before it existed
+                self.scheduler.finish(target, FinishReason.ABORT)
+                self._generators.pop(target.seq_id, None)
+                out.finish_reason, out.usage = FinishReason.ABORT, self._usage(target)
+                if req.finished:
+                    del self.requests[target.req_id]
+                continue
             self._check_finish(target, out)
         return [out for _, out in emitted]
 
@@ -378,11 +414,20 @@ class Engine:
     # ---- block manager --------------------------------------------------------------------
 
     def _send(self, plan: SchedulePlan) -> StepResult:
-        """One Step round trip, surviving block-manager outages and restarts."""
+        """One Step round trip, surviving block-manager outages and restarts.
+
+        After a failed call the outcome is unknown (the Step may have been applied and only
+        the answer lost), so it is never simply resent: once the block manager answers again
+        the pool is re-registered and restored to its state before ``plan``, then ``plan`` is
+        sent. The cached free blocks may be lost that way, never a live sequence."""
         backoff = self.settings.blockmgr_retry_s
-        resynced = False
+        needs_resync = False
+        resyncs = 0
         while True:
             try:
+                if needs_resync:
+                    self._resync(plan)
+                    needs_resync = False
                 self.num_blockmgr_round_trips += 1
                 result = self.blockmgr.step(self.settings.pool_id, self.pool.epoch, plan.ops)
             except BlockManagerError as exc:
@@ -391,31 +436,24 @@ class Engine:
                     log.warning("blockmgr_unavailable", error=exc.message, retry_in_s=backoff)
                     time.sleep(backoff)
                     backoff = min(backoff * 2, self.settings.blockmgr_max_backoff_s)
+                    needs_resync = True
                     continue
                 if exc.code in (ErrorCode.NOT_FOUND, ErrorCode.FAILED_PRECONDITION) and (
-                    not resynced
+                    resyncs < MAX_CONSECUTIVE_RESYNCS
                 ):
-                    self._resync(plan, exc)
-                    resynced = True
+                    log.warning("blockmgr_diverged", error=exc.message)
+                    resyncs += 1
+                    needs_resync = True
                     continue
                 raise
             self._set_health(True)
             return result
 
-    def _resync(self, plan: SchedulePlan, exc: BlockManagerError) -> None:
-        """Our pool is gone or diverged: register again and restore every live sequence as it
-        was before ``plan``; the caller then sends ``plan`` again."""
-        log.warning("blockmgr_resync", reason=exc.message)
+    def _resync(self, plan: SchedulePlan) -> None:
+        """Register again and restore every live sequence as it was before ``plan``."""
         self.pool = self._register_with_retry()
         state = self.scheduler.pre_plan_state(plan)
-        while True:
-            try:
-                self.blockmgr.restore(self.settings.pool_id, self.pool.epoch, state)
-                break
-            except BlockManagerError as e:
-                if e.code is not ErrorCode.UNAVAILABLE:
-                    raise
-                time.sleep(self.settings.blockmgr_retry_s)
+        self.blockmgr.restore(self.settings.pool_id, self.pool.epoch, state)
         self.num_blockmgr_recoveries += 1
         log.info("blockmgr_restored", epoch=self.pool.epoch, num_sequences=len(state))
 

@@ -139,11 +139,13 @@ class EngineLoop:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
+        # Refusals go out before a half-closed session is ended, never after.
         for session_id, errs in errors.items():
             session = self._sessions.get(session_id)
             if session is not None:
                 session.deliver(Delivery(self.engine.num_steps, [], errs, self.load()))
-                self._maybe_finish(session)
+        for session in list(self._sessions.values()):
+            self._maybe_finish(session)
 
     def _apply(self, item: tuple, errors: dict[int, list[tuple[str, str, str]]]) -> None:
         kind = item[0]
@@ -175,9 +177,7 @@ class EngineLoop:
             session, request_id, index = item[1], item[2], item[3]
             self.engine.abort_request(session.key(request_id), index)
         elif kind == "half_close":
-            session = item[1]
-            session.half_closed = True
-            self._maybe_finish(session)
+            item[1].half_closed = True
         elif kind == "close":
             session = item[1]
             for request_id in list(session.live):

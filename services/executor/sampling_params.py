@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+MAX_N = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +33,8 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise ``ValueError`` naming the first offending field."""
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):

@@ -75,6 +75,7 @@ class SchedulePlan:
     preempted: list[Sequence] = field(default_factory=list)
     released: list[RestoredSequence] = field(default_factory=list)  # freed by this plan
     fork_ids: set[int] = field(default_factory=set)  # children forked by this plan
+    cow_ids: set[int] = field(default_factory=set)  # grows the mirror counted as COW
     grow_op_index: int = -1
     grow_seqs: list[Sequence] = field(default_factory=list)
     admit_op_index: int = -1
@@ -178,7 +179,8 @@ class Scheduler:
                     return False
                 need = self._blocks_needed(seq, k)
             free -= need
-            self._apply_cow_refs(seq, k)
+            if self._apply_cow_refs(seq, k):
+                plan.cow_ids.add(seq.seq_id)
             scheduled.add(seq.seq_id)
             grows.append((seq, k))
             return True
@@ -301,6 +303,8 @@ class Scheduler:
                 # Our counters said it fits; the pool disagrees: recompute it later.
                 log.warning("grow_refused", seq_id=seq.seq_id, status=status.name)
                 failed.add(seq.seq_id)
+                if seq.seq_id in plan.cow_ids:  # it still holds its share of the old block
+                    self.refs[seq.block_table[-1]] += 1
                 continue
             seq.block_table.extend(new_ids)
             for b in new_ids:
@@ -362,13 +366,16 @@ class Scheduler:
         cow = k > 0 and partial and held > 0 and self.refs[seq.block_table[-1]] > 1
         return need + cow
 
-    def _apply_cow_refs(self, seq: Sequence, k: int) -> None:
-        """Mirror the block manager: a COW grow drops the writer's share of the old block."""
+    def _apply_cow_refs(self, seq: Sequence, k: int) -> bool:
+        """Mirror the block manager: a COW grow drops the writer's share of the old block.
+        Returns whether it did."""
         bs = self.config.block_size
         if k > 0 and seq.num_computed_tokens % bs and seq.block_table:
             last = seq.block_table[-1]
             if self.refs[last] > 1:
                 self.refs[last] -= 1
+                return True
+        return False
 
     def _release(self, table: list[int]) -> int:
         """Drop one reference to each block of ``table``; return how many became free."""

@@ -86,6 +86,7 @@ class Request:
     seqs: list[Sequence]
     cache_salt: bytes = b""
     aborted: bool = False
+    pending_aborts: set[int] = field(default_factory=set)  # samples aborted before their fork
 
     @property
     def finished(self) -> bool:

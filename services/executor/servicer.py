@@ -10,13 +10,14 @@ import structlog
 
 from pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from services.blockmgr.hashing import HASH_ALGORITHM
-from services.executor.engine import MAX_REQUEST_ID_LEN, SeqOutput
+from services.executor.engine import SeqOutput
 from services.executor.engine_loop import AddCommand, Delivery, EngineLoop, Load, Session
 from services.executor.sampling_params import SamplingParams
 from services.executor.sequence import FinishReason
 from services.executor.startup import ServedModel
 
 log = structlog.get_logger(__name__)
+MAX_REQUEST_ID_LEN = 256
 
 FINISH_TO_PB = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,

@@ -96,6 +96,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.metrics.requests.labels("invalid").inc()
             log.info("request_invalid", error=str(exc))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        samples = [SampleStream(request_id, i, self.tokenizer, prompt_ids, options)
+                   for i in range(params.n)]  # fmt: skip
         try:
             conn = self.pool.pick()
             internal_id = uuid.uuid4().hex
@@ -109,8 +111,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         log.info("request_accepted", executor=conn.address, num_prompt_tokens=len(prompt_ids),
                  n=params.n, max_tokens=params.max_tokens)  # fmt: skip
 
-        samples = [SampleStream(request_id, i, self.tokenizer, prompt_ids, options)
-                   for i in range(params.n)]  # fmt: skip
         last_token_at: list[float | None] = [None] * params.n
         done = 0
         completed = False

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
+from typing import Any
 
 import pytest
 
 from services.blockmgr.client import InProcessClient
+from services.blockmgr.errors import BlockManagerError, ErrorCode
+from services.blockmgr.types import StepResult
 from services.executor.engine import Engine, EngineError, EngineSettings, SeqOutput
 from services.executor.sampling_params import SamplingParams
 from services.executor.scheduler import SchedulerConfig
@@ -93,13 +96,13 @@ def test_long_prompt_is_split_by_the_token_budget_and_decodes_go_first():
 
 
 def test_chunked_prefill_off_admits_whole_prompts_only():
-    engine, runner, client = make_engine(budget=16, chunked=False)
+    engine, runner, client = make_engine(budget=16, chunked=False, max_model_len=16)
     engine.add_request("a", prompt(10, 0), greedy(3))
     engine.add_request("b", prompt(10, 1), greedy(3))
     outs = run(engine)
     assert runner.calls[0] == [(0, 10)]  # b does not fit the rest of the budget
     assert runner.calls[1] == [(10, 1), (0, 10)]
-    with pytest.raises(EngineError, match="max_num_batched_tokens"):
+    with pytest.raises(EngineError, match="max_model_len"):
         engine.add_request("c", prompt(17, 2), greedy(3))
     assert tokens(outs[("a", 0)]) == reference_tokens(prompt(10, 0), 3)
     assert_no_leak(engine, client)
@@ -348,3 +351,67 @@ def test_aborting_one_sample_of_n_keeps_the_others_running():
         assert tokens(outs[("n3", i)]) == reference_tokens(p, 8)
         assert outs[("n3", i)][-1].finish_reason is FinishReason.LENGTH
     assert_no_leak(engine, client)
+
+
+def test_chunked_prefill_off_needs_a_budget_of_max_model_len():
+    """A preempted sequence returns with prompt + output tokens and must fit one step."""
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_engine(budget=16, chunked=False, max_model_len=128)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_aborting_a_sample_before_its_fork_ends_it_at_the_fork(index):
+    engine, _, client = make_engine(budget=4)
+    p = prompt(10, 4)  # three chunks of prefill before the fork
+    engine.add_request("n3", p, SamplingParams(n=3, temperature=0.0, max_tokens=6,
+                                               ignore_eos=True))  # fmt: skip
+    early = engine.step()
+    assert engine.abort_request("n3", index=index) is True
+    assert engine.abort_request("n3", index=index) is False
+    outs = run(engine)
+    for o in reversed(early):
+        outs.setdefault((o.req_id, o.index), []).insert(0, o)
+    finals = {i: [o for o in outs[("n3", i)] if o.finish_reason] for i in range(3)}
+    assert all(len(f) == 1 for f in finals.values())
+    assert finals[index][0].finish_reason is FinishReason.ABORT
+    for i in {0, 1, 2} - {index}:
+        assert tokens(outs[("n3", i)]) == reference_tokens(p, 6)
+    assert_no_leak(engine, client)
+
+
+class LosesOneAnswer:
+    """A block-manager client whose n-th Step is applied but its answer lost."""
+
+    def __init__(self, inner: InProcessClient, lose_at: int) -> None:
+        self.inner, self.lose_at, self.calls = inner, lose_at, 0
+
+    def step(self, pool_id: str, epoch: int, ops: list) -> StepResult:
+        self.calls += 1
+        result = self.inner.step(pool_id, epoch, ops)
+        if self.calls == self.lose_at:
+            raise BlockManagerError(ErrorCode.UNAVAILABLE, "answer lost")
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("lose_at", [2, 5, 9, 12])
+def test_a_lost_step_answer_is_never_applied_twice(lose_at):
+    runner = FakePagedRunner(24, BS)
+    client = LosesOneAnswer(InProcessClient(), lose_at)
+    settings = EngineSettings(
+        max_model_len=128, vocab_size=VOCAB, eos_token_ids=(2,),
+        scheduler=SchedulerConfig(block_size=BS, max_num_batched_tokens=32, max_model_len=128,
+                                  watermark_blocks=0),
+        pool_id="test", blockmgr_retry_s=0.001,
+    )  # fmt: skip
+    engine = Engine(settings, runner, client)
+    prompts = {f"r{i}": prompt(5 + 3 * i, i) for i in range(4)}
+    for req_id, p in prompts.items():
+        engine.add_request(req_id, p, greedy(12))
+    outs = run(engine)
+    for req_id, p in prompts.items():
+        assert tokens(outs[(req_id, 0)]) == reference_tokens(p, 12)
+    assert engine.num_blockmgr_recoveries == 1
+    assert_no_leak(engine, client.inner)

@@ -236,3 +236,13 @@ def test_every_sample_of_an_n_request_gets_its_final_update(channel):
     assert counts == {0: 6, 1: 6, 2: 6}
     assert all(f.finish_reason == common_pb2.FINISH_REASON_LENGTH for f in finals.values())
     assert all(f.usage.completion_tokens == 6 for f in finals.values())
+
+
+def test_refusal_is_delivered_even_when_the_stream_half_closes_at_once(channel):
+    session = SessionClient(channel)
+    session.add("too-long", [1] * 300, temperature=0.0, max_tokens=3)
+    session.half_close()
+    steps = list(session.call)  # ends once nothing is running
+    errors = [e for step in steps for e in step.errors]
+    assert [e.request_id for e in errors] == ["too-long"]
+    assert errors[0].code == "INVALID_ARGUMENT"

@@ -223,6 +223,16 @@ def test_grow_entry_that_does_not_fit_fails_alone(client, pool_id):
     assert res.new_block_ids[0] == () and len(res.new_block_ids[1]) == 1
 
 
+def test_free_releases_a_sequence_whose_grow_failed_in_the_same_step(client, pool_id):
+    epoch = _register(client, pool_id, num_blocks=4)  # 3 usable
+    _admit(client, pool_id, epoch, 1, list(range(4)))
+    grow, free = client.step(pool_id, epoch, [Grow((1,), (40,)), Free((1,))]).results
+    assert grow.statuses == (OpStatus.RESOURCE_EXHAUSTED,)
+    assert free.num_freed_blocks == 1
+    c = _counters(client, pool_id)
+    assert (c.num_in_use_blocks, c.num_sequences) == (0, 0)
+
+
 def test_invalid_op_rejects_the_whole_step_with_nothing_applied(client, pool_id):
     epoch = _register(client, pool_id)
     _admit(client, pool_id, epoch, 1, list(range(4)))
