@@ -1,4 +1,4 @@
-# pagedserve: `make test` runs lint + the whole suite; `make bench-blockmgr` runs the block-manager benchmark.
+# pagedserve: `make serve` runs the stack, `make test` lint + the whole suite, `make bench-*` the benchmarks.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -30,6 +30,9 @@ serve: protos
 
 bench-blockmgr: protos
 	$(PY) bench/blockmgr_bench.py
+
+bench-engine: protos
+	$(PY) bench/engine_bench.py --grpc
 
 clean:
 	rm -rf $(VENV) pagedserve/v1/*_pb2*.py pagedserve/v1/*_pb2*.pyi
