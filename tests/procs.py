@@ -12,7 +12,18 @@ import threading
 import time
 from pathlib import Path
 
+from services.common.healthcheck import check
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def wait_serving(address: str, timeout: float = 30.0) -> None:
+    """Poll ``grpc.health.v1`` at ``address`` until it reports SERVING."""
+    deadline = time.monotonic() + timeout
+    while not check(address, timeout=2.0)[0]:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{address} never became SERVING")
+        time.sleep(0.05)
 
 
 class ServiceProcess:

@@ -256,9 +256,3 @@ class GrpcClient:
     def close(self) -> None:
         self._channel.close()
 
-
-def connect(address: str | None, core: BlockManagerCore | None = None) -> BlockManagerClient:
-    """``address`` None or "inproc" gives an in-process client; otherwise a gRPC client."""
-    if address in (None, "", "inproc"):
-        return InProcessClient(core)
-    return GrpcClient(address)

@@ -234,7 +234,6 @@ class Engine:
                 req_id, missing, finish_reason=FinishReason.ABORT,
                 usage=Usage(len(req.prompt_token_ids), 0, 0),
             ))  # fmt: skip
-        req.aborted = True
         del self.requests[req_id]
         return bool(live) or len(known) < req.params.n
 
@@ -378,17 +377,10 @@ class Engine:
         if n_out < p.min_tokens:
             banned = (*(() if p.ignore_eos else self.settings.eos_token_ids), *p.stop_token_ids)
         return SamplingRow(
-            temperature=p.temperature,
-            top_k=p.top_k,
-            top_p=p.top_p,
-            min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
+            params=p,
             prompt_token_ids=seq.token_ids[: seq.prompt_len] if penalties else [],
             output_token_ids=seq.token_ids[seq.prompt_len :] if penalties else [],
             generator=generator,
-            num_logprobs=p.logprobs,
             banned_token_ids=banned,
         )
 

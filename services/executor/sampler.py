@@ -15,24 +15,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from services.executor.sampling_params import SamplingParams
+
 _NEG_INF = float("-inf")
 
 
 @dataclass
 class SamplingRow:
-    """What the sampler needs to know about one row of logits."""
+    """What the sampler needs to know about one row of logits: the request's parameters and
+    the sequence's own state."""
 
-    temperature: float
-    top_k: int  # <= 0: disabled
-    top_p: float
-    min_p: float
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt_token_ids: list[int]  # read only when a penalty is set
     output_token_ids: list[int]
     generator: torch.Generator | None
-    num_logprobs: int | None
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS while min_tokens is not reached
 
 
@@ -54,7 +50,7 @@ class Sampler:
         assert logits.shape[0] == len(rows)
         dev = logits.device
         raw = logits.float()
-        want_logprobs = any(r.num_logprobs is not None for r in rows)
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
 
         logits = self._apply_penalties(raw, rows)
@@ -65,7 +61,7 @@ class Sampler:
             bi = torch.tensor(banned, dtype=torch.long, device=dev)
             logits[bi[:, 0], bi[:, 1]] = _NEG_INF
 
-        temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=dev)
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=dev)
         greedy_mask = temps == 0
         greedy_tokens = logits.argmax(dim=-1)
         if bool(greedy_mask.all()):
@@ -80,8 +76,8 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
-        need_rep = any(r.repetition_penalty != 1.0 for r in rows)
-        need_freq = any(r.presence_penalty or r.frequency_penalty for r in rows)
+        need_rep = any(r.params.repetition_penalty != 1.0 for r in rows)
+        need_freq = any(r.params.presence_penalty or r.params.frequency_penalty for r in rows)
         if not (need_rep or need_freq):
             return logits
         k_rows, vocab = logits.shape
@@ -99,12 +95,12 @@ class Sampler:
             p_ids, p_rows = _flatten([r.prompt_token_ids for r in rows], dev)
             if p_ids.numel():
                 seen[p_rows, p_ids] = True
-            rp = torch.tensor([r.repetition_penalty for r in rows], device=dev).unsqueeze(1)
+            rp = torch.tensor([r.params.repetition_penalty for r in rows], device=dev).unsqueeze(1)
             penalized = torch.where(logits > 0, logits / rp, logits * rp)
             logits = torch.where(seen, penalized, logits)
         if need_freq:
-            freq = torch.tensor([r.frequency_penalty for r in rows], device=dev).unsqueeze(1)
-            pres = torch.tensor([r.presence_penalty for r in rows], device=dev).unsqueeze(1)
+            freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev).unsqueeze(1)
+            pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev).unsqueeze(1)
             logits = logits - freq * counts - pres * (counts > 0).float()
         return logits
 
@@ -120,9 +116,10 @@ class Sampler:
         k_rows, vocab = logits.shape
         scaled = logits / torch.where(greedy_mask, torch.ones_like(temps), temps).unsqueeze(1)
 
-        top_k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=dev)
-        top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=dev)
-        min_p = torch.tensor([r.min_p for r in rows], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows],
+                             device=dev)  # fmt: skip
+        top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=dev)
+        min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float32, device=dev)
         if bool((top_k < vocab).any() | (top_p < 1).any() | (min_p > 0).any()):
             sorted_logits, order = scaled.sort(dim=-1, descending=True)
             ranks = torch.arange(vocab, device=dev).unsqueeze(0)
@@ -154,7 +151,7 @@ class Sampler:
         if raw_logprobs is None:
             return [None] * len(rows)
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        max_k = max(r.num_logprobs or 0 for r in rows)
+        max_k = max(r.params.logprobs or 0 for r in rows)
         top_vals: list[list[float]] = []
         top_ids: list[list[int]] = []
         if max_k:
@@ -162,10 +159,10 @@ class Sampler:
             top_vals, top_ids = vals.tolist(), ids.tolist()
         out: list[tuple[float, list[tuple[int, float]]] | None] = []
         for i, r in enumerate(rows):
-            if r.num_logprobs is None:
+            if r.params.logprobs is None:
                 out.append(None)
                 continue
-            k = r.num_logprobs
+            k = r.params.logprobs
             top = list(zip(top_ids[i][:k], top_vals[i][:k], strict=True)) if k else []
             out.append((chosen[i], top))
         return out

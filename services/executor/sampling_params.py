@@ -27,10 +27,6 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # top-k alternatives returned with each chosen token
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def validate(self, vocab_size: int) -> None:
         """Raise ``ValueError`` naming the first offending field."""
         if not 1 <= self.n <= MAX_N:

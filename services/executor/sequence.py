@@ -85,7 +85,6 @@ class Request:
     arrival: int
     seqs: list[Sequence]
     cache_salt: bytes = b""
-    aborted: bool = False
     pending_aborts: set[int] = field(default_factory=set)  # samples aborted before their fork
 
     @property

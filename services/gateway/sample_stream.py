@@ -83,15 +83,6 @@ class SampleStream:
             return None, False
         return resp, False
 
-    def abort_response(self) -> generation_pb2.GenerateResponse:
-        """The final message of a sample ended by the gateway (cancel, executor failure)."""
-        resp = generation_pb2.GenerateResponse(
-            request_id=self.request_id, index=self.index,
-            finish_reason=common_pb2.FINISH_REASON_ABORT,
-        )  # fmt: skip
-        self._finish(resp)
-        return resp
-
     def _finish(self, resp: generation_pb2.GenerateResponse) -> None:
         self.done = True
         resp.usage.CopyFrom(common_pb2.Usage(

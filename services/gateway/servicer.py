@@ -28,7 +28,7 @@ from services.gateway.validation import (
 
 log = structlog.get_logger(__name__)
 
-_STATUS = {name: code for code in grpc.StatusCode for name in (code.name,)}
+_STATUS = {code.name: code for code in grpc.StatusCode}
 _FINISH_NAMES = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",

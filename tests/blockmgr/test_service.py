@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +17,7 @@ from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
 from services.blockmgr.client import GrpcClient
 from services.blockmgr.types import Admit, OpStatus
 from tests.blockmgr.helpers import ThreadedServer
+from tests.procs import ServiceProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,46 +124,18 @@ def test_reflection_lists_the_block_manager_service(server):
         assert "grpc.health.v1.Health" in names
 
 
-def _wait_for_port(proc: subprocess.Popen[str], timeout: float = 30) -> int:
-    deadline = time.monotonic() + timeout
-    assert proc.stderr is not None
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            if proc.poll() is not None:
-                raise AssertionError(f"blockmgr exited early with {proc.returncode}")
-            continue
-        record = json.loads(line)
-        assert record["service"] == "blockmgr"
-        if record["event"] == "blockmgr_listening":
-            return int(record["port"])
-    raise AssertionError("blockmgr did not report its port")
-
-
 def test_process_serves_then_shuts_down_gracefully_on_sigterm():
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "blockmgr", "--port", "0"],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    proc = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")
     try:
-        port = _wait_for_port(proc)
-        client = GrpcClient(f"127.0.0.1:{port}")
+        assert all(r["service"] == "blockmgr" for r in proc.lines if r["event"] != "raw")
+        client = GrpcClient(proc.address)
         epoch = client.register("proc", 8, 4).epoch
         (r,) = client.step("proc", epoch, [Admit(1, 5, 5)]).results
         assert r.status is OpStatus.OK
         client.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=15) == 0
-        rest = proc.stderr.read()
-        events = [json.loads(line)["event"] for line in rest.splitlines() if line.strip()]
-        assert "blockmgr_stopped" in events
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert proc.stop() == 0
+    assert "blockmgr_stopped" in proc.events()
 
 
 def test_cli_rejects_a_bad_port_with_usage_error():

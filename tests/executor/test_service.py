@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from services.blockmgr.client import GrpcClient
+from services.common.healthcheck import check
 from tests.procs import ServiceProcess
 
 POOL = "exec-test"
@@ -174,12 +175,6 @@ def test_dropped_stream_aborts_its_requests_and_frees_their_blocks(stack):
     assert _blocks_in_use(stack) == 0
 
 
-def _health(address: str) -> int:
-    with grpc.insecure_channel(address) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                    timeout=5).status  # fmt: skip
-
-
 def test_block_manager_outage_turns_not_serving_then_recovers_without_losing_tokens(
     tiny_checkpoint, hf_model
 ):
@@ -203,7 +198,7 @@ def test_block_manager_outage_turns_not_serving_then_recovers_without_losing_tok
                     break
             blockmgr.stop()
             deadline = time.monotonic() + 15
-            while _health(executor.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            while check(executor.address)[1] != "NOT_SERVING":
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             blockmgr = ServiceProcess(["blockmgr", "--port", str(port)], "blockmgr_listening")
@@ -212,7 +207,7 @@ def test_block_manager_outage_turns_not_serving_then_recovers_without_losing_tok
             assert finals["r"].finish_reason in (common_pb2.FINISH_REASON_LENGTH,
                                                  common_pb2.FINISH_REASON_STOP)  # fmt: skip
             assert tokens == _hf_greedy(hf_model, prompt, 150)
-            assert _health(executor.address) == health_pb2.HealthCheckResponse.SERVING
+            assert check(executor.address) == (True, "SERVING")
             assert "blockmgr_restored" in executor.events()
     finally:
         executor.stop()

@@ -11,13 +11,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.v1 import generation_pb2_grpc
 from services.blockmgr.client import GrpcClient
 from services.executor.tiny_model import write_tiny_model
-from tests.procs import ServiceProcess
+from tests.procs import ServiceProcess, wait_serving
 
 POOL_ID = "gateway-tests"
 
@@ -95,23 +94,8 @@ def stack(tiny_model_dir: Path) -> Iterator[Stack]:
         "gateway_listening",
     )  # fmt: skip
     metrics_port = int(gateway.wait_for_event("metrics_listening")["metrics_port"])
-    _wait_serving(gateway.address)
+    wait_serving(gateway.address)
     yield Stack(tiny_model_dir, blockmgr, executor, gateway, metrics_port)
     for proc in (gateway, executor, blockmgr):
         assert proc.stop() == 0, proc.args[0]
 
-
-def _wait_serving(address: str, timeout: float = 30.0) -> None:
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.05)
-    raise AssertionError(f"{address} never became SERVING")

@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.procs import ServiceProcess, wait_serving
 
 G = generation_pb2
 STOP, LENGTH, ABORT = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH,
@@ -264,7 +265,7 @@ def test_api_key_is_required_when_configured(stack):
         with pytest.raises(grpc.RpcError) as info:
             stub.GetModelInfo(G.GetModelInfoRequest(), timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        _wait_serving_via(gw.address)  # health stays open
+        wait_serving(gw.address)  # health stays open
         out = collect(stub.Generate(req, metadata=[("authorization", "Bearer s3cret")]))
         assert out[0]["finals"] == 1
     finally:
@@ -274,7 +275,7 @@ def test_api_key_is_required_when_configured(stack):
 def test_admission_limit_refuses_at_once_beyond_max_concurrent_requests(stack):
     gw = stack.start_gateway("--max-concurrent-requests", "2")
     try:
-        _wait_serving_via(gw.address)
+        wait_serving(gw.address)
         stub = stack.stub(gw.address)
         long = G.GenerateRequest(prompt="go on", sampling_params=G.SamplingParams(
             max_tokens=400, temperature=0.0, ignore_eos=True))  # fmt: skip
@@ -296,16 +297,9 @@ def test_admission_limit_refuses_at_once_beyond_max_concurrent_requests(stack):
         assert gw.stop() == 0
 
 
-def _wait_serving_via(address: str) -> None:
-    from tests.gateway.conftest import _wait_serving
-
-    _wait_serving(address)
-
-
 def test_health_not_serving_until_an_executor_is_ready(stack, tiny_model_dir):
     import socket
 
-    from tests.procs import ServiceProcess
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -330,7 +324,7 @@ def test_health_not_serving_until_an_executor_is_ready(stack, tiny_model_dir):
                  "--num-kv-blocks", "64", "--max-model-len", "256"],
                 "executor_ready",
             )  # fmt: skip
-            _wait_serving_via(gw.address)
+            wait_serving(gw.address)
     finally:
         assert gw.stop() == 0
         if executor is not None:
