@@ -19,6 +19,7 @@ protos: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: protos lint
 	$(PY) -m pytest -q

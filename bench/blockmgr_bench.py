@@ -132,7 +132,10 @@ def start_server() -> tuple[subprocess.Popen[str], str]:
         port = s.getsockname()[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.blockmgr", "--port", str(port)],
-        cwd=ROOT, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.stderr is not None
     for line in proc.stderr:
@@ -165,13 +168,17 @@ def main() -> None:
         proc.wait(10)
 
     print(f"\nblock manager benchmark ({os.cpu_count()} CPUs, {args.steps} decode steps)\n")
-    print("| transport | block ops/s | decode step (256 seqs) p50 / p99 | "
-          "admission step (32 x 512 tok) p50 / p99 |")
+    print(
+        "| transport | block ops/s | decode step (256 seqs) p50 / p99 | "
+        "admission step (32 x 512 tok) p50 / p99 |"
+    )
     print("|---|---:|---:|---:|")
     for name, ops_s, dec, adm in rows:
-        print(f"| {name} | {ops_s:,.0f} | {statistics.median(dec) * 1e3:.3f} / "
-              f"{pct(dec, 0.99) * 1e3:.3f} ms | {statistics.median(adm) * 1e3:.3f} / "
-              f"{pct(adm, 0.99) * 1e3:.3f} ms |")
+        print(
+            f"| {name} | {ops_s:,.0f} | {statistics.median(dec) * 1e3:.3f} / "
+            f"{pct(dec, 0.99) * 1e3:.3f} ms | {statistics.median(adm) * 1e3:.3f} / "
+            f"{pct(adm, 0.99) * 1e3:.3f} ms |"
+        )
 
 
 if __name__ == "__main__":

@@ -65,15 +65,16 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
+from pagedserve.tools.tiny_model import write_tiny_model  # noqa: E402
 from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient  # noqa: E402
 from services.common.logging import configure_logging  # noqa: E402
+from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.executor.config import ExecutorConfig  # noqa: E402
 from services.executor.engine import Engine  # noqa: E402
 from services.executor.forward_batch import SeqChunk  # noqa: E402
 from services.executor.model_runner import ModelRunner  # noqa: E402
-from services.executor.sampling_params import SamplingParams  # noqa: E402
-from services.executor.startup import build_engine, load_runner  # noqa: E402
-from services.executor.tiny_model import write_tiny_model  # noqa: E402
+from services.executor.sequence import RequestKey  # noqa: E402
+from services.executor.startup import build_engine  # noqa: E402
 
 BOS_ID = 1  # the tiny tokenizer's <s>; prompts start with it, as a tokenizer would do
 FIRST_ORDINARY_ID = 3  # ids 0..2 are <pad>, <s>, </s>
@@ -95,8 +96,9 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[Req]:
     reqs = []
     for i in range(args.num_requests):
         n_prompt = rng.randint(args.min_prompt, args.max_prompt)
-        prompt = [BOS_ID] + [rng.randrange(FIRST_ORDINARY_ID, vocab_size)
-                             for _ in range(n_prompt - 1)]  # fmt: skip
+        prompt = [BOS_ID] + [
+            rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(n_prompt - 1)
+        ]
         reqs.append(Req(f"r{i}", prompt, rng.randint(args.min_output, args.max_output)))
     return reqs
 
@@ -212,11 +214,18 @@ def hf_generate(model: PreTrainedModel, batch: Sequence[Req], pad_id: int) -> li
     """One static batch; returns each row's requested tokens (the rest is wasted work)."""
     ids, mask = pad_left(batch, pad_id)
     n = max(r.max_tokens for r in batch)
-    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
-                         min_new_tokens=n, pad_token_id=pad_id)  # fmt: skip
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        pad_token_id=pad_id,
+    )
     assert out.shape[1] == ids.shape[1] + n, "generate stopped early"
-    return [out[i, ids.shape[1] : ids.shape[1] + r.max_tokens].tolist()
-            for i, r in enumerate(batch)]  # fmt: skip
+    return [
+        out[i, ids.shape[1] : ids.shape[1] + r.max_tokens].tolist() for i, r in enumerate(batch)
+    ]
 
 
 def run_hf_static(model: PreTrainedModel, batches: list[list[Req]], pad_id: int) -> RunResult:
@@ -258,14 +267,25 @@ class OurSystem:
     """A loaded runner (model + KV cache, reused) and a fresh engine per run, so that no run
     sees blocks another left in the prefix cache."""
 
-    def __init__(self, model_dir: str, max_model_len: int, num_kv_blocks: int,
-                 max_num_seqs: int, blockmgr_address: str | None = None,
-                 **config: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        max_model_len: int,
+        num_kv_blocks: int,
+        max_num_seqs: int,
+        blockmgr_address: str | None = None,
+        **config: Any,
+    ) -> None:
         self.config = ExecutorConfig(
-            model=model_dir, dtype="float32", device="cpu", num_kv_blocks=num_kv_blocks,
-            max_num_seqs=max_num_seqs, max_model_len=max_model_len, **config,
-        )  # fmt: skip
-        self.runner = CountingRunner(load_runner(self.config))
+            model=model_dir,
+            dtype="float32",
+            device="cpu",
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            **config,
+        )
+        self.runner = CountingRunner(ModelRunner.from_config(self.config))
         self.address = blockmgr_address
         self._runs = 0
 
@@ -288,7 +308,7 @@ def run_ours(system: OurSystem, waves: list[list[Req]], *, pad_to_batch_max: boo
     asked = {r.req_id: r.max_tokens for w in waves for r in w}
     res = RunResult(0.0, 0.0, outputs, waste=WasteStats())
     assert res.waste is not None
-    rt0, pre0 = engine.num_blockmgr_round_trips, sched.num_preemptions
+    rt0, pre0 = engine.link.num_round_trips, sched.num_preemptions
     tok0 = system.runner.num_computed_tokens
     conc_sum = 0
     instr_s = 0.0  # bookkeeping time, taken off the wall clock
@@ -296,14 +316,17 @@ def run_ours(system: OurSystem, waves: list[list[Req]], *, pad_to_batch_max: boo
     for wave in waves:
         n_wave = max(r.max_tokens for r in wave)
         for r in wave:
-            engine.add_request(r.req_id, r.prompt, greedy(n_wave if pad_to_batch_max
-                                                          else r.max_tokens))  # fmt: skip
+            engine.add_request(
+                RequestKey(0, r.req_id),
+                r.prompt,
+                greedy(n_wave if pad_to_batch_max else r.max_tokens),
+            )
         while engine.has_work:
             ts = time.perf_counter()
             outs = engine.step()
             te = time.perf_counter()
             for o in outs:
-                outputs[o.req_id].extend(o.token_ids)
+                outputs[o.req_id.request_id].extend(o.token_ids)
             res.step_s.append(te - ts)
             res.host_s.append(engine.last_step_host_s)
             res.forward_s.append(engine.last_step_forward_s)
@@ -322,7 +345,7 @@ def run_ours(system: OurSystem, waves: list[list[Req]], *, pad_to_batch_max: boo
         del toks[asked[rid] :]
     res.num_steps = len(res.step_s)
     res.mean_concurrency = conc_sum / max(1, res.num_steps)
-    res.round_trips = engine.num_blockmgr_round_trips - rt0
+    res.round_trips = engine.link.num_round_trips - rt0
     res.preemptions = sched.num_preemptions - pre0
     res.computed_tokens = system.runner.num_computed_tokens - tok0
     return res
@@ -338,11 +361,12 @@ def blockmgr_process() -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.blockmgr", "--port", str(port), "--log-level",
-         "WARNING"],
-        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "services.blockmgr", "--port", str(port), "--log-level", "WARNING"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    )
     try:
         deadline = time.monotonic() + 30
         while True:  # WARNING level hides "blockmgr_listening": poll the port instead
@@ -421,10 +445,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="(a): KV budget in max-length sequences (max_prompt + max_output slots each)",
     )
     a("--batch-size", type=int, default=16, help="(b): max concurrent sequences, both systems")
-    a("--watermark", type=float, default=ExecutorConfig.watermark,
-      help="ours: share of KV blocks admissions keep free")  # fmt: skip
-    a("--max-num-batched-tokens", type=int, default=ExecutorConfig.max_num_batched_tokens,
-      help="ours: token budget of one step (chunked prefill)")  # fmt: skip
+    a(
+        "--watermark",
+        type=float,
+        default=ExecutorConfig.watermark,
+        help="ours: share of KV blocks admissions keep free",
+    )
+    a(
+        "--max-num-batched-tokens",
+        type=int,
+        default=ExecutorConfig.max_num_batched_tokens,
+        help="ours: token budget of one step (chunked prefill)",
+    )
     a("--repeats", type=int, default=2, help="timed runs of each system (interleaved)")
     a(
         "--check",
@@ -444,8 +476,15 @@ SYSTEM_LABELS = {
     "static-hf": "static: HF generate()",
     "static-ours": "static batches on our engine",
 }
-ALL_SYSTEMS = ("a/ours", "a/static-hf", "a/static-ours", "b/ours", "b/static-hf",
-               "b/static-ours", "a/ours-grpc")  # fmt: skip
+ALL_SYSTEMS = (
+    "a/ours",
+    "a/static-hf",
+    "a/static-ours",
+    "b/ours",
+    "b/static-hf",
+    "b/static-ours",
+    "a/ours-grpc",
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -469,12 +508,18 @@ def main(argv: list[str] | None = None) -> None:
     budget = int(args.budget_seqs * max_len) // bs * bs
 
     with tempfile.TemporaryDirectory(prefix="engine_bench_") as tmp:
-        model_dir = str(write_tiny_model(
-            Path(tmp) / "model", seed=args.model_seed, hidden_size=args.hidden_size,
-            num_layers=args.num_layers, num_heads=args.num_heads,
-            num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
-            max_position_embeddings=max(2048, max_len),
-        ))  # fmt: skip
+        model_dir = str(
+            write_tiny_model(
+                Path(tmp) / "model",
+                seed=args.model_seed,
+                hidden_size=args.hidden_size,
+                num_layers=args.num_layers,
+                num_heads=args.num_heads,
+                num_kv_heads=args.num_kv_heads,
+                intermediate_size=args.intermediate_size,
+                max_position_embeddings=max(2048, max_len),
+            )
+        )
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         # ignore_eos on our side makes EOS an ordinary token; HF must neither stop at it nor
         # ban it (min_new_tokens does, when the config has an EOS id), or greedy tokens differ.
@@ -492,13 +537,12 @@ def main(argv: list[str] | None = None) -> None:
             "a": static_batches(reqs, budget_tokens=budget, batch_size=None),
             "b": static_batches(reqs, budget_tokens=None, batch_size=args.batch_size),
         }
-        kv_blocks = {"a": budget // bs + 1,
-                     "b": (args.batch_size + 1) * -(-max_len // bs) + 1}  # fmt: skip
+        kv_blocks = {"a": budget // bs + 1, "b": (args.batch_size + 1) * -(-max_len // bs) + 1}
         max_seqs = {"a": 1024, "b": args.batch_size}
-        knobs = {"watermark": args.watermark,
-                 "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
-        ours = {k: OurSystem(model_dir, max_len, kv_blocks[k], max_seqs[k], None, **knobs)
-                for k in "ab"}  # fmt: skip
+        knobs = {"watermark": args.watermark, "max_num_batched_tokens": args.max_num_batched_tokens}
+        ours = {
+            k: OurSystem(model_dir, max_len, kv_blocks[k], max_seqs[k], None, **knobs) for k in "ab"
+        }
 
         # Warm-up (first-call costs of torch / transformers), untimed.
         warm = [Req(f"w{i}", [BOS_ID, 5 + i, 7, 9], 4) for i in range(2)]
@@ -520,16 +564,18 @@ def main(argv: list[str] | None = None) -> None:
         t_all = time.perf_counter()
         with grpc_ctx as address:
             if address:
-                ours["grpc"] = OurSystem(model_dir, max_len, kv_blocks["a"], 1024, address,
-                                         **knobs)  # fmt: skip
+                ours["grpc"] = OurSystem(model_dir, max_len, kv_blocks["a"], 1024, address, **knobs)
                 run_ours(ours["grpc"], [warm], pad_to_batch_max=False)
             for rep in range(args.repeats):
                 for name in wanted:
                     res = system(name)()
                     results[name].append(res)
-                    print(f"[repeat {rep + 1}/{args.repeats}] {name:14s} {res.wall_s:7.2f} s  "
-                          f"cpu/wall {res.cpu_s / res.wall_s:.2f}", file=sys.stderr,
-                          flush=True)  # fmt: skip
+                    print(
+                        f"[repeat {rep + 1}/{args.repeats}] {name:14s} {res.wall_s:7.2f} s  "
+                        f"cpu/wall {res.cpu_s / res.wall_s:.2f}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
         # Correctness. HF's padded static batches cover every request; HF generate() on one
         # unpadded prompt (the plainest reference) covers a sample.
@@ -553,8 +599,20 @@ def main(argv: list[str] | None = None) -> None:
         num_eos = sum(t == eos_id for toks in some.values() for t in toks)
         bench_s = time.perf_counter() - t_all
 
-    report(args, results, checks, reqs, batches, ours, budget, vocab, n_params, num_eos,
-           needed, bench_s)  # fmt: skip
+    report(
+        args,
+        results,
+        checks,
+        reqs,
+        batches,
+        ours,
+        budget,
+        vocab,
+        n_params,
+        num_eos,
+        needed,
+        bench_s,
+    )
     if any(checks.values()):
         sys.exit(1)
 

@@ -221,10 +221,16 @@ def check_correctness(report: Report, plan: Plan) -> None:
     div = plan.context_divisor
     llama_batches = {
         # fresh prefill, decodes, prefill after a cached prefix, chunk, off block boundaries
-        "llama-mixed": ((0, 300 // div), (1000 // div, 1), (2047 // div, 1),
-                        (513 // div, 200 // div), (4000 // div, 64 // div), (15, 1)),
+        "llama-mixed": (
+            (0, 300 // div),
+            (1000 // div, 1),
+            (2047 // div, 1),
+            (513 // div, 200 // div),
+            (4000 // div, 64 // div),
+            (15, 1),
+        ),
         "llama-decode": ((3000 // div, 1), (17, 1), (2500 // div, 1), (4095 // div, 1)),
-    }  # fmt: skip
+    }
     for dtype in plan.dtypes:
         if dtype == torch.float32:  # exact-fp32 dots: the pairwise fp32 cases only
             cases = [c for c in PAIRWISE_CASES if c.dtype == torch.float32]
@@ -236,10 +242,15 @@ def check_correctness(report: Report, plan: Plan) -> None:
             cases += [KernelCase(8, 1, 256, 16, dtype), KernelCase(4, 2, 80, 32, dtype)]
         for case in cases:
             batch = make_paged_batch(
-                MIXED_BATCH, num_q_heads=case.num_q_heads, num_kv_heads=case.num_kv_heads,
-                head_dim=case.head_dim, block_size=case.block_size, dtype=dtype,
-                device=plan.device, num_pad_tokens=3,
-            )  # fmt: skip
+                MIXED_BATCH,
+                num_q_heads=case.num_q_heads,
+                num_kv_heads=case.num_kv_heads,
+                head_dim=case.head_dim,
+                block_size=case.block_size,
+                dtype=dtype,
+                device=plan.device,
+                num_pad_tokens=3,
+            )
             _check_attention(report, plan, case.id.rsplit("-", 1)[0], batch)
         if dtype == torch.float32:
             continue
@@ -247,9 +258,15 @@ def check_correctness(report: Report, plan: Plan) -> None:
             if name == "llama-mixed" and not plan.extended:
                 continue
             batch = make_paged_batch(
-                seqs, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-                block_size=BLOCK_SIZE, dtype=dtype, device=plan.device, num_pad_tokens=5,
-            )  # fmt: skip
+                seqs,
+                num_q_heads=NUM_Q_HEADS,
+                num_kv_heads=NUM_KV_HEADS,
+                head_dim=HEAD_DIM,
+                block_size=BLOCK_SIZE,
+                dtype=dtype,
+                device=plan.device,
+                num_pad_tokens=5,
+            )
             _check_attention(report, plan, name, batch)
         _check_cache_ops(report, plan, dtype)
     plan.sync()
@@ -364,11 +381,20 @@ def bench_decode_config(
         + 2 * batch * NUM_Q_HEADS * HEAD_DIM * dtype.itemsize  # Q read, out written
     )
     return [
-        DecodeRow(batch, context, "unified", 1, chosen_splits == 1, timer(unified), bytes_moved,
-                  contig_us),
-        DecodeRow(batch, context, "split-KV", split_splits, chosen_splits > 1, timer(split),
-                  bytes_moved, contig_us),
-    ]  # fmt: skip
+        DecodeRow(
+            batch, context, "unified", 1, chosen_splits == 1, timer(unified), bytes_moved, contig_us
+        ),
+        DecodeRow(
+            batch,
+            context,
+            "split-KV",
+            split_splits,
+            chosen_splits > 1,
+            timer(split),
+            bytes_moved,
+            contig_us,
+        ),
+    ]
 
 
 def bench_reshape_and_cache(timer: Timer, plan: Plan, copy_bw: float) -> list[str]:

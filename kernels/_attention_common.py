@@ -111,19 +111,29 @@ def check_attention_inputs(
         if t.dtype != query.dtype:
             _fail(f"{name} dtype {t.dtype} != query dtype {query.dtype}")
     if block_tables.dim() != 2 or block_tables.dtype not in INDEX_DTYPES:
-        _fail(f"block_tables must be [B, max_blocks] int32, got {block_tables.dtype} "
-              f"{tuple(block_tables.shape)}")  # fmt: skip
+        _fail(
+            f"block_tables must be [B, max_blocks] int32, got {block_tables.dtype} "
+            f"{tuple(block_tables.shape)}"
+        )
     num_seqs = block_tables.shape[0]
     if query_start_loc.shape != (num_seqs + 1,) or query_start_loc.dtype not in INDEX_DTYPES:
-        _fail(f"query_start_loc must be [B + 1] = [{num_seqs + 1}] int32, got "
-              f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")  # fmt: skip
+        _fail(
+            f"query_start_loc must be [B + 1] = [{num_seqs + 1}] int32, got "
+            f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}"
+        )
     if seq_lens.shape != (num_seqs,) or seq_lens.dtype not in INDEX_DTYPES:
-        _fail(f"seq_lens must be [B] = [{num_seqs}] int32, got "
-              f"{seq_lens.dtype} {tuple(seq_lens.shape)}")  # fmt: skip
+        _fail(
+            f"seq_lens must be [B] = [{num_seqs}] int32, got "
+            f"{seq_lens.dtype} {tuple(seq_lens.shape)}"
+        )
     tensors = {
-        "query": query, "key_cache": key_cache, "value_cache": value_cache,
-        "block_tables": block_tables, "query_start_loc": query_start_loc, "seq_lens": seq_lens,
-    }  # fmt: skip
+        "query": query,
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "block_tables": block_tables,
+        "query_start_loc": query_start_loc,
+        "seq_lens": seq_lens,
+    }
     for name, t in tensors.items():
         if t.device != query.device:
             _fail(f"{name} is on {t.device}, query on {query.device}")

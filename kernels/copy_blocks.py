@@ -74,8 +74,13 @@ def copy_blocks_triton(
     chunk = min(_CHUNK, triton.next_power_of_2(block_elems))
     grid = (num_pairs, 2 * num_layers, triton.cdiv(block_elems, chunk))
     _copy_blocks_kernel[grid](
-        kv_cache, src, dst, block_elems,
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kv_cache,
+        src,
+        dst,
+        block_elems,
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
         CHUNK=chunk,
         num_warps=4,
-    )  # fmt: skip
+    )

@@ -123,9 +123,16 @@ def paged_attention(
     """
     if not _use_triton(query):
         return reference.paged_attention(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-            max_query_len=max_query_len, max_seq_len=max_seq_len,
-        )  # fmt: skip
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
     num_seqs = seq_lens.shape[0]
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
@@ -141,15 +148,30 @@ def paged_attention(
         from kernels.paged_attention_split_kv import paged_attention_split_kv_triton
 
         return paged_attention_split_kv_triton(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-            num_splits=num_splits, max_query_len=max_query_len, max_seq_len=max_seq_len,
-        )  # fmt: skip
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            num_splits=num_splits,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
     from kernels.paged_attention import paged_attention_triton
 
     return paged_attention_triton(
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-        max_query_len=max_query_len, max_seq_len=max_seq_len,
-    )  # fmt: skip
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+    )
 
 
 def copy_blocks(

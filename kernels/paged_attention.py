@@ -68,10 +68,20 @@ def _paged_attention_kernel(
     if q_tile_start >= q_len:
         return  # spare program of the bounded grid
     q, q_tok, q_head, row_mask, q_pos = load_q_tile(
-        query_ptr, q_begin, q_len, q_tile_start, context_len, kv_head,
-        stride_q_tok, stride_q_head,
-        QUERIES_PER_KV, QUERIES_PER_KV_PAD, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
-    )  # fmt: skip
+        query_ptr,
+        q_begin,
+        q_len,
+        q_tile_start,
+        context_len,
+        kv_head,
+        stride_q_tok,
+        stride_q_head,
+        QUERIES_PER_KV,
+        QUERIES_PER_KV_PAD,
+        BLOCK_M,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+    )
     # The tile's last token sees context positions < context_len + min(tile end, q_len).
     kv_end = context_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -79,11 +89,30 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     block_table_ptr = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_seq
     acc, m_i, l_i = attend_range(
-        q, acc, m_i, l_i, q_pos,
-        key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head, 0, kv_end, qk_scale,
-        stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
-    )  # fmt: skip
+        q,
+        acc,
+        m_i,
+        l_i,
+        q_pos,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_table_ptr,
+        kv_head,
+        0,
+        kv_end,
+        qk_scale,
+        stride_k_blk,
+        stride_k_tok,
+        stride_k_head,
+        stride_v_blk,
+        stride_v_tok,
+        stride_v_head,
+        BLOCK_SIZE,
+        TILE_N,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        DOT_PRECISION,
+    )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows that saw no key -> 0
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     ptrs = out_ptr + q_tok[:, None] * stride_o_tok + q_head[:, None] * stride_o_head
@@ -119,11 +148,25 @@ def paged_attention_triton(
     cfg = tile_config(dims, max_query_len, query.dtype)
     grid = (cfg.num_q_tiles_bound(dims), dims.num_kv_heads)
     _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-        scale * LOG2E, dims.num_seqs,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale * LOG2E,
+        dims.num_seqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
         QUERIES_PER_KV=dims.queries_per_kv,
         QUERIES_PER_KV_PAD=cfg.queries_per_kv_pad,
@@ -136,5 +179,5 @@ def paged_attention_triton(
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-    )  # fmt: skip
+    )
     return out

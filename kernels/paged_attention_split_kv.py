@@ -86,10 +86,20 @@ def _split_kv_kernel(
     if q_tile_start >= q_len:
         return  # spare program of the bounded grid
     q, q_tok, q_head, row_mask, q_pos = load_q_tile(
-        query_ptr, q_begin, q_len, q_tile_start, context_len, kv_head,
-        stride_q_tok, stride_q_head,
-        QUERIES_PER_KV, QUERIES_PER_KV_PAD, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
-    )  # fmt: skip
+        query_ptr,
+        q_begin,
+        q_len,
+        q_tile_start,
+        context_len,
+        kv_head,
+        stride_q_tok,
+        stride_q_head,
+        QUERIES_PER_KV,
+        QUERIES_PER_KV_PAD,
+        BLOCK_M,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+    )
     kv_end = context_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
     kv_lo = split * split_len
     kv_hi = tl.minimum(kv_lo + split_len, kv_end)  # empty range when kv_lo >= kv_end
@@ -98,11 +108,30 @@ def _split_kv_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     block_table_ptr = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_seq
     acc, m_i, l_i = attend_range(
-        q, acc, m_i, l_i, q_pos,
-        key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head, kv_lo, kv_hi, qk_scale,
-        stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
-    )  # fmt: skip
+        q,
+        acc,
+        m_i,
+        l_i,
+        q_pos,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_table_ptr,
+        kv_head,
+        kv_lo,
+        kv_hi,
+        qk_scale,
+        stride_k_blk,
+        stride_k_tok,
+        stride_k_head,
+        stride_v_blk,
+        stride_v_tok,
+        stride_v_head,
+        BLOCK_SIZE,
+        TILE_N,
+        HEAD_DIM,
+        HEAD_DIM_PAD,
+        DOT_PRECISION,
+    )
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
@@ -213,13 +242,30 @@ def paged_attention_split_kv_triton(
     )
     grid = (cfg.num_q_tiles_bound(dims), dims.num_kv_heads, num_splits)
     _split_kv_kernel[grid](
-        partial_out, partial_lse, query, key_cache, value_cache, block_tables,
-        query_start_loc, seq_lens, scale * LOG2E, dims.num_seqs, split_len,
-        query.stride(0), query.stride(1),
-        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        partial_out,
+        partial_lse,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale * LOG2E,
+        dims.num_seqs,
+        split_len,
+        query.stride(0),
+        query.stride(1),
+        partial_out.stride(0),
+        partial_out.stride(1),
+        partial_out.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
         QUERIES_PER_KV=dims.queries_per_kv,
         QUERIES_PER_KV_PAD=cfg.queries_per_kv_pad,
@@ -232,15 +278,24 @@ def paged_attention_split_kv_triton(
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-    )  # fmt: skip
+    )
     _merge_kernel[(dims.num_tokens, dims.num_q_heads)](
-        out, partial_out, partial_lse, query_start_loc, dims.num_seqs, num_splits,
-        out.stride(0), out.stride(1),
-        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1),
+        out,
+        partial_out,
+        partial_lse,
+        query_start_loc,
+        dims.num_seqs,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        partial_out.stride(0),
+        partial_out.stride(1),
+        partial_out.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
         NUM_SPLITS_PAD=triton.next_power_of_2(num_splits),
         HEAD_DIM=dims.head_dim,
         HEAD_DIM_PAD=dims.head_dim_pad,
         num_warps=4 if dims.head_dim_pad >= 128 else 2,
-    )  # fmt: skip
+    )
     return out

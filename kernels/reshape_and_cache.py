@@ -70,28 +70,41 @@ def _check(
     if key.dim() != 3 or value.shape != key.shape:
         fail(f"key/value must both be [T, Hkv, D], got {tuple(key.shape)} / {tuple(value.shape)}")
     if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
-        fail(f"key_cache/value_cache must both be [NB, BS, Hkv, D], got "
-             f"{tuple(key_cache.shape)} / {tuple(value_cache.shape)}")  # fmt: skip
+        fail(
+            f"key_cache/value_cache must both be [NB, BS, Hkv, D], got "
+            f"{tuple(key_cache.shape)} / {tuple(value_cache.shape)}"
+        )
     if key_cache.shape[2:] != key.shape[1:]:
         fail(f"cache heads/head_dim {tuple(key_cache.shape[2:])} != key {tuple(key.shape[1:])}")
     if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype not in (
         torch.int64,
         torch.int32,
     ):
-        fail(f"slot_mapping must be [T] = [{key.shape[0]}] int64, got "
-             f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")  # fmt: skip
+        fail(
+            f"slot_mapping must be [T] = [{key.shape[0]}] int64, got "
+            f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
     if not slot_mapping.is_contiguous():
         fail("slot_mapping must be contiguous")
     for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.dtype != key.dtype:
             fail(f"{name} dtype {t.dtype} != key dtype {key.dtype} (no cache quantisation)")
-    tensors = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
-               "slot_mapping": slot_mapping}  # fmt: skip
+    tensors = {
+        "key": key,
+        "value": value,
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "slot_mapping": slot_mapping,
+    }
     for name, t in tensors.items():
         if t.device != key.device:
             fail(f"{name} is on {t.device}, key on {key.device}")
-    for name, t in (("key", key), ("value", value), ("key_cache", key_cache),
-                    ("value_cache", value_cache)):  # fmt: skip
+    for name, t in (
+        ("key", key),
+        ("value", value),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+    ):
         if t.stride(-1) != 1:
             fail(f"{name} must be contiguous in head_dim (stride(-1) == 1), got {t.stride()}")
 
@@ -116,13 +129,25 @@ def reshape_and_cache_triton(
     head_block = min(triton.next_power_of_2(num_kv_heads), max(1, _MAX_TILE_ELEMS // head_dim_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, head_block))
     _reshape_and_cache_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping, num_kv_heads,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        num_kv_heads,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         BLOCK_SIZE=key_cache.shape[1],
         HEAD_BLOCK=head_block,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         num_warps=4,
-    )  # fmt: skip
+    )

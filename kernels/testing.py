@@ -50,8 +50,10 @@ class KernelCase:
     @property
     def id(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return (f"gqa{self.num_q_heads}:{self.num_kv_heads}-d{self.head_dim}"
-                f"-bs{self.block_size}-{dtype}")  # fmt: skip
+        return (
+            f"gqa{self.num_q_heads}:{self.num_kv_heads}-d{self.head_dim}"
+            f"-bs{self.block_size}-{dtype}"
+        )
 
 
 # Pairwise covering array over GQA ratio {4:4, 8:2, 5:1} x head_dim {64, 128} x
@@ -85,9 +87,14 @@ class PagedBatch:
     def args(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float]:
         """Positional arguments of ``paged_attention``."""
         return (
-            self.query, self.key_cache, self.value_cache, self.block_tables,
-            self.query_start_loc, self.seq_lens, self.scale,
-        )  # fmt: skip
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            self.block_tables,
+            self.query_start_loc,
+            self.seq_lens,
+            self.scale,
+        )
 
     def hints(self) -> dict[str, int]:
         return {"max_query_len": self.max_query_len, "max_seq_len": self.max_seq_len}
@@ -174,13 +181,15 @@ def dense_attention(batch: PagedBatch) -> Tensor:  # [T, Hq, D] fp32
             pos = seq_len - q_len + i
             for h in range(q_all.shape[1]):
                 kvh = h // group
-                keys = torch.stack([
-                    key_cache[table[j // block_size], j % block_size, kvh] for j in range(pos + 1)
-                ])  # fmt: skip
-                values = torch.stack([
-                    value_cache[table[j // block_size], j % block_size, kvh]
-                    for j in range(pos + 1)
-                ])  # fmt: skip
+                keys = torch.stack(
+                    [key_cache[table[j // block_size], j % block_size, kvh] for j in range(pos + 1)]
+                )
+                values = torch.stack(
+                    [
+                        value_cache[table[j // block_size], j % block_size, kvh]
+                        for j in range(pos + 1)
+                    ]
+                )
                 weights = torch.softmax(keys @ q_all[t, h] * batch.scale, dim=0)
                 out[t, h] = weights @ values
     return out.float()

@@ -17,7 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("services.client_cli:generate", "stream a completion from a gateway"),
     "chat": ("services.client_cli:chat", "stream a chat reply from a gateway"),
     "make-tiny-model": (
-        "services.executor.tiny_model",
+        "pagedserve.tools.tiny_model",
         "write a tiny random Llama checkpoint with a real tokenizer",
     ),
 }

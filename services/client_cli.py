@@ -28,8 +28,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _params(a: argparse.Namespace) -> generation_pb2.SamplingParams:
     sp = generation_pb2.SamplingParams(max_tokens=a.max_tokens, stop=a.stop)
-    for field, value in (("temperature", a.temperature), ("top_p", a.top_p),
-                         ("top_k", a.top_k), ("seed", a.seed), ("n", a.n)):  # fmt: skip
+    for field, value in (
+        ("temperature", a.temperature),
+        ("top_p", a.top_p),
+        ("top_k", a.top_k),
+        ("seed", a.seed),
+        ("n", a.n),
+    ):
         if value is not None:
             setattr(sp, field, value)
     return sp
@@ -54,9 +59,11 @@ def _stream(a: argparse.Namespace, request: generation_pb2.GenerateRequest) -> i
             if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED and a.usage:
                 u = resp.usage
                 reason = common_pb2.FinishReason.Name(resp.finish_reason)
-                print(f"\n[{resp.index}] {reason} prompt={u.prompt_tokens} "
-                      f"completion={u.completion_tokens} cached={u.cached_prompt_tokens}",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"\n[{resp.index}] {reason} prompt={u.prompt_tokens} "
+                    f"completion={u.completion_tokens} cached={u.cached_prompt_tokens}",
+                    file=sys.stderr,
+                )
         if not multi:
             sys.stdout.write("\n")
         return 0
@@ -68,13 +75,13 @@ def _stream(a: argparse.Namespace, request: generation_pb2.GenerateRequest) -> i
 
 
 def generate_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pagedserve generate",
-                                description="Stream a completion of PROMPT.")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="pagedserve generate", description="Stream a completion of PROMPT."
+    )
     p.add_argument("prompt")
     _common(p)
     a = p.parse_args(argv)
-    return _stream(a, generation_pb2.GenerateRequest(prompt=a.prompt,
-                                                     sampling_params=_params(a)))  # fmt: skip
+    return _stream(a, generation_pb2.GenerateRequest(prompt=a.prompt, sampling_params=_params(a)))
 
 
 def chat_main(argv: list[str]) -> int:

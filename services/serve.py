@@ -26,8 +26,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Run blockmgr + executor + gateway as three processes on loopback. "
         "Executor flags not listed here can follow `--`.",
     )
-    p.add_argument("--model", default=None,
-                   help=f"checkpoint directory (default {DEFAULT_MODEL}, written if absent)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"checkpoint directory (default {DEFAULT_MODEL}, written if absent)",
+    )
     p.add_argument("--port", type=int, default=50051, help="public gateway port")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     p.add_argument("--executor-port", type=int, default=50061)
@@ -35,8 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=9090, help="-1 disables")
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("executor_args", nargs=argparse.REMAINDER,
-                   help="extra executor flags after `--` (e.g. -- --max-num-seqs 64)")
+    p.add_argument(
+        "executor_args",
+        nargs=argparse.REMAINDER,
+        help="extra executor flags after `--` (e.g. -- --max-num-seqs 64)",
+    )
     return p
 
 
@@ -45,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     log = configure_logging("serve", args.log_level)
     model = Path(args.model) if args.model else DEFAULT_MODEL
     if args.model is None and not (model / "config.json").is_file():
-        from services.executor.tiny_model import write_tiny_model
+        from pagedserve.tools.tiny_model import write_tiny_model
 
         log.info("writing_default_model", path=str(model))
         write_tiny_model(model)
@@ -54,13 +60,35 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--log-level", args.log_level]
     specs = {
         "blockmgr": [*py, "blockmgr", "--port", str(args.blockmgr_port), *common],
-        "executor": [*py, "executor", "--model", str(model), "--port", str(args.executor_port),
-                     "--blockmgr-address", f"127.0.0.1:{args.blockmgr_port}", *common, *extra],
-        "gateway": [*py, "gateway", "--model", str(model), "--host", args.host,
-                    "--port", str(args.port), "--metrics-port", str(args.metrics_port),
-                    "--executor", f"127.0.0.1:{args.executor_port}", *common,
-                    *(["--api-key", args.api_key] if args.api_key else [])],
-    }  # fmt: skip
+        "executor": [
+            *py,
+            "executor",
+            "--model",
+            str(model),
+            "--port",
+            str(args.executor_port),
+            "--blockmgr-address",
+            f"127.0.0.1:{args.blockmgr_port}",
+            *common,
+            *extra,
+        ],
+        "gateway": [
+            *py,
+            "gateway",
+            "--model",
+            str(model),
+            "--host",
+            args.host,
+            "--port",
+            str(args.port),
+            "--metrics-port",
+            str(args.metrics_port),
+            "--executor",
+            f"127.0.0.1:{args.executor_port}",
+            *common,
+            *(["--api-key", args.api_key] if args.api_key else []),
+        ],
+    }
     procs: dict[str, subprocess.Popen[bytes]] = {}
     stopping = False
 

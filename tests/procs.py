@@ -27,8 +27,14 @@ def wait_serving(address: str, timeout: float = 30.0) -> None:
 
 
 class ServiceProcess:
-    def __init__(self, args: list[str], ready_event: str, *, env: dict[str, str] | None = None,
-                 timeout: float = 60.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        args: list[str],
+        ready_event: str,
+        *,
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+    ) -> None:
         self.args = args
         self.lines: list[dict] = []
         self.proc = subprocess.Popen(

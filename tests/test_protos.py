@@ -21,8 +21,13 @@ def _compiled(proto: Path) -> descriptor_pb2.FileDescriptorProto:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "set.pb"
         rc = protoc.main(
-            ["protoc", f"-I{ROOT / 'protos'}", f"-I{include}",
-             f"--descriptor_set_out={out}", str(proto)]
+            [
+                "protoc",
+                f"-I{ROOT / 'protos'}",
+                f"-I{include}",
+                f"--descriptor_set_out={out}",
+                str(proto),
+            ]
         )
         assert rc == 0
         fds = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from services.executor.tiny_model import write_tiny_model
+from pagedserve.tools.tiny_model import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,9 +28,14 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 class Stack:
@@ -38,13 +43,33 @@ class Stack:
         self.port, self.exec_port, self.bm_port = _free_ports(3)
         self.lines: list[dict] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", "--model", str(model),
-             "--port", str(self.port), "--executor-port", str(self.exec_port),
-             "--blockmgr-port", str(self.bm_port), "--metrics-port", "-1",
-             "--", "--num-kv-blocks", "64", "--max-model-len", "256"],
-            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "serve",
+                "--model",
+                str(model),
+                "--port",
+                str(self.port),
+                "--executor-port",
+                str(self.exec_port),
+                "--blockmgr-port",
+                str(self.bm_port),
+                "--metrics-port",
+                "-1",
+                "--",
+                "--num-kv-blocks",
+                "64",
+                "--max-model-len",
+                "256",
+            ],
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+        )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -72,13 +97,13 @@ def test_serve_runs_three_processes_and_generate_streams_text(tmp_path):
     model = write_tiny_model(tmp_path / "model")
     stack = Stack(model)
     try:
-        r = stack.wait_generate("generate", "Hello", "--max-tokens", "8", "--temperature", "0",
-                                "--usage")  # fmt: skip
+        r = stack.wait_generate(
+            "generate", "Hello", "--max-tokens", "8", "--temperature", "0", "--usage"
+        )
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip()  # some text was streamed
         assert "completion=" in r.stderr
-        r = _cli("chat", "Hi there", "--max-tokens", "4", "--address",
-                 f"127.0.0.1:{stack.port}")  # fmt: skip
+        r = _cli("chat", "Hi there", "--max-tokens", "4", "--address", f"127.0.0.1:{stack.port}")
         assert r.returncode == 0, r.stderr
         assert set(stack.pids()) == {"blockmgr", "executor", "gateway"}
         stack.proc.send_signal(signal.SIGTERM)

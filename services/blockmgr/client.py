@@ -255,4 +255,3 @@ class GrpcClient:
 
     def close(self) -> None:
         self._channel.close()
-

@@ -21,15 +21,30 @@ class BlockManagerServiceConfig:
             prog="pagedserve blockmgr", description="Run the KV block manager gRPC service."
         )
         p.add_argument("--host", default=cls.host, help="address to bind (default %(default)s)")
-        p.add_argument("--port", type=int, default=cls.port,
-                       help="port to bind; 0 picks a free one (default %(default)s)")
-        p.add_argument("--event-buffer", type=int, default=cls.event_buffer,
-                       help="KV events kept per pool for replay (default %(default)s)")
-        p.add_argument("--max-queued-event-batches", type=int,
-                       default=cls.max_queued_event_batches,
-                       help="event batches queued per slow consumer before it is cut off")
-        p.add_argument("--grace-period-s", type=float, default=cls.grace_period_s,
-                       help="seconds in-flight RPCs get on shutdown (default %(default)s)")
+        p.add_argument(
+            "--port",
+            type=int,
+            default=cls.port,
+            help="port to bind; 0 picks a free one (default %(default)s)",
+        )
+        p.add_argument(
+            "--event-buffer",
+            type=int,
+            default=cls.event_buffer,
+            help="KV events kept per pool for replay (default %(default)s)",
+        )
+        p.add_argument(
+            "--max-queued-event-batches",
+            type=int,
+            default=cls.max_queued_event_batches,
+            help="event batches queued per slow consumer before it is cut off",
+        )
+        p.add_argument(
+            "--grace-period-s",
+            type=float,
+            default=cls.grace_period_s,
+            help="seconds in-flight RPCs get on shutdown (default %(default)s)",
+        )
         p.add_argument("--log-level", default=cls.log_level)
         return p
 

@@ -117,7 +117,9 @@ def ops_from_pb(ops: Sequence[pb.Operation]) -> list[Operation] | str:
 def restored_to_pb(seqs: Sequence[RestoredSequence]) -> list[pb.RestoredSequence]:
     return [
         pb.RestoredSequence(
-            seq_id=s.seq_id, num_tokens=s.num_tokens, block_ids=s.block_ids,
+            seq_id=s.seq_id,
+            num_tokens=s.num_tokens,
+            block_ids=s.block_ids,
             block_hashes=s.block_hashes,
         )
         for s in seqs
@@ -163,8 +165,10 @@ def result_to_pb(r: OpResult) -> pb.OpResult:
                 new_block_ids=[b for ids in r.new_block_ids for b in ids],
                 copies=[
                     pb.BlockCopy(
-                        entry_index=c.entry, block_index=c.block_index,
-                        src_block_id=c.src, dst_block_id=c.dst,
+                        entry_index=c.entry,
+                        block_index=c.block_index,
+                        src_block_id=c.src,
+                        dst_block_id=c.dst,
                     )
                     for c in r.copies
                 ],
@@ -179,8 +183,10 @@ def result_to_pb(r: OpResult) -> pb.OpResult:
     if isinstance(r, AdmitResult):
         return pb.OpResult(
             admit=pb.AdmitResult(
-                status=r.status, block_ids=r.block_ids,
-                num_cached_tokens=r.num_cached_tokens, num_tokens=r.num_tokens,
+                status=r.status,
+                block_ids=r.block_ids,
+                num_cached_tokens=r.num_cached_tokens,
+                num_tokens=r.num_tokens,
             )
         )
     return pb.OpResult(fork=pb.ForkResult(status=r.status, num_shared_blocks=r.num_shared_blocks))
@@ -223,9 +229,7 @@ def result_from_pb(r: pb.OpResult) -> OpResult:
         return CommitResult(_status(r.commit.status), r.commit.num_stored_blocks)
     if kind == "admit":
         a = r.admit
-        return AdmitResult(
-            _status(a.status), tuple(a.block_ids), a.num_cached_tokens, a.num_tokens
-        )
+        return AdmitResult(_status(a.status), tuple(a.block_ids), a.num_cached_tokens, a.num_tokens)
     if kind == "fork":
         return ForkResult(_status(r.fork.status), r.fork.num_shared_blocks)
     raise ValueError(f"operation result with no kind: {r!r}")

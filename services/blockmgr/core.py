@@ -98,9 +98,7 @@ class BlockManagerCore:
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise invalid(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
         if eviction_policy not in POLICIES:
-            raise invalid(
-                f"eviction_policy {eviction_policy!r} is not one of {sorted(POLICIES)}"
-            )
+            raise invalid(f"eviction_policy {eviction_policy!r} is not one of {sorted(POLICIES)}")
         manager = KVBlockManager(
             num_blocks,
             block_size,

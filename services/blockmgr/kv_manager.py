@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from services.blockmgr.cow import needs_cow
 from services.blockmgr.errors import BlockManagerError, ErrorCode, invalid, not_found, precondition
 from services.blockmgr.hashing import HASH_SIZE
 from services.blockmgr.pool import BlockPool
@@ -234,7 +235,7 @@ class KVBlockManager:
             new_total = old + n
             need = (new_total + bs - 1) // bs - len(table)
             # Writing into a shared, partially filled last block needs a private copy first.
-            cow = n > 0 and old % bs != 0 and refcount[table[-1]] > 1
+            cow = needs_cow(old, n, bs, refcount[table[-1]] if table else 0)
             if not need and not cow:  # the common decode case: room left in the last block
                 state.num_tokens = new_total
                 statuses.append(ok)

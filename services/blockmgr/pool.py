@@ -6,7 +6,8 @@ Invariants (checked by the property tests):
   policy (it still holds a committed hash and stays matchable until reused);
 - ``hash_to_block[h] == b`` iff ``block_hash[b] == h``.
 
-The pool knows nothing of sequences; :mod:`services.blockmgr.sequences` owns block tables.
+The pool knows nothing of sequences; :class:`services.blockmgr.kv_manager.KVManager` owns block
+tables.
 """
 
 from __future__ import annotations

@@ -23,9 +23,7 @@ class BlockManagerServer:
 
     def __init__(self, config: BlockManagerServiceConfig, core: BlockManagerCore | None = None):
         self.config = config
-        self.core = core if core is not None else BlockManagerCore(
-            event_buffer=config.event_buffer
-        )
+        self.core = core if core is not None else BlockManagerCore(event_buffer=config.event_buffer)
         self.server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
         )

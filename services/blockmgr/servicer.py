@@ -67,8 +67,11 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             eviction_policy=convert.policy_from_pb(request.eviction_policy),
         )
         log.info(
-            "pool_registered", pool_id=info.pool_id, epoch=info.epoch,
-            num_blocks=info.num_blocks, block_size=info.block_size,
+            "pool_registered",
+            pool_id=info.pool_id,
+            epoch=info.epoch,
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
             eviction_policy=info.eviction_policy,
             enable_prefix_caching=info.enable_prefix_caching,
         )
@@ -87,7 +90,9 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             request.pool_id, request.epoch, convert.restored_from_pb(request.sequences)
         )
         log.info(
-            "pool_restored", pool_id=request.pool_id, num_sequences=result.num_sequences,
+            "pool_restored",
+            pool_id=request.pool_id,
+            num_sequences=result.num_sequences,
             num_stored_blocks=result.num_stored_blocks,
         )
         return convert.restore_to_pb(result)

@@ -28,8 +28,11 @@ async def set_serving(
     servicer: health.aio.HealthServicer, service_name: str, serving: bool
 ) -> None:
     """Report the server ("") and the named service as SERVING or NOT_SERVING."""
-    status = (health_pb2.HealthCheckResponse.SERVING if serving
-              else health_pb2.HealthCheckResponse.NOT_SERVING)  # fmt: skip
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
     for name in ("", service_name):
         await servicer.set(name, status)
 

@@ -60,13 +60,20 @@ class ExecutorConfig:
         a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         a("--gpu-memory-utilization", type=float, default=cls.gpu_memory_utilization)
-        a("--kv-cache-memory", type=_parse_bytes, default=None,
-          help="KV-cache bytes (e.g. 512MiB); the CPU default is 256MiB")
+        a(
+            "--kv-cache-memory",
+            type=_parse_bytes,
+            default=None,
+            help="KV-cache bytes (e.g. 512MiB); the CPU default is 256MiB",
+        )
         a("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
         a("--eviction-policy", default=cls.eviction_policy, choices=["lru", "lfu"])
         a("--blockmgr", default=cls.blockmgr, choices=["inproc", "grpc"])
-        a("--blockmgr-address", default=os.environ.get("PAGEDSERVE_BLOCKMGR_ADDRESS"),
-          help="host:port of a block manager service (implies --blockmgr grpc)")
+        a(
+            "--blockmgr-address",
+            default=os.environ.get("PAGEDSERVE_BLOCKMGR_ADDRESS"),
+            help="host:port of a block manager service (implies --blockmgr grpc)",
+        )
         a("--pool-id", default=None)
         a("--watermark", type=float, default=cls.watermark)
         a("--seed", type=int, default=cls.seed)
@@ -84,12 +91,15 @@ class ExecutorConfig:
             values["blockmgr"] = "grpc"
         try:
             config = cls(**values)
-            config.validate()
         except ValueError as exc:
             p.error(str(exc))
         return config
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
+        """Raise ``ValueError`` naming the first offending flag."""
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -98,6 +108,8 @@ class ExecutorConfig:
             raise ValueError("--max-num-batched-tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be >= 1")
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError("--num-kv-blocks and --kv-cache-memory are exclusive: give one")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.blockmgr == "grpc" and not self.blockmgr_address:

@@ -139,8 +139,15 @@ def build_forward_batch(
     need_logits = np.fromiter((c.need_logits for c in chunks), np.bool_, num_seqs)
     logits_indices = query_start_loc[1:][need_logits] - 1  # [K]
 
-    parts = (input_ids, positions, slot_mapping, block_tables.ravel(), query_start_loc,
-             seq_lens, logits_indices)  # fmt: skip
+    parts = (
+        input_ids,
+        positions,
+        slot_mapping,
+        block_tables.ravel(),
+        query_start_loc,
+        seq_lens,
+        logits_indices,
+    )
     packed = torch.from_numpy(np.concatenate(parts)).to(device)
     ids, pos, slots, tables, qsl, lens, logits_idx = packed.split([p.size for p in parts])
     return ForwardBatch(

@@ -8,13 +8,28 @@ reserved by the block manager and serves as padding in block tables, so a pool o
 
 from __future__ import annotations
 
+import math
+
+import structlog
 import torch
 
+from services.executor.config import ExecutorConfig
+from services.executor.forward_batch import SeqChunk, build_forward_batch
+from services.executor.model import DecoderLM
 from services.executor.model_config import ModelConfig
 
-__all__ = ["allocate_kv_cache", "bytes_per_block", "kv_cache_shape", "num_blocks_for_budget"]
+__all__ = [
+    "allocate_kv_cache",
+    "bytes_per_block",
+    "kv_cache_shape",
+    "num_blocks_for_budget",
+    "size_kv_cache",
+]
+
+log = structlog.get_logger(__name__)
 
 MIN_NUM_BLOCKS = 2  # the reserved block 0 plus one usable block
+CPU_DEFAULT_KV_BYTES = 256 * 2**20
 
 
 def kv_cache_shape(
@@ -61,3 +76,78 @@ def allocate_kv_cache(
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     return torch.zeros(kv_cache_shape(config, num_blocks, block_size), dtype=dtype, device=device)
+
+
+def size_kv_cache(model: DecoderLM, config: ExecutorConfig) -> int:
+    """How many blocks (block 0 included) the executor's KV cache gets, the one place that
+    decides it: ``--num-kv-blocks`` exactly, else ``--kv-cache-memory`` bytes, else on CUDA
+    what ``--gpu-memory-utilization`` of the device leaves after a profiled forward, else the
+    CPU default budget. Raises ``ValueError`` when one full-length sequence would not fit."""
+    mc, bs, device = model.config, config.block_size, next(model.parameters()).device
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    elif config.kv_cache_memory is not None or device.type != "cuda":
+        budget = config.kv_cache_memory or CPU_DEFAULT_KV_BYTES
+        num_blocks = num_blocks_for_budget(mc, bs, model.dtype, budget)
+    else:
+        num_blocks = num_blocks_for_budget(mc, bs, model.dtype, _profile_budget(model, config))
+    tokens = (num_blocks - 1) * bs
+    log.info(
+        "kv_cache_sized",
+        num_blocks=num_blocks,
+        num_usable_blocks=num_blocks - 1,
+        num_tokens=tokens,
+        bytes=num_blocks * bytes_per_block(mc, bs, model.dtype),
+        max_model_len=mc.max_model_len,
+        max_concurrency=round(tokens / mc.max_model_len, 2),
+    )
+    if tokens < mc.max_model_len:
+        raise ValueError(
+            f"the KV cache holds {tokens} tokens, fewer than max_model_len={mc.max_model_len}: "
+            "a single full-length sequence could never run; give more KV-cache memory or a "
+            "smaller --max-model-len"
+        )
+    return num_blocks
+
+
+@torch.inference_mode()
+def _profile_budget(model: DecoderLM, config: ExecutorConfig) -> int:
+    """CUDA: bytes left for the KV cache in ``gpu_memory_utilization`` of the device after the
+    weights and the peak activations of a forward at ``max_num_batched_tokens`` (measured,
+    not guessed)."""
+    device = next(model.parameters()).device
+    mc, bs = model.config, config.block_size
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    num_tokens = min(config.max_num_batched_tokens, mc.max_model_len)
+    probe_blocks = math.ceil(num_tokens / bs) + 1
+    probe = allocate_kv_cache(mc, probe_blocks, bs, model.dtype, device)
+    chunk = SeqChunk([0] * num_tokens, 0, list(range(1, probe_blocks)), True)
+    batch = build_forward_batch(
+        [chunk],
+        bs,
+        device,
+        num_blocks=probe_blocks,
+        max_model_len=mc.max_model_len,
+        vocab_size=mc.vocab_size,
+    )
+    model(batch, probe)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del probe, batch
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = int(total * config.gpu_memory_utilization) - peak
+    log.info(
+        "kv_cache_profiled",
+        total_bytes=total,
+        peak_bytes=peak,
+        budget_bytes=budget,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+    )
+    if budget <= 0:
+        raise RuntimeError(
+            f"no memory left for the KV cache: peak use {peak} bytes exceeds "
+            f"{config.gpu_memory_utilization} of {total}; raise --gpu-memory-utilization"
+        )
+    return budget

@@ -85,7 +85,10 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``cpu`` or ``cuda[:n]``; an unavailable CUDA device is an error, not a fallback."""
+    """``cpu``, ``cuda[:n]``, or ``auto`` (CUDA when available, else the CPU); an
+    unavailable CUDA device asked for by name is an error, not a fallback."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:

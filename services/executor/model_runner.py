@@ -8,16 +8,16 @@ those block tables, and the block pairs to copy for copy-on-write.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import structlog
 import torch
 from torch import Tensor
 
 from kernels import ops
+from services.executor.config import ExecutorConfig
 from services.executor.forward_batch import SeqChunk, build_forward_batch
-from services.executor.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
-from services.executor.loader import load_model
+from services.executor.kv_cache import allocate_kv_cache, size_kv_cache
+from services.executor.loader import load_model, resolve_device
 from services.executor.model import DecoderLM
 from services.executor.model_config import ModelConfig
 
@@ -30,8 +30,14 @@ class ModelRunner:
     """Runs forward passes of one model over its own KV cache."""
 
     def __init__(self, model: DecoderLM, kv_cache: Tensor, block_size: int) -> None:
-        expected = (model.config.num_layers, 2, kv_cache.shape[2], block_size,
-                    model.config.num_kv_heads, model.config.head_dim)  # fmt: skip
+        expected = (
+            model.config.num_layers,
+            2,
+            kv_cache.shape[2],
+            block_size,
+            model.config.num_kv_heads,
+            model.config.head_dim,
+        )
         if tuple(kv_cache.shape) != expected:
             raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} != expected {expected}")
         self.model = model
@@ -43,39 +49,19 @@ class ModelRunner:
         self.dtype: torch.dtype = model.dtype
 
     @classmethod
-    def load(
-        cls,
-        model_dir: str | Path,
-        *,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device = "cpu",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        max_model_len: int | None = None,
-    ) -> ModelRunner:
-        """Load the checkpoint in ``model_dir`` and allocate its KV cache.
-
-        Size the cache with exactly one of ``num_blocks`` (including the reserved block 0)
-        or ``kv_cache_bytes`` (a memory budget). Loading errors are ``ModelLoadError``.
-        """
-        if (num_blocks is None) == (kv_cache_bytes is None):
-            raise ValueError("give exactly one of num_blocks or kv_cache_bytes")
-        model = load_model(model_dir, dtype=dtype, device=device, max_model_len=max_model_len)
-        if num_blocks is None:
-            assert kv_cache_bytes is not None
-            num_blocks = num_blocks_for_budget(
-                model.config, block_size, model.dtype, kv_cache_bytes
-            )
-        kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, model.dtype,
-                                     next(model.parameters()).device)  # fmt: skip
-        log.info(
-            "kv_cache_allocated",
-            num_blocks=num_blocks,
-            block_size=block_size,
-            bytes=num_blocks * bytes_per_block(model.config, block_size, model.dtype),
+    def from_config(cls, config: ExecutorConfig) -> ModelRunner:
+        """The one way to build a runner: load ``config.model`` on its device and dtype, size
+        the KV cache (:func:`~.kv_cache.size_kv_cache`) and allocate it. Loading errors are
+        ``ModelLoadError``; a cache too small for one full sequence is ``ValueError``."""
+        device = resolve_device(config.device)
+        model = load_model(
+            config.model, dtype=config.dtype, device=device, max_model_len=config.max_model_len
         )
-        return cls(model, kv_cache, block_size)
+        num_blocks = size_kv_cache(model, config)
+        kv_cache = allocate_kv_cache(
+            model.config, num_blocks, config.block_size, model.dtype, device
+        )
+        return cls(model, kv_cache, config.block_size)
 
     @property
     def max_model_len(self) -> int:

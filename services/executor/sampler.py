@@ -10,14 +10,52 @@ generator, so its tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from services.executor.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
+from services.executor.sequence import Sequence
 
 _NEG_INF = float("-inf")
+_GOLDEN = 0x9E3779B97F4A7C15
+
+GeneratorKey = Hashable
+
+
+class SeededGenerators:
+    """The per-sample generators of seeded requests: sample ``index`` of a request with seed
+    ``s`` draws from ``Generator(s + index * golden)``, so its tokens depend on nothing else in
+    the batch. Keyed by sequence id (or any key until the sequence exists)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._by_key: dict[GeneratorKey, torch.Generator] = {}
+
+    def create(self, key: GeneratorKey, seed: int | None, index: int) -> torch.Generator | None:
+        """The generator of sample ``index`` under ``key``; None for an unseeded request."""
+        if seed is None:
+            return None
+        g = torch.Generator(device=self.device)
+        g.manual_seed((seed + index * _GOLDEN) % 2**63)
+        self._by_key[key] = g
+        return g
+
+    def get(self, key: GeneratorKey) -> torch.Generator | None:
+        return self._by_key.get(key)
+
+    def rename(self, old: GeneratorKey, new: GeneratorKey) -> None:
+        g = self._by_key.pop(old, None)
+        if g is not None:
+            self._by_key[new] = g
+
+    def drop(self, key: GeneratorKey) -> None:
+        self._by_key.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._by_key)
 
 
 @dataclass
@@ -30,6 +68,25 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS while min_tokens is not reached
+
+    @classmethod
+    def of(
+        cls, seq: Sequence, generator: torch.Generator | None, eos_token_ids: tuple[int, ...]
+    ) -> SamplingRow:
+        """The row of ``seq``'s next token: token history only where a penalty reads it, EOS
+        and stop tokens banned until ``min_tokens`` outputs exist."""
+        p = seq.params
+        penalties = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        banned: tuple[int, ...] = ()
+        if seq.num_output_tokens < p.min_tokens:
+            banned = (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids)
+        return cls(
+            params=p,
+            prompt_token_ids=seq.token_ids[: seq.prompt_len] if penalties else [],
+            output_token_ids=seq.token_ids[seq.prompt_len :] if penalties else [],
+            generator=generator,
+            banned_token_ids=banned,
+        )
 
 
 @dataclass
@@ -86,8 +143,9 @@ class Sampler:
         out_ids, out_rows = _flatten([r.output_token_ids for r in rows], dev)
         counts = torch.zeros(k_rows, vocab, dtype=torch.float32, device=dev)
         if out_ids.numel():
-            counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32),
-                              accumulate=True)  # fmt: skip
+            counts.index_put_(
+                (out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32), accumulate=True
+            )
         if need_rep:
             # HF semantics: tokens seen in prompt or output are divided (positive logits) or
             # multiplied (negative) by the penalty.
@@ -116,8 +174,9 @@ class Sampler:
         k_rows, vocab = logits.shape
         scaled = logits / torch.where(greedy_mask, torch.ones_like(temps), temps).unsqueeze(1)
 
-        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows],
-                             device=dev)  # fmt: skip
+        top_k = torch.tensor(
+            [r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=dev
+        )
         top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=dev)
         min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float32, device=dev)
         if bool((top_k < vocab).any() | (top_p < 1).any() | (min_p > 0).any()):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from services.blockmgr.cow import needs_cow
 from services.blockmgr.types import (
     Admit,
     AdmitResult,
@@ -47,7 +48,6 @@ class SchedulerConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     watermark_blocks: int = 1  # admissions must leave this many blocks free
@@ -66,32 +66,53 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulePlan:
-    """Phase one of a step: the operations to send, and what they stand for."""
+    """Phase one of a step: the operations to send, by part, and what they stand for.
 
-    ops: list[Operation] = field(default_factory=list)
-    decodes: list[tuple[Sequence, int]] = field(default_factory=list)
-    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
-    admissions: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    :meth:`ops` lays the parts out as one Step and :meth:`answers` reads the block manager's
+    per-op results back by the same layout; nothing else knows op positions."""
+
+    commits: list[Commit] = field(default_factory=list)
+    forks: list[Fork] = field(default_factory=list)
+    free_seq_ids: list[int] = field(default_factory=list)
+    grows: list[tuple[Sequence, int]] = field(default_factory=list)  # decodes, then prefills
+    admits: list[tuple[Sequence, Admit]] = field(default_factory=list)
     released: list[RestoredSequence] = field(default_factory=list)  # freed by this plan
     fork_ids: set[int] = field(default_factory=set)  # children forked by this plan
     cow_ids: set[int] = field(default_factory=set)  # grows the mirror counted as COW
-    grow_op_index: int = -1
-    grow_seqs: list[Sequence] = field(default_factory=list)
-    admit_op_index: int = -1
+
+    def ops(self) -> list[Operation]:
+        """The Step's operations: commits, forks (before frees: a parent finished in the last
+        step still lends its blocks), frees, one grow, admissions."""
+        ops: list[Operation] = [*self.commits, *self.forks]
+        if self.free_seq_ids:
+            ops.append(Free(tuple(self.free_seq_ids)))
+        if self.grows:
+            ops.append(
+                Grow(tuple(s.seq_id for s, _ in self.grows), tuple(k for _, k in self.grows))
+            )
+        ops.extend(admit for _, admit in self.admits)
+        return ops
+
+    def answers(self, result: StepResult) -> tuple[GrowResult | None, list[AdmitResult]]:
+        """This plan's grow and admission results out of the answer to :meth:`ops`."""
+        first = len(self.commits) + len(self.forks) + bool(self.free_seq_ids)
+        grow = result.results[first] if self.grows else None
+        admits = list(result.results[first + bool(self.grows) :])
+        if (
+            (grow is not None and not isinstance(grow, GrowResult))
+            or len(admits) != len(self.admits)
+            or not all(isinstance(r, AdmitResult) for r in admits)
+        ):
+            raise ValueError(f"the Step's results do not match its operations: {result.results}")
+        return grow, admits  # type: ignore[return-value]
 
 
-@dataclass
-class StepPlan:
-    """Phase two: what the model computes in this step."""
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """What the model computes in this step, and the block copies to make before it."""
 
     chunks: list[ScheduledChunk]  # decodes first, then prefill chunks
-    copies: list[tuple[int, int]]  # copy-on-write (src, dst) block pairs, before the forward
-    preempted: list[Sequence]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
+    copies: list[tuple[int, int]]  # copy-on-write (src, dst) block pairs
 
 
 class Scheduler:
@@ -112,10 +133,6 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._to_free or self._commits)
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence for admission."""
@@ -155,34 +172,33 @@ class Scheduler:
 
     def plan(self) -> SchedulePlan:
         cfg = self.config
-        plan = SchedulePlan()
+        plan = SchedulePlan(commits=self._commits, released=self._to_free)
         free = self.num_free_blocks
-        free_ids: list[int] = []
         for view in self._to_free:
             free += self._release(view.block_ids)
-            free_ids.append(view.seq_id)
-        plan.released, self._to_free = self._to_free, []
-        plan.fork_ids = set(self._forks)
+            plan.free_seq_ids.append(view.seq_id)
+        self._to_free, self._commits = [], []
 
         budget = cfg.max_num_batched_tokens
         scheduled: set[int] = set()
-        grows: list[tuple[Sequence, int]] = []
+        preempted = False
 
         def schedule(seq: Sequence, k: int) -> bool:
-            nonlocal free
+            nonlocal free, preempted
             need = self._blocks_needed(seq, k)
             while need > free:
                 victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
-                free += self._preempt(victim, free_ids, plan)
-                plan.preempted.append(victim)
+                free += self._preempt_for_room(victim, plan)
+                preempted = True
                 if victim is seq:
                     return False
                 need = self._blocks_needed(seq, k)
             free -= need
-            if self._apply_cow_refs(seq, k):
+            if self._cow(seq, k):  # mirror the pool: the writer drops its share of the block
+                self.refs[seq.block_table[-1]] -= 1
                 plan.cow_ids.add(seq.seq_id)
             scheduled.add(seq.seq_id)
-            grows.append((seq, k))
+            plan.grows.append((seq, k))
             return True
 
         # Decodes first, then prefill chunks of running sequences, in priority order.
@@ -196,20 +212,13 @@ class Scheduler:
                 k = min(remaining, budget)
                 if schedule(seq, k):
                     budget -= k
-                    (plan.decodes if decode_pass else plan.prefills).append((seq, k))
 
-        # Forks before frees: a parent finished in the last step still lends its blocks.
-        plan.fork_ids &= set(self._forks)  # minus children preempted while planning
-        plan.ops = [*self._commits, *self._forks.values()]
-        self._commits, self._forks = [], {}
-        if free_ids:
-            plan.ops.append(Free(tuple(free_ids)))
-        if grows:
-            plan.grow_op_index = len(plan.ops)
-            plan.grow_seqs = [s for s, _ in grows]
-            plan.ops.append(Grow(tuple(s.seq_id for s, _ in grows), tuple(k for _, k in grows)))
+        # Children preempted while planning cancelled their own forks.
+        plan.forks = list(self._forks.values())
+        plan.fork_ids = set(self._forks)
+        self._forks = {}
         # No admissions in a step that had to preempt: the pool is under pressure.
-        if not plan.preempted:
+        if not preempted:
             self._plan_admissions(plan, free, budget)
         return plan
 
@@ -226,7 +235,7 @@ class Scheduler:
         bs = cfg.block_size
         num_running = len(self.running)
         speculative = False
-        admits: list[Admit] = []
+        admits = plan.admits
         for seq in self.waiting:
             if budget <= 0 or num_running + len(admits) >= cfg.max_num_seqs:
                 break
@@ -244,37 +253,26 @@ class Scheduler:
                     break
                 speculative = True
             hashes = (
-                tuple(seq.full_block_hashes(bs)[: total // bs])
-                if cfg.enable_prefix_caching
-                else ()
+                tuple(seq.full_block_hashes(bs)[: total // bs]) if cfg.enable_prefix_caching else ()
             )
-            admits.append(Admit(seq.seq_id, total, k_max, hashes, reserve))
-            plan.admissions.append(seq)
+            admits.append((seq, Admit(seq.seq_id, total, k_max, hashes, reserve)))
             free -= min(upper, free)
             budget -= first
             if speculative:
                 break
-        if admits:
-            plan.admit_op_index = len(plan.ops)
-            plan.ops.extend(admits)
 
     # ---- phase two: apply the block manager's answer ---------------------------------------
 
-    def apply(self, plan: SchedulePlan, result: StepResult) -> StepPlan:
+    def apply(self, plan: SchedulePlan, result: StepResult) -> ScheduledBatch:
+        grow, admitted = plan.answers(result)
         copies: list[tuple[int, int]] = []
-        decodes = list(plan.decodes)
-        prefills = list(plan.prefills)
-        if plan.grow_op_index >= 0:
-            grow = result.results[plan.grow_op_index]
-            assert isinstance(grow, GrowResult)
+        grows = plan.grows
+        if grow is not None:
             failed = self._apply_grow(plan, grow, copies)
             if failed:
-                decodes = [(s, k) for s, k in decodes if s.seq_id not in failed]
-                prefills = [(s, k) for s, k in prefills if s.seq_id not in failed]
+                grows = [(s, k) for s, k in grows if s.seq_id not in failed]
         new_prefills: list[tuple[Sequence, int]] = []
-        for i, seq in enumerate(plan.admissions):
-            res = result.results[plan.admit_op_index + i]
-            assert isinstance(res, AdmitResult)
+        for (seq, _), res in zip(plan.admits, admitted, strict=True):
             if res.status is not OpStatus.OK:
                 continue  # stays waiting, in its place
             self.waiting.remove(seq)
@@ -290,15 +288,15 @@ class Scheduler:
             bisect.insort(self.running, seq, key=_sort_key)
             new_prefills.append((seq, res.num_tokens - res.num_cached_tokens))
         self.num_free_blocks = result.counters.num_free_blocks
-        chunks = [ScheduledChunk(s, k) for s, k in (*decodes, *prefills, *new_prefills)]
-        return StepPlan(chunks, copies, plan.preempted)
+        chunks = [ScheduledChunk(s, k) for s, k in (*grows, *new_prefills)]
+        return ScheduledBatch(chunks, copies)
 
     def _apply_grow(
         self, plan: SchedulePlan, grow: GrowResult, copies: list[tuple[int, int]]
     ) -> set[int]:
         failed: set[int] = set()
-        for seq, status, new_ids in zip(plan.grow_seqs, grow.statuses, grow.new_block_ids,
-                                        strict=True):  # fmt: skip
+        seqs = [s for s, _ in plan.grows]
+        for seq, status, new_ids in zip(seqs, grow.statuses, grow.new_block_ids, strict=True):
             if status is not OpStatus.OK:
                 # Our counters said it fits; the pool disagrees: recompute it later.
                 log.warning("grow_refused", seq_id=seq.seq_id, status=status.name)
@@ -310,13 +308,13 @@ class Scheduler:
             for b in new_ids:
                 self.refs[b] += 1
         for copy in grow.copies:
-            seq = plan.grow_seqs[copy.entry]
+            seq = seqs[copy.entry]
             seq.block_table[copy.block_index] = copy.dst
             self.refs[copy.dst] += 1
             copies.append((copy.src, copy.dst))
-        for seq in plan.grow_seqs:
+        for seq in seqs:
             if seq.seq_id in failed:
-                self._preempt(seq, None, None)
+                self._requeue_refused(seq)
         return failed
 
     # ---- after the forward ----------------------------------------------------------------
@@ -358,24 +356,14 @@ class Scheduler:
 
     # ---- internals ------------------------------------------------------------------------
 
+    def _cow(self, seq: Sequence, k: int) -> bool:
+        last_refs = self.refs[seq.block_table[-1]] if seq.block_table else 0
+        return needs_cow(seq.num_computed_tokens, k, self.config.block_size, last_refs)
+
     def _blocks_needed(self, seq: Sequence, k: int) -> int:
         bs = self.config.block_size
-        held = len(seq.block_table)
-        need = -(-(seq.num_computed_tokens + k) // bs) - held
-        partial = seq.num_computed_tokens % bs != 0
-        cow = k > 0 and partial and held > 0 and self.refs[seq.block_table[-1]] > 1
-        return need + cow
-
-    def _apply_cow_refs(self, seq: Sequence, k: int) -> bool:
-        """Mirror the block manager: a COW grow drops the writer's share of the old block.
-        Returns whether it did."""
-        bs = self.config.block_size
-        if k > 0 and seq.num_computed_tokens % bs and seq.block_table:
-            last = seq.block_table[-1]
-            if self.refs[last] > 1:
-                self.refs[last] -= 1
-                return True
-        return False
+        need = -(-(seq.num_computed_tokens + k) // bs) - len(seq.block_table)
+        return need + self._cow(seq, k)
 
     def _release(self, table: list[int]) -> int:
         """Drop one reference to each block of ``table``; return how many became free."""
@@ -400,22 +388,28 @@ class Scheduler:
         seq.block_table = []
         return freed
 
-    def _preempt(
-        self, seq: Sequence, free_ids: list[int] | None, plan: SchedulePlan | None
-    ) -> int:
-        """Move a running sequence back to waiting; return how many blocks this frees now.
-
-        With ``free_ids`` (planning), the Free joins this step's operations; without (a grow
-        the pool refused after the fact), it is deferred to the next step."""
-        self.running.remove(seq)
-        if free_ids is not None and seq.block_table and seq.seq_id not in self._forks:
-            free_ids.append(seq.seq_id)
-            if plan is not None:
-                plan.released.append(self.pool_view(seq))
+    def _preempt_for_room(self, seq: Sequence, plan: SchedulePlan) -> int:
+        """Preempt a running sequence while planning: its Free joins this step's operations.
+        Returns how many blocks this frees now."""
+        if seq.block_table and seq.seq_id not in self._forks:
+            plan.free_seq_ids.append(seq.seq_id)
+            plan.released.append(self.pool_view(seq))
             freed = self._release(seq.block_table)
             seq.block_table = []
-        else:  # a pending fork is cancelled; otherwise the Free goes out next step
+        else:  # a pending fork is cancelled
             freed = self._drop_blocks(seq)
+        self._requeue(seq)
+        return freed
+
+    def _requeue_refused(self, seq: Sequence) -> None:
+        """Preempt a sequence whose grow the pool refused after the fact: its Free goes out
+        with the next Step."""
+        self._drop_blocks(seq)
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Move a running sequence that gave up its blocks back to waiting (recompute)."""
+        self.running.remove(seq)
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
         seq.num_preemptions += 1
@@ -429,7 +423,6 @@ class Scheduler:
             num_tokens=seq.num_tokens,
             num_preemptions=seq.num_preemptions,
         )
-        return freed
 
 
 def _sort_key(seq: Sequence) -> tuple[int, int, int]:

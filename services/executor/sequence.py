@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from services.blockmgr.hashing import ROOT_HASH, hash_block
-from services.executor.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
+
+
+class RequestKey(NamedTuple):
+    """A request's identity in the engine: ids are unique per gateway session, not across
+    sessions, so the session is part of the key."""
+
+    session_id: int
+    request_id: str
 
 
 class SeqStatus(enum.Enum):
@@ -28,7 +37,7 @@ class Sequence:
     ``num_computed_tokens`` of them have their K/V in the cache."""
 
     seq_id: int  # unique per executor, the block manager's key
-    req_id: str
+    req_id: RequestKey
     index: int  # which of the request's n samples
     token_ids: list[int]
     prompt_len: int
@@ -78,7 +87,7 @@ class Sequence:
 
 @dataclass(eq=False)
 class Request:
-    req_id: str
+    req_id: RequestKey
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int

@@ -48,8 +48,9 @@ async def serve(config: ExecutorConfig) -> int:
     from services.executor.startup import build_engine
 
     load = asyncio.ensure_future(asyncio.to_thread(build_engine, config, on_health=on_health))
-    done, _ = await asyncio.wait({load, asyncio.ensure_future(stop.wait())},
-                                 return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+    done, _ = await asyncio.wait(
+        {load, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+    )
     if load not in done:  # stopped while loading
         await server.stop(0)
         return 0
@@ -58,9 +59,14 @@ async def serve(config: ExecutorConfig) -> int:
     engine_loop.start()
     servicer.ready(engine_loop, served)
     gc.freeze()
-    await set_health(engine.healthy)
-    log.info("executor_ready", model=served.name, max_model_len=served.max_model_len,
-             num_kv_blocks=served.num_kv_blocks, device=served.device)  # fmt: skip
+    await set_health(engine.link.healthy)
+    log.info(
+        "executor_ready",
+        model=served.name,
+        max_model_len=served.max_model_len,
+        num_kv_blocks=served.num_kv_blocks,
+        device=served.device,
+    )
 
     code = 0
     while not stop.is_set():
@@ -75,6 +81,6 @@ async def serve(config: ExecutorConfig) -> int:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(GRACE_PERIOD_S)
     engine_loop.stop()
-    engine.blockmgr.close()
+    engine.link.close()
     log.info("executor_stopped")
     return code

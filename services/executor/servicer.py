@@ -10,20 +10,36 @@ import structlog
 
 from pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from services.blockmgr.hashing import HASH_ALGORITHM
-from services.executor.engine import SeqOutput
-from services.executor.engine_loop import AddCommand, Delivery, EngineLoop, Load, Session
-from services.executor.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
+from services.executor.commands import (
+    Abort,
+    Add,
+    Close,
+    Delivery,
+    HalfClose,
+    Load,
+    Open,
+    Refuse,
+    Session,
+)
+from services.executor.engine_loop import EngineLoop
+from services.executor.outputs import RequestError, RequestErrorCode, SeqOutput
 from services.executor.sequence import FinishReason
 from services.executor.startup import ServedModel
 
 log = structlog.get_logger(__name__)
-MAX_REQUEST_ID_LEN = 256
 
 FINISH_TO_PB = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
     FinishReason.ERROR: common_pb2.FINISH_REASON_ABORT,
+}
+ERROR_CODE_TO_PB = {
+    RequestErrorCode.INVALID_ARGUMENT: executor_pb2.REQUEST_ERROR_CODE_INVALID_ARGUMENT,
+    RequestErrorCode.ALREADY_EXISTS: executor_pb2.REQUEST_ERROR_CODE_ALREADY_EXISTS,
+    RequestErrorCode.RESOURCE_EXHAUSTED: executor_pb2.REQUEST_ERROR_CODE_RESOURCE_EXHAUSTED,
+    RequestErrorCode.INTERNAL: executor_pb2.REQUEST_ERROR_CODE_INTERNAL,
 }
 
 
@@ -48,7 +64,7 @@ def params_from_pb(p: executor_pb2.ExecutorSamplingParams) -> SamplingParams:
 
 def update_to_pb(out: SeqOutput) -> executor_pb2.SequenceUpdate:
     msg = executor_pb2.SequenceUpdate(
-        request_id=out.req_id,
+        request_id=out.req_id.request_id,
         index=out.index,
         token_ids=out.token_ids,
         logprobs=[
@@ -66,10 +82,13 @@ def update_to_pb(out: SeqOutput) -> executor_pb2.SequenceUpdate:
             msg.stop_token_id = out.stop_token_id
     if out.usage is not None:
         u = out.usage
-        msg.usage.CopyFrom(common_pb2.Usage(
-            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-            cached_prompt_tokens=u.cached_prompt_tokens,
-        ))  # fmt: skip
+        msg.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                cached_prompt_tokens=u.cached_prompt_tokens,
+            )
+        )
     return msg
 
 
@@ -82,7 +101,10 @@ def delivery_to_pb(d: Delivery) -> executor_pb2.ExecutorStep:
         step=d.step,
         updates=[update_to_pb(o) for o in d.outputs],
         errors=[
-            executor_pb2.RequestError(request_id=r, code=c, message=m) for r, c, m in d.errors
+            executor_pb2.RequestError(
+                request_id=e.request_id, code=ERROR_CODE_TO_PB[e.code], message=e.message
+            )
+            for e in d.errors
         ],
         load=load_to_pb(d.load),
     )
@@ -136,20 +158,18 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         aio_loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[Delivery | None] = asyncio.Queue()
         session = Session(lambda d: aio_loop.call_soon_threadsafe(inbox.put_nowait, d))
-        engine_loop.open(session)
+        engine_loop.submit(Open(session))
         log.info("session_opened", session_id=session.session_id, peer=context.peer())
 
         async def read() -> None:
             async for req in request_iterator:
                 kind = req.WhichOneof("kind")
                 if kind == "add":
-                    error = self._add(engine_loop, session, req.add)
-                    if error is not None:
-                        inbox.put_nowait(Delivery(0, [], [error], engine_loop.load()))
+                    engine_loop.submit(_add_command(session, req.add))
                 elif kind == "abort":
                     index = req.abort.index if req.abort.HasField("index") else None
-                    engine_loop.abort(session, req.abort.request_id, index)
-            engine_loop.half_close(session)
+                    engine_loop.submit(Abort(session, req.abort.request_id, index))
+            engine_loop.submit(HalfClose(session))
 
         reader = asyncio.create_task(read())
         try:
@@ -157,26 +177,29 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 delivery = await inbox.get()
                 if delivery is None:
                     if engine_loop.error is not None:
-                        await context.abort(grpc.StatusCode.INTERNAL,
-                                            f"engine failed: {engine_loop.error!r}")  # fmt: skip
+                        await context.abort(
+                            grpc.StatusCode.INTERNAL, f"engine failed: {engine_loop.error!r}"
+                        )
                     return
                 yield delivery_to_pb(delivery)
         finally:
             reader.cancel()
-            engine_loop.close(session)
+            engine_loop.submit(Close(session))
 
-    @staticmethod
-    def _add(
-        engine_loop: EngineLoop, session: Session, add: executor_pb2.AddRequest
-    ) -> tuple[str, str, str] | None:
-        rid = add.request_id
-        if not rid or len(rid) > MAX_REQUEST_ID_LEN:
-            return (rid, "INVALID_ARGUMENT",
-                    f"request_id must be 1..{MAX_REQUEST_ID_LEN} characters")  # fmt: skip
-        if not add.HasField("sampling_params"):
-            return (rid, "INVALID_ARGUMENT", "sampling_params is required")
-        engine_loop.add(session, AddCommand(
-            rid, list(add.prompt_token_ids), params_from_pb(add.sampling_params),
-            add.priority, add.cache_salt,
-        ))  # fmt: skip
-        return None
+
+def _add_command(session: Session, add: executor_pb2.AddRequest) -> Add | Refuse:
+    if not add.HasField("sampling_params"):
+        return Refuse(
+            session,
+            RequestError(
+                add.request_id, RequestErrorCode.INVALID_ARGUMENT, "sampling_params: is required"
+            ),
+        )
+    return Add(
+        session,
+        add.request_id,
+        list(add.prompt_token_ids),
+        params_from_pb(add.sampling_params),
+        add.priority,
+        add.cache_salt,
+    )

@@ -50,6 +50,8 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         return grpc.stream_unary_rpc_method_handler(deny)
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(
-            deny_stream, request_deserializer=handler.request_deserializer)  # fmt: skip
+            deny_stream, request_deserializer=handler.request_deserializer
+        )
     return grpc.unary_unary_rpc_method_handler(
-        deny, request_deserializer=handler.request_deserializer)  # fmt: skip
+        deny, request_deserializer=handler.request_deserializer
+    )

@@ -27,23 +27,34 @@ class GatewayConfig:
     def parser(cls) -> argparse.ArgumentParser:
         p = argparse.ArgumentParser(
             prog="pagedserve gateway",
-            description="Run the public gRPC API (pagedserve.v1.Generation) in front of "
-            "executors.",
+            description="Run the public gRPC API (pagedserve.v1.Generation) in front of executors.",
         )
         a = p.add_argument
         a("--model", required=True, help="checkpoint directory (tokenizer, chat template)")
-        a("--executor", action="append", dest="executor_addresses", default=None,
-          help="executor host:port; repeat for several (default 127.0.0.1:50061)")
+        a(
+            "--executor",
+            action="append",
+            dest="executor_addresses",
+            default=None,
+            help="executor host:port; repeat for several (default 127.0.0.1:50061)",
+        )
         a("--host", default=cls.host)
         a("--port", type=int, default=cls.port)
         a("--max-concurrent-requests", type=int, default=cls.max_concurrent_requests)
         a("--max-n", type=int, default=cls.max_n, help="largest n (parallel samples) accepted")
-        a("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
-          help="require `authorization: Bearer <key>` (also PAGEDSERVE_API_KEY)")
+        a(
+            "--api-key",
+            default=os.environ.get("PAGEDSERVE_API_KEY"),
+            help="require `authorization: Bearer <key>` (also PAGEDSERVE_API_KEY)",
+        )
         a("--tls-cert", default=None, help="PEM certificate chain (enables TLS with --tls-key)")
         a("--tls-key", default=None, help="PEM private key")
-        a("--metrics-port", type=int, default=cls.metrics_port,
-          help="Prometheus /metrics HTTP port; 0 picks a free one; -1 disables")
+        a(
+            "--metrics-port",
+            type=int,
+            default=cls.metrics_port,
+            help="Prometheus /metrics HTTP port; 0 picks a free one; -1 disables",
+        )
         a("--no-reflection", dest="enable_reflection", action="store_false")
         a("--served-model-name", default=None)
         a("--log-level", default=cls.log_level)

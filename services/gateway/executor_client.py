@@ -78,14 +78,18 @@ class ExecutorConnection:
     def release(self, request_id: str, *, abort: bool) -> None:
         """Forget a request; with ``abort`` the executor stops it at its next step."""
         if self._inflight.pop(request_id, None) is not None and abort and self.ready:
-            self._outbox.put_nowait(executor_pb2.SessionRequest(
-                abort=executor_pb2.AbortRequest(request_id=request_id)))  # fmt: skip
+            self._outbox.put_nowait(
+                executor_pb2.SessionRequest(abort=executor_pb2.AbortRequest(request_id=request_id))
+            )
 
     def abort_sample(self, request_id: str, index: int) -> None:
         """Stop one sample of an n > 1 request; the others go on."""
         if request_id in self._inflight and self.ready:
-            self._outbox.put_nowait(executor_pb2.SessionRequest(
-                abort=executor_pb2.AbortRequest(request_id=request_id, index=index)))  # fmt: skip
+            self._outbox.put_nowait(
+                executor_pb2.SessionRequest(
+                    abort=executor_pb2.AbortRequest(request_id=request_id, index=index)
+                )
+            )
 
     # ---- the connection ---------------------------------------------------------------------
 
@@ -98,8 +102,12 @@ class ExecutorConnection:
                 raise
             except grpc.aio.AioRpcError as exc:
                 if self.ready or exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    log.warning("executor_stream_lost", address=self.address,
-                                code=exc.code().name, details=exc.details())  # fmt: skip
+                    log.warning(
+                        "executor_stream_lost",
+                        address=self.address,
+                        code=exc.code().name,
+                        details=exc.details(),
+                    )
             except Exception:
                 log.exception("executor_connection_error", address=self.address)
             self._set_ready(False)
@@ -120,8 +128,11 @@ class ExecutorConnection:
         call = self._stub.Session(requests())
         await call.wait_for_connection()
         self._set_ready(True)
-        log.info("executor_connected", address=self.address, model=self.info.model_name
-                 if self.info else None)  # fmt: skip
+        log.info(
+            "executor_connected",
+            address=self.address,
+            model=self.info.model_name if self.info else None,
+        )
         async for step in call:
             self.load = step.load
             self.on_step(step)

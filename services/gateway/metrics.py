@@ -31,50 +31,75 @@ class _ExecutorCollector(Collector):
         free = sum(x.num_free_blocks for x in loads)
         prompt = sum(x.num_prompt_tokens for x in loads)
         cached = sum(x.num_cached_prompt_tokens for x in loads)
-        yield GaugeMetricFamily("pagedserve_num_requests_running",
-                                "Sequences running on the executors", value=running)  # fmt: skip
-        yield GaugeMetricFamily("pagedserve_num_requests_waiting",
-                                "Sequences waiting on the executors", value=waiting)  # fmt: skip
-        yield GaugeMetricFamily("pagedserve_kv_cache_usage_ratio",
-                                "Share of KV blocks in use (cached-free blocks count as free)",
-                                value=(1 - free / usable) if usable else 0.0)  # fmt: skip
+        yield GaugeMetricFamily(
+            "pagedserve_num_requests_running", "Sequences running on the executors", value=running
+        )
+        yield GaugeMetricFamily(
+            "pagedserve_num_requests_waiting", "Sequences waiting on the executors", value=waiting
+        )
+        yield GaugeMetricFamily(
+            "pagedserve_kv_cache_usage_ratio",
+            "Share of KV blocks in use (cached-free blocks count as free)",
+            value=(1 - free / usable) if usable else 0.0,
+        )
         yield GaugeMetricFamily(
             "pagedserve_prefix_cache_hit_ratio",
             "Prompt tokens served from the prefix cache / prompt tokens computed or cached",
             value=cached / (prompt + cached) if prompt + cached else 0.0,
         )
-        yield CounterMetricFamily("pagedserve_num_preemptions",
-                                  "Sequences preempted (recomputed) by the executors",
-                                  value=sum(x.num_preemptions for x in loads))  # fmt: skip
-        yield CounterMetricFamily("pagedserve_executor_steps",
-                                  "Scheduler steps run by the executors",
-                                  value=sum(x.num_steps for x in loads))  # fmt: skip
+        yield CounterMetricFamily(
+            "pagedserve_num_preemptions",
+            "Sequences preempted (recomputed) by the executors",
+            value=sum(x.num_preemptions for x in loads),
+        )
+        yield CounterMetricFamily(
+            "pagedserve_executor_steps",
+            "Scheduler steps run by the executors",
+            value=sum(x.num_steps for x in loads),
+        )
 
 
 class GatewayMetrics:
     def __init__(self, loads: Callable[[], list[executor_pb2.ExecutorLoad]]) -> None:
         r = self.registry = CollectorRegistry()
         r.register(_ExecutorCollector(loads))
-        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished "
-                                     "requests", registry=r)  # fmt: skip
-        self.cached_prompt_tokens = Counter("pagedserve_cached_prompt_tokens",
-                                            "Prompt tokens served from the prefix cache",
-                                            registry=r)  # fmt: skip
-        self.generation_tokens = Counter("pagedserve_generation_tokens",
-                                         "Tokens generated and streamed", registry=r)  # fmt: skip
-        self.requests = Counter("pagedserve_requests", "Finished requests by outcome",
-                                ["outcome"], registry=r)  # fmt: skip
-        self.inflight = Gauge("pagedserve_gateway_requests_inflight",
-                              "Generate streams open on this gateway", registry=r)  # fmt: skip
-        self.ttft = Histogram("pagedserve_time_to_first_token_seconds",
-                              "Time from request to its first token", registry=r,
-                              buckets=_LATENCY_BUCKETS)  # fmt: skip
-        self.itl = Histogram("pagedserve_inter_token_latency_seconds",
-                             "Time between consecutive token messages of a sample", registry=r,
-                             buckets=_ITL_BUCKETS)  # fmt: skip
-        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds",
-                             "Time from request to its final message", registry=r,
-                             buckets=_LATENCY_BUCKETS)  # fmt: skip
+        self.prompt_tokens = Counter(
+            "pagedserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.cached_prompt_tokens = Counter(
+            "pagedserve_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache",
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "pagedserve_generation_tokens", "Tokens generated and streamed", registry=r
+        )
+        self.requests = Counter(
+            "pagedserve_requests", "Finished requests by outcome", ["outcome"], registry=r
+        )
+        self.inflight = Gauge(
+            "pagedserve_gateway_requests_inflight",
+            "Generate streams open on this gateway",
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pagedserve_time_to_first_token_seconds",
+            "Time from request to its first token",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            "pagedserve_inter_token_latency_seconds",
+            "Time between consecutive token messages of a sample",
+            registry=r,
+            buckets=_ITL_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "pagedserve_e2e_request_latency_seconds",
+            "Time from request to its final message",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
         self.port: int | None = None
         self._server = None
 

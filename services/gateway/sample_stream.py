@@ -31,9 +31,10 @@ class SampleStream:
 
     def __post_init__(self) -> None:
         self.detok = IncrementalDetokenizer(
-            self.tokenizer, self.prompt_token_ids,
+            self.tokenizer,
+            self.prompt_token_ids,
             skip_special_tokens=self.options.skip_special_tokens,
-        )  # fmt: skip
+        )
         self.matcher = (
             StopStringMatcher(self.options.stop, self.options.include_stop_str_in_output)
             if self.options.stop
@@ -85,10 +86,13 @@ class SampleStream:
 
     def _finish(self, resp: generation_pb2.GenerateResponse) -> None:
         self.done = True
-        resp.usage.CopyFrom(common_pb2.Usage(
-            prompt_tokens=len(self.prompt_token_ids), completion_tokens=self.num_tokens,
-            cached_prompt_tokens=self.cached_prompt_tokens,
-        ))  # fmt: skip
+        resp.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=len(self.prompt_token_ids),
+                completion_tokens=self.num_tokens,
+                cached_prompt_tokens=self.cached_prompt_tokens,
+            )
+        )
 
     def _logprobs(
         self, logprobs: Iterable[common_pb2.TokenLogprob]
@@ -97,10 +101,17 @@ class SampleStream:
         for lp in logprobs:
             ids = [lp.token_id, *(t.token_id for t in lp.top_logprobs)]
             names = self.tokenizer.convert_ids_to_tokens(ids)
-            out.append(common_pb2.TokenLogprob(
-                token_id=lp.token_id, logprob=lp.logprob, token=names[0] or "",
-                top_logprobs=[common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob,
-                                                    token=name or "")
-                              for t, name in zip(lp.top_logprobs, names[1:], strict=True)],
-            ))  # fmt: skip
+            out.append(
+                common_pb2.TokenLogprob(
+                    token_id=lp.token_id,
+                    logprob=lp.logprob,
+                    token=names[0] or "",
+                    top_logprobs=[
+                        common_pb2.TopLogprob(
+                            token_id=t.token_id, logprob=t.logprob, token=name or ""
+                        )
+                        for t, name in zip(lp.top_logprobs, names[1:], strict=True)
+                    ],
+                )
+            )
         return out

@@ -59,8 +59,9 @@ class GatewayServer:
 
     def _on_pool_change(self) -> None:
         serving = bool(self.pool.ready)
-        log.info("gateway_health", serving=serving,
-                 executors_ready=[c.address for c in self.pool.ready])  # fmt: skip
+        log.info(
+            "gateway_health", serving=serving, executors_ready=[c.address for c in self.pool.ready]
+        )
         self._health_task = asyncio.ensure_future(self._set_health(serving))
 
     async def _set_health(self, serving: bool) -> None:
@@ -73,9 +74,14 @@ class GatewayServer:
             log.info("metrics_listening", metrics_port=port)
         self.pool.start()
         await self.server.start()
-        log.info("gateway_listening", host=self.config.host, port=self.port,
-                 tls=bool(self.config.tls_cert), auth=bool(self.config.api_key),
-                 executors=list(self.config.executor_addresses))  # fmt: skip
+        log.info(
+            "gateway_listening",
+            host=self.config.host,
+            port=self.port,
+            tls=bool(self.config.tls_cert),
+            auth=bool(self.config.api_key),
+            executors=list(self.config.executor_addresses),
+        )
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()

@@ -12,23 +12,26 @@ import structlog
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.v1 import common_pb2, executor_pb2, generation_pb2, generation_pb2_grpc
+from services.common.limits import FieldError, check_prompt, check_request_id, check_token_ids
 from services.gateway.config import GatewayConfig
 from services.gateway.executor_client import ExecutorPool, ExecutorUnavailable
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.sample_stream import SampleStream
 from services.gateway.validation import (
     Limits,
-    ValidationError,
     check_input_kind,
     check_messages,
-    check_request_id,
-    check_token_ids,
     sampling_to_executor,
 )
 
 log = structlog.get_logger(__name__)
 
-_STATUS = {code.name: code for code in grpc.StatusCode}
+_REFUSAL_STATUS = {
+    executor_pb2.REQUEST_ERROR_CODE_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    executor_pb2.REQUEST_ERROR_CODE_ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    executor_pb2.REQUEST_ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    executor_pb2.REQUEST_ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
+}
 _FINISH_NAMES = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -92,24 +95,36 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             check_request_id(request_id)
             prompt_ids = self._prompt_ids(request, limits)
             params, options = sampling_to_executor(request, len(prompt_ids), limits)
-        except ValidationError as exc:
+        except FieldError as exc:
             self.metrics.requests.labels("invalid").inc()
             log.info("request_invalid", error=str(exc))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        samples = [SampleStream(request_id, i, self.tokenizer, prompt_ids, options)
-                   for i in range(params.n)]  # fmt: skip
+        samples = [
+            SampleStream(request_id, i, self.tokenizer, prompt_ids, options)
+            for i in range(params.n)
+        ]
         try:
             conn = self.pool.pick()
             internal_id = uuid.uuid4().hex
-            queue = conn.submit(executor_pb2.AddRequest(
-                request_id=internal_id, prompt_token_ids=prompt_ids, sampling_params=params,
-                priority=request.priority, cache_salt=request.cache_salt.encode(),
-            ))  # fmt: skip
+            queue = conn.submit(
+                executor_pb2.AddRequest(
+                    request_id=internal_id,
+                    prompt_token_ids=prompt_ids,
+                    sampling_params=params,
+                    priority=request.priority,
+                    cache_salt=request.cache_salt.encode(),
+                )
+            )
         except ExecutorUnavailable as exc:
             self.metrics.requests.labels("unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        log.info("request_accepted", executor=conn.address, num_prompt_tokens=len(prompt_ids),
-                 n=params.n, max_tokens=params.max_tokens)  # fmt: skip
+        log.info(
+            "request_accepted",
+            executor=conn.address,
+            num_prompt_tokens=len(prompt_ids),
+            n=params.n,
+            max_tokens=params.max_tokens,
+        )
 
         last_token_at: list[float | None] = [None] * params.n
         done = 0
@@ -119,7 +134,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             while done < params.n:
                 item = await queue.get()
                 if isinstance(item, executor_pb2.RequestError):
-                    code = _STATUS.get(item.code, grpc.StatusCode.INTERNAL)
+                    code = _REFUSAL_STATUS.get(item.code, grpc.StatusCode.INTERNAL)
                     self.metrics.requests.labels("refused").inc()
                     await context.abort(code, item.message)
                 if isinstance(item, BaseException):
@@ -151,8 +166,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 yield response
             completed = True
             self.metrics.e2e.observe(time.monotonic() - start)
-            log.info("request_finished", latency_s=round(time.monotonic() - start, 4),
-                     completion_tokens=[s.num_tokens for s in samples])  # fmt: skip
+            log.info(
+                "request_finished",
+                latency_s=round(time.monotonic() - start, 4),
+                completion_tokens=[s.num_tokens for s in samples],
+            )
         finally:
             # Cancelled, deadline passed, or failed: stop it on the executor right away.
             conn.release(internal_id, abort=not completed or stopped_here)
@@ -168,28 +186,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _prompt_ids(self, request: generation_pb2.GenerateRequest, limits: Limits) -> list[int]:
         kind = check_input_kind(request)
+        field = kind
         if kind == "prompt":
             ids = self.tokenizer(request.prompt).input_ids
         elif kind == "prompt_token_ids":
             ids = list(request.prompt_token_ids.ids)
-            check_token_ids(ids, limits.vocab_size, "prompt_token_ids.ids")
+            field = "prompt_token_ids.ids"
         else:
             ids = self._chat_ids(request.messages, "messages")
-        if len(ids) >= limits.max_model_len:
-            raise ValidationError(f"{kind}: {len(ids)} tokens leave no room to generate within "
-                                  f"max_model_len={limits.max_model_len}")  # fmt: skip
+        check_prompt(ids, limits.vocab_size, limits.max_model_len, field)
         return ids
 
     def _chat_ids(self, messages: generation_pb2.ChatMessages, field: str) -> list[int]:
         check_messages(messages, field)
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValidationError(f"{field}: the model has no chat template")
-        add_prompt = messages.add_generation_prompt if messages.HasField(
-            "add_generation_prompt") else True  # fmt: skip
+            raise FieldError(field, "the model has no chat template")
+        add_prompt = (
+            messages.add_generation_prompt if messages.HasField("add_generation_prompt") else True
+        )
         text = self.tokenizer.apply_chat_template(
             [{"role": m.role, "content": m.content} for m in messages.messages],
-            add_generation_prompt=add_prompt, tokenize=False,
-        )  # fmt: skip
+            add_generation_prompt=add_prompt,
+            tokenize=False,
+        )
         # The template writes its own special tokens (BOS): tokenize without adding more.
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
@@ -201,14 +220,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         kind = request.WhichOneof("input")
         try:
             if kind == "text":
-                add = request.add_special_tokens if request.HasField(
-                    "add_special_tokens") else True  # fmt: skip
+                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 ids = self.tokenizer(request.text, add_special_tokens=add).input_ids
             elif kind == "messages":
                 ids = self._chat_ids(request.messages, "messages")
             else:
-                raise ValidationError("input: one of text or messages is required")
-        except ValidationError as exc:
+                raise FieldError("input", "one of text or messages is required")
+        except FieldError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         tokens = self.tokenizer.convert_ids_to_tokens(ids)
         return generation_pb2.TokenizeResponse(token_ids=ids, tokens=tokens)
@@ -218,7 +236,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> generation_pb2.DetokenizeResponse:
         try:
             check_token_ids(list(request.token_ids), len(self.tokenizer), "token_ids")
-        except ValidationError as exc:
+        except FieldError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = self.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
@@ -244,4 +262,3 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             eos_token_ids=info.eos_token_ids,
             num_executors=len(ready),
         )
-

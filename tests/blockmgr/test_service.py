@@ -141,6 +141,9 @@ def test_process_serves_then_shuts_down_gracefully_on_sigterm():
 def test_cli_rejects_a_bad_port_with_usage_error():
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "blockmgr", "--port", "70000"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2 and "--port" in proc.stderr

@@ -63,8 +63,10 @@ GPU_ONLY_FLAGS = {"--gpu-memory-utilization": 1}
 IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 TEST_ENV = {"OMP_NUM_THREADS": "1"}
 
-_VAR = re.compile(r"\$(?:\$|\{(?P<braced>[A-Za-z_]\w*)(?P<op>:?-)?(?P<default>[^}]*)\}"
-                  r"|(?P<plain>[A-Za-z_]\w*))")  # fmt: skip
+_VAR = re.compile(
+    r"\$(?:\$|\{(?P<braced>[A-Za-z_]\w*)(?P<op>:?-)?(?P<default>[^}]*)\}"
+    r"|(?P<plain>[A-Za-z_]\w*))"
+)
 
 
 def load_compose(path: Path = COMPOSE_FILE) -> dict[str, Any]:
@@ -91,8 +93,9 @@ def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
 
 def dockerfile_entrypoint(path: Path = DOCKERFILE) -> list[str]:
     """The image's ENTRYPOINT (exec form); the last one wins, as in Docker."""
-    entries = [json.loads(args) for word, args in dockerfile_instructions(path)
-               if word == "ENTRYPOINT"]  # fmt: skip
+    entries = [
+        json.loads(args) for word, args in dockerfile_instructions(path) if word == "ENTRYPOINT"
+    ]
     if not entries:
         raise ValueError(f"{path} has no ENTRYPOINT")
     return entries[-1]
@@ -184,8 +187,14 @@ def bind_mounts(service: Mapping[str, Any]) -> list[dict[str, Any]]:
                 out.append(v)
             continue
         source, target, *opts = str(v).split(":")
-        out.append({"type": "bind", "source": source, "target": target,
-                    "read_only": "ro" in (opts[0].split(",") if opts else [])})  # fmt: skip
+        out.append(
+            {
+                "type": "bind",
+                "source": source,
+                "target": target,
+                "read_only": "ro" in (opts[0].split(",") if opts else []),
+            }
+        )
     return out
 
 
@@ -295,7 +304,7 @@ class ComposeStack:
                 return f"{LOCAL_HOST}:{own[int(port)]}"
         for target, local in self.mounts.items():  # rewrite 6
             if token == target or token.startswith(target.rstrip("/") + "/"):
-                return str(local) + token[len(target.rstrip("/")):]
+                return str(local) + token[len(target.rstrip("/")) :]
         return token
 
     def _command(self, name: str, args: list[str]) -> list[str]:
@@ -371,10 +380,13 @@ class ComposeStack:
             log = open(service.log_path, "wb")  # noqa: SIM115 - the child keeps it open
         try:
             service.proc = subprocess.Popen(
-                service.argv, cwd=ROOT, env=self._child_env(service),
-                stdin=subprocess.DEVNULL, stdout=log or subprocess.DEVNULL,
+                service.argv,
+                cwd=ROOT,
+                env=self._child_env(service),
+                stdin=subprocess.DEVNULL,
+                stdout=log or subprocess.DEVNULL,
                 stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
-            )  # fmt: skip
+            )
         finally:
             if log is not None:
                 log.close()
@@ -385,10 +397,13 @@ class ComposeStack:
         assert service.healthcheck is not None
         try:
             result = subprocess.run(
-                service.healthcheck, cwd=ROOT, env=self._child_env(service),
-                stdin=subprocess.DEVNULL, capture_output=True,
+                service.healthcheck,
+                cwd=ROOT,
+                env=self._child_env(service),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
                 timeout=service.health_timeout,
-            )  # fmt: skip
+            )
         except subprocess.TimeoutExpired:
             return False
         return result.returncode == 0
@@ -401,13 +416,16 @@ class ComposeStack:
         while True:
             assert service.proc is not None
             if service.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {service.proc.returncode} before it was "
-                                   f"healthy:\n{service.log_tail()}")  # fmt: skip
+                raise RuntimeError(
+                    f"{name} exited with {service.proc.returncode} before it was "
+                    f"healthy:\n{service.log_tail()}"
+                )
             if self.check_health(name):
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} not healthy after {timeout:.0f}s:\n"
-                                   f"{service.log_tail()}")  # fmt: skip
+                raise TimeoutError(
+                    f"{name} not healthy after {timeout:.0f}s:\n{service.log_tail()}"
+                )
             time.sleep(self.poll_s)
 
     def down(self, timeout: float = 30.0) -> dict[str, int | None]:

@@ -28,8 +28,8 @@ import sys
 import grpc
 import pytest
 
+from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from services.executor.tiny_model import write_tiny_model
 from tests.e2e.compose_runner import (
     DOCKERFILE,
     ComposeStack,
@@ -129,8 +129,9 @@ def test_startup_order_waits_for_health(services):
 
 
 def test_commands_bind_all_interfaces_and_address_services_by_name(services):
-    blockmgr, executor, gateway = (services[n]["command"] for n in ("blockmgr", "executor",
-                                                                     "gateway"))  # fmt: skip
+    blockmgr, executor, gateway = (
+        services[n]["command"] for n in ("blockmgr", "executor", "gateway")
+    )
     for command in (blockmgr, executor, gateway):
         assert flag(command, "--host") == ["0.0.0.0"]
     assert flag(blockmgr, "--port") == [str(BLOCKMGR_PORT)]
@@ -166,18 +167,50 @@ def test_rewritten_commands_keep_only_what_docker_does_not_provide(tmp_path):
     bm, ex, gw = (stack.services[n] for n in ("blockmgr", "executor", "gateway"))
     head = [sys.executable, "-m", "services.cli"]
     p = stack.ports
-    assert bm.argv == [*head, "blockmgr", "--host", "127.0.0.1",
-                       "--port", str(p["blockmgr"][BLOCKMGR_PORT])]  # fmt: skip
-    assert ex.argv == [*head, "executor", "--model", str(tmp_path / "model"),
-                       "--host", "127.0.0.1", "--port", str(p["executor"][EXECUTOR_PORT]),
-                       "--blockmgr-address", f"127.0.0.1:{p['blockmgr'][BLOCKMGR_PORT]}",
-                       "--device", "cpu", "--dtype", "auto"]  # fmt: skip
-    assert gw.argv == [*head, "gateway", "--model", str(tmp_path / "model"),
-                       "--host", "127.0.0.1", "--port", str(p["gateway"][GATEWAY_PORT]),
-                       "--metrics-port", str(p["gateway"][METRICS_PORT]),
-                       "--executor", f"127.0.0.1:{p['executor'][EXECUTOR_PORT]}"]  # fmt: skip
-    assert gw.healthcheck == [sys.executable, "-m", HEALTHCHECK_MODULE,
-                              f"127.0.0.1:{p['gateway'][GATEWAY_PORT]}"]  # fmt: skip
+    assert bm.argv == [
+        *head,
+        "blockmgr",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(p["blockmgr"][BLOCKMGR_PORT]),
+    ]
+    assert ex.argv == [
+        *head,
+        "executor",
+        "--model",
+        str(tmp_path / "model"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(p["executor"][EXECUTOR_PORT]),
+        "--blockmgr-address",
+        f"127.0.0.1:{p['blockmgr'][BLOCKMGR_PORT]}",
+        "--device",
+        "cpu",
+        "--dtype",
+        "auto",
+    ]
+    assert gw.argv == [
+        *head,
+        "gateway",
+        "--model",
+        str(tmp_path / "model"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(p["gateway"][GATEWAY_PORT]),
+        "--metrics-port",
+        str(p["gateway"][METRICS_PORT]),
+        "--executor",
+        f"127.0.0.1:{p['executor'][EXECUTOR_PORT]}",
+    ]
+    assert gw.healthcheck == [
+        sys.executable,
+        "-m",
+        HEALTHCHECK_MODULE,
+        f"127.0.0.1:{p['gateway'][GATEWAY_PORT]}",
+    ]
     assert "PAGEDSERVE_API_KEY" not in gw.env  # unset where "compose" runs: left out
     exported = ComposeStack({MODEL_TARGET: tmp_path}, shell_env={"PAGEDSERVE_API_KEY": "k"})
     assert exported.services["gateway"].env["PAGEDSERVE_API_KEY"] == "k"  # passed on when set
@@ -201,8 +234,9 @@ def test_compose_services_run_and_stream_a_generation(tmp_path):
             sampling_params=generation_pb2.SamplingParams(max_tokens=8, temperature=0),
         )
         with grpc.insecure_channel(stack.address("gateway", GATEWAY_PORT)) as channel:
-            responses = list(generation_pb2_grpc.GenerationStub(channel).Generate(
-                request, timeout=30))  # fmt: skip
+            responses = list(
+                generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30)
+            )
         codes = stack.down()
     final = responses[-1]
     assert final.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
@@ -224,9 +258,13 @@ def test_runner_rejects_unknown_mounts_and_shell_commands(tmp_path):
     raw = load_compose()
     with pytest.raises(ValueError, match="no local directory"):
         ComposeStack({}, compose=raw)
-    broken = {**raw, "services": {**raw["services"],
-                                  "blockmgr": {**raw["services"]["blockmgr"],
-                                               "command": "blockmgr --port 1"}}}  # fmt: skip
+    broken = {
+        **raw,
+        "services": {
+            **raw["services"],
+            "blockmgr": {**raw["services"]["blockmgr"], "command": "blockmgr --port 1"},
+        },
+    }
     with pytest.raises(ValueError, match="exec"):
         ComposeStack({MODEL_TARGET: tmp_path}, compose=broken)
 
@@ -238,4 +276,3 @@ def test_durations():
     assert parse_duration(None, 7) == 7
     with pytest.raises(ValueError):
         parse_duration("5 seconds", 0)
-

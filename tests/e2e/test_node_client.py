@@ -20,9 +20,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.common.healthcheck import check
-from services.executor.tiny_model import write_tiny_model
 from tests.procs import ROOT, ServiceProcess
 
 NODE_DIR = ROOT / "examples" / "node"
@@ -54,8 +54,13 @@ def node() -> str:
         if npm is None:
             pytest.skip("examples/node has no node_modules and npm is not on PATH")
         try:
-            r = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR,
-                               capture_output=True, text=True, timeout=300)  # fmt: skip
+            r = subprocess.run(
+                [npm, "ci", "--no-audit", "--no-fund"],
+                cwd=NODE_DIR,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
         except subprocess.TimeoutExpired:
             pytest.skip("npm ci timed out")
         if r.returncode != 0 or not _installed():
@@ -78,17 +83,46 @@ def stack(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack
     procs: list[ServiceProcess] = []
     try:
         procs.append(ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening"))
-        procs.append(ServiceProcess(
-            ["executor", "--model", str(model), "--port", "0", "--dtype", "float32",
-             "--num-kv-blocks", "64", "--max-model-len", "256",
-             "--blockmgr-address", procs[0].address],
-            "executor_ready",
-        ))  # fmt: skip
-        procs.append(ServiceProcess(
-            ["gateway", "--model", str(model), "--port", "0", "--host", "127.0.0.1",
-             "--metrics-port", "-1", "--executor", procs[1].address, "--api-key", API_KEY],
-            "gateway_listening",
-        ))  # fmt: skip
+        procs.append(
+            ServiceProcess(
+                [
+                    "executor",
+                    "--model",
+                    str(model),
+                    "--port",
+                    "0",
+                    "--dtype",
+                    "float32",
+                    "--num-kv-blocks",
+                    "64",
+                    "--max-model-len",
+                    "256",
+                    "--blockmgr-address",
+                    procs[0].address,
+                ],
+                "executor_ready",
+            )
+        )
+        procs.append(
+            ServiceProcess(
+                [
+                    "gateway",
+                    "--model",
+                    str(model),
+                    "--port",
+                    "0",
+                    "--host",
+                    "127.0.0.1",
+                    "--metrics-port",
+                    "-1",
+                    "--executor",
+                    procs[1].address,
+                    "--api-key",
+                    API_KEY,
+                ],
+                "gateway_listening",
+            )
+        )
         deadline = time.monotonic() + 30
         while not check(procs[2].address, timeout=2)[0]:
             assert time.monotonic() < deadline, "the gateway never became SERVING"
@@ -122,8 +156,14 @@ def run_node(node: str, *args: str, api_key: str | None = API_KEY) -> subprocess
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
     if api_key is not None:
         env["PAGEDSERVE_API_KEY"] = api_key
-    return subprocess.run([node, "generate.js", *args], cwd=NODE_DIR, env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [node, "generate.js", *args],
+        cwd=NODE_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.slow
@@ -131,8 +171,9 @@ def test_node_client_streams_the_same_greedy_text_as_python(node: str, stack: St
     prompt = "The quick brown fox"
     text, reason, completion_tokens = python_generate(stack.address, prompt, 12)
     assert text and completion_tokens > 0
-    r = run_node(node, "--address", stack.address, "--max-tokens", "12", "--temperature", "0",
-                 prompt)  # fmt: skip
+    r = run_node(
+        node, "--address", stack.address, "--max-tokens", "12", "--temperature", "0", prompt
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout == text + "\n"
     assert f"finish_reason={reason}" in r.stderr
@@ -155,9 +196,14 @@ def test_node_client_exits_non_zero_on_errors(node: str, stack: Stack):
 @pytest.mark.slow
 def test_node_client_address_from_the_environment(node: str, stack: Stack):
     env_address = {"PAGEDSERVE_ADDRESS": stack.address}
-    r = subprocess.run([node, "generate.js", "--max-tokens", "2", "Hi"], cwd=NODE_DIR,
-                       env={**os.environ, **env_address, "PAGEDSERVE_API_KEY": API_KEY},
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [node, "generate.js", "--max-tokens", "2", "Hi"],
+        cwd=NODE_DIR,
+        env={**os.environ, **env_address, "PAGEDSERVE_API_KEY": API_KEY},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert "finish_reason=FINISH_REASON_" in r.stderr
 

@@ -10,11 +10,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from pagedserve.tools.tiny_model import TinyModelSpec, write_tiny_model
+from services.executor.config import ExecutorConfig
 from services.executor.loader import load_tokenizer
 from services.executor.model_runner import ModelRunner
-from services.executor.tiny_model import write_tiny_model
 
 from .greedy import PROMPT_TEXTS
+
+MAX_POSITIONS = TinyModelSpec().max_position_embeddings
 
 # name -> write_tiny_model arguments. Distinct seeds, so no two checkpoints share weights.
 CHECKPOINTS: dict[str, dict[str, Any]] = {
@@ -61,15 +64,25 @@ def hf_model(tiny_checkpoint: CheckpointFactory) -> Callable[[str], PreTrainedMo
     return get
 
 
+def load_runner(model_dir: str | Path, **config: Any) -> ModelRunner:
+    """A CPU runner of ``model_dir`` built the production way; ``config`` overrides
+    :class:`ExecutorConfig` fields. ``max_model_len`` defaults to what the cache holds."""
+    config.setdefault("device", "cpu")
+    config.setdefault("num_kv_blocks", 128)
+    if config["num_kv_blocks"] is not None:
+        capacity = (config["num_kv_blocks"] - 1) * config.get("block_size", 16)
+        config.setdefault("max_model_len", min(MAX_POSITIONS, capacity))
+    return ModelRunner.from_config(ExecutorConfig(model=str(model_dir), **config))
+
+
 @pytest.fixture
 def make_runner(tiny_checkpoint: CheckpointFactory) -> Callable[..., ModelRunner]:
     """``make_runner(name, block_size=16, num_blocks=128)`` -> a fresh fp32 CPU runner."""
 
     def make(name: str, *, block_size: int = 16, num_blocks: int = 128) -> ModelRunner:
-        return ModelRunner.load(
-            tiny_checkpoint(name), dtype="float32", device="cpu",
-            block_size=block_size, num_blocks=num_blocks,
-        )  # fmt: skip
+        return load_runner(
+            tiny_checkpoint(name), dtype="float32", block_size=block_size, num_kv_blocks=num_blocks
+        )
 
     return make
 

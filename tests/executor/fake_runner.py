@@ -61,8 +61,9 @@ class FakePagedRunner:
         rows = []
         self.calls.append([(c.num_computed_tokens, len(c.token_ids)) for c in chunks])
         for c in chunks:
-            context = [self.cache.get(self._slot(c.block_table, p))
-                       for p in range(c.num_computed_tokens)]  # fmt: skip
+            context = [
+                self.cache.get(self._slot(c.block_table, p)) for p in range(c.num_computed_tokens)
+            ]
             assert None not in context, "context slot never written"
             for i, t in enumerate(c.token_ids):
                 self.cache[self._slot(c.block_table, c.num_computed_tokens + i)] = t

@@ -14,10 +14,12 @@ import torch
 
 from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
 from services.blockmgr.config import BlockManagerServiceConfig
+from services.common.sampling_params import SamplingParams
 from services.executor.config import ExecutorConfig
 from services.executor.engine import Engine
-from services.executor.sampling_params import SamplingParams
-from services.executor.startup import build_engine, load_runner
+from services.executor.model_runner import ModelRunner
+from services.executor.sequence import RequestKey
+from services.executor.startup import build_engine
 from tests.blockmgr.helpers import ThreadedServer
 
 NUM_REQUESTS = 32
@@ -40,8 +42,9 @@ def workload(llama, hf_model) -> list[tuple[list[int], int, list[int]]]:
         prompt = [*shared, *tail] if i % 2 else [1, *tail]
         max_tokens = rng.randrange(1, 24)
         with torch.inference_mode():
-            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
-                              do_sample=False)[0, len(prompt):].tolist()  # fmt: skip
+            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)[
+                0, len(prompt) :
+            ].tolist()
         out.append((prompt, max_tokens, ids))
     return out
 
@@ -49,8 +52,9 @@ def workload(llama, hf_model) -> list[tuple[list[int], int, list[int]]]:
 def _engine(model: str, client: BlockManagerClient | None = None, **kw) -> Engine:
     kw.setdefault("max_model_len", 512)
     config = ExecutorConfig(model=model, dtype="float32", device="cpu", **kw)
-    engine, _ = build_engine(config, runner=load_runner(config),
-                             blockmgr=client or InProcessClient())  # fmt: skip
+    engine, _ = build_engine(
+        config, runner=ModelRunner.from_config(config), blockmgr=client or InProcessClient()
+    )
     return engine
 
 
@@ -60,11 +64,14 @@ def _run_staggered(engine: Engine, workload, per_step: int = 4) -> dict[str, lis
     pending = list(enumerate(workload))
     while pending or engine.has_work:
         for i, (prompt, max_tokens, _) in pending[:per_step]:
-            engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0,
-                                                               max_tokens=max_tokens))
+            engine.add_request(
+                RequestKey(0, f"r{i}"),
+                prompt,
+                SamplingParams(temperature=0.0, max_tokens=max_tokens),
+            )
         pending = pending[per_step:]
         for o in engine.step():
-            got.setdefault(o.req_id, []).extend(o.token_ids)
+            got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
     return got
 
 
@@ -74,7 +81,7 @@ def _assert_matches(got: dict[str, list[int]], workload) -> None:
 
 
 def _assert_pool_empty(engine: Engine) -> None:
-    c = engine.blockmgr.stats(engine.settings.pool_id).counters
+    c = engine.link.client.stats(engine.link.spec.pool_id).counters
     assert c.num_in_use_blocks == 0 and c.num_free_blocks == c.num_usable_blocks
 
 
@@ -94,8 +101,8 @@ def test_32_concurrent_requests_match_transformers_greedy(llama, workload, name)
     engine = _engine(llama, **kw)
     _assert_matches(_run_staggered(engine, workload), workload)
     if name == "default":
-        assert engine.blockmgr.stats(engine.settings.pool_id).prefix_cache_hits_tokens > 0
-    assert engine.num_blockmgr_round_trips == engine.num_steps
+        assert engine.link.client.stats(engine.link.spec.pool_id).prefix_cache_hits_tokens > 0
+    assert engine.link.num_round_trips == engine.num_steps
     _assert_pool_empty(engine)
 
 
@@ -112,7 +119,7 @@ def test_same_tokens_with_the_block_manager_over_grpc(llama, workload, grpc_bloc
     client = GrpcClient(grpc_blockmgr.address)
     engine = _engine(llama, client, **kw)
     _assert_matches(_run_staggered(engine, workload), workload)
-    assert engine.num_blockmgr_round_trips == engine.num_steps  # one Step per iteration
+    assert engine.link.num_round_trips == engine.num_steps  # one Step per iteration
     _assert_pool_empty(engine)
     client.close()
 
@@ -127,8 +134,9 @@ def long_workload(llama, hf_model) -> list[tuple[list[int], int, list[int]]]:
         prompt = [1] + [rng.randrange(3, 600) for _ in range(rng.randrange(8, 30))]
         max_tokens = rng.randrange(60, 100)
         with torch.inference_mode():
-            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
-                              do_sample=False)[0, len(prompt):].tolist()  # fmt: skip
+            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)[
+                0, len(prompt) :
+            ].tolist()
         out.append((prompt, max_tokens, ids))
     return out
 
@@ -138,8 +146,9 @@ def test_preemption_by_recompute_keeps_outputs_identical(llama, long_workload, t
     server = ThreadedServer() if transport == "grpc" else None
     client = GrpcClient(server.address) if server else InProcessClient()
     try:
-        engine = _engine(llama, client, num_kv_blocks=16, max_model_len=240,
-                         max_num_batched_tokens=64)  # fmt: skip
+        engine = _engine(
+            llama, client, num_kv_blocks=16, max_model_len=240, max_num_batched_tokens=64
+        )
         _assert_matches(_run_staggered(engine, long_workload, per_step=8), long_workload)
         assert engine.scheduler.num_preemptions > 0
         _assert_pool_empty(engine)
@@ -161,18 +170,26 @@ def test_generation_survives_a_block_manager_restart(llama, workload):
     server = ThreadedServer(config)
     client = GrpcClient(f"127.0.0.1:{port}", timeout_s=2.0)
     health: list[bool] = []
-    config_e = ExecutorConfig(model=llama, dtype="float32", device="cpu", num_kv_blocks=96,
-                              max_num_batched_tokens=128, max_model_len=512)  # fmt: skip
-    engine, _ = build_engine(config_e, runner=load_runner(config_e), blockmgr=client,
-                             on_health=health.append)  # fmt: skip
+    config_e = ExecutorConfig(
+        model=llama,
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=96,
+        max_num_batched_tokens=128,
+        max_model_len=512,
+    )
+    engine, _ = build_engine(
+        config_e, runner=ModelRunner.from_config(config_e), blockmgr=client, on_health=health.append
+    )
     got: dict[str, list[int]] = {}
     for i, (prompt, max_tokens, _) in enumerate(workload):
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0,
-                                                           max_tokens=max_tokens))
+        engine.add_request(
+            RequestKey(0, f"r{i}"), prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        )
     for _ in range(6):
         for o in engine.step():
-            got.setdefault(o.req_id, []).extend(o.token_ids)
-    old_epoch = engine.pool.epoch
+            got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
+    old_epoch = engine.link.epoch
     server.stop()  # the block manager dies with every table it had
 
     restarted: list[ThreadedServer] = []
@@ -185,10 +202,10 @@ def test_generation_survives_a_block_manager_restart(llama, workload):
     t.start()
     while engine.has_work:  # the first step blocks until the new block manager answers
         for o in engine.step():
-            got.setdefault(o.req_id, []).extend(o.token_ids)
+            got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
     t.join()
     _assert_matches(got, workload)
-    assert engine.pool.epoch != old_epoch and engine.num_blockmgr_recoveries == 1
+    assert engine.link.epoch != old_epoch and engine.link.num_recoveries == 1
     assert health[:2] == [False, True]
     _assert_pool_empty(engine)
     client.close()
@@ -196,22 +213,33 @@ def test_generation_survives_a_block_manager_restart(llama, workload):
 
 
 def test_seeded_sampling_is_reproducible_regardless_of_batch(llama, workload):
-    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.02,
-                            repetition_penalty=1.2, frequency_penalty=0.3, seed=1234,
-                            max_tokens=20, logprobs=3)  # fmt: skip
+    params = SamplingParams(
+        temperature=0.9,
+        top_k=50,
+        top_p=0.9,
+        min_p=0.02,
+        repetition_penalty=1.2,
+        frequency_penalty=0.3,
+        seed=1234,
+        max_tokens=20,
+        logprobs=3,
+    )
     prompt = workload[3][0]
 
     def sample(extra: int) -> tuple[list[int], list[float]]:
         engine = _engine(llama, num_kv_blocks=96)
         for i in range(extra):
-            engine.add_request(f"x{i}", workload[i + 5][0],
-                               SamplingParams(temperature=1.0, max_tokens=25))  # fmt: skip
-        engine.add_request("seeded", prompt, params)
+            engine.add_request(
+                RequestKey(0, f"x{i}"),
+                workload[i + 5][0],
+                SamplingParams(temperature=1.0, max_tokens=25),
+            )
+        engine.add_request(RequestKey(0, "seeded"), prompt, params)
         toks: list[int] = []
         lps: list[float] = []
         while engine.has_work:
             for o in engine.step():
-                if o.req_id == "seeded":
+                if o.req_id.request_id == "seeded":
                     toks += o.token_ids
                     lps += [lp.logprob for lp in o.logprobs]
                     assert all(len(lp.top) == 3 for lp in o.logprobs)
@@ -229,13 +257,14 @@ def test_seeded_sampling_is_reproducible_regardless_of_batch(llama, workload):
 def test_parallel_samples_share_prompt_blocks_and_copy_on_write(llama, workload):
     engine = _engine(llama, num_kv_blocks=96)
     prompt = workload[1][0]  # 40+ tokens: several full blocks and a partial one
-    engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=7,
-                                                    max_tokens=12))  # fmt: skip
+    engine.add_request(
+        RequestKey(0, "n4"), prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12)
+    )
     outs: dict[int, list[int]] = {}
     finals = {}
     engine.step()
     engine.step()
-    stats = engine.blockmgr.stats(engine.settings.pool_id)
+    stats = engine.link.client.stats(engine.link.spec.pool_id)
     prompt_blocks = -(-len(prompt) // 16)
     assert stats.counters.num_in_use_blocks < 4 * prompt_blocks
     if len(prompt) % 16:

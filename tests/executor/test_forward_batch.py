@@ -35,8 +35,14 @@ def test_decode_prefill_and_cache_hit_chunks_flatten_to_exact_tensors() -> None:
 
 def _naive(chunks: list[SeqChunk], block_size: int) -> dict[str, list]:
     """Per-token Python reference of the builder."""
-    out: dict[str, list] = {"input_ids": [], "positions": [], "slot_mapping": [], "qsl": [0],
-                            "seq_lens": [], "logits_indices": []}  # fmt: skip
+    out: dict[str, list] = {
+        "input_ids": [],
+        "positions": [],
+        "slot_mapping": [],
+        "qsl": [0],
+        "seq_lens": [],
+        "logits_indices": [],
+    }
     for c in chunks:
         for i, token in enumerate(c.token_ids):
             pos = c.num_computed_tokens + i

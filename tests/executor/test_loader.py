@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pagedserve.tools.tiny_model import write_tiny_model
 from services.executor.errors import ModelLoadError, UnsupportedModelError
 from services.executor.forward_batch import SeqChunk
 from services.executor.loader import load_model, load_tokenizer, weight_files
 from services.executor.model_runner import ModelRunner
-from services.executor.tiny_model import write_tiny_model
 
-from .conftest import CHECKPOINTS, CheckpointFactory
+from .conftest import CHECKPOINTS, CheckpointFactory, load_runner
 
 PROMPT = [1, 40, 41, 300, 7, 99, 250, 13, 14, 15, 600, 2, 3, 5, 8, 13, 21, 34]
 
@@ -52,7 +52,7 @@ def test_sharded_checkpoint_loads_and_gives_identical_logits(
     files = weight_files(sharded)
     assert len(files) > 2 and (sharded / "model.safetensors.index.json").is_file()
     assert not (sharded / "model.safetensors").exists()
-    runner = ModelRunner.load(sharded, dtype="float32", num_blocks=8)
+    runner = load_runner(sharded, dtype="float32", num_kv_blocks=8)
     assert torch.equal(_logits(runner), _logits(make_runner("llama")))
 
 
@@ -90,7 +90,7 @@ def test_auto_dtype_follows_the_checkpoint_and_reaches_the_kv_cache(
 ) -> None:
     _edit_config(llama_copy, dtype=None, torch_dtype=None)
     _edit_config(llama_copy, **{key: declared})
-    runner = ModelRunner.load(llama_copy, dtype="auto", num_blocks=8)
+    runner = load_runner(llama_copy, dtype="auto", num_kv_blocks=8)
     assert runner.dtype == expected
     assert runner.kv_cache.dtype == expected
     assert all(p.dtype == expected for p in runner.model.parameters())
@@ -188,8 +188,10 @@ def test_stored_rotary_inv_freq_of_old_checkpoints_is_ignored(llama_copy: Path) 
     tensors = load_file(path)
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
     save_file(tensors, path)
-    assert torch.equal(load_model(llama_copy).layers[0].self_attn.qkv_proj.weight[:64],
-                       tensors["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+    assert torch.equal(
+        load_model(llama_copy).layers[0].self_attn.qkv_proj.weight[:64],
+        tensors["model.layers.0.self_attn.q_proj.weight"],
+    )
 
 
 def test_tensor_of_the_wrong_shape_is_a_model_load_error(llama_copy: Path) -> None:
@@ -203,15 +205,28 @@ def test_tensor_of_the_wrong_shape_is_a_model_load_error(llama_copy: Path) -> No
 def test_unsupported_architecture_is_an_unsupported_model_error(llama_copy: Path) -> None:
     _edit_config(llama_copy, architectures=["GPT2LMHeadModel"], model_type="gpt2")
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
-        ModelRunner.load(llama_copy, num_blocks=8)
+        load_runner(llama_copy, num_kv_blocks=8)
 
 
 def test_runner_sizes_its_cache_from_blocks_or_a_byte_budget(llama_copy: Path) -> None:
-    by_budget = ModelRunner.load(llama_copy, block_size=8, kv_cache_bytes=10 * 4096 + 100)
+    by_budget = load_runner(
+        llama_copy,
+        block_size=8,
+        num_kv_blocks=None,
+        kv_cache_memory=10 * 4096 + 100,
+        max_model_len=72,
+    )
     # tiny llama: 2 layers * (K, V) * 8 tokens * 2 KV heads * 16 dims * 4 bytes = 4096 per block
     assert by_budget.num_blocks == 10 and by_budget.kv_cache.shape == (2, 2, 10, 8, 2, 16)
-    with pytest.raises(ValueError, match="exactly one"):
-        ModelRunner.load(llama_copy, num_blocks=8, kv_cache_bytes=1 << 20)
+    by_blocks = load_runner(llama_copy, block_size=8, num_kv_blocks=12)
+    assert by_blocks.num_blocks == 12 and by_blocks.max_model_len == 88
+    with pytest.raises(ValueError, match="exclusive"):
+        load_runner(llama_copy, num_kv_blocks=8, kv_cache_memory=1 << 20)
+
+
+def test_a_cache_too_small_for_one_full_sequence_is_refused(llama_copy: Path) -> None:
+    with pytest.raises(ValueError, match="fewer than max_model_len=512"):
+        load_runner(llama_copy, num_kv_blocks=8, max_model_len=512)
 
 
 def test_tokenizer_loads_locally_and_a_missing_one_is_a_model_load_error(llama_copy: Path) -> None:

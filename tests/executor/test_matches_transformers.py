@@ -64,8 +64,10 @@ def test_logits_are_returned_only_for_chunks_that_need_them_in_chunk_order(
 ) -> None:
     runner = make_runner("llama")
     blocks = BlockAllocator(runner.num_blocks)
-    chunks = [SeqChunk(p, 0, blocks.allocate(-(-len(p) // 16)), need_logits=i % 2 == 1)
-              for i, p in enumerate(prompt_ids)]  # fmt: skip
+    chunks = [
+        SeqChunk(p, 0, blocks.allocate(-(-len(p) // 16)), need_logits=i % 2 == 1)
+        for i, p in enumerate(prompt_ids)
+    ]
     logits = runner.execute(chunks)
     wanted = [p for i, p in enumerate(prompt_ids) if i % 2 == 1]
     assert logits.shape == (len(wanted), runner.config.vocab_size)

@@ -11,33 +11,71 @@ from services.executor.model_config import ModelConfig, RopeConfig
 
 # Abridged from the published config.json files (the fields we read).
 LLAMA2_7B: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-    "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
-    "num_hidden_layers": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
-    "tie_word_embeddings": False, "torch_dtype": "float16", "vocab_size": 32000,
-    "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "vocab_size": 32000,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 LLAMA31_8B: dict[str, Any] = {
-    **LLAMA2_7B, "intermediate_size": 14336, "num_key_value_heads": 8,
-    "max_position_embeddings": 131072, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
-    "vocab_size": 128256, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-}  # fmt: skip
+    **LLAMA2_7B,
+    "intermediate_size": 14336,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 128256,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+}
 MISTRAL_7B_V01: dict[str, Any] = {
-    **LLAMA2_7B, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-    "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+    **LLAMA2_7B,
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "intermediate_size": 14336,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 32768,
     "sliding_window": 4096,
-}  # fmt: skip
+}
 QWEN2_7B: dict[str, Any] = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-    "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
-    "num_hidden_layers": 28, "num_key_value_heads": 4, "max_position_embeddings": 32768,
-    "max_window_layers": 28, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-    "sliding_window": 131072, "use_sliding_window": False, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "vocab_size": 152064, "eos_token_id": 151643,
-}  # fmt: skip
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 28,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 131072,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 152064,
+    "eos_token_id": 151643,
+}
 
 
 def test_llama2_legacy_config_parses_with_derived_head_dim_and_default_rope() -> None:
@@ -53,9 +91,14 @@ def test_llama2_legacy_config_parses_with_derived_head_dim_and_default_rope() ->
 
 def test_llama31_legacy_rope_scaling_llama3_is_parsed() -> None:
     c = ModelConfig.from_hf_config(LLAMA31_8B, max_model_len=8192)
-    assert c.rope == RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0,
-                                low_freq_factor=1.0, high_freq_factor=4.0,
-                                original_max_position_embeddings=8192)  # fmt: skip
+    assert c.rope == RopeConfig(
+        theta=500000.0,
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
     assert c.num_kv_heads == 8 and c.max_model_len == 8192
     assert c.eos_token_ids == (128001, 128008, 128009)
 
@@ -79,8 +122,10 @@ def test_unsupported_rope_type_is_a_clear_error(rope_type: str) -> None:
 
 
 def test_llama3_rope_missing_factor_is_a_clear_error() -> None:
-    hf = {**LLAMA2_7B, "rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0}}  # fmt: skip
+    hf = {
+        **LLAMA2_7B,
+        "rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    }
     with pytest.raises(ModelLoadError, match="rope factor"):
         ModelConfig.from_hf_config(hf)
 

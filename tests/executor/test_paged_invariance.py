@@ -31,8 +31,10 @@ def test_batched_sequences_of_different_lengths_match_each_alone(
     runner = make_runner(NAME)
     alone = [greedy_alone(runner, p, MAX_NEW_TOKENS) for p in prompt_ids]
     # Staggered arrivals: steps mix whole prefills with other sequences' decodes.
-    batched = [GreedySeq(p, MAX_NEW_TOKENS, start_step=s)
-               for p, s in zip(prompt_ids, (0, 0, 2, 5), strict=True)]  # fmt: skip
+    batched = [
+        GreedySeq(p, MAX_NEW_TOKENS, start_step=s)
+        for p, s in zip(prompt_ids, (0, 0, 2, 5), strict=True)
+    ]
     run_greedy(runner, batched, allocator=BlockAllocator(runner.num_blocks, seed=1))
     for one, many, ref in zip(alone, batched, hf_tokens, strict=True):
         assert many.output == one.output == ref
@@ -85,8 +87,13 @@ def test_prefix_cache_hit_reuses_first_sequences_full_blocks(
     # first is still running (a copy that keeps decoding) and computes only its own tail.
     second_prompt = shared + prompt_ids[1][1:]
     rerun = GreedySeq(long, MAX_NEW_TOKENS)
-    second = GreedySeq(second_prompt, MAX_NEW_TOKENS, block_table=list(shared_blocks),
-                       num_computed_tokens=32, start_step=3)  # fmt: skip
+    second = GreedySeq(
+        second_prompt,
+        MAX_NEW_TOKENS,
+        block_table=list(shared_blocks),
+        num_computed_tokens=32,
+        start_step=3,
+    )
     run_greedy(runner, [rerun, second], allocator=allocator)
 
     assert second.output == hf_greedy(hf_model(NAME), second_prompt, MAX_NEW_TOKENS)[0]
@@ -110,8 +117,13 @@ def test_copy_on_write_fork_decodes_like_its_parent(
     (copy,) = allocator.allocate(1)
     runner.copy_blocks([(parent.block_table[1], copy)])
     assert torch.equal(runner.kv_cache[:, :, copy], runner.kv_cache[:, :, parent.block_table[1]])
-    child = GreedySeq(prompt, MAX_NEW_TOKENS, block_table=[parent.block_table[0], copy],
-                      num_computed_tokens=len(prompt), output=list(parent.output))  # fmt: skip
+    child = GreedySeq(
+        prompt,
+        MAX_NEW_TOKENS,
+        block_table=[parent.block_table[0], copy],
+        num_computed_tokens=len(prompt),
+        output=list(parent.output),
+    )
     child.logits = list(parent.logits)
     run_greedy(runner, [parent, child], allocator=allocator)
     assert parent.output == child.output == ref

@@ -29,8 +29,13 @@ HEAD_DIM = 128
 
 
 def _configs(rope: dict[str, Any]) -> tuple[LlamaConfig, ModelConfig]:
-    hf = LlamaConfig(hidden_size=HEAD_DIM * 4, num_attention_heads=4, num_key_value_heads=2,
-                     max_position_embeddings=32768, rope_parameters=dict(rope))  # fmt: skip
+    hf = LlamaConfig(
+        hidden_size=HEAD_DIM * 4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_parameters=dict(rope),
+    )
     return hf, ModelConfig.from_hf_config(hf.to_dict())
 
 

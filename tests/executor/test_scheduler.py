@@ -11,10 +11,13 @@ import pytest
 from services.blockmgr.client import InProcessClient
 from services.blockmgr.errors import BlockManagerError, ErrorCode
 from services.blockmgr.types import StepResult
-from services.executor.engine import Engine, EngineError, EngineSettings, SeqOutput
-from services.executor.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams
+from services.executor.blockmgr_link import BlockManagerLink, PoolSpec
+from services.executor.engine import Engine
+from services.executor.outputs import EngineError, SeqOutput
 from services.executor.scheduler import SchedulerConfig
-from services.executor.sequence import FinishReason
+from services.executor.sequence import FinishReason, RequestKey
+from services.executor.settings import EngineSettings
 
 from .fake_runner import VOCAB, FakePagedRunner, reference_tokens
 
@@ -41,14 +44,17 @@ def make_engine(
             block_size=BS,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
-            max_model_len=max_model_len,
             enable_chunked_prefill=chunked,
             enable_prefix_caching=prefix,
             watermark_blocks=watermark,
         ),
-        pool_id="test",
     )
-    return Engine(settings, runner, client), runner, client
+    return Engine(settings, runner, link(client, runner, prefix)), runner, client
+
+
+def link(client: Any, runner: FakePagedRunner, prefix: bool = True) -> BlockManagerLink:
+    spec = PoolSpec("test", runner.num_blocks, BS, prefix, retry_s=0.001)
+    return BlockManagerLink(client, spec)
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -61,7 +67,7 @@ def run(engine: Engine, max_steps: int = 10_000) -> dict[tuple[str, int], list[S
         if not engine.has_work:
             return outs
         for o in engine.step():
-            outs.setdefault((o.req_id, o.index), []).append(o)
+            outs.setdefault((o.req_id.request_id, o.index), []).append(o)
     raise AssertionError("engine did not finish")
 
 
@@ -83,9 +89,9 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def test_long_prompt_is_split_by_the_token_budget_and_decodes_go_first():
     engine, runner, client = make_engine(budget=16)
-    engine.add_request("short", prompt(3, 0), greedy(8))
+    engine.add_request(RequestKey(0, "short"), prompt(3, 0), greedy(8))
     engine.step()  # "short" prefilled (3 tokens) and sampled
-    engine.add_request("long", prompt(40, 1), greedy(2))
+    engine.add_request(RequestKey(0, "long"), prompt(40, 1), greedy(2))
     run(engine)
     # First step with "long": 1 decode token of "short", then 15 prefill tokens of "long".
     assert runner.calls[1] == [(3, 1), (0, 15)]
@@ -97,13 +103,13 @@ def test_long_prompt_is_split_by_the_token_budget_and_decodes_go_first():
 
 def test_chunked_prefill_off_admits_whole_prompts_only():
     engine, runner, client = make_engine(budget=16, chunked=False, max_model_len=16)
-    engine.add_request("a", prompt(10, 0), greedy(3))
-    engine.add_request("b", prompt(10, 1), greedy(3))
+    engine.add_request(RequestKey(0, "a"), prompt(10, 0), greedy(3))
+    engine.add_request(RequestKey(0, "b"), prompt(10, 1), greedy(3))
     outs = run(engine)
     assert runner.calls[0] == [(0, 10)]  # b does not fit the rest of the budget
     assert runner.calls[1] == [(10, 1), (0, 10)]
     with pytest.raises(EngineError, match="max_model_len"):
-        engine.add_request("c", prompt(17, 2), greedy(3))
+        engine.add_request(RequestKey(0, "c"), prompt(17, 2), greedy(3))
     assert tokens(outs[("a", 0)]) == reference_tokens(prompt(10, 0), 3)
     assert_no_leak(engine, client)
 
@@ -111,12 +117,12 @@ def test_chunked_prefill_off_admits_whole_prompts_only():
 def test_fcfs_admission_order_with_one_slot():
     engine, _runner, client = make_engine(max_num_seqs=1)
     for i in range(4):
-        engine.add_request(f"r{i}", prompt(5, i), greedy(2))
+        engine.add_request(RequestKey(0, f"r{i}"), prompt(5, i), greedy(2))
     order = []
     while engine.has_work:
         for o in engine.step():
             if o.finish_reason is not None:
-                order.append(o.req_id)
+                order.append(o.req_id.request_id)
     assert order == ["r0", "r1", "r2", "r3"]
     assert_no_leak(engine, client)
 
@@ -124,10 +130,10 @@ def test_fcfs_admission_order_with_one_slot():
 def test_priority_admission_order_lower_value_first_ties_by_arrival():
     engine, _runner, _client = make_engine(max_num_seqs=1)
     for i, prio in enumerate([5, 1, 5, 0, 1]):
-        engine.add_request(f"r{i}", prompt(5, i), greedy(2), priority=prio)
+        engine.add_request(RequestKey(0, f"r{i}"), prompt(5, i), greedy(2), priority=prio)
     order = []
     while engine.has_work:
-        order += [o.req_id for o in engine.step() if o.finish_reason is not None]
+        order += [o.req_id.request_id for o in engine.step() if o.finish_reason is not None]
     assert order == ["r3", "r1", "r4", "r0", "r2"]
 
 
@@ -135,7 +141,7 @@ def test_preemption_by_recompute_resumes_with_identical_tokens():
     engine, _runner, client = make_engine(num_blocks=13, budget=64)  # 12 usable = 48 slots
     prompts = {f"r{i}": prompt(6 + i, i) for i in range(5)}
     for req_id, p in prompts.items():
-        engine.add_request(req_id, p, greedy(20))
+        engine.add_request(RequestKey(0, req_id), p, greedy(20))
     outs = run(engine)
     assert engine.scheduler.num_preemptions > 0
     for req_id, p in prompts.items():
@@ -145,14 +151,14 @@ def test_preemption_by_recompute_resumes_with_identical_tokens():
 
 def test_newest_sequence_is_the_one_preempted():
     engine, _runner, _client = make_engine(num_blocks=9, budget=64)  # 8 usable = 32 slots
-    engine.add_request("old", prompt(8, 0), greedy(20))
-    engine.add_request("new", prompt(8, 1), greedy(20))
+    engine.add_request(RequestKey(0, "old"), prompt(8, 0), greedy(20))
+    engine.add_request(RequestKey(0, "new"), prompt(8, 1), greedy(20))
     preempted = []
     while engine.has_work:
         engine.step()
         for seq in engine.scheduler.waiting:
-            if seq.num_preemptions and seq.req_id not in preempted:
-                preempted.append(seq.req_id)
+            if seq.num_preemptions and seq.req_id.request_id not in preempted:
+                preempted.append(seq.req_id.request_id)
     assert preempted == ["new"]
 
 
@@ -160,7 +166,7 @@ def test_no_preemption_while_free_blocks_remain():
     # 16 sequences x (8 prompt + 8 output) = 16 x 4 blocks = 64 blocks: exactly the pool.
     engine, _runner, client = make_engine(num_blocks=65, budget=256)
     for i in range(16):
-        engine.add_request(f"r{i}", prompt(8, i), greedy(8))
+        engine.add_request(RequestKey(0, f"r{i}"), prompt(8, i), greedy(8))
     run(engine)
     assert engine.scheduler.num_preemptions == 0
     assert_no_leak(engine, client)
@@ -168,13 +174,13 @@ def test_no_preemption_while_free_blocks_remain():
 
 def test_oldest_request_keeps_progressing_under_constant_pressure():
     engine, _runner, client = make_engine(num_blocks=11, budget=64)  # 10 usable = 40 slots
-    engine.add_request("oldest", prompt(10, 0), greedy(24))
+    engine.add_request(RequestKey(0, "oldest"), prompt(10, 0), greedy(24))
     done_at = None
     for step in range(400):
         if step % 2 == 0:
-            engine.add_request(f"n{step}", prompt(10, step + 1), greedy(8))
+            engine.add_request(RequestKey(0, f"n{step}"), prompt(10, step + 1), greedy(8))
         for o in engine.step():
-            if o.req_id == "oldest" and o.finish_reason is not None:
+            if o.req_id.request_id == "oldest" and o.finish_reason is not None:
                 done_at = step
         if done_at is not None:
             break
@@ -190,23 +196,23 @@ def test_abort_frees_blocks_and_is_idempotent(when):
     """Abort while queued, mid-generation, one step before the last token, or after the end:
     exactly one final message per index, and every block back in the pool."""
     engine, _runner, client = make_engine(max_num_seqs=1)
-    engine.add_request("keep", prompt(6, 0), greedy(4))
-    engine.add_request("x", prompt(9, 1), greedy(3))
+    engine.add_request(RequestKey(0, "keep"), prompt(6, 0), greedy(4))
+    engine.add_request(RequestKey(0, "x"), prompt(9, 1), greedy(3))
     early: list[SeqOutput] = []
 
     def x_tokens() -> int:
-        return sum(len(o.token_ids) for o in early if o.req_id == "x")
+        return sum(len(o.token_ids) for o in early if o.req_id.request_id == "x")
 
     target = {"waiting": -1, "running": 1, "final_step": 2, "after_finish": 3}[when]
     early += engine.step()
     while x_tokens() < target:
         early += engine.step()
-    finished_before = any(o.req_id == "x" and o.finish_reason for o in early)
-    assert engine.abort_request("x") is (not finished_before)
-    assert engine.abort_request("x") is False  # idempotent: nothing more happens
+    finished_before = any(o.req_id.request_id == "x" and o.finish_reason for o in early)
+    assert engine.abort_request(RequestKey(0, "x")) is (not finished_before)
+    assert engine.abort_request(RequestKey(0, "x")) is False  # idempotent: nothing more happens
     outs = run(engine)
     for o in reversed(early):
-        outs.setdefault((o.req_id, o.index), []).insert(0, o)
+        outs.setdefault((o.req_id.request_id, o.index), []).insert(0, o)
     finals = [o for o in outs[("x", 0)] if o.finish_reason is not None]
     assert len(finals) == 1
     expected = FinishReason.LENGTH if finished_before else FinishReason.ABORT
@@ -218,9 +224,9 @@ def test_abort_frees_blocks_and_is_idempotent(when):
 def test_prefix_cache_hit_skips_prefill_of_cached_blocks():
     engine, runner, _client = make_engine()
     shared = prompt(12, 0)
-    engine.add_request("a", [*shared, 50], greedy(2))
+    engine.add_request(RequestKey(0, "a"), [*shared, 50], greedy(2))
     run(engine)
-    engine.add_request("b", [*shared, 60, 61], greedy(2))
+    engine.add_request(RequestKey(0, "b"), [*shared, 60, 61], greedy(2))
     outs = run(engine)
     assert runner.calls[-2][0] == (12, 2)  # 12 cached tokens, only the 2 new ones computed
     assert tokens(outs[("b", 0)]) == reference_tokens([*shared, 60, 61], 2)
@@ -231,9 +237,9 @@ def test_prefix_cache_hit_skips_prefill_of_cached_blocks():
 def test_prefix_caching_off_recomputes_everything():
     engine, runner, _client = make_engine(prefix=False)
     shared = prompt(12, 0)
-    engine.add_request("a", [*shared, 50], greedy(2))
+    engine.add_request(RequestKey(0, "a"), [*shared, 50], greedy(2))
     run(engine)
-    engine.add_request("b", [*shared, 60], greedy(2))
+    engine.add_request(RequestKey(0, "b"), [*shared, 60], greedy(2))
     run(engine)
     assert runner.calls[-2][0] == (0, 13)
 
@@ -241,8 +247,9 @@ def test_prefix_caching_off_recomputes_everything():
 def test_parallel_samples_share_the_prompt_and_copy_on_write():
     engine, runner, client = make_engine()
     p = prompt(10, 3)  # 10 tokens: the last prompt block is partial, so samples COW it
-    engine.add_request("n4", p, SamplingParams(n=4, temperature=0.0, max_tokens=6,
-                                               ignore_eos=True))  # fmt: skip
+    engine.add_request(
+        RequestKey(0, "n4"), p, SamplingParams(n=4, temperature=0.0, max_tokens=6, ignore_eos=True)
+    )
     early = engine.step()  # prefill once, then four first tokens from the same logits
     assert runner.calls[0] == [(0, 10)]
     early += engine.step()  # fork + first decode of all four
@@ -252,7 +259,7 @@ def test_parallel_samples_share_the_prompt_and_copy_on_write():
     assert stats.num_cow_copies == 3 and runner.num_copies == 3
     outs = run(engine)
     for o in reversed(early):
-        outs.setdefault((o.req_id, o.index), []).insert(0, o)
+        outs.setdefault((o.req_id.request_id, o.index), []).insert(0, o)
     for i in range(4):
         assert tokens(outs[("n4", i)]) == reference_tokens(p, 6)
         assert sum(o.finish_reason is not None for o in outs[("n4", i)]) == 1
@@ -261,7 +268,7 @@ def test_parallel_samples_share_the_prompt_and_copy_on_write():
 
 def test_validation_errors_are_refused_before_queueing():
     engine, _, _ = make_engine(max_model_len=32)
-    engine.add_request("dup", [5, 6], greedy(2))
+    engine.add_request(RequestKey(0, "dup"), [5, 6], greedy(2))
     cases = [
         ("dup", [5], greedy(2), "ALREADY_EXISTS"),
         ("", [5], greedy(2), "INVALID_ARGUMENT"),
@@ -273,14 +280,14 @@ def test_validation_errors_are_refused_before_queueing():
     ]
     for req_id, p, params, code in cases:
         with pytest.raises(EngineError) as info:
-            engine.add_request(req_id, p, params)
-        assert info.value.code == code, (req_id, info.value)
+            engine.add_request(RequestKey(0, req_id), p, params)
+        assert info.value.code.value == code, (req_id, info.value)
     assert len(engine.requests) == 1
 
 
 def test_generation_stops_at_max_model_len_with_length():
     engine, _, client = make_engine(max_model_len=20)
-    engine.add_request("r", prompt(15, 0), greedy(100))
+    engine.add_request(RequestKey(0, "r"), prompt(15, 0), greedy(100))
     outs = run(engine)
     assert len(tokens(outs[("r", 0)])) == 5
     assert outs[("r", 0)][-1].finish_reason is FinishReason.LENGTH
@@ -298,11 +305,13 @@ def test_random_workload_matches_reference_and_leaks_nothing():
             req_id = f"r{step}"
             p = prompt(rng.randrange(1, 30), step)
             n = rng.randrange(1, 12)
-            engine.add_request(req_id, p, greedy(n), priority=rng.randrange(3))
+            engine.add_request(RequestKey(0, req_id), p, greedy(n), priority=rng.randrange(3))
             expected[req_id] = reference_tokens(p, n)
         for o in engine.step():
-            got.setdefault(o.req_id, []).extend(o.token_ids)
-            finals[o.req_id] = finals.get(o.req_id, 0) + (o.finish_reason is not None)
+            got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
+            finals[o.req_id.request_id] = finals.get(o.req_id.request_id, 0) + (
+                o.finish_reason is not None
+            )
         if step >= 120 and not engine.has_work:
             break
     assert engine.scheduler.num_preemptions > 0
@@ -315,8 +324,11 @@ def test_stop_token_finishes_with_stop_and_reports_the_token():
     engine, _, client = make_engine()
     p = prompt(7, 11)
     ref = reference_tokens(p, 10)
-    engine.add_request("s", p, SamplingParams(temperature=0.0, max_tokens=10,
-                                              stop_token_ids=(ref[3],)))  # fmt: skip
+    engine.add_request(
+        RequestKey(0, "s"),
+        p,
+        SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=(ref[3],)),
+    )
     outs = run(engine)[("s", 0)]
     assert tokens(outs) == ref[: ref.index(ref[3]) + 1]
     assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].stop_token_id == ref[3]
@@ -327,8 +339,11 @@ def test_min_tokens_bans_stop_tokens_until_reached():
     engine, _, client = make_engine()
     p = prompt(7, 11)
     ref = reference_tokens(p, 10)
-    engine.add_request("s", p, SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5,
-                                              stop_token_ids=(ref[0],)))  # fmt: skip
+    engine.add_request(
+        RequestKey(0, "s"),
+        p,
+        SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5, stop_token_ids=(ref[0],)),
+    )
     outs = run(engine)[("s", 0)]
     assert tokens(outs)[0] != ref[0]  # banned at the first position
     assert len(tokens(outs)) >= 5
@@ -338,14 +353,15 @@ def test_min_tokens_bans_stop_tokens_until_reached():
 def test_aborting_one_sample_of_n_keeps_the_others_running():
     engine, _, client = make_engine()
     p = prompt(10, 4)
-    engine.add_request("n3", p, SamplingParams(n=3, temperature=0.0, max_tokens=8,
-                                               ignore_eos=True))  # fmt: skip
+    engine.add_request(
+        RequestKey(0, "n3"), p, SamplingParams(n=3, temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
     early = engine.step() + engine.step()
-    assert engine.abort_request("n3", index=1) is True
-    assert engine.abort_request("n3", index=1) is False
+    assert engine.abort_request(RequestKey(0, "n3"), index=1) is True
+    assert engine.abort_request(RequestKey(0, "n3"), index=1) is False
     outs = run(engine)
     for o in reversed(early):
-        outs.setdefault((o.req_id, o.index), []).insert(0, o)
+        outs.setdefault((o.req_id.request_id, o.index), []).insert(0, o)
     assert outs[("n3", 1)][-1].finish_reason is FinishReason.ABORT
     for i in (0, 2):
         assert tokens(outs[("n3", i)]) == reference_tokens(p, 8)
@@ -363,14 +379,15 @@ def test_chunked_prefill_off_needs_a_budget_of_max_model_len():
 def test_aborting_a_sample_before_its_fork_ends_it_at_the_fork(index):
     engine, _, client = make_engine(budget=4)
     p = prompt(10, 4)  # three chunks of prefill before the fork
-    engine.add_request("n3", p, SamplingParams(n=3, temperature=0.0, max_tokens=6,
-                                               ignore_eos=True))  # fmt: skip
+    engine.add_request(
+        RequestKey(0, "n3"), p, SamplingParams(n=3, temperature=0.0, max_tokens=6, ignore_eos=True)
+    )
     early = engine.step()
-    assert engine.abort_request("n3", index=index) is True
-    assert engine.abort_request("n3", index=index) is False
+    assert engine.abort_request(RequestKey(0, "n3"), index=index) is True
+    assert engine.abort_request(RequestKey(0, "n3"), index=index) is False
     outs = run(engine)
     for o in reversed(early):
-        outs.setdefault((o.req_id, o.index), []).insert(0, o)
+        outs.setdefault((o.req_id.request_id, o.index), []).insert(0, o)
     finals = {i: [o for o in outs[("n3", i)] if o.finish_reason] for i in range(3)}
     assert all(len(f) == 1 for f in finals.values())
     assert finals[index][0].finish_reason is FinishReason.ABORT
@@ -401,17 +418,17 @@ def test_a_lost_step_answer_is_never_applied_twice(lose_at):
     runner = FakePagedRunner(24, BS)
     client = LosesOneAnswer(InProcessClient(), lose_at)
     settings = EngineSettings(
-        max_model_len=128, vocab_size=VOCAB, eos_token_ids=(2,),
-        scheduler=SchedulerConfig(block_size=BS, max_num_batched_tokens=32, max_model_len=128,
-                                  watermark_blocks=0),
-        pool_id="test", blockmgr_retry_s=0.001,
-    )  # fmt: skip
-    engine = Engine(settings, runner, client)
+        max_model_len=128,
+        vocab_size=VOCAB,
+        eos_token_ids=(2,),
+        scheduler=SchedulerConfig(block_size=BS, max_num_batched_tokens=32, watermark_blocks=0),
+    )
+    engine = Engine(settings, runner, link(client, runner))
     prompts = {f"r{i}": prompt(5 + 3 * i, i) for i in range(4)}
     for req_id, p in prompts.items():
-        engine.add_request(req_id, p, greedy(12))
+        engine.add_request(RequestKey(0, req_id), p, greedy(12))
     outs = run(engine)
     for req_id, p in prompts.items():
         assert tokens(outs[(req_id, 0)]) == reference_tokens(p, 12)
-    assert engine.num_blockmgr_recoveries == 1
+    assert engine.link.num_recoveries == 1
     assert_no_leak(engine, client.inner)

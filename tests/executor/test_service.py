@@ -16,6 +16,8 @@ from services.blockmgr.client import GrpcClient
 from services.common.healthcheck import check
 from tests.procs import ServiceProcess
 
+INVALID = executor_pb2.REQUEST_ERROR_CODE_INVALID_ARGUMENT
+
 POOL = "exec-test"
 
 
@@ -31,14 +33,20 @@ class SessionClient:
         params.setdefault("n", 1)
         params.setdefault("top_p", 1.0)
         params.setdefault("repetition_penalty", 1.0)
-        self._out.put(executor_pb2.SessionRequest(add=executor_pb2.AddRequest(
-            request_id=request_id, prompt_token_ids=prompt,
-            sampling_params=executor_pb2.ExecutorSamplingParams(**params),
-        )))  # fmt: skip
+        self._out.put(
+            executor_pb2.SessionRequest(
+                add=executor_pb2.AddRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    sampling_params=executor_pb2.ExecutorSamplingParams(**params),
+                )
+            )
+        )
 
     def abort(self, request_id: str) -> None:
-        self._out.put(executor_pb2.SessionRequest(abort=executor_pb2.AbortRequest(
-            request_id=request_id)))  # fmt: skip
+        self._out.put(
+            executor_pb2.SessionRequest(abort=executor_pb2.AbortRequest(request_id=request_id))
+        )
 
     def half_close(self) -> None:
         self._out.put(None)
@@ -63,11 +71,25 @@ class SessionClient:
 def stack(tiny_checkpoint) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     blockmgr = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")
     executor = ServiceProcess(
-        ["executor", "--model", str(tiny_checkpoint("llama")), "--port", "0",
-         "--num-kv-blocks", "64", "--max-model-len", "256", "--dtype", "float32",
-         "--blockmgr-address", blockmgr.address, "--pool-id", POOL],
+        [
+            "executor",
+            "--model",
+            str(tiny_checkpoint("llama")),
+            "--port",
+            "0",
+            "--num-kv-blocks",
+            "64",
+            "--max-model-len",
+            "256",
+            "--dtype",
+            "float32",
+            "--blockmgr-address",
+            blockmgr.address,
+            "--pool-id",
+            POOL,
+        ],
         "executor_ready",
-    )  # fmt: skip
+    )
     yield blockmgr, executor
     assert executor.stop() == 0
     assert "executor_stopped" in executor.events()
@@ -86,9 +108,8 @@ def _greedy(max_tokens: int) -> dict:
 
 def _hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
-        out = hf_model("llama").generate(torch.tensor([prompt]), max_new_tokens=n,
-                                         do_sample=False)  # fmt: skip
-    return out[0, len(prompt):].tolist()
+        out = hf_model("llama").generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
 
 
 def _blocks_in_use(stack) -> int:
@@ -104,8 +125,9 @@ def test_health_is_serving_and_info_describes_the_model(channel):
     for name in ("", "pagedserve.v1.Executor"):
         resp = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
-    info = executor_pb2_grpc.ExecutorStub(channel).Info(executor_pb2.ExecutorInfoRequest(),
-                                                        timeout=5)  # fmt: skip
+    info = executor_pb2_grpc.ExecutorStub(channel).Info(
+        executor_pb2.ExecutorInfoRequest(), timeout=5
+    )
     assert (info.max_model_len, info.block_size, info.num_kv_blocks) == (256, 16, 64)
     assert info.vocab_size == 621 and list(info.eos_token_ids) == [2]
     assert info.kv_capacity_tokens == 63 * 16 and info.hash_algorithm == "sha256-chain-v1"
@@ -136,9 +158,9 @@ def test_refused_requests_get_a_status_naming_the_field(channel):
     session.add("temp", [1, 5], temperature=-1.0, max_tokens=3)
     session.add("", [1, 5], **_greedy(3))
     _, _, errors = session.collect({"ok", "long", "vocab", "temp", ""})
-    assert errors["ok"].code == "ALREADY_EXISTS"
-    assert errors["long"].code == "INVALID_ARGUMENT" and "max_model_len" in errors["long"].message
-    assert errors["vocab"].code == "INVALID_ARGUMENT" and "vocabulary" in errors["vocab"].message
+    assert errors["ok"].code == executor_pb2.REQUEST_ERROR_CODE_ALREADY_EXISTS
+    assert errors["long"].code == INVALID and "max_model_len" in errors["long"].message
+    assert errors["vocab"].code == INVALID and "vocabulary" in errors["vocab"].message
     assert "temperature" in errors["temp"].message
     assert "request_id" in errors[""].message
 
@@ -161,8 +183,7 @@ def test_dropped_stream_aborts_its_requests_and_frees_their_blocks(stack):
     channel = grpc.insecure_channel(stack[1].address)
     session = SessionClient(channel)
     for i in range(4):
-        session.add(f"r{i}", [1, *range(20, 70)], temperature=0.0, max_tokens=200,
-                    ignore_eos=True)  # fmt: skip
+        session.add(f"r{i}", [1, *range(20, 70)], temperature=0.0, max_tokens=200, ignore_eos=True)
     for step in session.call:
         if step.updates:
             break
@@ -181,11 +202,23 @@ def test_block_manager_outage_turns_not_serving_then_recovers_without_losing_tok
     blockmgr = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")
     port = blockmgr.port
     executor = ServiceProcess(
-        ["executor", "--model", str(tiny_checkpoint("llama")), "--port", "0",
-         "--num-kv-blocks", "64", "--max-model-len", "256", "--dtype", "float32",
-         "--blockmgr-address", blockmgr.address],
+        [
+            "executor",
+            "--model",
+            str(tiny_checkpoint("llama")),
+            "--port",
+            "0",
+            "--num-kv-blocks",
+            "64",
+            "--max-model-len",
+            "256",
+            "--dtype",
+            "float32",
+            "--blockmgr-address",
+            blockmgr.address,
+        ],
         "executor_ready",
-    )  # fmt: skip
+    )
     try:
         with grpc.insecure_channel(executor.address) as channel:
             session = SessionClient(channel)
@@ -204,8 +237,10 @@ def test_block_manager_outage_turns_not_serving_then_recovers_without_losing_tok
             blockmgr = ServiceProcess(["blockmgr", "--port", str(port)], "blockmgr_listening")
             rest, finals, _ = session.collect({"r"})
             tokens += rest.get("r", [])
-            assert finals["r"].finish_reason in (common_pb2.FINISH_REASON_LENGTH,
-                                                 common_pb2.FINISH_REASON_STOP)  # fmt: skip
+            assert finals["r"].finish_reason in (
+                common_pb2.FINISH_REASON_LENGTH,
+                common_pb2.FINISH_REASON_STOP,
+            )
             assert tokens == _hf_greedy(hf_model, prompt, 150)
             assert check(executor.address) == (True, "SERVING")
             assert "blockmgr_restored" in executor.events()
@@ -217,8 +252,9 @@ def test_block_manager_outage_turns_not_serving_then_recovers_without_losing_tok
 def test_every_sample_of_an_n_request_gets_its_final_update(channel):
     """The samples of one request finish in the same step: each must still be delivered."""
     session = SessionClient(channel)
-    session.add("n3", [1, 300, 301, 302], n=3, temperature=1.0, seed=5, max_tokens=6,
-                ignore_eos=True)  # fmt: skip
+    session.add(
+        "n3", [1, 300, 301, 302], n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True
+    )
     finals: dict[int, executor_pb2.SequenceUpdate] = {}
     counts = {0: 0, 1: 0, 2: 0}
     for step in session.call:
@@ -240,4 +276,4 @@ def test_refusal_is_delivered_even_when_the_stream_half_closes_at_once(channel):
     steps = list(session.call)  # ends once nothing is running
     errors = [e for step in steps for e in step.errors]
     assert [e.request_id for e in errors] == ["too-long"]
-    assert errors[0].code == "INVALID_ARGUMENT"
+    assert errors[0].code == INVALID

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from pagedserve.tools.tiny_model import write_tiny_model
+from pagedserve.tools.tiny_tokenizer import CHAT_TEMPLATE
 from services import cli
 from services.executor.loader import load_tokenizer, read_model_config
 from services.executor.model_runner import ModelRunner
-from services.executor.tiny_model import write_tiny_model
-from services.executor.tiny_tokenizer import CHAT_TEMPLATE
 
-from .conftest import CheckpointFactory
+from .conftest import CheckpointFactory, load_runner
 from .greedy import BlockAllocator, GreedySeq, run_greedy
 
 ROUND_TRIP_TEXTS = [
@@ -83,8 +83,13 @@ def test_same_seed_writes_byte_identical_files_and_another_seed_other_weights(
     c = write_tiny_model(tmp_path / "c", arch="qwen2", seed=12)
     names = sorted(p.name for p in a.iterdir())
     assert names == sorted(p.name for p in b.iterdir())
-    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-            "tokenizer_config.json"} <= set(names)  # fmt: skip
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= set(names)
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
@@ -96,8 +101,16 @@ def test_random_weights_give_greedy_outputs_that_vary_with_the_prompt(
     name: str, make_runner: Callable[..., ModelRunner], tiny_checkpoint: CheckpointFactory
 ) -> None:
     tokenizer = load_tokenizer(tiny_checkpoint(name))
-    texts = ["The", "A cup of tea", "Computers store text", "She asked him", "In the spring",
-             "How does a server", "Numbers and dates", "The old sailor"]  # fmt: skip
+    texts = [
+        "The",
+        "A cup of tea",
+        "Computers store text",
+        "She asked him",
+        "In the spring",
+        "How does a server",
+        "Numbers and dates",
+        "The old sailor",
+    ]
     runner = make_runner(name)
     seqs = [GreedySeq(tokenizer(t).input_ids, 10) for t in texts]
     run_greedy(runner, seqs, allocator=BlockAllocator(runner.num_blocks))
@@ -127,7 +140,7 @@ def test_cli_make_tiny_model_writes_a_loadable_checkpoint(tmp_path: Path) -> Non
     assert cli.main(argv) == 0
     config = read_model_config(out)
     assert (config.architecture, config.num_layers) == ("MistralForCausalLM", 3)
-    runner = ModelRunner.load(out, num_blocks=4)
+    runner = load_runner(out, num_kv_blocks=4)
     assert runner.model.config.vocab_size == len(load_tokenizer(out))
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import generation_pb2_grpc
 from services.blockmgr.client import GrpcClient
-from services.executor.tiny_model import write_tiny_model
 from tests.procs import ServiceProcess, wait_serving
 
 POOL_ID = "gateway-tests"
@@ -50,10 +50,22 @@ class Stack:
 
     def start_gateway(self, *extra: str) -> ServiceProcess:
         return ServiceProcess(
-            ["gateway", "--model", str(self.model_dir), "--port", "0", "--host", "127.0.0.1",
-             "--metrics-port", "-1", "--executor", self.executor.address, *extra],
+            [
+                "gateway",
+                "--model",
+                str(self.model_dir),
+                "--port",
+                "0",
+                "--host",
+                "127.0.0.1",
+                "--metrics-port",
+                "-1",
+                "--executor",
+                self.executor.address,
+                *extra,
+            ],
             "gateway_listening",
-        )  # fmt: skip
+        )
 
 
 @pytest.fixture(scope="session")
@@ -72,9 +84,10 @@ def hf_greedy(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:
 
     def run(prompt_ids: list[int], max_tokens: int) -> list[int]:
         with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens,
-                                 do_sample=False)  # fmt: skip
-        return out[0, len(prompt_ids):].tolist()
+            out = model.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False
+            )
+        return out[0, len(prompt_ids) :].tolist()
 
     return run
 
@@ -83,19 +96,47 @@ def hf_greedy(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:
 def stack(tiny_model_dir: Path) -> Iterator[Stack]:
     blockmgr = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")
     executor = ServiceProcess(
-        ["executor", "--model", str(tiny_model_dir), "--port", "0", "--dtype", "float32",
-         "--num-kv-blocks", "256", "--max-model-len", "512", "--max-num-seqs", "64",
-         "--blockmgr-address", blockmgr.address, "--pool-id", POOL_ID],
+        [
+            "executor",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            "0",
+            "--dtype",
+            "float32",
+            "--num-kv-blocks",
+            "256",
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "64",
+            "--blockmgr-address",
+            blockmgr.address,
+            "--pool-id",
+            POOL_ID,
+        ],
         "executor_ready",
-    )  # fmt: skip
+    )
     gateway = ServiceProcess(
-        ["gateway", "--model", str(tiny_model_dir), "--port", "0", "--host", "127.0.0.1",
-         "--metrics-port", "0", "--executor", executor.address, "--max-n", "4"],
+        [
+            "gateway",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--metrics-port",
+            "0",
+            "--executor",
+            executor.address,
+            "--max-n",
+            "4",
+        ],
         "gateway_listening",
-    )  # fmt: skip
+    )
     metrics_port = int(gateway.wait_for_event("metrics_listening")["metrics_port"])
     wait_serving(gateway.address)
     yield Stack(tiny_model_dir, blockmgr, executor, gateway, metrics_port)
     for proc in (gateway, executor, blockmgr):
         assert proc.stop() == 0, proc.args[0]
-

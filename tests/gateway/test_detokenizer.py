@@ -348,9 +348,36 @@ def test_flush_is_idempotent_and_push_after_flush_raises():
 # -- properties: random texts, random prompt/output split, random chunking
 
 _ATOMS = [
-    "a", "Hello", "world", " ", "  ", "\n", "\n\n", "\t", ".", "é", "ñ", "ü", "ß", "Ω", "e\u0301",
-    "你", "好", "世界", "驫", "龘", "の", "😀", "🎉", "👍🏽", "👨‍👩‍👧", "🇫🇷", "☃", "𝄞", "€",
-]  # fmt: skip
+    "a",
+    "Hello",
+    "world",
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    ".",
+    "é",
+    "ñ",
+    "ü",
+    "ß",
+    "Ω",
+    "e\u0301",
+    "你",
+    "好",
+    "世界",
+    "驫",
+    "龘",
+    "の",
+    "😀",
+    "🎉",
+    "👍🏽",
+    "👨‍👩‍👧",
+    "🇫🇷",
+    "☃",
+    "𝄞",
+    "€",
+]
 _text = st.lists(st.sampled_from(_ATOMS), max_size=25).map("".join)
 _sizes = st.lists(st.integers(1, 6), max_size=40)
 

@@ -14,8 +14,11 @@ from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.procs import ServiceProcess, wait_serving
 
 G = generation_pb2
-STOP, LENGTH, ABORT = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH,
-                       common_pb2.FINISH_REASON_ABORT)  # fmt: skip
+STOP, LENGTH, ABORT = (
+    common_pb2.FINISH_REASON_STOP,
+    common_pb2.FINISH_REASON_LENGTH,
+    common_pb2.FINISH_REASON_ABORT,
+)
 
 
 def collect(stream) -> dict[int, dict]:
@@ -37,8 +40,9 @@ def greedy(max_tokens: int, **kw) -> G.SamplingParams:
 
 def test_greedy_generate_matches_transformers(stack, tokenizer, hf_greedy):
     prompt = "A good cup of tea needs only three things"
-    out = collect(stack.stub().Generate(G.GenerateRequest(prompt=prompt,
-                                                          sampling_params=greedy(24))))  # fmt: skip
+    out = collect(
+        stack.stub().Generate(G.GenerateRequest(prompt=prompt, sampling_params=greedy(24)))
+    )
     ids = tokenizer(prompt).input_ids
     expected = hf_greedy(ids, 24)
     s = out[0]
@@ -58,10 +62,13 @@ def test_64_concurrent_streams_all_finish_with_reasons_and_usage(stack):
 
     def one(i: int) -> None:
         try:
-            req = G.GenerateRequest(prompt=f"Request number {i} says", request_id=f"c{i}",
-                                    sampling_params=G.SamplingParams(
-                                        max_tokens=4 + i % 13, temperature=0.8, seed=i,
-                                        ignore_eos=True))  # fmt: skip
+            req = G.GenerateRequest(
+                prompt=f"Request number {i} says",
+                request_id=f"c{i}",
+                sampling_params=G.SamplingParams(
+                    max_tokens=4 + i % 13, temperature=0.8, seed=i, ignore_eos=True
+                ),
+            )
             results[i] = collect(stack.stub().Generate(req, timeout=120))
         except BaseException as exc:
             errors.append(exc)
@@ -81,8 +88,12 @@ def test_64_concurrent_streams_all_finish_with_reasons_and_usage(stack):
 
 
 def test_n_samples_each_end_with_exactly_one_final_message(stack):
-    req = G.GenerateRequest(prompt="Once upon a time", sampling_params=G.SamplingParams(
-        n=3, max_tokens=10, temperature=1.0, seed=5, ignore_eos=True))  # fmt: skip
+    req = G.GenerateRequest(
+        prompt="Once upon a time",
+        sampling_params=G.SamplingParams(
+            n=3, max_tokens=10, temperature=1.0, seed=5, ignore_eos=True
+        ),
+    )
     out = collect(stack.stub().Generate(req))
     assert sorted(out) == [0, 1, 2]
     for s in out.values():
@@ -91,20 +102,35 @@ def test_n_samples_each_end_with_exactly_one_final_message(stack):
 
 
 def test_stop_string_split_across_tokens_is_trimmed_and_stops(stack, tokenizer):
-    base = collect(stack.stub().Generate(G.GenerateRequest(
-        prompt="The server", sampling_params=greedy(30, ignore_eos=True))))[0]  # fmt: skip
+    base = collect(
+        stack.stub().Generate(
+            G.GenerateRequest(prompt="The server", sampling_params=greedy(30, ignore_eos=True))
+        )
+    )[0]
     tokens = base["tokens"]
     # A stop string that starts inside one token's text and ends inside a later one.
     pieces = [tokenizer.decode(tokens[: i + 1]) for i in range(len(tokens))]
-    k = next(i for i in range(5, len(tokens) - 2)
-             if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) > len(pieces[i]))
+    k = next(
+        i
+        for i in range(5, len(tokens) - 2)
+        if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) > len(pieces[i])
+    )
     stop = pieces[k + 1][len(pieces[k]) - 1 : len(pieces[k]) + 1]
     start = base["text"].index(stop)
     for include in (False, True):
-        out = collect(stack.stub().Generate(G.GenerateRequest(
-            prompt="The server", sampling_params=greedy(
-                30, ignore_eos=True, stop=[stop, "zzzz-never"],
-                include_stop_str_in_output=include))))[0]  # fmt: skip
+        out = collect(
+            stack.stub().Generate(
+                G.GenerateRequest(
+                    prompt="The server",
+                    sampling_params=greedy(
+                        30,
+                        ignore_eos=True,
+                        stop=[stop, "zzzz-never"],
+                        include_stop_str_in_output=include,
+                    ),
+                )
+            )
+        )[0]
         expected = base["text"][: start + (len(stop) if include else 0)]
         assert out["text"] == expected
         assert out["final"].finish_reason == STOP and out["final"].stop_string == stop
@@ -131,21 +157,30 @@ def test_streamed_text_never_splits_a_utf8_character(stack, tokenizer):
 
 
 def test_chat_messages_use_the_chat_template(stack, tokenizer):
-    messages = [G.ChatMessage(role="system", content="Be brief."),
-                G.ChatMessage(role="user", content="Hello there")]  # fmt: skip
-    expected_ids = tokenizer(tokenizer.apply_chat_template(
-        [{"role": m.role, "content": m.content} for m in messages],
-        add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
+    messages = [
+        G.ChatMessage(role="system", content="Be brief."),
+        G.ChatMessage(role="user", content="Hello there"),
+    ]
+    expected_ids = tokenizer(
+        tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=True,
+            tokenize=False,
+        ),
+        add_special_tokens=False,
+    ).input_ids
     tok = stack.stub().Tokenize(G.TokenizeRequest(messages=G.ChatMessages(messages=messages)))
     assert list(tok.token_ids) == expected_ids
-    out = collect(stack.stub().Generate(G.GenerateRequest(
-        messages=G.ChatMessages(messages=messages), sampling_params=greedy(5))))[0]
+    out = collect(
+        stack.stub().Generate(
+            G.GenerateRequest(messages=G.ChatMessages(messages=messages), sampling_params=greedy(5))
+        )
+    )[0]
     assert out["final"].usage.prompt_tokens == len(expected_ids)
 
 
 def test_logprobs_come_with_every_token(stack, tokenizer):
-    req = G.GenerateRequest(prompt="Hello", sampling_params=greedy(6, logprobs=2,
-                                                                    ignore_eos=True))  # fmt: skip
+    req = G.GenerateRequest(prompt="Hello", sampling_params=greedy(6, logprobs=2, ignore_eos=True))
     n = 0
     for resp in stack.stub().Generate(req):
         assert len(resp.logprobs) == len(resp.token_ids)
@@ -177,36 +212,66 @@ BAD = [
     ("prompt", G.GenerateRequest(prompt="", sampling_params=greedy(4))),
     ("prompt_token_ids", G.GenerateRequest(prompt_token_ids=G.TokenIds(ids=[]))),
     ("prompt_token_ids.ids[1]", G.GenerateRequest(prompt_token_ids=G.TokenIds(ids=[1, 99999]))),
-    ("sampling_params.max_tokens", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
-        max_tokens=0))),
-    ("sampling_params.max_tokens", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
-        max_tokens=600))),
-    ("sampling_params.temperature", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
-        temperature=-0.5))),
-    ("sampling_params.temperature", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
-        temperature=float("nan")))),
-    ("sampling_params.top_p", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
-        top_p=0.0))),
-    ("sampling_params.top_p", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
-        top_p=1.5))),
-    ("sampling_params.top_k", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
-        top_k=-2))),
+    (
+        "sampling_params.max_tokens",
+        G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(max_tokens=0)),
+    ),
+    (
+        "sampling_params.max_tokens",
+        G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(max_tokens=600)),
+    ),
+    (
+        "sampling_params.temperature",
+        G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(temperature=-0.5)),
+    ),
+    (
+        "sampling_params.temperature",
+        G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(temperature=float("nan"))),
+    ),
+    (
+        "sampling_params.top_p",
+        G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(top_p=0.0)),
+    ),
+    (
+        "sampling_params.top_p",
+        G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(top_p=1.5)),
+    ),
+    (
+        "sampling_params.top_k",
+        G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(top_k=-2)),
+    ),
     ("sampling_params.n", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(n=0))),
     ("sampling_params.n", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(n=5))),
-    ("sampling_params.stop[1]", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
-        stop=["ok", ""]))),
-    ("sampling_params.stop_token_ids[0]", G.GenerateRequest(
-        prompt="x", sampling_params=G.SamplingParams(stop_token_ids=[10**6]))),
-    ("sampling_params.repetition_penalty", G.GenerateRequest(
-        prompt="x", sampling_params=G.SamplingParams(repetition_penalty=0.0))),
-    ("sampling_params.presence_penalty", G.GenerateRequest(
-        prompt="x", sampling_params=G.SamplingParams(presence_penalty=3.0))),
-    ("sampling_params.frequency_penalty", G.GenerateRequest(
-        prompt="x", sampling_params=G.SamplingParams(frequency_penalty=-2.5))),
-    ("sampling_params.min_tokens", G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(
-        max_tokens=2, min_tokens=3))),
-    ("messages.messages[0].role", G.GenerateRequest(messages=G.ChatMessages(
-        messages=[G.ChatMessage(role="wizard", content="hi")]))),
+    (
+        "sampling_params.stop[1]",
+        G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(stop=["ok", ""])),
+    ),
+    (
+        "sampling_params.stop_token_ids[0]",
+        G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(stop_token_ids=[10**6])),
+    ),
+    (
+        "sampling_params.repetition_penalty",
+        G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(repetition_penalty=0.0)),
+    ),
+    (
+        "sampling_params.presence_penalty",
+        G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(presence_penalty=3.0)),
+    ),
+    (
+        "sampling_params.frequency_penalty",
+        G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(frequency_penalty=-2.5)),
+    ),
+    (
+        "sampling_params.min_tokens",
+        G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(max_tokens=2, min_tokens=3)),
+    ),
+    (
+        "messages.messages[0].role",
+        G.GenerateRequest(
+            messages=G.ChatMessages(messages=[G.ChatMessage(role="wizard", content="hi")])
+        ),
+    ),
     ("messages.messages", G.GenerateRequest(messages=G.ChatMessages())),
     ("request_id", G.GenerateRequest(request_id="x" * 300, prompt="x")),
 ]
@@ -221,8 +286,9 @@ def test_invalid_requests_are_invalid_argument_naming_the_field(stack, field, re
 
 
 def test_prompt_plus_max_tokens_over_max_model_len_is_refused(stack):
-    req = G.GenerateRequest(prompt_token_ids=G.TokenIds(ids=[1] * 500),
-                            sampling_params=G.SamplingParams(max_tokens=20))  # fmt: skip
+    req = G.GenerateRequest(
+        prompt_token_ids=G.TokenIds(ids=[1] * 500), sampling_params=G.SamplingParams(max_tokens=20)
+    )
     with pytest.raises(grpc.RpcError) as info:
         list(stack.stub().Generate(req, timeout=10))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -230,8 +296,10 @@ def test_prompt_plus_max_tokens_over_max_model_len_is_refused(stack):
 
 
 def test_cancel_mid_stream_frees_the_blocks(stack):
-    req = G.GenerateRequest(prompt="Tell me everything", sampling_params=G.SamplingParams(
-        max_tokens=400, temperature=0.0, ignore_eos=True))  # fmt: skip
+    req = G.GenerateRequest(
+        prompt="Tell me everything",
+        sampling_params=G.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+    )
     call = stack.stub().Generate(req)
     got = 0
     for resp in call:
@@ -244,8 +312,10 @@ def test_cancel_mid_stream_frees_the_blocks(stack):
 
 
 def test_deadline_expiry_is_deadline_exceeded_and_frees_the_blocks(stack):
-    req = G.GenerateRequest(prompt="Tell me everything", sampling_params=G.SamplingParams(
-        max_tokens=480, temperature=0.0, ignore_eos=True))  # fmt: skip
+    req = G.GenerateRequest(
+        prompt="Tell me everything",
+        sampling_params=G.SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True),
+    )
     with pytest.raises(grpc.RpcError) as info:
         list(stack.stub().Generate(req, timeout=0.2))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -257,8 +327,7 @@ def test_api_key_is_required_when_configured(stack):
     try:
         stub = stack.stub(gw.address)
         req = G.GenerateRequest(prompt="hi", sampling_params=greedy(2))
-        for metadata in (None, [("authorization", "Bearer wrong")],
-                         [("authorization", "s3cret")]):  # fmt: skip
+        for metadata in (None, [("authorization", "Bearer wrong")], [("authorization", "s3cret")]):
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Generate(req, metadata=metadata, timeout=10))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -277,22 +346,29 @@ def test_admission_limit_refuses_at_once_beyond_max_concurrent_requests(stack):
     try:
         wait_serving(gw.address)
         stub = stack.stub(gw.address)
-        long = G.GenerateRequest(prompt="go on", sampling_params=G.SamplingParams(
-            max_tokens=400, temperature=0.0, ignore_eos=True))  # fmt: skip
+        long = G.GenerateRequest(
+            prompt="go on",
+            sampling_params=G.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+        )
         calls = [stub.Generate(long) for _ in range(2)]
         for call in calls:
             next(iter(call))  # both streams are running
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
-            list(stub.Generate(G.GenerateRequest(prompt="x", sampling_params=greedy(2)),
-                               timeout=10))  # fmt: skip
+            list(
+                stub.Generate(G.GenerateRequest(prompt="x", sampling_params=greedy(2)), timeout=10)
+            )
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert time.monotonic() - t0 < 2
         for call in calls:
             call.cancel()
         time.sleep(0.3)
-        assert collect(stub.Generate(G.GenerateRequest(prompt="x", sampling_params=greedy(2)),
-                                     timeout=30))[0]["finals"] == 1  # fmt: skip
+        assert (
+            collect(
+                stub.Generate(G.GenerateRequest(prompt="x", sampling_params=greedy(2)), timeout=30)
+            )[0]["finals"]
+            == 1
+        )
     finally:
         assert gw.stop() == 0
 
@@ -300,15 +376,25 @@ def test_admission_limit_refuses_at_once_beyond_max_concurrent_requests(stack):
 def test_health_not_serving_until_an_executor_is_ready(stack, tiny_model_dir):
     import socket
 
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     gw = ServiceProcess(
-        ["gateway", "--model", str(tiny_model_dir), "--port", "0", "--host", "127.0.0.1",
-         "--metrics-port", "-1", "--executor", f"127.0.0.1:{port}"],
+        [
+            "gateway",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--metrics-port",
+            "-1",
+            "--executor",
+            f"127.0.0.1:{port}",
+        ],
         "gateway_listening",
-    )  # fmt: skip
+    )
     executor = None
     try:
         with grpc.insecure_channel(gw.address) as ch:
@@ -316,14 +402,26 @@ def test_health_not_serving_until_an_executor_is_ready(stack, tiny_model_dir):
             status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
             assert status == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(grpc.RpcError) as info:
-                list(generation_pb2_grpc.GenerationStub(ch).Generate(
-                    G.GenerateRequest(prompt="x"), timeout=5))  # fmt: skip
+                list(
+                    generation_pb2_grpc.GenerationStub(ch).Generate(
+                        G.GenerateRequest(prompt="x"), timeout=5
+                    )
+                )
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             executor = ServiceProcess(
-                ["executor", "--model", str(tiny_model_dir), "--port", str(port),
-                 "--num-kv-blocks", "64", "--max-model-len", "256"],
+                [
+                    "executor",
+                    "--model",
+                    str(tiny_model_dir),
+                    "--port",
+                    str(port),
+                    "--num-kv-blocks",
+                    "64",
+                    "--max-model-len",
+                    "256",
+                ],
                 "executor_ready",
-            )  # fmt: skip
+            )
             wait_serving(gw.address)
     finally:
         assert gw.stop() == 0
@@ -333,18 +431,27 @@ def test_health_not_serving_until_an_executor_is_ready(stack, tiny_model_dir):
 
 def test_metrics_endpoint_exposes_latency_histograms_and_counters(stack):
     collect(stack.stub().Generate(G.GenerateRequest(prompt="metrics", sampling_params=greedy(3))))
-    body = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics",
-                                  timeout=5).read().decode()  # fmt: skip
-    for name in ("pagedserve_time_to_first_token_seconds_bucket",
-                 "pagedserve_inter_token_latency_seconds_bucket",
-                 "pagedserve_e2e_request_latency_seconds_count",
-                 "pagedserve_num_requests_running", "pagedserve_num_requests_waiting",
-                 "pagedserve_kv_cache_usage_ratio", "pagedserve_prefix_cache_hit_ratio",
-                 "pagedserve_num_preemptions_total", "pagedserve_prompt_tokens_total",
-                 "pagedserve_generation_tokens_total"):  # fmt: skip
+    body = (
+        urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5)
+        .read()
+        .decode()
+    )
+    for name in (
+        "pagedserve_time_to_first_token_seconds_bucket",
+        "pagedserve_inter_token_latency_seconds_bucket",
+        "pagedserve_e2e_request_latency_seconds_count",
+        "pagedserve_num_requests_running",
+        "pagedserve_num_requests_waiting",
+        "pagedserve_kv_cache_usage_ratio",
+        "pagedserve_prefix_cache_hit_ratio",
+        "pagedserve_num_preemptions_total",
+        "pagedserve_prompt_tokens_total",
+        "pagedserve_generation_tokens_total",
+    ):
         assert name in body, name
-    gen = next(line for line in body.splitlines()
-               if line.startswith("pagedserve_generation_tokens_total"))  # fmt: skip
+    gen = next(
+        line for line in body.splitlines() if line.startswith("pagedserve_generation_tokens_total")
+    )
     assert float(gen.split()[-1]) > 0
 
 
@@ -356,11 +463,27 @@ def test_tls_serves_encrypted_clients_only(stack, tmp_path):
         pytest.skip("openssl is not installed")
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     gw = stack.start_gateway("--tls-cert", str(cert), "--tls-key", str(key))
     try:
         creds = grpc.ssl_channel_credentials(cert.read_bytes())
@@ -369,8 +492,12 @@ def test_tls_serves_encrypted_clients_only(stack, tmp_path):
             deadline = time.monotonic() + 30
             while True:  # the new gateway connects to the executor first
                 try:
-                    out = collect(stub.Generate(G.GenerateRequest(
-                        prompt="secure", sampling_params=greedy(3)), timeout=10))  # fmt: skip
+                    out = collect(
+                        stub.Generate(
+                            G.GenerateRequest(prompt="secure", sampling_params=greedy(3)),
+                            timeout=10,
+                        )
+                    )
                     break
                 except grpc.RpcError as exc:
                     assert exc.code() == grpc.StatusCode.UNAVAILABLE

@@ -51,8 +51,11 @@ def main() -> None:
     tables = [[NUM_BLOCKS - 1, FIRST_HIGH_BLOCK + 3], [FIRST_HIGH_BLOCK]]
     block_tables = torch.tensor([tables[0], [tables[1][0], 0]], dtype=torch.int32)
     # reshape_and_cache: write every context token's K/V (plus one padding token).
-    slots = [tables[b][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-             for b, (c, q) in enumerate(seqs) for p in range(c + q)]  # fmt: skip
+    slots = [
+        tables[b][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+        for b, (c, q) in enumerate(seqs)
+        for p in range(c + q)
+    ]
     slots.insert(7, -1)
     key = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, dtype=torch.float16, device=device)
     value = torch.randn_like(key)
@@ -70,8 +73,15 @@ def main() -> None:
     query_start_loc[1:] = torch.cumsum(q_lens, 0)
     seq_lens = torch.tensor([c + q for c, q in seqs], dtype=torch.int32)
     query = torch.randn(int(q_lens.sum()), NUM_Q_HEADS, HEAD_DIM, dtype=torch.float16)
-    args = (query.to(device), key_cache, value_cache, block_tables.to(device),
-            query_start_loc.to(device), seq_lens.to(device), HEAD_DIM**-0.5)  # fmt: skip
+    args = (
+        query.to(device),
+        key_cache,
+        value_cache,
+        block_tables.to(device),
+        query_start_loc.to(device),
+        seq_lens.to(device),
+        HEAD_DIM**-0.5,
+    )
     expected = reference.paged_attention(*args).float().cpu()
     for out in (
         paged_attention_triton(*args, max_query_len=9),

@@ -32,15 +32,22 @@ def _batch(
     case: KernelCase, seqs: tuple[tuple[int, int], ...], num_pad_tokens: int = 2, seed: int = 0
 ) -> PagedBatch:
     return make_paged_batch(
-        seqs, num_q_heads=case.num_q_heads, num_kv_heads=case.num_kv_heads,
-        head_dim=case.head_dim, block_size=case.block_size, dtype=case.dtype, device=DEVICE,
-        num_pad_tokens=num_pad_tokens, seed=seed,
-    )  # fmt: skip
+        seqs,
+        num_q_heads=case.num_q_heads,
+        num_kv_heads=case.num_kv_heads,
+        head_dim=case.head_dim,
+        block_size=case.block_size,
+        dtype=case.dtype,
+        device=DEVICE,
+        num_pad_tokens=num_pad_tokens,
+        seed=seed,
+    )
 
 
 def _assert_matches_reference(out: torch.Tensor, batch: PagedBatch) -> None:
-    expected = reference.paged_attention(*(a.cpu() if torch.is_tensor(a) else a
-                                           for a in batch.args()))  # fmt: skip
+    expected = reference.paged_attention(
+        *(a.cpu() if torch.is_tensor(a) else a for a in batch.args())
+    )
     assert out.dtype == batch.query.dtype
     assert out.shape == batch.query.shape
     assert torch.isfinite(out).all()
@@ -152,8 +159,7 @@ def test_ops_dispatches_cpu_tensors_to_reference_by_default(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("PAGEDSERVE_FORCE_TRITON", raising=False)
-    batch = make_paged_batch(MIXED_BATCH, num_q_heads=4, num_kv_heads=2, head_dim=16,
-                             block_size=16)  # fmt: skip
+    batch = make_paged_batch(MIXED_BATCH, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
     calls: list[str] = []
     real = reference.paged_attention
 
@@ -174,8 +180,10 @@ def test_ops_forced_triton_uses_split_kv_for_one_long_decode(
     import kernels.paged_attention_split_kv as split_module
 
     calls: list[str] = []
-    for module, name in ((unified_module, "paged_attention_triton"),
-                         (split_module, "paged_attention_split_kv_triton")):  # fmt: skip
+    for module, name in (
+        (unified_module, "paged_attention_triton"),
+        (split_module, "paged_attention_split_kv_triton"),
+    ):
         real = getattr(module, name)
 
         def spy(*args: object, _real=real, _name=name, **kwargs: object) -> torch.Tensor:
@@ -248,12 +256,12 @@ def test_attention_launchers_reject_bad_inputs_with_clear_errors(mutate, message
 @pytest.mark.parametrize("case", PAIRWISE_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("num_splits", [0, 4], ids=["unified", "split4"])
 def test_bf16_on_cuda_matches_reference(case: KernelCase, num_splits: int) -> None:
-    bf16 = KernelCase(case.num_q_heads, case.num_kv_heads, case.head_dim, case.block_size,
-                      torch.bfloat16)  # fmt: skip
+    bf16 = KernelCase(
+        case.num_q_heads, case.num_kv_heads, case.head_dim, case.block_size, torch.bfloat16
+    )
     batch = _batch(bf16, MIXED_BATCH)
     if num_splits:
-        out = paged_attention_split_kv_triton(*batch.args(), num_splits=num_splits,
-                                              **batch.hints())  # fmt: skip
+        out = paged_attention_split_kv_triton(*batch.args(), num_splits=num_splits, **batch.hints())
     else:
         out = paged_attention_triton(*batch.args(), **batch.hints())
     _assert_matches_reference(out, batch)

@@ -23,18 +23,26 @@ def test_reference_attention_matches_naive_dense_causal_gqa(
     num_q_heads: int, num_kv_heads: int, block_size: int
 ) -> None:
     batch = make_paged_batch(
-        MIXED_BATCH, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=16,
-        block_size=block_size, num_pad_tokens=2,
-    )  # fmt: skip
+        MIXED_BATCH,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        block_size=block_size,
+        num_pad_tokens=2,
+    )
     out = reference.paged_attention(*batch.args())
     torch.testing.assert_close(out, dense_attention(batch), atol=1e-5, rtol=1e-5)
 
 
 def test_reference_attention_fp16_returns_fp16_computed_in_fp32() -> None:
     batch = make_paged_batch(
-        MIXED_BATCH, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+        MIXED_BATCH,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=16,
         dtype=torch.float16,
-    )  # fmt: skip
+    )
     out = reference.paged_attention(*batch.args())
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.float(), dense_attention(batch), atol=2e-3, rtol=2e-3)
@@ -42,9 +50,13 @@ def test_reference_attention_fp16_returns_fp16_computed_in_fp32() -> None:
 
 def test_reference_attention_padding_rows_are_zero() -> None:
     batch = make_paged_batch(
-        [(3, 2), (0, 4)], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=16,
+        [(3, 2), (0, 4)],
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        block_size=16,
         num_pad_tokens=3,
-    )  # fmt: skip
+    )
     batch.query[-3:] = float("nan")  # padding rows must not leak into the output
     out = reference.paged_attention(*batch.args())
     assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))

@@ -27,7 +27,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from services.executor.tiny_tokenizer import (
+from pagedserve.tools.tiny_tokenizer import (
     BOS,
     DEFAULT_VOCAB_SIZE,
     EOS,
@@ -99,9 +99,14 @@ def _hf_config(
     elif spec.rope_scaling == "llama3":
         # Llama 3.1's settings with the original context cut down so that, at head_dim 16,
         # some frequencies are scaled, some kept and some smoothed.
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 256}  # fmt: skip
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        }
     common: dict[str, Any] = {
         "vocab_size": vocab_size,
         "hidden_size": spec.hidden_size,

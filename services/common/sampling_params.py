@@ -1,0 +1,63 @@
+"""Per-request generation parameters at token level, and their one set of range rules.
+
+The gateway builds a :class:`SamplingParams` from a public request (applying defaults) and the
+executor builds one from its proto; both call :meth:`SamplingParams.validate`, so a range is
+written once. Stop strings and detokenization are the gateway's alone and live there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.common.limits import MAX_LOGPROBS, MAX_N, FieldError, check_token_ids
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # top-k alternatives returned with each chosen token
+
+    def validate(self, vocab_size: int, max_n: int = MAX_N) -> None:
+        """Raise :class:`FieldError` naming the first offending field."""
+        if not 1 <= self.n <= max_n:
+            raise FieldError("n", f"must be in [1, {max_n}], got {self.n}")
+        if self.max_tokens < 1:
+            raise FieldError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise FieldError(
+                "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise FieldError("temperature", f"must be finite and >= 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise FieldError("top_k", f"must be -1 (disabled) or >= 0, got {self.top_k}")
+        if not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise FieldError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
+            raise FieldError(
+                "repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+                raise FieldError(name, f"must be in [-2, 2], got {v}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise FieldError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise FieldError("seed", f"must be in [0, 2^63), got {self.seed}")
+        check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")

@@ -1,0 +1,158 @@
+"""The executor's link to its block-manager pool: registration, the per-step round trip, and
+recovery, with one back-off loop for every call.
+
+An unreachable block manager is retried with exponential back-off while the link reports
+itself unhealthy. A block manager that lost the pool (restart) or disagrees with us gets a
+fresh registration and the pre-step state of every live sequence restored, then the same step
+is sent again. No token is lost either way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import structlog
+
+from services.blockmgr.client import BlockManagerClient
+from services.blockmgr.errors import BlockManagerError, ErrorCode
+from services.blockmgr.types import (
+    Operation,
+    PoolCounters,
+    PoolInfo,
+    RestoredSequence,
+    StepResult,
+)
+
+log = structlog.get_logger(__name__)
+
+MAX_CONSECUTIVE_RESYNCS = 8
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """The pool this executor registers: its id and shape, fixed for the process's life."""
+
+    pool_id: str
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool
+    eviction_policy: str = "lru"
+    retry_s: float = 0.05
+    max_backoff_s: float = 2.0
+
+
+class BlockManagerLink:
+    """Owns the pool id and epoch; single-threaded like the engine that drives it."""
+
+    def __init__(
+        self,
+        client: BlockManagerClient,
+        spec: PoolSpec,
+        *,
+        on_health: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.client = client
+        self.spec = spec
+        self.on_health = on_health or (lambda healthy: None)
+        self.healthy = True
+        self.num_round_trips = 0
+        self.num_recoveries = 0
+        self._backoff_s = spec.retry_s
+        self.pool: PoolInfo = self._with_backoff(self._register)
+
+    @property
+    def epoch(self) -> int:
+        return self.pool.epoch
+
+    def counters(self) -> PoolCounters:
+        return self._with_backoff(lambda: self.client.stats(self.spec.pool_id).counters)
+
+    def step(
+        self, ops: Sequence[Operation], pre_state: Callable[[], list[RestoredSequence]]
+    ) -> StepResult:
+        """One Step round trip of ``ops``, surviving outages and restarts.
+
+        After a failed call the outcome is unknown (the Step may have been applied and only
+        the answer lost), so it is never simply resent: once the block manager answers again,
+        the pool is re-registered and restored to ``pre_state()`` (every live sequence as it
+        was before ``ops``), then ``ops`` is sent. The cached free blocks may be lost that
+        way, never a live sequence."""
+        needs_resync = False
+        resyncs = 0
+        while True:
+            try:
+                if needs_resync:
+                    self._resync(pre_state())
+                    needs_resync = False
+                self.num_round_trips += 1
+                result = self.client.step(self.spec.pool_id, self.pool.epoch, ops)
+            except BlockManagerError as exc:
+                if exc.code is ErrorCode.UNAVAILABLE:
+                    self._back_off(exc)
+                    needs_resync = True
+                    continue
+                if exc.code in (ErrorCode.NOT_FOUND, ErrorCode.FAILED_PRECONDITION) and (
+                    resyncs < MAX_CONSECUTIVE_RESYNCS
+                ):
+                    log.warning("blockmgr_diverged", error=exc.message)
+                    resyncs += 1
+                    needs_resync = True
+                    continue
+                raise
+            self._recovered()
+            return result
+
+    def close(self) -> None:
+        self.client.close()
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _register(self) -> PoolInfo:
+        s = self.spec
+        return self.client.register(
+            s.pool_id,
+            s.num_blocks,
+            s.block_size,
+            enable_prefix_caching=s.enable_prefix_caching,
+            eviction_policy=s.eviction_policy,
+        )
+
+    def _resync(self, state: list[RestoredSequence]) -> None:
+        """Register again and restore every live sequence to ``state``."""
+        self.pool = self._register()
+        self.client.restore(self.spec.pool_id, self.pool.epoch, state)
+        self.num_recoveries += 1
+        log.info("blockmgr_restored", epoch=self.pool.epoch, num_sequences=len(state))
+
+    def _with_backoff(self, call: Callable[[], T]) -> T:
+        """``call()`` (an idempotent call) until it does not fail with UNAVAILABLE."""
+        while True:
+            try:
+                result = call()
+            except BlockManagerError as exc:
+                if exc.code is not ErrorCode.UNAVAILABLE:
+                    raise
+                self._back_off(exc)
+                continue
+            self._recovered()
+            return result
+
+    def _back_off(self, exc: BlockManagerError) -> None:
+        """The one retry delay: unhealthy, then wait, doubling up to ``max_backoff_s``."""
+        self._set_health(False)
+        log.warning("blockmgr_unavailable", error=exc.message, retry_in_s=self._backoff_s)
+        time.sleep(self._backoff_s)
+        self._backoff_s = min(self._backoff_s * 2, self.spec.max_backoff_s)
+
+    def _recovered(self) -> None:
+        self._backoff_s = self.spec.retry_s
+        self._set_health(True)
+
+    def _set_health(self, healthy: bool) -> None:
+        if healthy != self.healthy:
+            self.healthy = healthy
+            self.on_health(healthy)

@@ -1,0 +1,101 @@
+"""What crosses between the gRPC handlers and the engine thread: sessions, the commands the
+handlers send, and the deliveries and load snapshots the engine thread sends back."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.common.sampling_params import SamplingParams
+from services.executor.outputs import RequestError, SeqOutput
+
+_session_ids = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """The engine's load after a step, published by the engine thread."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_usable_blocks: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_steps: int = 0
+    num_blockmgr_round_trips: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """What one session receives after one step, or after the commands that refused some of
+    its requests."""
+
+    step: int
+    outputs: list[SeqOutput]
+    errors: list[RequestError]
+    load: Load
+
+
+@dataclass(eq=False)
+class Session:
+    """One gateway stream. ``deliver`` is called from the engine thread and must only
+    enqueue; ``None`` means the stream is done (half-closed and nothing left running)."""
+
+    deliver: Callable[[Delivery | None], None]
+    session_id: int = field(default_factory=lambda: next(_session_ids))
+    live: set[str] = field(default_factory=set)  # request ids (the session's own)
+    half_closed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    session: Session
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    session: Session
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """A request the handler refused before it could be decoded; delivered in order with the
+    engine's own refusals."""
+
+    session: Session
+    error: RequestError
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Idempotent: the whole request, or only sample ``index`` of an n > 1 request."""
+
+    session: Session
+    request_id: str
+    index: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HalfClose:
+    """The gateway sends nothing more; the session ends once its requests have."""
+
+    session: Session
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    """The stream is gone: abort everything it added."""
+
+    session: Session
+
+
+Command = Open | Add | Refuse | Abort | HalfClose | Close

@@ -1,0 +1,51 @@
+"""The engine's settings, fixed for its life, and the request rules that depend on them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common.limits import FieldError, check_prompt, check_request_id
+from services.common.sampling_params import SamplingParams
+from services.executor.outputs import EngineError, RequestErrorCode
+from services.executor.scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    scheduler: SchedulerConfig
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        cfg = self.scheduler
+        if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < self.max_model_len:
+            # A preempted sequence comes back with prompt + output tokens, up to max_model_len,
+            # and without chunking it must fit one step's budget.
+            raise ValueError(
+                "with chunked prefill disabled, max_num_batched_tokens "
+                f"({cfg.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len})"
+            )
+
+    def check_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Raise :class:`EngineError` (INVALID_ARGUMENT, naming the field) for a request this
+        engine cannot serve."""
+        cfg = self.scheduler
+        try:
+            check_request_id(request_id)
+            check_prompt(prompt, self.vocab_size, self.max_model_len, "prompt_token_ids")
+            if not cfg.enable_chunked_prefill and len(prompt) > cfg.max_num_batched_tokens:
+                raise FieldError(
+                    "prompt_token_ids",
+                    f"{len(prompt)} tokens exceed max_num_batched_tokens="
+                    f"{cfg.max_num_batched_tokens} with chunked prefill disabled",
+                )
+            try:
+                params.validate(self.vocab_size)
+            except FieldError as exc:
+                raise exc.under("sampling_params") from None
+        except FieldError as exc:
+            raise EngineError(RequestErrorCode.INVALID_ARGUMENT, str(exc)) from None
