@@ -8,7 +8,7 @@ written once. Stop strings and detokenization are the gateway's alone and live t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.limits import MAX_LOGPROBS, MAX_N, FieldError, check_token_ids
 
@@ -29,6 +29,26 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # top-k alternatives returned with each chosen token
+    # Derived: no penalty reads the token history and no token is ever banned (min_tokens
+    # is 0), so a row of these params needs nothing but the params themselves.
+    stateless: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        stateless = (
+            self.repetition_penalty == 1.0
+            and not self.presence_penalty
+            and not self.frequency_penalty
+            and self.min_tokens == 0
+        )
+        object.__setattr__(self, "stateless", stateless)
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or bool(self.presence_penalty)
+            or bool(self.frequency_penalty)
+        )
 
     def validate(self, vocab_size: int, max_n: int = MAX_N) -> None:
         """Raise :class:`FieldError` naming the first offending field."""

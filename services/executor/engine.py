@@ -25,7 +25,7 @@ from services.executor.outputs import (
     TokenLogprob,
     Usage,
 )
-from services.executor.sampler import Sampler, SamplingRow, SeededGenerators
+from services.executor.sampler import RowState, Sampler, SeededGenerators
 from services.executor.scheduler import ScheduledBatch, Scheduler
 from services.executor.sequence import FinishReason, Request, RequestKey, SeqStatus
 from services.executor.sequence import Sequence as Seq
@@ -182,7 +182,7 @@ class Engine:
         t1 = time.perf_counter()
         logits = self._forward(batch) if batch.chunks else None
         t2 = time.perf_counter()
-        sampled = [c.seq for c in batch.chunks if c.completes_known_tokens]
+        sampled = [c.seq for c in batch.chunks if c.need_logits]
         self.scheduler.after_forward(batch.chunks)
         if sampled:
             assert logits is not None
@@ -194,63 +194,101 @@ class Engine:
 
     def _forward(self, batch: ScheduledBatch) -> Tensor:
         seq_chunks = []
-        for c in batch.chunks:
-            seq, start = c.seq, c.seq.num_computed_tokens
-            end = start + c.num_new_tokens
+        for seq, k, need_logits in batch.chunks:
+            start = seq.num_computed_tokens
+            end = start + k
             seq_chunks.append(
-                SeqChunk(seq.token_ids[start:end], start, seq.block_table, c.completes_known_tokens)
+                SeqChunk(seq.token_ids[start:end], start, seq.block_table, need_logits)
             )
             if start < seq.prompt_len:
                 self.num_prompt_tokens += min(end, seq.prompt_len) - start
         return self.runner.execute(seq_chunks)
 
     def _sample_and_update(self, logits: Tensor, seqs: list[Seq]) -> list[SeqOutput]:
-        rows: list[SamplingRow] = []
-        row_logits: list[int] = []
-        targets: list[tuple[Seq, int | None]] = []  # (seq, child index to create or None)
-        for i, seq in enumerate(seqs):
-            req = self.requests.get(seq.req_id)
-            if (
-                req is not None and req.params.n > 1 and len(req.seqs) == 1
-            ):  # the prompt is done: fork n - 1
-                for child in range(1, req.params.n):
-                    gen = self.generators.create((seq.seq_id, child), seq.params.seed, child)
-                    rows.append(SamplingRow.of(seq, gen, self.settings.eos_token_ids))
-                    row_logits.append(i)
-                    targets.append((seq, child))
-            rows.append(
-                SamplingRow.of(seq, self.generators.get(seq.seq_id), self.settings.eos_token_ids)
-            )
-            row_logits.append(i)
-            targets.append((seq, None))
-        if len(row_logits) != len(seqs):
+        """Sample the next token of each of ``seqs`` (and the first token of the other
+        samples of an n > 1 request whose prompt just finished), append it, emit it, and
+        retire what finished."""
+        params, states, targets, row_logits = self._rows(seqs)
+        if row_logits is not None:
             logits = logits[torch.tensor(row_logits, device=logits.device)]
-        result = self.sampler(logits, rows)
+        result = self.sampler(logits, params, states)
 
-        emitted: list[tuple[Seq, SeqOutput]] = []
+        outs: list[SeqOutput] = []
+        emitted: list[Seq] = []
         children: dict[int, list[Seq]] = {}
         for (seq, child_index), token, lp in zip(
             targets, result.token_ids, result.logprobs, strict=True
         ):
-            if child_index is not None:
-                target = self._spawn_child(seq, child_index, token)
-                children.setdefault(seq.seq_id, []).append(target)
+            if child_index:
+                parent, seq = seq, self._spawn_child(seq, child_index, token)
+                children.setdefault(parent.seq_id, []).append(seq)
             else:
-                target = seq
                 seq.token_ids.append(token)
-            emitted.append((target, self._emit(target, token, lp)))
+            out = SeqOutput(seq.req_id, seq.index, [token])
+            if len(seq.token_ids) - seq.prompt_len == 1:  # the first token also reports
+                out.usage = _usage(seq)  # the prompt's cache hits
+            if lp is not None:
+                out.logprobs = (TokenLogprob(token, lp[0], tuple(lp[1])),)
+            outs.append(out)
+            emitted.append(seq)
+        self.num_generation_tokens += len(outs)
+        if children:
+            self._join_children(seqs, children)
+        for seq, out in zip(emitted, outs, strict=True):
+            if seq.params.n > 1:
+                req = self.requests.get(seq.req_id)
+                if req is not None and seq.index in req.pending_aborts:
+                    req.pending_aborts.discard(seq.index)  # aborted before it existed
+                    self._retire(seq, FinishReason.ABORT, out=out)
+                    continue
+            self._check_finish(seq, out)
+        return outs
+
+    def _rows(
+        self, seqs: list[Seq]
+    ) -> tuple[list[SamplingParams], dict[int, RowState], list[tuple[Seq, int]], list[int] | None]:
+        """The sampler's rows: per row its params, its state where it needs one, what it
+        produces (``(seq, 0)``: seq's next token; ``(parent, i)``: sample ``i``'s first
+        token), and which logits row it reads (None: row ``i`` reads row ``i``)."""
+        eos, gens = self.settings.eos_token_ids, self.generators
+        if all(seq.params.n == 1 or not self._forks_now(seq) for seq in seqs):
+            params = [seq.params for seq in seqs]
+            states: dict[int, RowState] = {}
+            for i, p in enumerate(params):
+                if not p.stateless or p.seed is not None:
+                    state = RowState.of(seqs[i], gens.get(seqs[i].seq_id), eos)
+                    if state is not None:
+                        states[i] = state
+            return params, states, [(seq, 0) for seq in seqs], None
+        params, states, targets, row_logits = [], {}, [], []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            indices = range(1, p.n) if p.n > 1 and self._forks_now(seq) else range(0)
+            for child in (*indices, 0):  # the other samples first, then seq itself
+                gen = (
+                    gens.create((seq.seq_id, child), p.seed, child)
+                    if child
+                    else (gens.get(seq.seq_id))
+                )
+                state = RowState.of(seq, gen, eos)
+                if state is not None:
+                    states[len(params)] = state
+                params.append(p)
+                targets.append((seq, child))
+                row_logits.append(i)
+        return params, states, targets, row_logits
+
+    def _forks_now(self, seq: Seq) -> bool:
+        """Whether ``seq`` is the parent of an n > 1 request whose other samples do not exist
+        yet: they draw their first token from its logits in this step."""
+        req = self.requests.get(seq.req_id)
+        return req is not None and len(req.seqs) == 1
+
+    def _join_children(self, seqs: list[Seq], children: dict[int, list[Seq]]) -> None:
         for seq in seqs:  # children join after their parent's first token is in place
             for child in children.get(seq.seq_id, ()):
                 self.scheduler.fork(seq, child)
                 self.requests[seq.req_id].seqs.append(child)
-        for target, out in emitted:
-            req = self.requests.get(target.req_id)
-            if req is not None and target.index in req.pending_aborts:
-                req.pending_aborts.discard(target.index)  # aborted before it existed
-                self._retire(target, FinishReason.ABORT, out=out)
-            else:
-                self._check_finish(target, out)
-        return [out for _, out in emitted]
 
     def _spawn_child(self, parent: Seq, index: int, token: int) -> Seq:
         child = Seq(
@@ -267,24 +305,14 @@ class Engine:
         self.generators.rename((parent.seq_id, index), child.seq_id)
         return child
 
-    def _emit(self, seq: Seq, token: int, lp: tuple | None) -> SeqOutput:
-        self.num_generation_tokens += 1
-        out = SeqOutput(seq.req_id, seq.index, [token])
-        if seq.num_output_tokens == 1:  # the first token also reports the prompt's cache hits
-            out.usage = _usage(seq)
-        if lp is not None:
-            chosen, top = lp
-            out.logprobs.append(TokenLogprob(token, chosen, tuple(top)))
-        return out
-
     def _check_finish(self, seq: Seq, out: SeqOutput) -> None:
-        p = seq.params
-        token = seq.token_ids[-1]
-        if seq.num_output_tokens >= p.min_tokens and (
-            (not p.ignore_eos and token in self._eos) or token in p.stop_token_ids
-        ):
+        p, tokens = seq.params, seq.token_ids
+        token, num_output = tokens[-1], len(tokens) - seq.prompt_len
+        if (
+            (token in self._eos and not p.ignore_eos) or token in p.stop_token_ids
+        ) and num_output >= p.min_tokens:
             self._retire(seq, FinishReason.STOP, token, out)
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.settings.max_model_len:
+        elif num_output >= p.max_tokens or len(tokens) >= self.settings.max_model_len:
             self._retire(seq, FinishReason.LENGTH, out=out)
 
 

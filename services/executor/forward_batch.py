@@ -11,16 +11,23 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ForwardBatch", "SeqChunk", "build_forward_batch"]
+__all__ = [
+    "BatchBuilder",
+    "BatchLayout",
+    "ForwardBatch",
+    "HostBatch",
+    "SeqChunk",
+    "build_forward_batch",
+]
 
 
-@dataclass(frozen=True)
-class SeqChunk:
+class SeqChunk(NamedTuple):
     """What one sequence computes in this step.
 
     ``token_ids`` are the tokens to run now; they occupy positions ``num_computed_tokens ..
@@ -60,6 +67,253 @@ class ForwardBatch:
         return self.seq_lens.shape[0]
 
 
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where each tensor of a :class:`ForwardBatch` lives in the two packed buffers that cross
+    to the device (one int64, one int32): the same layout for every batch of one shape, so a
+    captured CUDA graph can read its inputs from fixed addresses."""
+
+    num_tokens: int
+    num_seqs: int
+    table_width: int  # blocks per block-table row
+    num_logits: int
+
+    @property
+    def sizes64(self) -> tuple[int, int, int, int]:  # ids, positions, slots, logits indices
+        t = self.num_tokens
+        return (t, t, t, self.num_logits)
+
+    @property
+    def sizes32(self) -> tuple[int, int, int]:  # block tables, query_start_loc, seq_lens
+        b = self.num_seqs
+        return (b * self.table_width, b + 1, b)
+
+    def views(
+        self, buf64: Tensor, buf32: Tensor, max_query_len: int, max_seq_len: int
+    ) -> ForwardBatch:
+        """The batch as views into the packed buffers (which may be longer)."""
+        ids, pos, slots, logits_idx = buf64[: sum(self.sizes64)].split(self.sizes64)
+        tables, qsl, lens = buf32[: sum(self.sizes32)].split(self.sizes32)
+        return ForwardBatch(
+            input_ids=ids,
+            positions=pos,
+            slot_mapping=slots,
+            block_tables=tables.view(self.num_seqs, self.table_width),
+            query_start_loc=qsl,
+            seq_lens=lens,
+            logits_indices=logits_idx,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """A batch built on the host: the packed buffers and their layout."""
+
+    layout: BatchLayout
+    packed64: np.ndarray
+    packed32: np.ndarray
+    max_query_len: int
+    max_seq_len: int
+
+
+class BatchBuilder:
+    """Builds the forward batches of one runner.
+
+    Host work is vectorised with numpy (no per-token Python). Everything crosses to the
+    device as two packed buffers, one int64 and one int32, so no cast runs on the device. On
+    CUDA they are staged in pinned memory (two alternating buffers, each reused only once its
+    last copy has completed) and copied without blocking the host.
+
+    The optional limits turn what would be an out-of-bounds access on the device into a
+    ``ValueError`` here: block ids must lie in ``[1, num_blocks)`` (block 0 is the reserved
+    padding block), context lengths must not exceed ``max_model_len``, token ids must lie in
+    ``[0, vocab_size)``.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device | str,
+        *,
+        num_blocks: int | None = None,
+        max_model_len: int | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self._staging = _PinnedStaging() if self.device.type == "cuda" else None
+
+    def build(self, chunks: Sequence[SeqChunk]) -> ForwardBatch:
+        """Flatten ``chunks`` (in order) into a :class:`ForwardBatch` on the device."""
+        host = self.build_host(chunks)
+        return self.upload(host)
+
+    def upload(self, host: HostBatch, into: tuple[Tensor, Tensor] | None = None) -> ForwardBatch:
+        """Copy ``host`` to the device: into fresh tensors, or into the prefixes of the given
+        persistent (int64, int32) device buffers."""
+        a64, a32 = host.packed64, host.packed32
+        if self._staging is not None:
+            t64, t32 = self._staging.stage(a64, a32)
+        else:
+            t64, t32 = torch.from_numpy(a64), torch.from_numpy(a32)
+        if into is None:
+            d64 = t64.to(self.device, non_blocking=True)
+            d32 = t32.to(self.device, non_blocking=True)
+        else:
+            d64, d32 = into
+            d64[: a64.size].copy_(t64, non_blocking=True)
+            d32[: a32.size].copy_(t32, non_blocking=True)
+        if self._staging is not None:
+            self._staging.record()
+        return host.layout.views(d64, d32, host.max_query_len, host.max_seq_len)
+
+    def build_host(
+        self,
+        chunks: Sequence[SeqChunk],
+        *,
+        pad_to_seqs: int | None = None,
+        table_width: int | None = None,
+    ) -> HostBatch:
+        """The packed host buffers of ``chunks``. ``pad_to_seqs`` appends padding sequences of
+        one token each (written nowhere, reading one slot of the reserved block 0) up to that
+        many sequences; ``table_width`` fixes the block-table width (for a captured graph)."""
+        if not chunks:
+            raise ValueError("empty batch: no chunks")
+        bs = self.block_size
+        num_real = len(chunks)
+        num_seqs = max(num_real, pad_to_seqs or 0)
+
+        q_lens = np.ones(num_seqs, np.int64)
+        q_lens[:num_real] = np.fromiter((len(c.token_ids) for c in chunks), np.int64, num_real)
+        num_computed = np.zeros(num_seqs, np.int64)
+        num_computed[:num_real] = np.fromiter(
+            (c.num_computed_tokens for c in chunks), np.int64, num_real
+        )
+        if (q_lens <= 0).any():
+            raise ValueError(f"chunk {int(np.argmax(q_lens <= 0))} has no tokens")
+        if (num_computed < 0).any():
+            raise ValueError(
+                f"chunk {int(np.argmax(num_computed < 0))}: negative num_computed_tokens"
+            )
+        seq_lens = num_computed + q_lens  # [B]
+        if self.max_model_len is not None and (seq_lens > self.max_model_len).any():
+            b = int(np.argmax(seq_lens > self.max_model_len))
+            raise ValueError(
+                f"chunk {b}: length {seq_lens[b]} exceeds max_model_len={self.max_model_len}"
+            )
+        query_start_loc = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        num_real_tokens = int(query_start_loc[num_real])
+
+        # Block tables, truncated to the blocks this step touches, padded with block 0.
+        blocks_needed = -(-seq_lens // bs)  # [B]
+        blocks_needed[num_real:] = 0  # padding sequences read block 0 through an empty row
+        table_lens = np.fromiter((len(c.block_table) for c in chunks), np.int64, num_real)
+        short = table_lens < blocks_needed[:num_real]
+        if short.any():
+            b = int(np.argmax(short))
+            raise ValueError(
+                f"chunk {b}: block table has {table_lens[b]} blocks, {blocks_needed[b]} needed "
+                f"for {seq_lens[b]} tokens at block_size={bs}"
+            )
+        max_blocks = max(int(blocks_needed.max()), 1)
+        width = max_blocks if table_width is None else table_width
+        if width < max_blocks:
+            raise ValueError(f"table_width={width} < {max_blocks} blocks needed")
+        need_logits = np.ones(num_seqs, np.bool_)
+        need_logits[:num_real] = np.fromiter((c.need_logits for c in chunks), np.bool_, num_real)
+        logits_indices = query_start_loc[1:][need_logits] - 1  # [K]
+        layout = BatchLayout(num_tokens, num_seqs, width, int(logits_indices.size))
+
+        packed64 = np.empty(sum(layout.sizes64), np.int64)
+        packed32 = np.empty(sum(layout.sizes32), np.int32)
+        ids, pos, slots, logits_idx = np.split(packed64, np.cumsum(layout.sizes64)[:-1])
+        tables_flat, qsl, lens = np.split(packed32, np.cumsum(layout.sizes32)[:-1])
+
+        ids[num_real_tokens:] = 0
+        ids[:num_real_tokens] = np.fromiter(
+            itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, num_real_tokens
+        )
+        if self.vocab_size is not None:
+            bad = (ids < 0) | (ids >= self.vocab_size)
+            if bad.any():
+                raise ValueError(
+                    f"token id {int(ids[bad][0])} outside the vocabulary [0, {self.vocab_size})"
+                )
+
+        tables = tables_flat.reshape(num_seqs, width)
+        tables.fill(0)
+        needed = blocks_needed[:num_real].tolist()
+        used_ids = np.fromiter(
+            itertools.chain.from_iterable(
+                c.block_table if len(c.block_table) == n else c.block_table[:n]
+                for c, n in zip(chunks, needed, strict=True)
+            ),
+            np.int64,
+            int(blocks_needed.sum()),
+        )
+        if self.num_blocks is not None and ((used_ids <= 0) | (used_ids >= self.num_blocks)).any():
+            bad_id = int(used_ids[(used_ids <= 0) | (used_ids >= self.num_blocks)][0])
+            raise ValueError(f"block id {bad_id} outside [1, {self.num_blocks})")
+        used = np.arange(width)[None, :] < blocks_needed[:, None]  # [B, width] bool
+        tables[used] = used_ids  # row-major fill = concatenation order
+
+        # Per-token positions and cache slots; padding tokens write nowhere (slot -1).
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)  # [T]
+        pos[:] = np.arange(num_tokens) - query_start_loc[seq_of_token] + num_computed[seq_of_token]
+        slots[:] = tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
+        slots[num_real_tokens:] = -1
+        pos[num_real_tokens:] = 0
+        logits_idx[:] = logits_indices
+        qsl[:] = query_start_loc
+        lens[:] = seq_lens
+        return HostBatch(layout, packed64, packed32, int(q_lens.max()), int(seq_lens.max()))
+
+
+class _PinnedStaging:
+    """Two alternating pinned host buffer pairs for non-blocking uploads. A pair is written
+    again only after the event recorded behind its last copy has completed."""
+
+    def __init__(self) -> None:
+        self._bufs: list[tuple[Tensor, Tensor] | None] = [None, None]
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def stage(self, a64: np.ndarray, a32: np.ndarray) -> tuple[Tensor, Tensor]:
+        i = self._turn
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()
+        bufs = self._bufs[i]
+        if bufs is None or bufs[0].numel() < a64.size or bufs[1].numel() < a32.size:
+            n64, n32 = max(a64.size, 1 << 12), max(a32.size, 1 << 14)
+            if bufs is not None:
+                n64, n32 = max(n64, 2 * bufs[0].numel()), max(n32, 2 * bufs[1].numel())
+            bufs = (
+                torch.empty(n64, dtype=torch.int64, pin_memory=True),
+                torch.empty(n32, dtype=torch.int32, pin_memory=True),
+            )
+            self._bufs[i] = bufs
+        t64, t32 = bufs[0][: a64.size], bufs[1][: a32.size]
+        t64.numpy()[:] = a64
+        t32.numpy()[:] = a32
+        return t64, t32
+
+    def record(self) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        self._events[self._turn] = event
+        self._turn ^= 1
+
+
 def build_forward_batch(
     chunks: Sequence[SeqChunk],
     block_size: int,
@@ -69,95 +323,12 @@ def build_forward_batch(
     max_model_len: int | None = None,
     vocab_size: int | None = None,
 ) -> ForwardBatch:
-    """Flatten ``chunks`` (in order) into a :class:`ForwardBatch` on ``device``.
-
-    Host work is vectorised with numpy (no per-token Python) and everything crosses to the
-    device as one int64 buffer. The optional limits turn what would be an out-of-bounds
-    access on the device into a ``ValueError`` here: block ids must lie in
-    ``[1, num_blocks)`` (block 0 is the reserved padding block), context lengths must not
-    exceed ``max_model_len``, token ids must lie in ``[0, vocab_size)``.
-    """
-    if not chunks:
-        raise ValueError("empty batch: no chunks")
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    num_seqs = len(chunks)
-
-    q_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, num_seqs)
-    num_computed = np.fromiter((c.num_computed_tokens for c in chunks), np.int64, num_seqs)
-    if (q_lens <= 0).any():
-        raise ValueError(f"chunk {int(np.argmax(q_lens <= 0))} has no tokens")
-    if (num_computed < 0).any():
-        raise ValueError(f"chunk {int(np.argmax(num_computed < 0))}: negative num_computed_tokens")
-    seq_lens = num_computed + q_lens  # [B]
-    if max_model_len is not None and (seq_lens > max_model_len).any():
-        b = int(np.argmax(seq_lens > max_model_len))
-        raise ValueError(f"chunk {b}: length {seq_lens[b]} exceeds max_model_len={max_model_len}")
-    query_start_loc = np.zeros(num_seqs + 1, np.int64)
-    np.cumsum(q_lens, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
-
-    input_ids = np.fromiter(
-        itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, num_tokens
+    """One batch through a one-off :class:`BatchBuilder` (tests, profiling)."""
+    builder = BatchBuilder(
+        block_size,
+        device,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
     )
-    if vocab_size is not None and ((input_ids < 0) | (input_ids >= vocab_size)).any():
-        bad = int(input_ids[(input_ids < 0) | (input_ids >= vocab_size)][0])
-        raise ValueError(f"token id {bad} outside the vocabulary [0, {vocab_size})")
-
-    # Block tables, truncated to the blocks this step touches, padded with block 0.
-    blocks_needed = -(-seq_lens // block_size)  # [B]
-    table_lens = np.fromiter((len(c.block_table) for c in chunks), np.int64, num_seqs)
-    if (table_lens < blocks_needed).any():
-        b = int(np.argmax(table_lens < blocks_needed))
-        raise ValueError(
-            f"chunk {b}: block table has {table_lens[b]} blocks, {blocks_needed[b]} needed for "
-            f"{seq_lens[b]} tokens at block_size={block_size}"
-        )
-    max_blocks = int(blocks_needed.max())
-    used = np.arange(max_blocks)[None, :] < blocks_needed[:, None]  # [B, max_blocks] bool
-    used_ids = np.fromiter(
-        itertools.chain.from_iterable(
-            c.block_table[:n] for c, n in zip(chunks, blocks_needed.tolist(), strict=True)
-        ),
-        np.int64,
-        int(blocks_needed.sum()),
-    )
-    if num_blocks is not None and ((used_ids <= 0) | (used_ids >= num_blocks)).any():
-        bad = int(used_ids[(used_ids <= 0) | (used_ids >= num_blocks)][0])
-        raise ValueError(f"block id {bad} outside [1, {num_blocks})")
-    block_tables = np.zeros((num_seqs, max_blocks), np.int64)
-    block_tables[used] = used_ids  # row-major fill = concatenation order
-
-    # Per-token positions and cache slots.
-    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)  # [T]
-    positions = (
-        np.arange(num_tokens) - query_start_loc[seq_of_token] + num_computed[seq_of_token]
-    )  # [T]
-    slot_mapping = (
-        block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    )  # [T]
-    need_logits = np.fromiter((c.need_logits for c in chunks), np.bool_, num_seqs)
-    logits_indices = query_start_loc[1:][need_logits] - 1  # [K]
-
-    parts = (
-        input_ids,
-        positions,
-        slot_mapping,
-        block_tables.ravel(),
-        query_start_loc,
-        seq_lens,
-        logits_indices,
-    )
-    packed = torch.from_numpy(np.concatenate(parts)).to(device)
-    ids, pos, slots, tables, qsl, lens, logits_idx = packed.split([p.size for p in parts])
-    return ForwardBatch(
-        input_ids=ids,
-        positions=pos,
-        slot_mapping=slots,
-        block_tables=tables.view(num_seqs, max_blocks).to(torch.int32),
-        query_start_loc=qsl.to(torch.int32),
-        seq_lens=lens.to(torch.int32),
-        logits_indices=logits_idx,
-        max_query_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-    )
+    return builder.build(chunks)

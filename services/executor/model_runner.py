@@ -15,7 +15,7 @@ from torch import Tensor
 
 from kernels import ops
 from services.executor.config import ExecutorConfig
-from services.executor.forward_batch import SeqChunk, build_forward_batch
+from services.executor.forward_batch import BatchBuilder, SeqChunk
 from services.executor.kv_cache import allocate_kv_cache, size_kv_cache
 from services.executor.loader import load_model, resolve_device
 from services.executor.model import DecoderLM
@@ -47,6 +47,13 @@ class ModelRunner:
         self.num_blocks: int = kv_cache.shape[2]
         self.device: torch.device = kv_cache.device
         self.dtype: torch.dtype = model.dtype
+        self.builder = BatchBuilder(
+            block_size,
+            self.device,
+            num_blocks=self.num_blocks,
+            max_model_len=self.config.max_model_len,
+            vocab_size=self.config.vocab_size,
+        )
 
     @classmethod
     def from_config(cls, config: ExecutorConfig) -> ModelRunner:
@@ -74,15 +81,7 @@ class ModelRunner:
 
         Writes the new tokens' K/V into the cache slots their block tables name.
         """
-        batch = build_forward_batch(
-            chunks,
-            self.block_size,
-            self.device,
-            num_blocks=self.num_blocks,
-            max_model_len=self.config.max_model_len,
-            vocab_size=self.config.vocab_size,
-        )
-        return self.model(batch, self.kv_cache)
+        return self.model(self.builder.build(chunks), self.kv_cache)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:

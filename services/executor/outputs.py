@@ -57,7 +57,7 @@ class SeqOutput:
     req_id: RequestKey
     index: int
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when asked
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     usage: Usage | None = None

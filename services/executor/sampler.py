@@ -58,30 +58,30 @@ class SeededGenerators:
         return len(self._by_key)
 
 
-@dataclass
-class SamplingRow:
-    """What the sampler needs to know about one row of logits: the request's parameters and
-    the sequence's own state."""
+@dataclass(slots=True)
+class RowState:
+    """What one row needs beyond its :class:`SamplingParams`: the token history (read by the
+    penalties), its own generator (seeded requests) and banned tokens (EOS and stop tokens
+    until ``min_tokens``). Rows of stateless, unseeded requests have none."""
 
-    params: SamplingParams
-    prompt_token_ids: list[int]  # read only when a penalty is set
+    prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
-    banned_token_ids: tuple[int, ...] = ()  # e.g. EOS while min_tokens is not reached
+    banned_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def of(
         cls, seq: Sequence, generator: torch.Generator | None, eos_token_ids: tuple[int, ...]
-    ) -> SamplingRow:
-        """The row of ``seq``'s next token: token history only where a penalty reads it, EOS
-        and stop tokens banned until ``min_tokens`` outputs exist."""
+    ) -> RowState | None:
+        """The state of ``seq``'s next-token row, or None when its params suffice."""
         p = seq.params
-        penalties = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        if p.stateless and generator is None:
+            return None
+        penalties = p.has_penalties
         banned: tuple[int, ...] = ()
         if seq.num_output_tokens < p.min_tokens:
             banned = (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids)
         return cls(
-            params=p,
             prompt_token_ids=seq.token_ids[: seq.prompt_len] if penalties else [],
             output_token_ids=seq.token_ids[seq.prompt_len :] if penalties else [],
             generator=generator,
@@ -102,45 +102,48 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SampleResult:
-        """``logits`` [K, V] float32, one row per entry of ``rows``."""
-        assert logits.shape[0] == len(rows)
+    def __call__(
+        self, logits: Tensor, params: list[SamplingParams], states: dict[int, RowState]
+    ) -> SampleResult:
+        """``logits`` [K, V] float32, one row per entry of ``params``; ``states`` holds the
+        rows that need more than their params (by row index)."""
+        assert logits.shape[0] == len(params)
         dev = logits.device
         raw = logits.float()
-        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
 
-        logits = self._apply_penalties(raw, rows)
-        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
+        logits = self._apply_penalties(raw, params, states) if states else raw
+        banned = [(i, t) for i, st in states.items() for t in st.banned_token_ids]
         if banned:
             if logits is raw:
                 logits = raw.clone()
             bi = torch.tensor(banned, dtype=torch.long, device=dev)
             logits[bi[:, 0], bi[:, 1]] = _NEG_INF
 
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=dev)
-        greedy_mask = temps == 0
         greedy_tokens = logits.argmax(dim=-1)
-        if bool(greedy_mask.all()):
+        if all(p.temperature == 0 for p in params):
             tokens = greedy_tokens
         else:
-            tokens = self._sample(logits, rows, temps, greedy_mask, greedy_tokens)
+            tokens = self._sample(logits, params, states, greedy_tokens)
 
         token_list = tokens.tolist()
-        return SampleResult(token_list, self._logprobs(raw_logprobs, rows, tokens, token_list))
+        return SampleResult(token_list, self._logprobs(raw_logprobs, params, tokens))
 
     # ---- pieces ---------------------------------------------------------------------------
 
     @staticmethod
-    def _apply_penalties(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
-        need_rep = any(r.params.repetition_penalty != 1.0 for r in rows)
-        need_freq = any(r.params.presence_penalty or r.params.frequency_penalty for r in rows)
+    def _apply_penalties(
+        logits: Tensor, params: list[SamplingParams], states: dict[int, RowState]
+    ) -> Tensor:
+        need_rep = any(params[i].repetition_penalty != 1.0 for i in states)
+        need_freq = any(params[i].presence_penalty or params[i].frequency_penalty for i in states)
         if not (need_rep or need_freq):
             return logits
         k_rows, vocab = logits.shape
         dev = logits.device
         logits = logits.clone()
-        out_ids, out_rows = _flatten([r.output_token_ids for r in rows], dev)
+        out_ids, out_rows = _flatten({i: st.output_token_ids for i, st in states.items()}, dev)
         counts = torch.zeros(k_rows, vocab, dtype=torch.float32, device=dev)
         if out_ids.numel():
             counts.index_put_(
@@ -150,35 +153,34 @@ class Sampler:
             # HF semantics: tokens seen in prompt or output are divided (positive logits) or
             # multiplied (negative) by the penalty.
             seen = counts > 0
-            p_ids, p_rows = _flatten([r.prompt_token_ids for r in rows], dev)
+            p_ids, p_rows = _flatten({i: st.prompt_token_ids for i, st in states.items()}, dev)
             if p_ids.numel():
                 seen[p_rows, p_ids] = True
-            rp = torch.tensor([r.params.repetition_penalty for r in rows], device=dev).unsqueeze(1)
+            rp = torch.tensor([p.repetition_penalty for p in params], device=dev).unsqueeze(1)
             penalized = torch.where(logits > 0, logits / rp, logits * rp)
             logits = torch.where(seen, penalized, logits)
         if need_freq:
-            freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev).unsqueeze(1)
-            pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev).unsqueeze(1)
+            freq = torch.tensor([p.frequency_penalty for p in params], device=dev).unsqueeze(1)
+            pres = torch.tensor([p.presence_penalty for p in params], device=dev).unsqueeze(1)
             logits = logits - freq * counts - pres * (counts > 0).float()
         return logits
 
     def _sample(
         self,
         logits: Tensor,
-        rows: list[SamplingRow],
-        temps: Tensor,
-        greedy_mask: Tensor,
+        params: list[SamplingParams],
+        states: dict[int, RowState],
         greedy_tokens: Tensor,
     ) -> Tensor:
         dev = logits.device
         k_rows, vocab = logits.shape
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        greedy_mask = temps == 0
         scaled = logits / torch.where(greedy_mask, torch.ones_like(temps), temps).unsqueeze(1)
 
-        top_k = torch.tensor(
-            [r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=dev
-        )
-        top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=dev)
-        min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
         if bool((top_k < vocab).any() | (top_p < 1).any() | (min_p > 0).any()):
             sorted_logits, order = scaled.sort(dim=-1, descending=True)
             ranks = torch.arange(vocab, device=dev).unsqueeze(0)
@@ -192,45 +194,42 @@ class Sampler:
 
         probs = scaled.softmax(dim=-1)
         q = torch.empty_like(probs)
-        seeded = [i for i, r in enumerate(rows) if r.generator is not None]
+        seeded = [(i, st.generator) for i, st in states.items() if st.generator is not None]
         if len(seeded) < k_rows:
             q.exponential_(generator=self.generator)
-        for i in seeded:
-            q[i].exponential_(generator=rows[i].generator)
+        for i, generator in seeded:
+            q[i].exponential_(generator=generator)
         sampled = (probs / q).argmax(dim=-1)
         return torch.where(greedy_mask, greedy_tokens, sampled)
 
     @staticmethod
     def _logprobs(
-        raw_logprobs: Tensor | None,
-        rows: list[SamplingRow],
-        tokens: Tensor,
-        token_list: list[int],
+        raw_logprobs: Tensor | None, params: list[SamplingParams], tokens: Tensor
     ) -> list[tuple[float, list[tuple[int, float]]] | None]:
         if raw_logprobs is None:
-            return [None] * len(rows)
+            return [None] * len(params)
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        max_k = max(r.params.logprobs or 0 for r in rows)
+        max_k = max(p.logprobs or 0 for p in params)
         top_vals: list[list[float]] = []
         top_ids: list[list[int]] = []
         if max_k:
             vals, ids = raw_logprobs.topk(max_k, dim=-1)
             top_vals, top_ids = vals.tolist(), ids.tolist()
         out: list[tuple[float, list[tuple[int, float]]] | None] = []
-        for i, r in enumerate(rows):
-            if r.params.logprobs is None:
+        for i, p in enumerate(params):
+            if p.logprobs is None:
                 out.append(None)
                 continue
-            k = r.params.logprobs
+            k = p.logprobs
             top = list(zip(top_ids[i][:k], top_vals[i][:k], strict=True)) if k else []
             out.append((chosen[i], top))
         return out
 
 
-def _flatten(lists: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+def _flatten(lists: dict[int, list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
     """Concatenate per-row id lists into (ids, row index) tensors."""
-    ids = [t for lst in lists for t in lst]
-    rows = [i for i, lst in enumerate(lists) for _ in lst]
+    ids = [t for lst in lists.values() for t in lst]
+    rows = [i for i, lst in lists.items() for _ in lst]
     return (
         torch.tensor(ids, dtype=torch.long, device=device),
         torch.tensor(rows, dtype=torch.long, device=device),

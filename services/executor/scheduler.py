@@ -17,9 +17,11 @@ freed and it waits, to be re-admitted later with all its tokens.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import structlog
 
@@ -53,15 +55,10 @@ class SchedulerConfig:
     watermark_blocks: int = 1  # admissions must leave this many blocks free
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
     seq: Sequence
     num_new_tokens: int  # tokens computed for ``seq`` in this step
-
-    @property
-    def completes_known_tokens(self) -> bool:
-        """True when this chunk reaches the last known token: its logits are sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    need_logits: bool  # the chunk reaches the last known token: its logits are sampled
 
 
 @dataclass
@@ -202,12 +199,20 @@ class Scheduler:
             return True
 
         # Decodes first, then prefill chunks of running sequences, in priority order.
+        bs, refs, grows = cfg.block_size, self.refs, plan.grows
         for decode_pass in (True, False):
             for seq in list(self.running):
                 if seq.status is not SeqStatus.RUNNING or seq.seq_id in scheduled:
                     continue
-                remaining = seq.num_tokens - seq.num_computed_tokens
+                computed = seq.num_computed_tokens
+                remaining = len(seq.token_ids) - computed
                 if (remaining == 1) != decode_pass or budget <= 0:
+                    continue
+                if remaining == 1 and computed % bs and refs[seq.block_table[-1]] == 1:
+                    # The common decode: room in a last block no one else holds.
+                    scheduled.add(seq.seq_id)
+                    grows.append((seq, 1))
+                    budget -= 1
                     continue
                 k = min(remaining, budget)
                 if schedule(seq, k):
@@ -288,7 +293,10 @@ class Scheduler:
             bisect.insort(self.running, seq, key=_sort_key)
             new_prefills.append((seq, res.num_tokens - res.num_cached_tokens))
         self.num_free_blocks = result.counters.num_free_blocks
-        chunks = [ScheduledChunk(s, k) for s, k in (*grows, *new_prefills)]
+        chunks = [
+            ScheduledChunk(s, k, s.num_computed_tokens + k == len(s.token_ids))
+            for s, k in itertools.chain(grows, new_prefills)
+        ]
         return ScheduledBatch(chunks, copies)
 
     def _apply_grow(
@@ -296,6 +304,29 @@ class Scheduler:
     ) -> set[int]:
         failed: set[int] = set()
         seqs = [s for s, _ in plan.grows]
+        refs, ok = self.refs, OpStatus.OK
+        if grow.statuses.count(ok) == len(seqs):  # the common case: every grow went through
+            for seq, new_ids in zip(seqs, grow.new_block_ids, strict=True):
+                if new_ids:
+                    seq.block_table.extend(new_ids)
+                    for b in new_ids:
+                        refs[b] += 1
+        else:
+            failed = self._apply_grow_statuses(plan, seqs, grow)
+        for copy in grow.copies:
+            seq = seqs[copy.entry]
+            seq.block_table[copy.block_index] = copy.dst
+            refs[copy.dst] += 1
+            copies.append((copy.src, copy.dst))
+        for seq in seqs:
+            if seq.seq_id in failed:
+                self._requeue_refused(seq)
+        return failed
+
+    def _apply_grow_statuses(
+        self, plan: SchedulePlan, seqs: list[Sequence], grow: GrowResult
+    ) -> set[int]:
+        failed: set[int] = set()
         for seq, status, new_ids in zip(seqs, grow.statuses, grow.new_block_ids, strict=True):
             if status is not OpStatus.OK:
                 # Our counters said it fits; the pool disagrees: recompute it later.
@@ -307,14 +338,6 @@ class Scheduler:
             seq.block_table.extend(new_ids)
             for b in new_ids:
                 self.refs[b] += 1
-        for copy in grow.copies:
-            seq = seqs[copy.entry]
-            seq.block_table[copy.block_index] = copy.dst
-            self.refs[copy.dst] += 1
-            copies.append((copy.src, copy.dst))
-        for seq in seqs:
-            if seq.seq_id in failed:
-                self._requeue_refused(seq)
         return failed
 
     # ---- after the forward ----------------------------------------------------------------
