@@ -26,8 +26,11 @@ from kernels import reference
 __all__ = [
     "FORCE_TRITON_ENV",
     "copy_blocks",
+    "fused_add_rms_norm",
     "paged_attention",
     "reshape_and_cache",
+    "rotary_embedding",
+    "silu_and_mul",
     "split_kv_heuristic",
 ]
 
@@ -186,3 +189,35 @@ def copy_blocks(
         copy_blocks_triton(kv_cache, src, dst)
     else:
         reference.copy_blocks(kv_cache, src, dst)
+
+
+def fused_add_rms_norm(
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float
+) -> Tensor:  # [T, H]
+    """See :func:`kernels.reference.fused_add_rms_norm`."""
+    if _use_triton(x):
+        from kernels.fused_add_rms_norm import fused_add_rms_norm_triton
+
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: Tensor, query: Tensor, key: Tensor, cos: Tensor, sin: Tensor
+) -> None:
+    """See :func:`kernels.reference.rotary_embedding`."""
+    if _use_triton(query):
+        from kernels.rotary_embedding import rotary_embedding_triton
+
+        rotary_embedding_triton(positions, query, key, cos, sin)
+    else:
+        reference.rotary_embedding(positions, query, key, cos, sin)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:  # [T, 2I] -> [T, I]
+    """See :func:`kernels.reference.silu_and_mul`."""
+    if _use_triton(x):
+        from kernels.silu_and_mul import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
+    return reference.silu_and_mul(x)

@@ -22,7 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["copy_blocks", "paged_attention", "reshape_and_cache"]
+__all__ = [
+    "copy_blocks",
+    "fused_add_rms_norm",
+    "paged_attention",
+    "reshape_and_cache",
+    "rotary_embedding",
+    "silu_and_mul",
+]
 
 
 def reshape_and_cache(
@@ -124,3 +131,45 @@ def copy_blocks(
     if src.numel() == 0:
         return
     kv_cache[:, :, dst.long()] = kv_cache[:, :, src.long()]
+
+
+# ---- the model's elementwise ops (references of the fused kernels) ---------------------------
+
+
+def fused_add_rms_norm(
+    x: Tensor,  # [T, H]
+    residual: Tensor | None,  # [T, H]; updated in place to x + residual
+    weight: Tensor,  # [H]
+    eps: float,
+) -> Tensor:  # [T, H]
+    """RMSNorm of ``x + residual`` (of ``x`` alone without a residual), as HF computes it:
+    the sum rounded to the model dtype and stored into ``residual``, then
+    ``weight * to_dtype(r * rsqrt(mean(r^2) + eps))`` with the statistics in fp32."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotary_embedding(
+    positions: Tensor,  # [T]
+    query: Tensor,  # [T, Hq, D], rotated in place
+    key: Tensor,  # [T, Hkv, D], rotated in place
+    cos: Tensor,  # [max_len, D/2]
+    sin: Tensor,  # [max_len, D/2]
+) -> None:
+    """Rotate each token's query and key heads by its position, NeoX style (HF Llama's
+    ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)``), in place."""
+    c = cos[positions].unsqueeze(1)  # [T, 1, D/2]
+    s = sin[positions].unsqueeze(1)
+    for x in (query, key):
+        x1, x2 = x.chunk(2, dim=-1)  # [T, h, D/2] each
+        x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+
+
+def silu_and_mul(x: Tensor) -> Tensor:  # [T, 2I] -> [T, I]
+    """SwiGLU's activation over the fused projection ``x = [gate | up]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -20,7 +20,6 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import ops
@@ -37,10 +36,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
 
-    def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:  # [T, H] -> [T, H]
+        """RMSNorm of ``x``, or of ``x + residual`` with the sum stored into ``residual``."""
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> Tensor:  # [D/2] float32
@@ -89,17 +87,9 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(freqs.cos())
         self.sin.copy_(freqs.sin())
 
-    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] by their tokens' positions [T]."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)  # [T, 1, D/2]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # [T, h, D] -> [T, h, D]
-    # HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), with rotate_half(x) = (-x2, x1).
-    x1, x2 = x.chunk(2, dim=-1)  # [T, h, D/2] each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> None:
+        """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] in place by their tokens' positions."""
+        ops.rotary_embedding(positions, q, k, self.cos, self.sin)
 
 
 class Attention(nn.Module):
@@ -126,7 +116,7 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = rotary_emb(batch.positions, q, k)
+        rotary_emb(batch.positions, q, k)
 
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [NB, BS, Hkv, D] each
         ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
@@ -158,8 +148,7 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
 
 
 class DecoderLayer(nn.Module):
@@ -171,10 +160,21 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, dtype)
 
     def forward(
-        self, h: Tensor, batch: ForwardBatch, rotary_emb: RotaryEmbedding, kv_cache: Tensor
-    ) -> Tensor:  # [T, H] -> [T, H]
-        h = h + self.self_attn(self.input_layernorm(h), batch, rotary_emb, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self,
+        h: Tensor,  # [T, H]: the previous layer's output (the embeddings for layer 0)
+        residual: Tensor | None,  # [T, H]: the residual stream before h was added; updated
+        batch: ForwardBatch,
+        rotary_emb: RotaryEmbedding,
+        kv_cache: Tensor,
+    ) -> tuple[Tensor, Tensor]:  # (this layer's output, the residual stream before it)
+        if residual is None:
+            residual = h
+            x = self.input_layernorm(h)
+        else:
+            x = self.input_layernorm(h, residual)  # residual += h
+        x = self.self_attn(x, batch, rotary_emb, kv_cache)
+        x = self.post_attention_layernorm(x, residual)  # residual += attention output
+        return self.mlp(x), residual
 
 
 # Our fused projections and the HF projections stacked into them, in order along dim 0.
@@ -222,9 +222,12 @@ class DecoderLM(nn.Module):
         ``batch.logits_indices`` only.
         """
         h = self.embed_tokens(batch.input_ids)  # [T, H]
+        residual: Tensor | None = None
         for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
-            h = layer(h, batch, self.rotary_emb, layer_cache)  # [T, H]
-        h = self.norm(h[batch.logits_indices])  # [K, H]; the norm is per token
+            h, residual = layer(h, residual, batch, self.rotary_emb, layer_cache)  # [T, H] x2
+        assert residual is not None
+        idx = batch.logits_indices  # the norm is per token: only the rows whose logits we need
+        h = self.norm(h[idx], residual[idx])  # [K, H]
         return self.lm_head(h).float()  # [K, V]
 
     def hf_weight_names(self) -> set[str]:

@@ -70,6 +70,7 @@ def test_rotation_equals_transformers_apply_rotary_pos_emb(kind: str) -> None:
     cos, sin = LlamaRotaryEmbedding(hf)(q, positions[None])  # [1, T, D]
     # HF layout is [B, H, T, D]; ours is [T, H, D].
     q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    q_out, k_out = rotary(positions, q, k)
+    q_out, k_out = q.clone(), k.clone()
+    rotary(positions, q_out, k_out)  # in place
     torch.testing.assert_close(q_out, q_ref[0].transpose(0, 1), rtol=0, atol=1e-5)
     torch.testing.assert_close(k_out, k_ref[0].transpose(0, 1), rtol=0, atol=1e-5)
