@@ -17,6 +17,11 @@ def _parse_bytes(text: str) -> int:
     return int(float(t))
 
 
+def _parse_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,4,8"`` -> ``(1, 2, 4, 8)``."""
+    return tuple(sorted({int(t) for t in text.replace(" ", "").split(",") if t}))
+
+
 @dataclass(frozen=True)
 class ExecutorConfig:
     model: str
@@ -40,6 +45,8 @@ class ExecutorConfig:
     host: str = "127.0.0.1"
     port: int = 50061
     served_model_name: str | None = None
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture
     log_level: str = "INFO"
 
     @classmethod
@@ -77,6 +84,18 @@ class ExecutorConfig:
         a("--pool-id", default=None)
         a("--watermark", type=float, default=cls.watermark)
         a("--seed", type=int, default=cls.seed)
+        a(
+            "--enforce-eager",
+            action="store_true",
+            help="never use CUDA graphs (decode steps then launch every kernel)",
+        )
+        a(
+            "--cuda-graph-sizes",
+            type=_parse_sizes,
+            default=None,
+            help="decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8,16 (default: 1, 2, "
+            "4, then multiples of 8 up to --max-num-seqs)",
+        )
         a("--host", default=cls.host)
         a("--port", type=int, default=cls.port)
         a("--log-level", default=cls.log_level)
@@ -114,10 +133,25 @@ class ExecutorConfig:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.blockmgr == "grpc" and not self.blockmgr_address:
             raise ValueError("--blockmgr grpc needs --blockmgr-address")
+        if self.cuda_graph_sizes is not None and (
+            not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1
+        ):
+            raise ValueError("--cuda-graph-sizes must be positive integers")
         if not 0 <= self.watermark < 1:
             raise ValueError("--watermark must be in [0, 1)")
         if not 0 <= self.port <= 65535:
             raise ValueError("--port must be in [0, 65535]")
+
+    @property
+    def capture_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes captured as CUDA graphs: ``--cuda-graph-sizes``, else
+        vLLM's scheme: 1, 2, 4, then every multiple of 8 up to the first size that covers
+        ``--max-num-seqs``."""
+        if self.cuda_graph_sizes:
+            return self.cuda_graph_sizes
+        sizes = [1, 2, 4, *range(8, self.max_num_seqs + 8, 8)]
+        cover = next(s for s in sizes if s >= self.max_num_seqs)
+        return tuple(s for s in sizes if s <= cover)
 
     def as_log_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -184,7 +184,7 @@ class BatchBuilder:
         """The packed host buffers of ``chunks``. ``pad_to_seqs`` appends padding sequences of
         one token each (written nowhere, reading one slot of the reserved block 0) up to that
         many sequences; ``table_width`` fixes the block-table width (for a captured graph)."""
-        if not chunks:
+        if not chunks and not pad_to_seqs:
             raise ValueError("empty batch: no chunks")
         bs = self.block_size
         num_real = len(chunks)

@@ -134,14 +134,34 @@ def _profile_budget(model: DecoderLM, config: ExecutorConfig) -> int:
     model(batch, probe)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
+    graph_bytes = 0
+    if not config.enforce_eager:
+        # The decode graphs keep their largest forward's intermediates for good: measure
+        # that forward (every sequence at position 0 of block 1) and set its peak aside.
+        size = max(config.capture_sizes)
+        decode = [SeqChunk([0], 0, [1], True)] * size
+        batch = build_forward_batch(
+            decode,
+            bs,
+            device,
+            num_blocks=probe_blocks,
+            max_model_len=mc.max_model_len,
+            vocab_size=mc.vocab_size,
+        )
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        model(batch, probe)
+        torch.cuda.synchronize(device)
+        graph_bytes = torch.cuda.max_memory_allocated(device) - base
     del probe, batch
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
-    budget = int(total * config.gpu_memory_utilization) - peak
+    budget = int(total * config.gpu_memory_utilization) - peak - graph_bytes
     log.info(
         "kv_cache_profiled",
         total_bytes=total,
         peak_bytes=peak,
+        cuda_graph_reserve_bytes=graph_bytes,
         budget_bytes=budget,
         gpu_memory_utilization=config.gpu_memory_utilization,
     )

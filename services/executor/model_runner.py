@@ -15,6 +15,7 @@ from torch import Tensor
 
 from kernels import ops
 from services.executor.config import ExecutorConfig
+from services.executor.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
 from services.executor.forward_batch import BatchBuilder, SeqChunk
 from services.executor.kv_cache import allocate_kv_cache, size_kv_cache
 from services.executor.loader import load_model, resolve_device
@@ -47,6 +48,7 @@ class ModelRunner:
         self.num_blocks: int = kv_cache.shape[2]
         self.device: torch.device = kv_cache.device
         self.dtype: torch.dtype = model.dtype
+        self.graphs: DecodeGraphs | None = None
         self.builder = BatchBuilder(
             block_size,
             self.device,
@@ -58,7 +60,8 @@ class ModelRunner:
     @classmethod
     def from_config(cls, config: ExecutorConfig) -> ModelRunner:
         """The one way to build a runner: load ``config.model`` on its device and dtype, size
-        the KV cache (:func:`~.kv_cache.size_kv_cache`) and allocate it. Loading errors are
+        the KV cache (:func:`~.kv_cache.size_kv_cache`), allocate it, and on CUDA capture
+        the decode graphs (unless ``--enforce-eager``). Loading errors are
         ``ModelLoadError``; a cache too small for one full sequence is ``ValueError``."""
         device = resolve_device(config.device)
         model = load_model(
@@ -68,7 +71,26 @@ class ModelRunner:
         kv_cache = allocate_kv_cache(
             model.config, num_blocks, config.block_size, model.dtype, device
         )
-        return cls(model, kv_cache, config.block_size)
+        runner = cls(model, kv_cache, config.block_size)
+        if device.type == "cuda" and not config.enforce_eager:
+            runner.capture_decode_graphs(config.capture_sizes, CudaGraphBackend())
+        return runner
+
+    def capture_decode_graphs(self, sizes: Sequence[int], backend: GraphBackend) -> None:
+        """Capture the decode forward at each of ``sizes``; pure-decode steps of at most
+        ``max(sizes)`` sequences replay them from then on."""
+        graphs = DecodeGraphs(self.model, self.kv_cache, self.builder, sizes, backend)
+        on_cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_reserved(self.device) if on_cuda else 0
+        graphs.capture()
+        used = torch.cuda.memory_reserved(self.device) - before if on_cuda else 0
+        log.info(
+            "cuda_graphs_captured",
+            sizes=list(graphs.sizes),
+            seconds=round(graphs.capture_s, 2),
+            memory_bytes=used,
+        )
+        self.graphs = graphs
 
     @property
     def max_model_len(self) -> int:
@@ -81,6 +103,11 @@ class ModelRunner:
 
         Writes the new tokens' K/V into the cache slots their block tables name.
         """
+        graphs = self.graphs
+        if graphs is not None:
+            size = graphs.bucket(chunks)
+            if size is not None:
+                return graphs.run(chunks, size)
         return self.model(self.builder.build(chunks), self.kv_cache)
 
     @torch.inference_mode()

@@ -1,0 +1,362 @@
+"""GPU engine benchmark: decode speed with CUDA graphs against ``--enforce-eager`` and HF.
+
+    python bench/gpu_engine.py [--preset llama-1b] [--num-requests 256] [--skip-hf]
+    python bench/gpu_engine.py --cpu-dry-run        # every code path, tiny, on the CPU
+
+Writes a random-weight Llama (``llama-1b``: hidden 2048, 16 layers, 32 query / 8 KV heads,
+head_dim 64, intermediate 8192, vocab 32000, about 1.1 B parameters) in bf16, then runs the
+workload of issue 9 through the engine in-process with default flags: every request arrives
+at once, prompts uniform in [32, 512] tokens, outputs uniform in [16, 256], seeded, greedy,
+``ignore_eos``. Once with CUDA graphs, once eager; then HF ``generate()`` on padded static
+batches of 64 and 256.
+
+Reported per run: output tok/s over the wall clock; the median decode step at batch >= 200
+(wall, host, forward); the GPU-busy share and the kernel launches of one full-batch decode
+step (torch profiler: summed kernel time over the step's wall time); the roofline floor of
+that step (weights + the batch's KV read once at the measured device copy rate); and how many
+requests' greedy tokens agree between the graphed and the eager run (bf16 attention splits
+differ between the two, so a late divergence is possible and is reported, not hidden).
+Prints markdown. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.blockmgr.client import InProcessClient
+from services.common.sampling_params import SamplingParams
+from services.executor.config import ExecutorConfig
+from services.executor.cuda_graphs import EagerGraphBackend
+from services.executor.engine import Engine
+from services.executor.forward_batch import SeqChunk
+from services.executor.model_runner import ModelRunner
+from services.executor.outputs import SeqOutput
+from services.executor.sequence import RequestKey
+from services.executor.startup import build_engine
+
+PRESETS: dict[str, dict[str, int]] = {
+    "llama-1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=32000,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+    ),
+}
+FULL_BATCH = 200
+
+
+@dataclass
+class Req:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Run:
+    name: str
+    wall_s: float = 0.0
+    output_tokens: int = 0
+    decode_steps: list[tuple[float, float, float]] = field(default_factory=list)  # wall, host, fwd
+    busy_share: float | None = None
+    launches: int | None = None
+    floor_ms: float | None = None
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s else 0.0
+
+
+def write_model(preset: str, device: str, dtype: torch.dtype, out: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        **PRESETS[preset],
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype=dtype,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(str(out))
+    del model
+    return out
+
+
+def make_requests(
+    n: int, vocab: int, prompt: tuple[int, int], output: tuple[int, int]
+) -> list[Req]:
+    rng = random.Random(0)
+    return [
+        Req(
+            [1] + [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt) - 1)],
+            rng.randint(*output),
+        )
+        for _ in range(n)
+    ]
+
+
+class TimedRunner:
+    """Wraps the runner: records whether each forward was a full-batch pure decode."""
+
+    def __init__(self, inner: ModelRunner) -> None:
+        self.inner = inner
+        self.device, self.num_blocks = inner.device, inner.num_blocks
+        self.last_decode_batch = 0
+        self.last_chunks: list[SeqChunk] = []
+
+    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        decode = all(len(c.token_ids) == 1 for c in chunks)
+        self.last_decode_batch = len(chunks) if decode else 0
+        self.last_chunks = list(chunks)
+        return self.inner.execute(chunks)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        self.inner.copy_blocks(pairs)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a device-to-device copy (read + write)."""
+    if device.type != "cuda":
+        return 10e9
+    x = torch.empty(1 << 28, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    return 10 * 2 * x.numel() * 4 / (start.elapsed_time(end) / 1e3)
+
+
+def profile_step(engine: Engine, device: torch.device) -> tuple[float, int, list[SeqOutput]]:
+    """(GPU-busy share, kernel launches, outputs) of one engine step, by the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.events()
+    if device.type == "cuda":
+        busy_us = sum(e.device_time for e in events if e.device_type.name == "CUDA")
+        launches = sum(
+            1
+            for e in events
+            if e.name
+            in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx")
+        )
+    else:
+        busy_us, launches = sum(e.self_cpu_time_total for e in events), 0
+    return min(busy_us / 1e6 / wall, 1.0), launches, outputs
+
+
+def run_engine(
+    name: str, model_dir: Path, reqs: list[Req], args: argparse.Namespace, eager: bool
+) -> Run:
+    device = torch.device(args.device)
+    config = ExecutorConfig(
+        model=str(model_dir),
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        enforce_eager=eager,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_memory=None if device.type == "cuda" else 64 << 20,
+    )
+    inner = ModelRunner.from_config(config)
+    if device.type != "cuda" and not eager:  # the dry run exercises the graph path too
+        inner.capture_decode_graphs(config.capture_sizes, EagerGraphBackend())
+    engine, _ = build_engine(config, runner=inner, blockmgr=InProcessClient())
+    runner = TimedRunner(inner)
+    engine.runner = runner
+    run = Run(name)
+    for i, r in enumerate(reqs):
+        engine.add_request(
+            RequestKey(0, str(i)),
+            r.prompt,
+            SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True),
+        )
+    full = args.full_batch
+    profiled = False
+    t0 = time.perf_counter()
+    while engine.has_work:
+        s0 = time.perf_counter()
+        if not profiled and runner.last_decode_batch >= full and args.profile:
+            run.busy_share, run.launches, outputs = profile_step(engine, device)
+            run.floor_ms = floor_ms(inner, runner.last_chunks, copy_bandwidth(device))
+            profiled = True
+        else:
+            outputs = engine.step()
+            if runner.last_decode_batch >= full:
+                wall = time.perf_counter() - s0
+                run.decode_steps.append((wall, engine.last_step_host_s, engine.last_step_forward_s))
+        for o in outputs:
+            run.tokens.setdefault(o.req_id.request_id, []).extend(o.token_ids)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    run.wall_s = time.perf_counter() - t0
+    run.output_tokens = sum(len(t) for t in run.tokens.values())
+    del engine, runner, inner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return run
+
+
+def floor_ms(runner: ModelRunner, chunks: Sequence[SeqChunk], bandwidth: float) -> float:
+    """Weights once plus every sequence's K/V once, at the device copy rate (read share)."""
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    mc = runner.config
+    per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.kv_cache.element_size()
+    kv = sum(c.num_computed_tokens + len(c.token_ids) for c in chunks) * per_token
+    return (weights + kv) / (bandwidth / 2) * 1e3
+
+
+def run_hf(model_dir: Path, reqs: list[Req], batch: int, args: argparse.Namespace) -> Run:
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(args.device)
+    model.eval()
+    run = Run(f"HF static, batch {batch}")
+    t0 = time.perf_counter()
+    for start in range(0, len(reqs), batch):
+        part = reqs[start : start + batch]
+        width = max(len(r.prompt) for r in part)
+        ids = torch.zeros(len(part), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(part):
+            ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
+            mask[i, width - len(r.prompt) :] = 1
+        with torch.inference_mode():
+            model.generate(
+                ids.to(args.device),
+                attention_mask=mask.to(args.device),
+                max_new_tokens=max(r.max_tokens for r in part),
+                do_sample=False,
+                pad_token_id=0,
+            )
+        run.output_tokens += sum(r.max_tokens for r in part)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    run.wall_s = time.perf_counter() - t0
+    del model
+    return run
+
+
+def report(runs: list[Run], graphed: Run | None, eager: Run | None) -> None:
+    print(
+        "| run | output tok/s | full-batch decode step: wall / host / forward ms "
+        "| GPU busy | kernel launches / step | roofline floor ms |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in runs:
+        if r.decode_steps:
+            wall, host, fwd = (
+                statistics.median(x[i] for x in r.decode_steps) * 1e3 for i in range(3)
+            )
+            step = f"{wall:.2f} / {host:.2f} / {fwd:.2f}"
+        else:
+            step = "-"
+        busy = f"{r.busy_share:.0%}" if r.busy_share is not None else "-"
+        launches = str(r.launches) if r.launches is not None else "-"
+        floor = f"{r.floor_ms:.2f}" if r.floor_ms is not None else "-"
+        print(f"| {r.name} | {r.tok_s:,.0f} | {step} | {busy} | {launches} | {floor} |")
+    if graphed and eager:
+        same = sum(graphed.tokens[k] == eager.tokens.get(k) for k in graphed.tokens)
+        print(f"\ngraphed vs eager greedy tokens: {same}/{len(graphed.tokens)} requests identical")
+        if graphed.tok_s and eager.tok_s:
+            print(f"CUDA graphs speed-up (output tok/s): {graphed.tok_s / eager.tok_s:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=list(PRESETS), default="llama-1b")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--prompt-range", type=int, nargs=2, default=(32, 512))
+    ap.add_argument("--output-range", type=int, nargs=2, default=(16, 256))
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--full-batch",
+        type=int,
+        default=FULL_BATCH,
+        help="decode steps of at least this many sequences are timed and profiled",
+    )
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-batches", type=int, nargs="*", default=[64, 256])
+    ap.add_argument("--no-profile", dest="profile", action="store_false")
+    ap.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="tiny preset, 12 short requests, fp32, on the CPU: proves the script",
+    )
+    args = ap.parse_args(argv)
+    if args.cpu_dry_run:
+        args.preset, args.device, args.dtype = "tiny", "cpu", "float32"
+        args.num_requests, args.prompt_range, args.output_range = 12, (4, 40), (4, 24)
+        args.max_model_len, args.max_num_seqs, args.hf_batches = 128, 8, [4]
+        args.full_batch = 6
+        torch.set_num_threads(1)
+    elif not torch.cuda.is_available():
+        print("no CUDA: nothing to run (use --cpu-dry-run to check the script)")
+        return 0
+    dtype = getattr(torch, args.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        model_dir = write_model(args.preset, args.device, dtype, Path(tmp) / args.preset)
+        print(f"model {args.preset} written in {time.perf_counter() - t0:.1f} s", flush=True)
+        vocab = PRESETS[args.preset]["vocab_size"]
+        reqs = make_requests(
+            args.num_requests, vocab, tuple(args.prompt_range), tuple(args.output_range)
+        )
+        graphed = run_engine("ours, CUDA graphs", model_dir, reqs, args, eager=False)
+        print(f"graphed run: {graphed.tok_s:,.0f} tok/s", flush=True)
+        eager = run_engine("ours, --enforce-eager", model_dir, reqs, args, eager=True)
+        print(f"eager run: {eager.tok_s:,.0f} tok/s", flush=True)
+        runs = [graphed, eager]
+        if not args.skip_hf:
+            for b in args.hf_batches:
+                runs.append(run_hf(model_dir, reqs, b, args))
+                print(f"{runs[-1].name}: {runs[-1].tok_s:,.0f} tok/s", flush=True)
+    print()
+    report(runs, graphed, eager)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Everything to check on a lent GPU, in one call (see ../shared/GPU.md for the machine):
+#   1. the kernel checks and bandwidth tables (bench/gpu_check.py),
+#   2. every `gpu` test (fused kernels in bf16, CUDA graphs vs eager, no recapture),
+#   3. the engine benchmark with and without CUDA graphs (bench/gpu_engine.py).
+# Usage on the device: carry .whl, then `bash bench/gpu_session.sh` (logs go to $OUT when set).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+out="${OUT:-/tmp}"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl || exit 1
+  export PYTHONPATH="$PWD/.site"
+fi
+python3 -m pagedserve._protogen || exit 1
+status=0
+python3 bench/gpu_check.py 2>&1 | tee "$out/gpu_check.log" || status=1
+python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" || status=1
+python3 bench/gpu_engine.py "$@" 2>&1 | grep -v '"event"' | tee "$out/gpu_engine.log" || status=1
+exit $status

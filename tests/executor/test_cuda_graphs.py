@@ -1,0 +1,237 @@
+"""Decode graphs: bucketing, padding and the persistent input buffers, exercised on the CPU
+through the eager stand-in for replay (it re-runs the captured forward over the same
+buffers); the real CUDA graphs are checked by the ``gpu`` tests at the end."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from services.blockmgr.client import InProcessClient
+from services.common.sampling_params import SamplingParams
+from services.executor.config import ExecutorConfig
+from services.executor.cuda_graphs import CudaGraphBackend, EagerGraphBackend
+from services.executor.engine import Engine
+from services.executor.forward_batch import SeqChunk
+from services.executor.model_runner import ModelRunner
+from services.executor.sequence import RequestKey
+from services.executor.startup import build_engine
+
+from .conftest import load_runner
+from .greedy import BlockAllocator
+
+SIZES = (1, 2, 4, 8)
+
+
+def test_capture_sizes_follow_vllms_scheme_or_the_flag() -> None:
+    def sizes(**kw: object) -> tuple[int, ...]:
+        return ExecutorConfig(model="m", **kw).capture_sizes  # type: ignore[arg-type]
+
+    assert sizes(max_num_seqs=1) == (1,)
+    assert sizes(max_num_seqs=5) == (1, 2, 4, 8)
+    assert sizes(max_num_seqs=17) == (1, 2, 4, 8, 16, 24)
+    full = sizes(max_num_seqs=256)
+    assert full[:5] == (1, 2, 4, 8, 16) and full[-1] == 256 and len(full) == 35
+    assert sizes(cuda_graph_sizes=(3, 6)) == (3, 6)
+    argv = ["--model", "m", "--cuda-graph-sizes", "8,1, 4", "--enforce-eager"]
+    parsed = ExecutorConfig.from_args(argv)
+    assert parsed.cuda_graph_sizes == (1, 4, 8) and parsed.enforce_eager
+    with pytest.raises(ValueError, match="cuda-graph-sizes"):
+        ExecutorConfig(model="m", cuda_graph_sizes=(0, 4))
+
+
+def _prefilled(runner: ModelRunner, num_seqs: int, seed: int) -> list[SeqChunk]:
+    """``num_seqs`` sequences of different lengths prefilled eagerly; returns the decode
+    chunk of each (one token, at a position that is sometimes a block boundary)."""
+    rng = random.Random(seed)
+    alloc = BlockAllocator(runner.num_blocks, seed)
+    decode = []
+    for _ in range(num_seqs):
+        n = rng.choice([3, 15, 16, 17, 31, 40])
+        prompt = [rng.randrange(3, 600) for _ in range(n)]
+        table = alloc.allocate(-(-(n + 1) // runner.block_size))
+        runner.execute([SeqChunk(prompt, 0, table, True)])
+        decode.append(SeqChunk([rng.randrange(3, 600)], n, table, True))
+    return decode
+
+
+def test_replay_matches_eager_decode_at_every_batch_size_around_the_bucket_edges(
+    make_runner: Callable[..., ModelRunner],
+) -> None:
+    runner = make_runner("llama", block_size=16, num_blocks=128)
+    runner.capture_decode_graphs(SIZES, EagerGraphBackend())
+    graphs = runner.graphs
+    assert graphs is not None and graphs.num_captures == len(SIZES)
+    for num_seqs in range(1, 11):
+        decode = _prefilled(runner, num_seqs, seed=num_seqs)
+        runner.graphs = None
+        eager = runner.execute(decode)
+        cache_after_eager = runner.kv_cache.clone()
+        runner.graphs = graphs
+        replays = graphs.num_replays
+        graphed = runner.execute(decode)  # writes the same K/V again: idempotent
+        assert graphed.shape == eager.shape == (num_seqs, runner.config.vocab_size)
+        torch.testing.assert_close(graphed, eager, rtol=0, atol=1e-4)
+        assert torch.equal(graphed.argmax(-1), eager.argmax(-1))
+        # Padding sequences wrote nowhere: not into the reserved block 0, nor any block
+        # outside the real tables. (The real K/V may differ in the last bits: a padded
+        # batch is a matmul of another shape.)
+        used = sorted({b for c in decode for b in c.block_table})
+        untouched = [b for b in range(runner.num_blocks) if b not in used]
+        assert torch.equal(runner.kv_cache[:, :, untouched], cache_after_eager[:, :, untouched])
+        torch.testing.assert_close(runner.kv_cache, cache_after_eager, rtol=0, atol=1e-5)
+        assert graphs.num_replays == replays + (num_seqs <= max(SIZES))
+    assert graphs.num_captures == len(SIZES)  # nothing was captured again
+
+
+def test_prefill_and_mixed_steps_stay_eager(make_runner: Callable[..., ModelRunner]) -> None:
+    runner = make_runner("llama", block_size=16, num_blocks=64)
+    runner.capture_decode_graphs(SIZES, EagerGraphBackend())
+    assert runner.graphs is not None
+    decode = _prefilled(runner, 2, seed=0)
+    prefill = SeqChunk([5, 6, 7], 0, [60, 61], True)
+    not_last = SeqChunk([9], 0, [62], need_logits=False)  # a one-token prefill chunk
+    assert runner.graphs.bucket([*decode, prefill]) is None
+    assert runner.graphs.bucket([not_last]) is None
+    assert runner.graphs.bucket(decode) == 2
+    assert runner.graphs.bucket(decode * 5) is None  # 10 > the largest size
+
+
+def _graphed_engine(model: str, sizes: tuple[int, ...] = SIZES, **kw: object) -> Engine:
+    kw.setdefault("max_model_len", 512)
+    config = ExecutorConfig(model=model, dtype="float32", device="cpu", **kw)  # type: ignore[arg-type]
+    runner = ModelRunner.from_config(config)
+    runner.capture_decode_graphs(sizes, EagerGraphBackend())
+    engine, _ = build_engine(config, runner=runner, blockmgr=InProcessClient())
+    return engine
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+def test_engine_over_graphs_gives_transformers_tokens_with_preemption_and_prefix_hits(
+    llama, hf_model
+) -> None:
+    """Batches grow and shrink across the bucket edges (1..12 running), the small cache
+    forces preemption by recompute, and half the prompts share a prefix."""
+    rng = random.Random(3)
+    hf = hf_model("llama")
+    shared = [1] + [rng.randrange(3, 600) for _ in range(20)]
+    cases = []
+    for i in range(12):
+        tail = [rng.randrange(3, 600) for _ in range(rng.randrange(1, 12))]
+        prompt = [*shared, *tail] if i % 2 else [1, *tail]
+        max_tokens = rng.randrange(20, 60)
+        with torch.inference_mode():
+            expected = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False
+            )[0, len(prompt) :].tolist()
+        cases.append((prompt, max_tokens, expected))
+    engine = _graphed_engine(llama, num_kv_blocks=24, max_model_len=112, max_num_batched_tokens=64)
+    graphs = engine.runner.graphs  # type: ignore[attr-defined]
+    got: dict[str, list[int]] = {}
+    pending = list(enumerate(cases))
+    while pending or engine.has_work:
+        for i, (prompt, max_tokens, _) in pending[:2]:
+            engine.add_request(
+                RequestKey(0, f"r{i}"),
+                prompt,
+                SamplingParams(temperature=0.0, max_tokens=max_tokens),
+            )
+        pending = pending[2:]
+        for o in engine.step():
+            got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
+    for i, (_, _, expected) in enumerate(cases):
+        assert got[f"r{i}"] == expected, f"request r{i}"
+    assert engine.scheduler.num_preemptions > 0
+    assert graphs.num_replays > 0 and graphs.num_captures == len(SIZES)
+
+
+def test_parallel_samples_copy_on_write_under_graphs_match_one_sample(llama) -> None:
+    """n=3 greedy samples fork after the prompt and copy the shared partial block on their
+    first write: every sample must equal the single-sample run, all decoded through graphs."""
+    prompt = [1, *range(40, 60)]  # 21 tokens: one full block and a shared partial one
+    engine = _graphed_engine(llama, num_kv_blocks=64)
+    engine.add_request(RequestKey(0, "one"), prompt, SamplingParams(temperature=0, max_tokens=12))
+    engine.add_request(
+        RequestKey(0, "three"), prompt, SamplingParams(n=3, temperature=0, max_tokens=12)
+    )
+    outs: dict[tuple[str, int], list[int]] = {}
+    while engine.has_work:
+        for o in engine.step():
+            outs.setdefault((o.req_id.request_id, o.index), []).extend(o.token_ids)
+    assert len(outs[("one", 0)]) == 12
+    for i in range(3):
+        assert outs[("three", i)] == outs[("one", 0)]
+    assert engine.link.client.stats(engine.link.spec.pool_id).num_cow_copies >= 2
+    assert engine.runner.graphs.num_replays > 0  # type: ignore[attr-defined]
+
+
+# ---- on a GPU -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_cuda_graphs_and_eager_give_identical_greedy_tokens_in_fp32(tiny_checkpoint, name):
+    model = str(tiny_checkpoint(name))
+    outputs = []
+    for eager in (True, False):
+        config = ExecutorConfig(
+            model=model,
+            dtype="float32",
+            device="cuda",
+            num_kv_blocks=256,
+            max_model_len=512,
+            enforce_eager=eager,
+            cuda_graph_sizes=SIZES,
+        )
+        engine, _ = build_engine(config, blockmgr=InProcessClient())
+        assert (engine.runner.graphs is None) == eager  # type: ignore[attr-defined]
+        rng = random.Random(0)
+        got: dict[str, list[int]] = {}
+        for i in range(10):
+            prompt = [1] + [rng.randrange(3, 600) for _ in range(rng.randrange(3, 60))]
+            engine.add_request(
+                RequestKey(0, f"r{i}"), prompt, SamplingParams(temperature=0.0, max_tokens=24)
+            )
+        while engine.has_work:
+            for o in engine.step():
+                got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
+        outputs.append(got)
+        if not eager:
+            graphs = engine.runner.graphs  # type: ignore[attr-defined]
+            assert graphs.num_replays > 0 and graphs.num_captures == len(SIZES)
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.gpu
+def test_no_recapture_and_no_memory_growth_at_steady_state(tiny_checkpoint) -> None:
+    runner = load_runner(
+        tiny_checkpoint("llama"),
+        dtype="float32",
+        device="cuda",
+        num_kv_blocks=256,
+        max_model_len=512,
+    )
+    runner.capture_decode_graphs(SIZES, CudaGraphBackend())
+    graphs = runner.graphs
+    assert graphs is not None
+    decode = _prefilled(runner, 8, seed=1)
+    for n in (8, 3, 1, 5):  # warm every bucket once
+        runner.execute(decode[:n])
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    replays = graphs.num_replays
+    for step in range(200):
+        n = 1 + step % 8
+        logits = runner.execute(decode[:n])
+        assert logits.shape[0] == n
+    torch.cuda.synchronize()
+    assert graphs.num_captures == len(SIZES)
+    assert graphs.num_replays == replays + 200
+    assert torch.cuda.memory_reserved() == reserved
