@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint protos serve bench-blockmgr bench-engine clean
+.PHONY: test lint protos serve bench-blockmgr bench-engine bench-host clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,9 @@ bench-blockmgr: protos
 
 bench-engine: protos
 	$(PY) bench/engine_bench.py --grpc
+
+bench-host: protos
+	$(PY) bench/host_bench.py
 
 clean:
 	rm -rf $(VENV) pagedserve/v1/*_pb2*.py pagedserve/v1/*_pb2*.pyi
