@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from services.common.auth import INTERNAL_TOKEN_ENV
 from services.common.logging import configure_logging
 
 DEFAULT_MODEL = Path("models/tiny-llama")
@@ -89,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             *(["--api-key", args.api_key] if args.api_key else []),
         ],
     }
+    # One internal token for the three services, unless the caller set one: no other local
+    # process can then drive the executor or the block manager through their ports.
+    env = dict(os.environ)
+    env.setdefault(INTERNAL_TOKEN_ENV, secrets.token_urlsafe(32))
     procs: dict[str, subprocess.Popen[bytes]] = {}
     stopping = False
 
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     for name, cmd in specs.items():
-        procs[name] = subprocess.Popen(cmd)
+        procs[name] = subprocess.Popen(cmd, env=env)
         log.info("service_started", name=name, pid=procs[name].pid)
     log.info("stack_starting", gateway=f"{args.host}:{args.port}", model=str(model))
 

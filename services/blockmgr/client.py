@@ -8,6 +8,7 @@ checks.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from collections.abc import Iterator, Sequence
@@ -30,6 +31,7 @@ from services.blockmgr.types import (
     ServiceInfo,
     StepResult,
 )
+from services.common.auth import CHANNEL_OPTIONS, internal_metadata
 
 
 class EventStream(Protocol):
@@ -57,6 +59,8 @@ class BlockManagerClient(Protocol):
     def restore(
         self, pool_id: str, epoch: int, sequences: Sequence[RestoredSequence]
     ) -> RestoreResult: ...
+
+    def unregister(self, pool_id: str, epoch: int) -> None: ...
 
     def stats(self, pool_id: str) -> PoolStats: ...
 
@@ -106,6 +110,7 @@ class InProcessClient:
 
     def __init__(self, core: BlockManagerCore | None = None) -> None:
         self.core = core if core is not None else BlockManagerCore()
+        self._tokens: dict[str, str] = {}  # pool id -> owner token of our registration
 
     def info(self, pool_id: str = "") -> ServiceInfo:
         return self.core.info(pool_id)
@@ -119,21 +124,28 @@ class InProcessClient:
         enable_prefix_caching: bool = True,
         eviction_policy: str = "lru",
     ) -> PoolInfo:
-        return self.core.register(
+        info = self.core.register(
             pool_id,
             num_blocks,
             block_size,
             enable_prefix_caching=enable_prefix_caching,
             eviction_policy=eviction_policy,
+            owner_token=self._tokens.get(pool_id, ""),
         )
+        self._tokens[pool_id] = info.owner_token
+        return info
 
     def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult:
-        return self.core.step(pool_id, epoch, ops)
+        return self.core.step(pool_id, epoch, ops, self._tokens.get(pool_id, ""))
 
     def restore(
         self, pool_id: str, epoch: int, sequences: Sequence[RestoredSequence]
     ) -> RestoreResult:
-        return self.core.restore(pool_id, epoch, sequences)
+        return self.core.restore(pool_id, epoch, sequences, self._tokens.get(pool_id, ""))
+
+    def unregister(self, pool_id: str, epoch: int) -> None:
+        self.core.unregister(pool_id, epoch, self._tokens.get(pool_id, ""))
+        self._tokens.pop(pool_id, None)
 
     def stats(self, pool_id: str) -> PoolStats:
         return self.core.stats(pool_id)
@@ -153,6 +165,7 @@ _STATUS_TO_CODE = {
     grpc.StatusCode.FAILED_PRECONDITION: ErrorCode.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNAVAILABLE: ErrorCode.UNAVAILABLE,
+    grpc.StatusCode.UNAUTHENTICATED: ErrorCode.UNAUTHENTICATED,
     grpc.StatusCode.DEADLINE_EXCEEDED: ErrorCode.UNAVAILABLE,
     grpc.StatusCode.CANCELLED: ErrorCode.UNAVAILABLE,
 }
@@ -186,17 +199,31 @@ class _GrpcEventStream:
 class GrpcClient:
     """Client of any ``pagedserve.v1.BlockManager`` server. Thread-safe (one channel)."""
 
-    def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 10.0,
+        internal_token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        """``internal_token``: sent with every call (metadata ``x-pagedserve-internal-token``)
+        to a server that requires it; ``credentials``: TLS (mTLS with a client certificate)."""
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        options = [("grpc.max_receive_message_length", 64 * 1024 * 1024), *CHANNEL_OPTIONS]
+        self._channel = (
+            grpc.secure_channel(address, credentials, options=options)
+            if credentials is not None
+            else grpc.insecure_channel(address, options=options)
         )
         self._stub = pb_grpc.BlockManagerStub(self._channel)
+        self._metadata = internal_metadata(internal_token)
+        self._tokens: dict[str, str] = {}  # pool id -> owner token of our registration
 
     def _call(self, method, request):
         try:
-            return method(request, timeout=self.timeout_s)
+            return method(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -227,21 +254,40 @@ class GrpcClient:
                 block_size=block_size,
                 enable_prefix_caching=enable_prefix_caching,
                 eviction_policy=policy,
+                owner_token=self._tokens.get(pool_id, ""),
             ),
         )
-        return convert.pool_info_from_pb(resp.pool)
+        self._tokens[pool_id] = resp.owner_token
+        return dataclasses.replace(
+            convert.pool_info_from_pb(resp.pool), owner_token=resp.owner_token, lease_s=resp.lease_s
+        )
 
     def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult:
-        request = pb.StepRequest(pool_id=pool_id, epoch=epoch, ops=convert.ops_to_pb(ops))
+        request = pb.StepRequest(
+            pool_id=pool_id,
+            epoch=epoch,
+            ops=convert.ops_to_pb(ops),
+            owner_token=self._tokens.get(pool_id, ""),
+        )
         return convert.step_from_pb(self._call(self._stub.Step, request))
 
     def restore(
         self, pool_id: str, epoch: int, sequences: Sequence[RestoredSequence]
     ) -> RestoreResult:
         request = pb.RestoreRequest(
-            pool_id=pool_id, epoch=epoch, sequences=convert.restored_to_pb(sequences)
+            pool_id=pool_id,
+            epoch=epoch,
+            sequences=convert.restored_to_pb(sequences),
+            owner_token=self._tokens.get(pool_id, ""),
         )
         return convert.restore_from_pb(self._call(self._stub.Restore, request))
+
+    def unregister(self, pool_id: str, epoch: int) -> None:
+        request = pb.UnregisterPoolRequest(
+            pool_id=pool_id, epoch=epoch, owner_token=self._tokens.get(pool_id, "")
+        )
+        self._call(self._stub.Unregister, request)
+        self._tokens.pop(pool_id, None)
 
     def stats(self, pool_id: str) -> PoolStats:
         resp = self._call(self._stub.Stats, pb.PoolStatsRequest(pool_id=pool_id))
@@ -249,7 +295,8 @@ class GrpcClient:
 
     def events(self, pool_id: str, start_after_seq: int = 0) -> EventStream:
         call = self._stub.StreamEvents(
-            pb.StreamEventsRequest(pool_id=pool_id, start_after_seq=start_after_seq)
+            pb.StreamEventsRequest(pool_id=pool_id, start_after_seq=start_after_seq),
+            metadata=self._metadata,
         )
         return _GrpcEventStream(call)
 

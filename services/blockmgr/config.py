@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from services.common.auth import InternalSecurity
 
 
 @dataclass(frozen=True)
@@ -13,6 +15,10 @@ class BlockManagerServiceConfig:
     event_buffer: int = 10000  # KV events kept per pool for StreamEvents replay
     max_queued_event_batches: int = 1024  # per StreamEvents consumer before it is cut off
     grace_period_s: float = 5.0  # in-flight RPCs get this long on SIGTERM
+    max_pools: int = 64
+    max_pool_blocks: int = 2**22
+    pool_lease_s: float = 30.0  # a pool whose owner made no call this long is reclaimed
+    security: InternalSecurity = field(default_factory=InternalSecurity)
     log_level: str = "INFO"
 
     @classmethod
@@ -45,21 +51,48 @@ class BlockManagerServiceConfig:
             default=cls.grace_period_s,
             help="seconds in-flight RPCs get on shutdown (default %(default)s)",
         )
+        p.add_argument(
+            "--max-pools",
+            type=int,
+            default=cls.max_pools,
+            help="pools (executors) served at once (default %(default)s)",
+        )
+        p.add_argument(
+            "--max-pool-blocks",
+            type=int,
+            default=cls.max_pool_blocks,
+            help="largest num_blocks a pool may register (default %(default)s)",
+        )
+        p.add_argument(
+            "--pool-lease-s",
+            type=float,
+            default=cls.pool_lease_s,
+            help="reclaim a pool whose owner made no call for this long; 0: never "
+            "(default %(default)s)",
+        )
+        InternalSecurity.add_args(p)
         p.add_argument("--log-level", default=cls.log_level)
         return p
 
     @classmethod
     def from_args(cls, argv: list[str]) -> BlockManagerServiceConfig:
-        a = cls.parser().parse_args(argv)
-        if not 0 <= a.port <= 65535:
-            cls.parser().error("--port must be in [0, 65535]")
-        if a.event_buffer < 1 or a.max_queued_event_batches < 1:
-            cls.parser().error("--event-buffer and --max-queued-event-batches must be >= 1")
-        return cls(
-            host=a.host,
-            port=a.port,
-            event_buffer=a.event_buffer,
-            max_queued_event_batches=a.max_queued_event_batches,
-            grace_period_s=a.grace_period_s,
-            log_level=a.log_level,
-        )
+        p = cls.parser()
+        ns = vars(p.parse_args(argv))
+        security = InternalSecurity.from_namespace(ns)
+        try:
+            config = cls(**ns, security=security)
+            config.validate()
+        except ValueError as exc:
+            p.error(str(exc))
+        return config
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("--port must be in [0, 65535]")
+        if self.event_buffer < 1 or self.max_queued_event_batches < 1:
+            raise ValueError("--event-buffer and --max-queued-event-batches must be >= 1")
+        if self.max_pools < 1 or self.max_pool_blocks < 2:
+            raise ValueError("--max-pools must be >= 1 and --max-pool-blocks >= 2")
+        if self.pool_lease_s < 0:
+            raise ValueError("--pool-lease-s must be >= 0")
+        self.security.validate()

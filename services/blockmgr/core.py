@@ -1,4 +1,11 @@
-"""The block manager service's core: several pools, their epochs, stats and KV events.
+"""The block manager service's core: several pools, their owners and leases, epochs, stats
+and KV events.
+
+Ownership: Register hands its caller an owner token; every later Step, Restore, Unregister
+and re-Register of that pool must carry it, so no other client can free, grow or replace a
+live pool's sequences. A pool whose owner made no call for ``pool_lease_s`` seconds expires:
+its blocks are reclaimed and its id is free for a new owner (an executor that died without
+unregistering). Bounds on pools and pool sizes keep one client from exhausting the process.
 
 Thread-safe (one lock; every operation is short). No gRPC here: the servicer and the
 in-process client both call this class.
@@ -6,14 +13,19 @@ in-process client both call this class.
 
 from __future__ import annotations
 
+import dataclasses
+import hmac
 import itertools
+import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.blockmgr.errors import invalid, not_found, precondition
+import structlog
+
+from services.blockmgr.errors import exhausted, invalid, not_found, precondition
 from services.blockmgr.eviction import POLICIES
 from services.blockmgr.hashing import HASH_ALGORITHM, HASH_SIZE
 from services.blockmgr.kv_manager import KVBlockManager
@@ -29,9 +41,13 @@ from services.blockmgr.types import (
     StepResult,
 )
 
+log = structlog.get_logger(__name__)
+
 IMPLEMENTATION = "pagedserve-blockmgr"
 VERSION = "0.1.0"
 MAX_BLOCKS = 2**31 - 1  # block ids travel as int32 in device block tables
+DEFAULT_MAX_POOLS = 64
+DEFAULT_MAX_POOL_BLOCKS = 2**22  # ~0.25 GB of metadata at most per pool
 MAX_BLOCK_SIZE = 4096
 MAX_POOL_ID_LEN = 128
 
@@ -42,6 +58,8 @@ EventListener = Callable[[str, list[KVEvent]], None]
 class _Pool:
     info: PoolInfo
     manager: KVBlockManager
+    owner_token: str
+    expires_at: float  # clock time; inf without a lease
     num_steps: int = 0
 
 
@@ -56,17 +74,33 @@ class _EventLog:
 
 
 class BlockManagerCore:
-    def __init__(self, *, event_buffer: int = 10000) -> None:
+    def __init__(
+        self,
+        *,
+        event_buffer: int = 10000,
+        max_pools: int = DEFAULT_MAX_POOLS,
+        max_pool_blocks: int = DEFAULT_MAX_POOL_BLOCKS,
+        pool_lease_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``pool_lease_s``: seconds a pool lives without a call from its owner (0: no expiry,
+        for a block manager living inside its only executor)."""
         self._lock = threading.Lock()
         self._pools: dict[str, _Pool] = {}
         self._events: dict[str, _EventLog] = {}
         self._event_buffer = event_buffer
         self._epoch_counter = itertools.count(1)
+        self.max_pools = max_pools
+        self.max_pool_blocks = min(max_pool_blocks, MAX_BLOCKS)
+        self.pool_lease_s = pool_lease_s
+        self._clock = clock
+        self._next_sweep = 0.0
 
     # ---- service-level --------------------------------------------------------------------
 
     def info(self, pool_id: str = "") -> ServiceInfo:
         with self._lock:
+            self._sweep()
             if pool_id:
                 pools: tuple[PoolInfo, ...] = (self._pool(pool_id).info,)
             else:
@@ -88,24 +122,45 @@ class BlockManagerCore:
         *,
         enable_prefix_caching: bool = True,
         eviction_policy: str = "lru",
+        owner_token: str = "",
     ) -> PoolInfo:
-        """Create or replace a pool. A new epoch is issued; the previous epoch's sequences and
-        cached hashes are dropped and its epoch refused from now on."""
+        """Create a pool, or replace one's own (``owner_token`` from its registration). A new
+        epoch is issued; the previous epoch's sequences and cached hashes are dropped and its
+        epoch refused from now on. The answer carries the owner token and the lease; a live
+        pool of another owner is FAILED_PRECONDITION until its lease expires."""
         if not pool_id or len(pool_id) > MAX_POOL_ID_LEN:
             raise invalid(f"pool_id must be 1..{MAX_POOL_ID_LEN} characters")
-        if not 2 <= num_blocks <= MAX_BLOCKS:
-            raise invalid(f"num_blocks must be in [2, {MAX_BLOCKS}], got {num_blocks}")
+        if not 2 <= num_blocks <= self.max_pool_blocks:
+            raise invalid(
+                f"num_blocks must be in [2, {self.max_pool_blocks}] (--max-pool-blocks), "
+                f"got {num_blocks}"
+            )
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise invalid(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
         if eviction_policy not in POLICIES:
             raise invalid(f"eviction_policy {eviction_policy!r} is not one of {sorted(POLICIES)}")
-        manager = KVBlockManager(
-            num_blocks,
-            block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            eviction_policy=eviction_policy,
-        )
         with self._lock:
+            self._sweep(force=True)
+            current = self._pools.get(pool_id)
+            if current is not None:
+                if not _same_token(owner_token, current.owner_token):
+                    raise precondition(
+                        f"pool {pool_id!r} is held by another owner; it can be registered "
+                        f"again once its lease expires (in "
+                        f"{max(current.expires_at - self._clock(), 0):.0f} s) or it is "
+                        "unregistered"
+                    )
+                token = current.owner_token
+            else:
+                if len(self._pools) >= self.max_pools:
+                    raise exhausted(f"at most {self.max_pools} pools (--max-pools)")
+                token = secrets.token_hex(16)
+            manager = KVBlockManager(
+                num_blocks,
+                block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                eviction_policy=eviction_policy,
+            )
             # Epochs are unique across restarts of this process too (time-based floor), so an
             # executor holding an epoch from before a restart can never be mistaken for current.
             epoch = max(next(self._epoch_counter), time.time_ns() // 1000)
@@ -113,18 +168,28 @@ class BlockManagerCore:
             info = PoolInfo(
                 pool_id, epoch, num_blocks, block_size, enable_prefix_caching, eviction_policy
             )
-            replaced = pool_id in self._pools
-            self._pools[pool_id] = _Pool(info, manager)
+            self._pools[pool_id] = _Pool(info, manager, token, self._lease_end())
             log = self._events.setdefault(pool_id, _EventLog(self._event_buffer))
-            if replaced:
+            if current is not None:
                 self._publish(pool_id, log, epoch, [(KVEventKind.CLEARED, ())])
-        return info
+        return dataclasses.replace(info, owner_token=token, lease_s=self.pool_lease_s)
+
+    def unregister(self, pool_id: str, epoch: int, owner_token: str = "") -> None:
+        """Remove one's own pool (an executor shutting down): its blocks are reclaimed and its
+        cached hashes announced as cleared."""
+        with self._lock:
+            self._checked(pool_id, epoch, owner_token)
+            self._remove(pool_id)
 
     # ---- per-pool -------------------------------------------------------------------------
 
-    def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult:
+    def step(
+        self, pool_id: str, epoch: int, ops: Sequence[Operation], owner_token: str = ""
+    ) -> StepResult:
+        """Apply ``ops`` in order (see the proto). An empty Step renews the lease."""
         with self._lock:
-            pool = self._checked(pool_id, epoch)
+            self._sweep()
+            pool = self._checked(pool_id, epoch, owner_token)
             manager = pool.manager
             try:
                 results = manager.step(ops)
@@ -134,10 +199,14 @@ class BlockManagerCore:
             return StepResult(tuple(results), manager.counters())
 
     def restore(
-        self, pool_id: str, epoch: int, sequences: Sequence[RestoredSequence]
+        self,
+        pool_id: str,
+        epoch: int,
+        sequences: Sequence[RestoredSequence],
+        owner_token: str = "",
     ) -> RestoreResult:
         with self._lock:
-            pool = self._checked(pool_id, epoch)
+            pool = self._checked(pool_id, epoch, owner_token)
             try:
                 stored = pool.manager.restore(sequences)
             finally:
@@ -146,6 +215,7 @@ class BlockManagerCore:
 
     def stats(self, pool_id: str) -> PoolStats:
         with self._lock:
+            self._sweep()
             pool = self._pool(pool_id)
             m = pool.manager
             return PoolStats(
@@ -197,14 +267,45 @@ class BlockManagerCore:
             raise not_found(f"unknown pool_id {pool_id!r}")
         return pool
 
-    def _checked(self, pool_id: str, epoch: int) -> _Pool:
+    def _checked(self, pool_id: str, epoch: int, owner_token: str) -> _Pool:
+        """The pool, if the caller owns it and holds its current epoch; renews the lease."""
         pool = self._pool(pool_id)
+        if not _same_token(owner_token, pool.owner_token):
+            raise precondition(f"pool {pool_id!r}: missing or wrong owner_token (from Register)")
         if epoch != pool.info.epoch:
             raise precondition(
                 f"stale epoch {epoch} for pool {pool_id!r} (current {pool.info.epoch}); "
                 "re-register and restore"
             )
+        pool.expires_at = self._lease_end()
         return pool
+
+    def _lease_end(self) -> float:
+        return self._clock() + self.pool_lease_s if self.pool_lease_s > 0 else float("inf")
+
+    def _sweep(self, *, force: bool = False) -> None:
+        """Reclaim every pool whose lease ran out (at most every quarter lease, unless
+        ``force``). Caller holds the lock."""
+        if self.pool_lease_s <= 0:
+            return
+        now = self._clock()
+        if not force and now < self._next_sweep:
+            return
+        self._next_sweep = now + self.pool_lease_s / 4
+        for pool_id in [pid for pid, p in self._pools.items() if p.expires_at <= now]:
+            log.warning("pool_lease_expired", pool_id=pool_id, lease_s=self.pool_lease_s)
+            self._remove(pool_id)
+
+    def _remove(self, pool_id: str) -> None:
+        pool = self._pools.pop(pool_id)
+        self._publish(pool_id, self._events[pool_id], pool.info.epoch, [(KVEventKind.CLEARED, ())])
+        # Keep the event history of removed pools (a re-registration continues its sequence
+        # numbers) but not without bound: forget the idle ones beyond a few per live pool.
+        if len(self._events) > 4 * self.max_pools:
+            for pid in [
+                p for p, ev in self._events.items() if p not in self._pools and not ev.listeners
+            ]:
+                del self._events[pid]
 
     def _flush_events(self, pool_id: str, pool: _Pool) -> None:
         pending = pool.manager.pool.events
@@ -236,3 +337,7 @@ class BlockManagerCore:
         log.buffer.extend(events)
         for listener in list(log.listeners):
             listener(pool_id, events)
+
+
+def _same_token(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())

@@ -16,6 +16,7 @@ class ErrorCode(enum.Enum):
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
+    UNAUTHENTICATED = "UNAUTHENTICATED"  # the server wants the internal token (or mTLS)
     INTERNAL = "INTERNAL"
 
 
@@ -38,3 +39,7 @@ def not_found(message: str) -> BlockManagerError:
 
 def precondition(message: str) -> BlockManagerError:
     return BlockManagerError(ErrorCode.FAILED_PRECONDITION, message)
+
+
+def exhausted(message: str) -> BlockManagerError:
+    return BlockManagerError(ErrorCode.RESOURCE_EXHAUSTED, message)

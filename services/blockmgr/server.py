@@ -12,6 +12,7 @@ from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
 from services.blockmgr.config import BlockManagerServiceConfig
 from services.blockmgr.core import BlockManagerCore
 from services.blockmgr.servicer import BlockManagerServicer
+from services.common.auth import SERVER_OPTIONS
 from services.common.grpc_server import add_health_and_reflection, set_serving, stop_event
 
 log = structlog.get_logger(__name__)
@@ -23,9 +24,20 @@ class BlockManagerServer:
 
     def __init__(self, config: BlockManagerServiceConfig, core: BlockManagerCore | None = None):
         self.config = config
-        self.core = core if core is not None else BlockManagerCore(event_buffer=config.event_buffer)
+        self.core = (
+            core
+            if core is not None
+            else BlockManagerCore(
+                event_buffer=config.event_buffer,
+                max_pools=config.max_pools,
+                max_pool_blocks=config.max_pool_blocks,
+                pool_lease_s=config.pool_lease_s,
+            )
+        )
+        security = config.security
         self.server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+            interceptors=security.interceptors(),
+            options=[("grpc.max_receive_message_length", 64 * 1024 * 1024), *SERVER_OPTIONS],
         )
         pb_grpc.add_BlockManagerServicer_to_server(
             BlockManagerServicer(
@@ -34,14 +46,26 @@ class BlockManagerServer:
             self.server,
         )
         self.health = add_health_and_reflection(self.server, SERVICE_NAME)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        self.port = security.add_port(self.server, f"{config.host}:{config.port}")
         if self.port == 0:
             raise OSError(f"could not bind {config.host}:{config.port}")
 
     async def start(self) -> None:
         await self.server.start()
         await set_serving(self.health, SERVICE_NAME, True)
-        log.info("blockmgr_listening", host=self.config.host, port=self.port)
+        security = self.config.security
+        log.info(
+            "blockmgr_listening",
+            host=self.config.host,
+            port=self.port,
+            internal_token=bool(security.token),
+            mtls=security.tls,
+        )
+        if not security.token and not security.tls:
+            log.warning(
+                "internal_rpcs_unauthenticated",
+                hint="set --internal-token (or PAGEDSERVE_INTERNAL_TOKEN) on every service",
+            )
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()

@@ -25,6 +25,7 @@ _CODE_TO_STATUS = {
     ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
@@ -65,6 +66,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             request.block_size,
             enable_prefix_caching=request.enable_prefix_caching,
             eviction_policy=convert.policy_from_pb(request.eviction_policy),
+            owner_token=request.owner_token,
         )
         log.info(
             "pool_registered",
@@ -75,19 +77,34 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             eviction_policy=info.eviction_policy,
             enable_prefix_caching=info.enable_prefix_caching,
         )
-        return pb.RegisterPoolResponse(pool=convert.pool_info_to_pb(info))
+        return pb.RegisterPoolResponse(
+            pool=convert.pool_info_to_pb(info), owner_token=info.owner_token, lease_s=info.lease_s
+        )
+
+    @_maps_errors
+    async def Unregister(
+        self, request: pb.UnregisterPoolRequest, context
+    ) -> pb.UnregisterPoolResponse:
+        self.core.unregister(request.pool_id, request.epoch, request.owner_token)
+        log.info("pool_unregistered", pool_id=request.pool_id, epoch=request.epoch)
+        return pb.UnregisterPoolResponse()
 
     @_maps_errors
     async def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         ops = convert.ops_from_pb(request.ops)
         if isinstance(ops, str):
             raise BlockManagerError(ErrorCode.INVALID_ARGUMENT, f"{ops}: no operation set")
-        return convert.step_to_pb(self.core.step(request.pool_id, request.epoch, ops))
+        return convert.step_to_pb(
+            self.core.step(request.pool_id, request.epoch, ops, request.owner_token)
+        )
 
     @_maps_errors
     async def Restore(self, request: pb.RestoreRequest, context) -> pb.RestoreResponse:
         result = self.core.restore(
-            request.pool_id, request.epoch, convert.restored_from_pb(request.sequences)
+            request.pool_id,
+            request.epoch,
+            convert.restored_from_pb(request.sequences),
+            request.owner_token,
         )
         log.info(
             "pool_restored",

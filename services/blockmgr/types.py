@@ -157,6 +157,11 @@ class PoolInfo:
     block_size: int
     enable_prefix_caching: bool
     eviction_policy: str
+    # Set only in Register's answer, for the registering owner: the token every later Step,
+    # Restore, Unregister and re-Register of the pool must carry, and how long the pool lives
+    # without a call from its owner (0: forever).
+    owner_token: str = field(default="", repr=False, compare=False)
+    lease_s: float = field(default=0.0, compare=False)
 
     @property
     def num_usable_blocks(self) -> int:

@@ -62,7 +62,8 @@ class BlockManagerLink:
         self.num_round_trips = 0
         self.num_recoveries = 0
         self._backoff_s = spec.retry_s
-        self.pool: PoolInfo = self._with_backoff(self._register)
+        self.pool: PoolInfo = self._with_backoff(self._register, held_ok=True)
+        self._last_call = time.monotonic()
 
     @property
     def epoch(self) -> int:
@@ -89,6 +90,7 @@ class BlockManagerLink:
                     self._resync(pre_state())
                     needs_resync = False
                 self.num_round_trips += 1
+                self._last_call = time.monotonic()
                 result = self.client.step(self.spec.pool_id, self.pool.epoch, ops)
             except BlockManagerError as exc:
                 if exc.code is ErrorCode.UNAVAILABLE:
@@ -105,6 +107,21 @@ class BlockManagerLink:
                 raise
             self._recovered()
             return result
+
+    def keepalive(self, ops_factory: Callable[[], list[RestoredSequence]]) -> None:
+        """While idle, renew the pool's lease (an empty Step) once a third of it has passed;
+        this also notices a block manager that restarted, and restores it."""
+        lease = self.pool.lease_s
+        if lease > 0 and time.monotonic() - self._last_call > lease / 3:
+            self.step([], ops_factory)
+
+    def unregister(self) -> None:
+        """Give the pool back (graceful shutdown); a block manager already gone is fine."""
+        try:
+            self.client.unregister(self.spec.pool_id, self.pool.epoch)
+            log.info("pool_unregistered", pool_id=self.spec.pool_id)
+        except BlockManagerError as exc:
+            log.warning("pool_unregister_failed", error=exc.message)
 
     def close(self) -> None:
         self.client.close()
@@ -123,18 +140,23 @@ class BlockManagerLink:
 
     def _resync(self, state: list[RestoredSequence]) -> None:
         """Register again and restore every live sequence to ``state``."""
-        self.pool = self._register()
+        self.pool = self._with_backoff(self._register, held_ok=True)
         self.client.restore(self.spec.pool_id, self.pool.epoch, state)
         self.num_recoveries += 1
         log.info("blockmgr_restored", epoch=self.pool.epoch, num_sequences=len(state))
 
-    def _with_backoff(self, call: Callable[[], T]) -> T:
-        """``call()`` (an idempotent call) until it does not fail with UNAVAILABLE."""
+    def _with_backoff(self, call: Callable[[], T], *, held_ok: bool = False) -> T:
+        """``call()`` (an idempotent call) until it does not fail with UNAVAILABLE, or, with
+        ``held_ok``, with FAILED_PRECONDITION either: our pool id is still held by a previous
+        owner (this executor before a restart) until its lease expires."""
         while True:
             try:
                 result = call()
             except BlockManagerError as exc:
-                if exc.code is not ErrorCode.UNAVAILABLE:
+                retry = exc.code is ErrorCode.UNAVAILABLE or (
+                    held_ok and exc.code is ErrorCode.FAILED_PRECONDITION
+                )
+                if not retry:
                     raise
                 self._back_off(exc)
                 continue

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+from services.common.auth import InternalSecurity
 
 
 def _parse_bytes(text: str) -> int:
@@ -45,6 +47,8 @@ class ExecutorConfig:
     host: str = "127.0.0.1"
     port: int = 50061
     served_model_name: str | None = None
+    security: InternalSecurity = field(default_factory=InternalSecurity)
+    max_seqs_per_session: int = 1024  # sequences one gateway session may hold at once
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture
     log_level: str = "INFO"
@@ -96,9 +100,17 @@ class ExecutorConfig:
             help="decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8,16 (default: 1, 2, "
             "4, then multiples of 8 up to --max-num-seqs)",
         )
+        a(
+            "--max-seqs-per-session",
+            type=int,
+            default=cls.max_seqs_per_session,
+            help="sequences (samples) one gateway session may hold, waiting or running; more "
+            "are refused RESOURCE_EXHAUSTED, so one gateway cannot starve the others",
+        )
         a("--host", default=cls.host)
         a("--port", type=int, default=cls.port)
         a("--log-level", default=cls.log_level)
+        InternalSecurity.add_args(p)
         return p
 
     @classmethod
@@ -106,6 +118,7 @@ class ExecutorConfig:
         p = cls.parser()
         ns = p.parse_args(argv)
         values = {k.replace("-", "_"): v for k, v in vars(ns).items()}
+        values["security"] = InternalSecurity.from_namespace(values)
         if values["blockmgr_address"]:
             values["blockmgr"] = "grpc"
         try:
@@ -141,6 +154,9 @@ class ExecutorConfig:
             raise ValueError("--watermark must be in [0, 1)")
         if not 0 <= self.port <= 65535:
             raise ValueError("--port must be in [0, 65535]")
+        if self.max_seqs_per_session < 1:
+            raise ValueError("--max-seqs-per-session must be >= 1")
+        self.security.validate()
 
     @property
     def capture_sizes(self) -> tuple[int, ...]:
@@ -154,4 +170,7 @@ class ExecutorConfig:
         return tuple(s for s in sizes if s <= cover)
 
     def as_log_dict(self) -> dict[str, object]:
-        return asdict(self)
+        """The configuration as logged: secrets replaced by whether they are set."""
+        d = asdict(self)
+        d["security"] = self.security.redacted()
+        return d

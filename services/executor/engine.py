@@ -104,6 +104,10 @@ class Engine:
         self.generators.create(seq.seq_id, params.seed, 0)
         self.scheduler.add(seq)
 
+    def keepalive(self) -> None:
+        """Called while idle: keeps the block-manager pool's lease."""
+        self.link.keepalive(lambda: self.scheduler.pre_plan_state(None))
+
     def abort_request(self, req_id: RequestKey, index: int | None = None) -> bool:
         """Abort at this step boundary (idempotent): the whole request, or only sample
         ``index``. Every sample not finished yet gets a final ``ABORT`` output; blocks are

@@ -67,6 +67,9 @@ class EngineLoop:
                 self._drain(block=not self.engine.has_work)
                 if self._stopping.is_set():
                     break
+                if not self.engine.has_work:
+                    self.engine.keepalive()
+                    continue
                 if self.engine.has_work:
                     outputs = self.engine.step()
                     self.load = self._snapshot()

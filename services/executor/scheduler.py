@@ -367,15 +367,17 @@ class Scheduler:
             tuple(seq.block_hashes[: seq.num_committed_blocks]),
         )
 
-    def pre_plan_state(self, plan: SchedulePlan) -> list[RestoredSequence]:
-        """The pool's sequences as they were before ``plan``'s operations: a restarted block
-        manager restored to this state can take the same operations again."""
-        live = [
-            self.pool_view(s)
-            for s in self.running
-            if s.block_table and s.seq_id not in plan.fork_ids
-        ]
-        return live + plan.released
+    def pre_plan_state(self, plan: SchedulePlan | None) -> list[RestoredSequence]:
+        """The pool's sequences as they were before ``plan``'s operations (as they are now,
+        without a plan): a restarted block manager restored to this state can take the same
+        operations again."""
+        if plan is None:
+            forked: set[int] = set(self._forks)
+            released = list(self._to_free)
+        else:
+            forked, released = plan.fork_ids, plan.released
+        live = [self.pool_view(s) for s in self.running if s.block_table and s.seq_id not in forked]
+        return live + released
 
     # ---- internals ------------------------------------------------------------------------
 

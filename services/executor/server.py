@@ -11,6 +11,7 @@ import grpc
 import structlog
 
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
+from services.common.auth import SERVER_OPTIONS
 from services.common.grpc_server import add_health_and_reflection, set_serving, stop_event
 from services.executor.config import ExecutorConfig
 from services.executor.engine_loop import EngineLoop
@@ -25,10 +26,14 @@ async def serve(config: ExecutorConfig) -> int:
     """Run until SIGTERM/SIGINT (exit 0) or until the engine dies (exit 1)."""
     aio_loop = asyncio.get_running_loop()
     servicer = ExecutorServicer()
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
+    security = config.security
+    server = grpc.aio.server(
+        interceptors=security.interceptors(),
+        options=[("grpc.max_receive_message_length", 64 * 2**20), *SERVER_OPTIONS],
+    )
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = security.add_port(server, f"{config.host}:{config.port}")
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
 
@@ -37,7 +42,12 @@ async def serve(config: ExecutorConfig) -> int:
 
     await set_health(False)
     await server.start()
-    log.info("executor_listening", host=config.host, port=port)
+    log.info("executor_listening", host=config.host, port=port, **security.redacted())
+    if not security.token and not security.tls:
+        log.warning(
+            "internal_rpcs_unauthenticated",
+            hint="set --internal-token (or PAGEDSERVE_INTERNAL_TOKEN) on every service",
+        )
 
     stop = stop_event()
 
@@ -81,6 +91,7 @@ async def serve(config: ExecutorConfig) -> int:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(GRACE_PERIOD_S)
     engine_loop.stop()
+    engine.link.unregister()
     engine.link.close()
     log.info("executor_stopped")
     return code

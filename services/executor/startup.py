@@ -48,7 +48,12 @@ def eos_token_ids(model_dir: str | Path, config: ModelConfig) -> tuple[int, ...]
 def connect_blockmgr(config: ExecutorConfig) -> BlockManagerClient:
     if config.blockmgr == "grpc":
         assert config.blockmgr_address
-        return GrpcClient(config.blockmgr_address, timeout_s=2.0)
+        return GrpcClient(
+            config.blockmgr_address,
+            timeout_s=2.0,
+            internal_token=config.security.token,
+            credentials=config.security.channel_credentials(),
+        )
     return InProcessClient()
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+from services.common.auth import InternalSecurity
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,7 @@ class GatewayConfig:
     metrics_port: int | None = 9090  # None: no metrics endpoint
     enable_reflection: bool = True
     served_model_name: str | None = None
+    security: InternalSecurity = field(default_factory=InternalSecurity)
     log_level: str = "INFO"
 
     @classmethod
@@ -58,6 +61,7 @@ class GatewayConfig:
         a("--no-reflection", dest="enable_reflection", action="store_false")
         a("--served-model-name", default=None)
         a("--log-level", default=cls.log_level)
+        InternalSecurity.add_args(p)
         return p
 
     @classmethod
@@ -65,6 +69,7 @@ class GatewayConfig:
         p = cls.parser()
         ns = vars(p.parse_args(argv))
         ns["executor_addresses"] = tuple(ns["executor_addresses"] or cls.executor_addresses)
+        ns["security"] = InternalSecurity.from_namespace(ns)
         if ns["metrics_port"] is not None and ns["metrics_port"] < 0:
             ns["metrics_port"] = None
         try:
@@ -85,8 +90,10 @@ class GatewayConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
+        self.security.validate()
 
     def as_log_dict(self) -> dict[str, object]:
         d = asdict(self)
         d["api_key"] = "***" if self.api_key else None
+        d["security"] = self.security.redacted()
         return d

@@ -18,6 +18,7 @@ import grpc
 import structlog
 
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
+from services.common.auth import InternalSecurity
 
 log = structlog.get_logger(__name__)
 
@@ -36,7 +37,9 @@ class ExecutorConnection:
         on_change: Callable[[], None] = lambda: None,
         on_step: Callable[[executor_pb2.ExecutorStep], None] = lambda step: None,
         retry_s: float = 0.2,
+        security: InternalSecurity | None = None,
     ) -> None:
+        security = security or InternalSecurity()
         self.address = address
         self.on_change = on_change
         self.on_step = on_step
@@ -44,8 +47,9 @@ class ExecutorConnection:
         self.info: executor_pb2.ExecutorInfo | None = None
         self.load: executor_pb2.ExecutorLoad | None = None
         self.ready = False
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = security.aio_channel(address)
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
+        self._metadata = security.metadata()
         self._outbox: asyncio.Queue[executor_pb2.SessionRequest | None] = asyncio.Queue()
         self._inflight: dict[str, asyncio.Queue[Item]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -96,7 +100,9 @@ class ExecutorConnection:
     async def _run(self) -> None:
         while True:
             try:
-                self.info = await self._stub.Info(executor_pb2.ExecutorInfoRequest(), timeout=5)
+                self.info = await self._stub.Info(
+                    executor_pb2.ExecutorInfoRequest(), timeout=5, metadata=self._metadata
+                )
                 await self._session()
             except asyncio.CancelledError:
                 raise
@@ -125,7 +131,7 @@ class ExecutorConnection:
                     return
                 yield item
 
-        call = self._stub.Session(requests())
+        call = self._stub.Session(requests(), metadata=self._metadata)
         await call.wait_for_connection()
         self._set_ready(True)
         log.info(
@@ -166,9 +172,11 @@ class ExecutorPool:
         *,
         on_change: Callable[[], None] = lambda: None,
         on_step: Callable[[executor_pb2.ExecutorStep], None] = lambda step: None,
+        security: InternalSecurity | None = None,
     ) -> None:
         self.connections = [
-            ExecutorConnection(a, on_change=on_change, on_step=on_step) for a in addresses
+            ExecutorConnection(a, on_change=on_change, on_step=on_step, security=security)
+            for a in addresses
         ]
 
     def start(self) -> None:

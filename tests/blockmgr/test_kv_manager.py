@@ -135,12 +135,14 @@ def test_restore_takes_exactly_the_listed_blocks_out_of_the_free_queue():
 
 def test_epochs_increase_and_are_unique_per_registration():
     core = BlockManagerCore()
-    epochs = [core.register("p", 4, BS).epoch for _ in range(3)]
+    first = core.register("p", 4, BS)
+    token = first.owner_token
+    epochs = [first.epoch] + [core.register("p", 4, BS, owner_token=token).epoch for _ in range(2)]
     assert epochs == sorted(epochs) and len(set(epochs)) == 3
     other = core.register("q", 4, BS).epoch
     assert other > epochs[-1]
     with raises_code(ErrorCode.FAILED_PRECONDITION):
-        core.step("p", epochs[0], [])
+        core.step("p", epochs[0], [], token)
 
 
 def test_readmitting_a_freed_sequence_id_is_allowed():

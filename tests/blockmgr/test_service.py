@@ -41,16 +41,23 @@ def _code(fn, request) -> tuple[grpc.StatusCode, str]:
     return info.value.code(), info.value.details()
 
 
+TOKENS: dict[str, str] = {}  # pool id -> owner token from Register
+
+
 def _register(stub, pool_id: str) -> int:
     req = pb.RegisterPoolRequest(pool_id=pool_id, num_blocks=16, block_size=4)
-    return stub.Register(req, timeout=5).pool.epoch
+    resp = stub.Register(req, timeout=5)
+    TOKENS[pool_id] = resp.owner_token
+    return resp.pool.epoch
+
+
+def _step(pool_id: str, epoch: int, ops=()) -> pb.StepRequest:
+    return pb.StepRequest(pool_id=pool_id, epoch=epoch, ops=ops, owner_token=TOKENS[pool_id])
 
 
 def test_operation_without_a_kind_is_invalid_argument(stub):
     epoch = _register(stub, "raw-1")
-    code, details = _code(
-        stub.Step, pb.StepRequest(pool_id="raw-1", epoch=epoch, ops=[pb.Operation()])
-    )
+    code, details = _code(stub.Step, _step("raw-1", epoch, [pb.Operation()]))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "ops[0]" in details
 
 
@@ -88,20 +95,18 @@ def test_every_rpc_maps_unknown_pool_to_not_found(stub):
 
 def test_stale_epoch_and_double_free_are_failed_precondition(stub):
     epoch = _register(stub, "raw-4")
-    assert _code(stub.Step, pb.StepRequest(pool_id="raw-4", epoch=epoch + 1))[0] == (
-        grpc.StatusCode.FAILED_PRECONDITION
-    )
+    assert _code(stub.Step, _step("raw-4", epoch + 1))[0] == (grpc.StatusCode.FAILED_PRECONDITION)
     admit = pb.Operation(admit=pb.AdmitOp(seq_id=1, num_prompt_tokens=3, max_new_tokens=3))
     free = pb.Operation(free=pb.FreeOp(seq_ids=[1]))
-    stub.Step(pb.StepRequest(pool_id="raw-4", epoch=epoch, ops=[admit, free]), timeout=5)
-    code, details = _code(stub.Step, pb.StepRequest(pool_id="raw-4", epoch=epoch, ops=[free]))
+    stub.Step(_step("raw-4", epoch, [admit, free]), timeout=5)
+    code, details = _code(stub.Step, _step("raw-4", epoch, [free]))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "already freed" in details
 
 
 def test_resource_exhaustion_is_reported_per_operation_not_as_an_rpc_error(stub):
     epoch = _register(stub, "raw-5")
     big = pb.Operation(admit=pb.AdmitOp(seq_id=1, num_prompt_tokens=1000, max_new_tokens=1000))
-    resp = stub.Step(pb.StepRequest(pool_id="raw-5", epoch=epoch, ops=[big]), timeout=5)
+    resp = stub.Step(_step("raw-5", epoch, [big]), timeout=5)
     assert resp.results[0].admit.status == pb.OP_STATUS_RESOURCE_EXHAUSTED
     assert resp.counters.num_free_blocks == 15
 

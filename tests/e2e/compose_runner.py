@@ -64,7 +64,7 @@ IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLI
 TEST_ENV = {"OMP_NUM_THREADS": "1"}
 
 _VAR = re.compile(
-    r"\$(?:\$|\{(?P<braced>[A-Za-z_]\w*)(?P<op>:?-)?(?P<default>[^}]*)\}"
+    r"\$(?:\$|\{(?P<braced>[A-Za-z_]\w*)(?P<op>:?[-?])?(?P<default>[^}]*)\}"
     r"|(?P<plain>[A-Za-z_]\w*))"
 )
 
@@ -114,6 +114,11 @@ def interpolate(value: Any, env: Mapping[str, str]) -> Any:
                 return env.get(name) or default
             if op == "-":
                 return env.get(name, default)
+            if op is not None and op.endswith("?"):  # required: as Compose, refuse to go on
+                value = env.get(name)
+                if value is None or (op == ":?" and not value):
+                    raise ValueError(f"required variable {name} is missing a value: {default}")
+                return value
             return env.get(name, "")
 
         return _VAR.sub(sub, value)

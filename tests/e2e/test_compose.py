@@ -5,7 +5,8 @@ service's own ``command``, ``environment`` and ``healthcheck`` from compose.yaml
 process, rewriting only what Docker would provide (the full list with reasons is in
 ``tests/e2e/compose_runner.py``):
 
-1. ``${VAR:-default}`` interpolation with nothing exported: the defaults.
+1. ``${VAR:-default}`` interpolation with only the required internal token exported: the
+   defaults (``${VAR:?message}`` refuses to go on without the variable, as Compose does).
 2. The image's ``pagedserve`` entrypoint -> ``python -m services.cli`` (this interpreter);
    the healthcheck's ``python`` -> this interpreter.
 3. Service hostnames (``blockmgr:50052``, ``executor:50061``) -> ``127.0.0.1:<local port>``.
@@ -47,11 +48,12 @@ from tests.e2e.compose_runner import (
 MODEL_TARGET = "/models/model"
 GATEWAY_PORT, METRICS_PORT, BLOCKMGR_PORT, EXECUTOR_PORT = 50051, 9090, 50052, 50061
 HEALTHCHECK_MODULE = "services.common.healthcheck"
+SHELL = {"PAGEDSERVE_INTERNAL_TOKEN": "compose-test-token"}  # what `docker compose` sees
 
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
-    return interpolate(load_compose(), {})
+    return interpolate(load_compose(), SHELL)
 
 
 @pytest.fixture(scope="module")
@@ -153,17 +155,25 @@ def test_model_mounted_read_only_where_the_commands_look(services):
 
 def test_model_dir_and_ports_follow_the_environment():
     raw = load_compose()
-    env = {"PAGEDSERVE_MODEL_DIR": "/srv/llama", "PAGEDSERVE_PORT": "8443"}
+    env = {**SHELL, "PAGEDSERVE_MODEL_DIR": "/srv/llama", "PAGEDSERVE_PORT": "8443"}
     gateway = interpolate(raw, env)["services"]["gateway"]
     assert bind_mounts(gateway)[0]["source"] == "/srv/llama"
     assert f"8443:{GATEWAY_PORT}" in gateway["ports"]
+
+
+def test_every_service_gets_the_one_required_internal_token():
+    with pytest.raises(ValueError, match="PAGEDSERVE_INTERNAL_TOKEN"):
+        interpolate(load_compose(), {})  # Compose refuses to start without it
+    services = interpolate(load_compose(), SHELL)["services"]
+    for name in ("blockmgr", "executor", "gateway"):
+        assert services[name]["environment"]["PAGEDSERVE_INTERNAL_TOKEN"] == "compose-test-token"
 
 
 # -- the rewrites ------------------------------------------------------------------------------
 
 
 def test_rewritten_commands_keep_only_what_docker_does_not_provide(tmp_path):
-    stack = ComposeStack({MODEL_TARGET: tmp_path / "model"})
+    stack = ComposeStack({MODEL_TARGET: tmp_path / "model"}, shell_env=SHELL)
     bm, ex, gw = (stack.services[n] for n in ("blockmgr", "executor", "gateway"))
     head = [sys.executable, "-m", "services.cli"]
     p = stack.ports
@@ -212,7 +222,9 @@ def test_rewritten_commands_keep_only_what_docker_does_not_provide(tmp_path):
         f"127.0.0.1:{p['gateway'][GATEWAY_PORT]}",
     ]
     assert "PAGEDSERVE_API_KEY" not in gw.env  # unset where "compose" runs: left out
-    exported = ComposeStack({MODEL_TARGET: tmp_path}, shell_env={"PAGEDSERVE_API_KEY": "k"})
+    exported = ComposeStack(
+        {MODEL_TARGET: tmp_path}, shell_env={**SHELL, "PAGEDSERVE_API_KEY": "k"}
+    )
     assert exported.services["gateway"].env["PAGEDSERVE_API_KEY"] == "k"  # passed on when set
     local = {port for ports in p.values() for port in ports.values()}
     assert len(local) == 4  # each of the 4 container ports got its own local port
@@ -224,7 +236,7 @@ def test_rewritten_commands_keep_only_what_docker_does_not_provide(tmp_path):
 @pytest.mark.slow
 def test_compose_services_run_and_stream_a_generation(tmp_path):
     model = write_tiny_model(tmp_path / "model")
-    stack = ComposeStack({MODEL_TARGET: model}, log_dir=tmp_path / "logs")
+    stack = ComposeStack({MODEL_TARGET: model}, shell_env=SHELL, log_dir=tmp_path / "logs")
     with stack:
         stack.up(timeout=45)
         for name in stack.order:  # the declared healthchecks pass, in depends_on order
@@ -250,14 +262,14 @@ def test_compose_services_run_and_stream_a_generation(tmp_path):
 
 
 def test_healthcheck_fails_when_nothing_listens(tmp_path):
-    stack = ComposeStack({MODEL_TARGET: tmp_path})
+    stack = ComposeStack({MODEL_TARGET: tmp_path}, shell_env=SHELL)
     assert not stack.check_health("blockmgr")  # not started: connection refused, exit 1
 
 
 def test_runner_rejects_unknown_mounts_and_shell_commands(tmp_path):
     raw = load_compose()
     with pytest.raises(ValueError, match="no local directory"):
-        ComposeStack({}, compose=raw)
+        ComposeStack({}, compose=raw, shell_env=SHELL)
     broken = {
         **raw,
         "services": {
@@ -266,7 +278,7 @@ def test_runner_rejects_unknown_mounts_and_shell_commands(tmp_path):
         },
     }
     with pytest.raises(ValueError, match="exec"):
-        ComposeStack({MODEL_TARGET: tmp_path}, compose=broken)
+        ComposeStack({MODEL_TARGET: tmp_path}, compose=broken, shell_env=SHELL)
 
 
 def test_durations():

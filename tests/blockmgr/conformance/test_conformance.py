@@ -122,6 +122,52 @@ def test_register_rejects_empty_pool_id(client):
         client.register("", 8, BS)
 
 
+# ---- ownership -------------------------------------------------------------------------------
+
+
+def test_a_live_pool_is_refused_to_another_owner_and_its_sequences_are_untouchable(
+    client, other_client, pool_id
+):
+    epoch = _register(client, pool_id)
+    _admit(client, pool_id, epoch, 1, list(range(6)))
+    with raises_code(ErrorCode.FAILED_PRECONDITION, "another owner"):
+        other_client.register(pool_id, 16, BS)
+    with raises_code(ErrorCode.FAILED_PRECONDITION, "owner_token"):
+        other_client.step(pool_id, epoch, [Free((1,))])
+    with raises_code(ErrorCode.FAILED_PRECONDITION, "owner_token"):
+        other_client.restore(pool_id, epoch, [])
+    with raises_code(ErrorCode.FAILED_PRECONDITION, "owner_token"):
+        other_client.unregister(pool_id, epoch)
+    # Nothing changed: the owner's sequence still holds its blocks and grows.
+    assert _counters(client, pool_id).num_in_use_blocks == 2
+    (grow,) = client.step(pool_id, epoch, [Grow((1,), (1,))]).results
+    assert isinstance(grow, GrowResult) and grow.statuses == (OpStatus.OK,)
+
+
+def test_the_owner_may_register_its_pool_again(client, pool_id):
+    first = client.register(pool_id, 16, BS)
+    again = client.register(pool_id, 16, BS)
+    assert again.epoch > first.epoch
+
+
+def test_unregister_reclaims_the_pool_and_frees_its_id(client, other_client, pool_id):
+    epoch = _register(client, pool_id)
+    _admit(client, pool_id, epoch, 1, list(range(6)))
+    client.unregister(pool_id, epoch)
+    with raises_code(ErrorCode.NOT_FOUND):
+        client.stats(pool_id)
+    fresh = other_client.register(pool_id, 8, BS)  # anyone may take the id now
+    assert _counters(other_client, pool_id).num_in_use_blocks == 0
+    other_client.unregister(pool_id, fresh.epoch)
+
+
+def test_an_empty_step_is_a_lease_renewal_that_changes_nothing(client, pool_id):
+    epoch = _register(client, pool_id)
+    _admit(client, pool_id, epoch, 1, list(range(6)))
+    result = client.step(pool_id, epoch, [])
+    assert result.results == () and result.counters.num_in_use_blocks == 2
+
+
 # ---- allocation and growth ----------------------------------------------------------------
 
 
