@@ -62,6 +62,7 @@ class BlockManagerLink:
         self.num_round_trips = 0
         self.num_recoveries = 0
         self._backoff_s = spec.retry_s
+        self._stale = False  # the pool may not match our state: resync before the next Step
         self.pool: PoolInfo = self._with_backoff(self._register, held_ok=True)
         self._last_call = time.monotonic()
 
@@ -82,7 +83,7 @@ class BlockManagerLink:
         the pool is re-registered and restored to ``pre_state()`` (every live sequence as it
         was before ``ops``), then ``ops`` is sent. The cached free blocks may be lost that
         way, never a live sequence."""
-        needs_resync = False
+        needs_resync, self._stale = self._stale, False
         resyncs = 0
         while True:
             try:
@@ -107,6 +108,11 @@ class BlockManagerLink:
                 raise
             self._recovered()
             return result
+
+    def invalidate(self) -> None:
+        """The last answer could not be trusted: rebuild the pool from our own state (register
+        again and restore) before the next Step."""
+        self._stale = True
 
     def keepalive(self, ops_factory: Callable[[], list[RestoredSequence]]) -> None:
         """While idle, renew the pool's lease (an empty Step) once a third of it has passed;

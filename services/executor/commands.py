@@ -47,8 +47,13 @@ class Session:
 
     deliver: Callable[[Delivery | None], None]
     session_id: int = field(default_factory=lambda: next(_session_ids))
-    live: set[str] = field(default_factory=set)  # request ids (the session's own)
+    live: dict[str, int] = field(default_factory=dict)  # request id (its own) -> sequences (n)
     half_closed: bool = False
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences this session holds, waiting or running: its share of the engine."""
+        return sum(self.live.values())
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+import structlog
 import torch
 from torch import Tensor
 
@@ -26,10 +27,14 @@ from services.executor.outputs import (
     Usage,
 )
 from services.executor.sampler import RowState, Sampler, SeededGenerators
-from services.executor.scheduler import ScheduledBatch, Scheduler
+from services.executor.scheduler import BadAnswer, ScheduledBatch, SchedulePlan, Scheduler
 from services.executor.sequence import FinishReason, Request, RequestKey, SeqStatus
 from services.executor.sequence import Sequence as Seq
 from services.executor.settings import EngineSettings
+
+log = structlog.get_logger(__name__)
+
+MAX_BAD_ANSWERS = 2  # a sequence concerned by this many rejected answers fails
 
 
 class Runner(Protocol):
@@ -59,6 +64,7 @@ class Engine:
         self.num_prompt_tokens = 0  # prompt tokens computed (recomputation included)
         self.num_generation_tokens = 0
         self.num_cached_prompt_tokens = 0
+        self.num_bad_answers = 0  # block-manager answers rejected
         self.last_step_host_s = 0.0
         self.last_step_forward_s = 0.0
         self.scheduler = Scheduler(settings.scheduler, link.counters())
@@ -180,7 +186,12 @@ class Engine:
         t0 = time.perf_counter()
         plan = self.scheduler.plan()
         result = self.link.step(plan.ops(), lambda: self.scheduler.pre_plan_state(plan))
-        batch = self.scheduler.apply(plan, result)
+        try:
+            batch = self.scheduler.apply(plan, result)
+        except BadAnswer as exc:
+            self._distrust(plan, exc)
+            self.num_steps += 1
+            return outputs + self._take_pending()
         if batch.copies:
             self.runner.copy_blocks(batch.copies)
         t1 = time.perf_counter()
@@ -195,6 +206,25 @@ class Engine:
         self.last_step_forward_s = t2 - t1
         self.last_step_host_s = (time.perf_counter() - t0) - self.last_step_forward_s
         return outputs
+
+    def _distrust(self, plan: SchedulePlan, exc: BadAnswer) -> None:
+        """The block manager answered something our plan contradicts: nothing of the answer
+        is applied, the pool is rebuilt from our state before the next Step, and the step is
+        planned again. A sequence concerned a second time fails (INTERNAL at the client);
+        the others go on. Never a crash, never a token computed into a wrong block."""
+        log.error("blockmgr_answer_rejected", error=str(exc))
+        self.scheduler.abandon(plan)
+        self.link.invalidate()
+        self.num_bad_answers += 1
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.seq_id in exc.seq_ids:
+                seq.num_bad_answers += 1
+                if seq.num_bad_answers >= MAX_BAD_ANSWERS:
+                    self._pending.append(self._retire(seq, FinishReason.ERROR))
+
+    def _take_pending(self) -> list[SeqOutput]:
+        pending, self._pending = self._pending, []
+        return pending
 
     def _forward(self, batch: ScheduledBatch) -> Tensor:
         seq_chunks = []

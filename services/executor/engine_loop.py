@@ -26,15 +26,19 @@ from services.executor.commands import (
     Session,
 )
 from services.executor.engine import Engine
-from services.executor.outputs import EngineError, RequestError, SeqOutput
-from services.executor.sequence import RequestKey
+from services.executor.outputs import EngineError, RequestError, RequestErrorCode, SeqOutput
+from services.executor.sequence import FinishReason, RequestKey
 
 log = structlog.get_logger(__name__)
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, max_seqs_per_session: int = 1024) -> None:
+        """``max_seqs_per_session``: sequences (samples) one gateway session may hold at once;
+        a request over it is refused RESOURCE_EXHAUSTED, so one gateway cannot starve the
+        others."""
         self.engine = engine
+        self.max_seqs_per_session = max_seqs_per_session
         self._inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()  # None: wake up
         self._sessions: dict[int, Session] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -109,6 +113,13 @@ class EngineLoop:
                 self._sessions[session.session_id] = session
             case Add(session, request_id, prompt, params, priority, cache_salt):
                 try:
+                    if session.num_seqs + params.n > self.max_seqs_per_session:
+                        raise EngineError(
+                            RequestErrorCode.RESOURCE_EXHAUSTED,
+                            f"this session holds {session.num_seqs} sequences; n={params.n} "
+                            f"more would pass --max-seqs-per-session="
+                            f"{self.max_seqs_per_session}; retry later",
+                        )
                     self.engine.add_request(
                         RequestKey(session.session_id, request_id),
                         prompt,
@@ -121,7 +132,7 @@ class EngineLoop:
                         RequestError(request_id, exc.code, exc.message)
                     )
                     return
-                session.live.add(request_id)
+                session.live[request_id] = params.n
             case Refuse(session, error):
                 errors.setdefault(session.session_id, []).append(error)
             case Abort(session, request_id, index):
@@ -137,10 +148,24 @@ class EngineLoop:
 
     def _dispatch(self, outputs: list[SeqOutput]) -> None:
         by_session: dict[int, list[SeqOutput]] = {}
+        errors: dict[int, list[RequestError]] = {}
         for out in outputs:
             session = self._sessions.get(out.req_id.session_id)
             if session is None:
                 continue  # its session was closed: the request is being aborted
+            if out.finish_reason is FinishReason.ERROR:
+                # The executor could not serve it: the whole request fails with INTERNAL, its
+                # other samples are stopped, and nothing else is disturbed.
+                errors.setdefault(session.session_id, []).append(
+                    RequestError(
+                        out.req_id.request_id,
+                        RequestErrorCode.INTERNAL,
+                        "the executor could not serve this request (its KV blocks could not be "
+                        "trusted); retry it",
+                    )
+                )
+                self.engine.abort_request(out.req_id)
+                continue
             by_session.setdefault(session.session_id, []).append(out)
         # Forget finished requests only after routing every output of this step: the samples
         # of an n > 1 request often finish together.
@@ -148,10 +173,11 @@ class EngineLoop:
             if out.finish_reason is not None and out.req_id not in self.engine.requests:
                 session = self._sessions.get(out.req_id.session_id)
                 if session is not None:
-                    session.live.discard(out.req_id.request_id)
-        for session_id, outs in by_session.items():
+                    session.live.pop(out.req_id.request_id, None)
+        for session_id in by_session.keys() | errors.keys():
             session = self._sessions[session_id]
-            session.deliver(Delivery(self.engine.num_steps, outs, [], self.load))
+            outs, errs = by_session.get(session_id, []), errors.get(session_id, [])
+            session.deliver(Delivery(self.engine.num_steps, outs, errs, self.load))
             self._maybe_finish(session)
 
     def _maybe_finish(self, session: Session) -> None:

@@ -61,6 +61,16 @@ class ScheduledChunk(NamedTuple):
     need_logits: bool  # the chunk reaches the last known token: its logits are sampled
 
 
+class BadAnswer(Exception):
+    """The block manager's answer contradicts the plan it answers (wrong block counts, ids out
+    of range or already held, a copy-on-write nobody asked for, ...). ``seq_ids``: the
+    sequences concerned."""
+
+    def __init__(self, message: str, seq_ids: set[int]) -> None:
+        super().__init__(f"{message} (sequences {sorted(seq_ids)[:8]})")
+        self.seq_ids = seq_ids
+
+
 @dataclass
 class SchedulePlan:
     """Phase one of a step: the operations to send, by part, and what they stand for.
@@ -72,6 +82,7 @@ class SchedulePlan:
     forks: list[Fork] = field(default_factory=list)
     free_seq_ids: list[int] = field(default_factory=list)
     grows: list[tuple[Sequence, int]] = field(default_factory=list)  # decodes, then prefills
+    grow_blocks: list[int] = field(default_factory=list)  # new blocks each grow must get
     admits: list[tuple[Sequence, Admit]] = field(default_factory=list)
     released: list[RestoredSequence] = field(default_factory=list)  # freed by this plan
     fork_ids: set[int] = field(default_factory=set)  # children forked by this plan
@@ -93,14 +104,22 @@ class SchedulePlan:
     def answers(self, result: StepResult) -> tuple[GrowResult | None, list[AdmitResult]]:
         """This plan's grow and admission results out of the answer to :meth:`ops`."""
         first = len(self.commits) + len(self.forks) + bool(self.free_seq_ids)
-        grow = result.results[first] if self.grows else None
+        expected = first + bool(self.grows) + len(self.admits)
+        grow = result.results[first] if self.grows and len(result.results) > first else None
         admits = list(result.results[first + bool(self.grows) :])
         if (
-            (grow is not None and not isinstance(grow, GrowResult))
-            or len(admits) != len(self.admits)
+            len(result.results) != expected
+            or (self.grows and not isinstance(grow, GrowResult))
             or not all(isinstance(r, AdmitResult) for r in admits)
+            or (
+                grow is not None
+                and not len(grow.statuses) == len(grow.new_block_ids) == len(self.grows)
+            )
         ):
-            raise ValueError(f"the Step's results do not match its operations: {result.results}")
+            raise BadAnswer(
+                f"{len(result.results)} results for {expected} operations, or of the wrong kinds",
+                {s.seq_id for s, _ in self.grows} | {s.seq_id for s, _ in self.admits},
+            )
         return grow, admits  # type: ignore[return-value]
 
 
@@ -191,15 +210,17 @@ class Scheduler:
                     return False
                 need = self._blocks_needed(seq, k)
             free -= need
-            if self._cow(seq, k):  # mirror the pool: the writer drops its share of the block
+            cow = self._cow(seq, k)
+            if cow:  # mirror the pool: the writer drops its share of the block
                 self.refs[seq.block_table[-1]] -= 1
                 plan.cow_ids.add(seq.seq_id)
             scheduled.add(seq.seq_id)
             plan.grows.append((seq, k))
+            plan.grow_blocks.append(need - cow)  # the copy's block comes as a BlockCopy
             return True
 
         # Decodes first, then prefill chunks of running sequences, in priority order.
-        bs, refs, grows = cfg.block_size, self.refs, plan.grows
+        bs, refs, grows, grow_blocks = cfg.block_size, self.refs, plan.grows, plan.grow_blocks
         for decode_pass in (True, False):
             for seq in list(self.running):
                 if seq.status is not SeqStatus.RUNNING or seq.seq_id in scheduled:
@@ -212,6 +233,7 @@ class Scheduler:
                     # The common decode: room in a last block no one else holds.
                     scheduled.add(seq.seq_id)
                     grows.append((seq, 1))
+                    grow_blocks.append(0)
                     budget -= 1
                     continue
                 k = min(remaining, budget)
@@ -269,7 +291,13 @@ class Scheduler:
     # ---- phase two: apply the block manager's answer ---------------------------------------
 
     def apply(self, plan: SchedulePlan, result: StepResult) -> ScheduledBatch:
+        """Take the block manager's answer to ``plan``: new blocks, copies, admissions.
+
+        The answer is checked against what the plan asked for before anything changes; one
+        that contradicts it raises :class:`BadAnswer` and changes nothing (see
+        :meth:`abandon`)."""
         grow, admitted = plan.answers(result)
+        self._check_answer(plan, grow, admitted)
         copies: list[tuple[int, int]] = []
         grows = plan.grows
         if grow is not None:
@@ -339,6 +367,91 @@ class Scheduler:
             for b in new_ids:
                 self.refs[b] += 1
         return failed
+
+    def _check_answer(
+        self, plan: SchedulePlan, grow: GrowResult | None, admitted: list[AdmitResult]
+    ) -> None:
+        """Raise :class:`BadAnswer` unless every entry got exactly what it asked for: the
+        expected number of blocks, each new one in range and held by none of our tables, a
+        copy-on-write exactly where our mirror expects one, and admissions whose cached prefix
+        and slots add up."""
+        bs, num_blocks, refs, ok = (
+            self.config.block_size,
+            self.num_usable_blocks + 1,
+            self.refs,
+            OpStatus.OK,
+        )
+        bad: set[int] = set()
+        taken: set[int] = set()
+
+        def fresh(ids: Iterable[int]) -> bool:
+            for b in ids:
+                if not 0 < b < num_blocks or refs[b] or b in taken:
+                    return False
+                taken.add(b)
+            return True
+
+        if grow is not None:
+            counts = [len(ids) for ids in grow.new_block_ids]
+            all_ok = grow.statuses.count(ok) == len(plan.grows)
+            if counts != plan.grow_blocks or grow.copies or plan.cow_ids or not all_ok:
+                copied: set[int] = set()
+                for c in grow.copies:
+                    if not 0 <= c.entry < len(plan.grows):
+                        raise BadAnswer(
+                            f"copy for grow entry {c.entry}", {s.seq_id for s, _ in plan.grows}
+                        )
+                    seq = plan.grows[c.entry][0]
+                    table = seq.block_table
+                    if (
+                        seq.seq_id not in plan.cow_ids
+                        or c.entry in copied
+                        or not table
+                        or c.block_index != len(table) - 1
+                        or c.src != table[-1]
+                        or not fresh((c.dst,))
+                    ):
+                        bad.add(seq.seq_id)
+                    copied.add(c.entry)
+                for i, ((seq, _), status, got, want) in enumerate(
+                    zip(plan.grows, grow.statuses, counts, plan.grow_blocks, strict=True)
+                ):
+                    if status is ok:
+                        if got != want or (seq.seq_id in plan.cow_ids) != (i in copied):
+                            bad.add(seq.seq_id)
+                    elif got or i in copied:
+                        bad.add(seq.seq_id)
+            for (seq, _), ids in zip(plan.grows, grow.new_block_ids, strict=True):
+                if ids and not fresh(ids):
+                    bad.add(seq.seq_id)
+        for (seq, op), res in zip(plan.admits, admitted, strict=True):
+            if res.status is not ok:
+                continue
+            cached, ids = res.num_cached_tokens, res.block_ids
+            want = cached + min(op.num_prompt_tokens - cached, op.max_new_tokens)
+            hits = cached // bs
+            if (
+                cached % bs
+                or not 0 <= cached < op.num_prompt_tokens
+                or hits > len(op.block_hashes)
+                or res.num_tokens != want
+                or len(ids) != -(-want // bs)
+                or len(set(ids)) != len(ids)
+                or not all(0 < b < num_blocks for b in ids[:hits])
+                or not fresh(ids[hits:])
+            ):
+                bad.add(seq.seq_id)
+        if bad:
+            raise BadAnswer("the block manager's answer contradicts the plan", bad)
+
+    def abandon(self, plan: SchedulePlan) -> None:
+        """Forget the answer to ``plan`` (it contradicted the plan): grows and admissions did
+        not happen. The refcount mirror takes back the shares copy-on-write grows gave up;
+        frees, preemptions, forks and commits of the plan stand. The pool must then be rebuilt
+        from this state (a resync) before the next Step."""
+        for seq, _ in plan.grows:
+            if seq.seq_id in plan.cow_ids and seq.block_table:
+                self.refs[seq.block_table[-1]] += 1
 
     # ---- after the forward ----------------------------------------------------------------
 

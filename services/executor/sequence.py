@@ -52,6 +52,7 @@ class Sequence:
     num_committed_blocks: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
+    num_bad_answers: int = 0  # block-manager answers about it that were rejected
     finish_reason: FinishReason | None = None
     stop_token: int | None = None
     admitted_once: bool = False

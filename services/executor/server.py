@@ -65,7 +65,7 @@ async def serve(config: ExecutorConfig) -> int:
         await server.stop(0)
         return 0
     engine, served = load.result()
-    engine_loop = EngineLoop(engine)
+    engine_loop = EngineLoop(engine, max_seqs_per_session=config.max_seqs_per_session)
     engine_loop.start()
     servicer.ready(engine_loop, served)
     gc.freeze()

@@ -432,3 +432,115 @@ def test_a_lost_step_answer_is_never_applied_twice(lose_at):
         assert tokens(outs[(req_id, 0)]) == reference_tokens(p, 12)
     assert engine.link.num_recoveries == 1
     assert_no_leak(engine, client.inner)
+
+
+# ---- distrust of the block manager's answers ---------------------------------------------------
+
+
+class CorruptsAnswers:
+    """A block-manager client whose answers are corrupted by ``corrupt(step_no, result)``
+    (after the real block manager applied the Step): a buggy or hostile implementation."""
+
+    def __init__(self, inner: InProcessClient, corrupt) -> None:
+        self.inner, self.corrupt, self.calls = inner, corrupt, 0
+
+    def step(self, pool_id: str, epoch: int, ops: list) -> StepResult:
+        self.calls += 1
+        return self.corrupt(self.calls, self.inner.step(pool_id, epoch, ops))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _steal_a_held_block(result: StepResult) -> StepResult:
+    """Hand some admission a block some running sequence already holds."""
+    from dataclasses import replace
+
+    from services.blockmgr.types import AdmitResult, OpStatus
+
+    results = list(result.results)
+    for i, r in enumerate(results):
+        if isinstance(r, AdmitResult) and r.status is OpStatus.OK and len(r.block_ids) > 1:
+            results[i] = replace(r, block_ids=(r.block_ids[0], r.block_ids[0], *r.block_ids[2:]))
+            return replace(result, results=tuple(results))
+    return result
+
+
+def _engine_over(client: Any) -> Engine:
+    runner = FakePagedRunner(64, BS)
+    settings = EngineSettings(
+        max_model_len=128,
+        vocab_size=VOCAB,
+        eos_token_ids=(2,),
+        scheduler=SchedulerConfig(block_size=BS, max_num_batched_tokens=32, watermark_blocks=0),
+    )
+    return Engine(settings, runner, link(client, runner))
+
+
+def test_a_contradicting_answer_is_rejected_and_the_pool_rebuilt_without_losing_a_token():
+    def corrupt(call: int, result: StepResult) -> StepResult:
+        return _steal_a_held_block(result) if call == 3 else result
+
+    client = CorruptsAnswers(InProcessClient(), corrupt)
+    engine = _engine_over(client)
+    prompts = {f"r{i}": prompt(5 + 3 * i, i) for i in range(6)}
+    early: list[SeqOutput] = []
+    for i, (req_id, p) in enumerate(prompts.items()):
+        engine.add_request(RequestKey(0, req_id), p, greedy(10))
+        if i % 2:
+            early += engine.step()  # admissions spread over the first steps
+    outs = run(engine)
+    for o in reversed(early):
+        outs.setdefault((o.req_id.request_id, o.index), []).insert(0, o)
+    for req_id, p in prompts.items():
+        assert tokens(outs[(req_id, 0)]) == reference_tokens(p, 10), req_id
+    assert engine.num_bad_answers == 1 and engine.link.num_recoveries == 1
+    assert_no_leak(engine, client.inner)
+
+
+def test_a_request_the_block_manager_keeps_answering_wrongly_fails_alone():
+    from dataclasses import replace
+
+    from services.blockmgr.types import AdmitResult, OpStatus
+
+    def corrupt(call: int, result: StepResult) -> StepResult:
+        # Every admission of seq 1 ("victim") gets an id outside the pool.
+        results = tuple(
+            replace(r, block_ids=(10_000, *r.block_ids[1:]))
+            if isinstance(r, AdmitResult) and r.status is OpStatus.OK and r.num_tokens == 9
+            else r
+            for r in result.results
+        )
+        return replace(result, results=results)
+
+    client = CorruptsAnswers(InProcessClient(), corrupt)
+    engine = _engine_over(client)
+    engine.add_request(RequestKey(0, "victim"), prompt(9, 0), greedy(6))
+    others = {f"r{i}": prompt(5 + i, i + 1) for i in range(3)}
+    for req_id, p in others.items():
+        engine.add_request(RequestKey(0, req_id), p, greedy(6))
+    outs = run(engine)
+    (final,) = outs[("victim", 0)]
+    assert final.finish_reason is FinishReason.ERROR and not final.token_ids
+    for req_id, p in others.items():
+        assert tokens(outs[(req_id, 0)]) == reference_tokens(p, 6), req_id
+    assert engine.num_bad_answers == 2
+    assert_no_leak(engine, client.inner)
+
+
+def test_an_answer_of_the_wrong_shape_is_rejected_not_a_crash():
+    from dataclasses import replace
+
+    def corrupt(call: int, result: StepResult) -> StepResult:
+        return replace(result, results=result.results[:-1]) if call == 2 else result
+
+    client = CorruptsAnswers(InProcessClient(), corrupt)
+    engine = _engine_over(client)
+    prompts = {f"r{i}": prompt(6 + i, i) for i in range(3)}
+    for req_id, p in prompts.items():
+        engine.add_request(RequestKey(0, req_id), p, greedy(5))
+    outs = run(engine)
+    for req_id, p in prompts.items():
+        assert tokens(outs[(req_id, 0)]) == reference_tokens(p, 5), req_id
+    assert engine.num_bad_answers == 1
+    assert_no_leak(engine, client.inner)

@@ -1,0 +1,171 @@
+"""Trust between the services, with real processes: the internal token on the executor and
+the block manager, the executor's per-session cap, and the pool's lifecycle (kept alive while
+idle, unregistered on shutdown, reclaimed after its owner was killed)."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.v1 import executor_pb2, executor_pb2_grpc
+from services.blockmgr.client import GrpcClient
+from services.blockmgr.errors import BlockManagerError
+from services.common.auth import INTERNAL_TOKEN_HEADER
+from tests.procs import ServiceProcess
+
+TOKEN = "trust-test-token"
+METADATA = ((INTERNAL_TOKEN_HEADER, TOKEN),)
+LEASE_S = 1.5
+
+
+def _executor(model: str, blockmgr: ServiceProcess, pool_id: str, *extra: str) -> ServiceProcess:
+    return ServiceProcess(
+        [
+            "executor",
+            "--model",
+            model,
+            "--port",
+            "0",
+            "--num-kv-blocks",
+            "64",
+            "--max-model-len",
+            "256",
+            "--dtype",
+            "float32",
+            "--blockmgr-address",
+            blockmgr.address,
+            "--pool-id",
+            pool_id,
+            "--internal-token",
+            TOKEN,
+            *extra,
+        ],
+        "executor_ready",
+    )
+
+
+@pytest.fixture(scope="module")
+def blockmgr() -> Iterator[ServiceProcess]:
+    bm = ServiceProcess(
+        ["blockmgr", "--port", "0", "--internal-token", TOKEN, "--pool-lease-s", str(LEASE_S)],
+        "blockmgr_listening",
+    )
+    yield bm
+    bm.stop()
+
+
+@pytest.fixture(scope="module")
+def executor(blockmgr, tiny_checkpoint) -> Iterator[ServiceProcess]:
+    ex = _executor(
+        str(tiny_checkpoint("llama")), blockmgr, "trusted", "--max-seqs-per-session", "4"
+    )
+    yield ex
+    ex.stop()
+
+
+def _pools(blockmgr: ServiceProcess) -> dict[str, int]:
+    client = GrpcClient(blockmgr.address, internal_token=TOKEN)
+    try:
+        return {p.pool_id: p.epoch for p in client.info().pools}
+    finally:
+        client.close()
+
+
+class Session:
+    def __init__(self, channel: grpc.Channel, metadata=METADATA) -> None:
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        stub = executor_pb2_grpc.ExecutorStub(channel)
+        self.call = stub.Session(iter(self._out.get, None), metadata=metadata)
+
+    def add(self, request_id: str, n: int, max_tokens: int) -> None:
+        params = executor_pb2.ExecutorSamplingParams(
+            n=n, temperature=0.0, top_p=1.0, repetition_penalty=1.0, max_tokens=max_tokens
+        )
+        add = executor_pb2.AddRequest(
+            request_id=request_id, prompt_token_ids=[1, 5, 9], sampling_params=params
+        )
+        self._out.put(executor_pb2.SessionRequest(add=add))
+
+    def first_error_or_token(self) -> executor_pb2.ExecutorStep:
+        return next(iter(self.call))
+
+    def close(self) -> None:
+        self._out.put(None)
+        self.call.cancel()
+
+
+def test_executor_rpcs_need_the_internal_token_and_health_stays_open(executor) -> None:
+    with grpc.insecure_channel(executor.address) as channel:
+        stub = executor_pb2_grpc.ExecutorStub(channel)
+        for metadata in (None, ((INTERNAL_TOKEN_HEADER, "wrong"),)):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Info(executor_pb2.ExecutorInfoRequest(), timeout=5, metadata=metadata)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            session = Session(channel, metadata)
+            session.add("x", 1, 4)
+            with pytest.raises(grpc.RpcError) as info:
+                session.first_error_or_token()
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert stub.Info(executor_pb2.ExecutorInfoRequest(), timeout=5, metadata=METADATA)
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_session_past_its_sequence_cap_is_refused_and_another_session_is_not(executor):
+    with grpc.insecure_channel(executor.address) as channel:
+        greedy = Session(channel)
+        greedy.add("a", 3, 200)
+        greedy.add("b", 2, 4)  # 3 + 2 > 4
+        refused = None
+        for step in greedy.call:
+            if step.errors:
+                refused = step.errors[0]
+                break
+        assert refused is not None and refused.request_id == "b"
+        assert refused.code == executor_pb2.REQUEST_ERROR_CODE_RESOURCE_EXHAUSTED
+        assert "--max-seqs-per-session" in refused.message
+        other = Session(channel)
+        other.add("c", 4, 2)
+        step = other.first_error_or_token()
+        assert not step.errors and step.updates[0].request_id == "c"
+        greedy.close()
+        other.close()
+
+
+def test_an_idle_executor_keeps_its_pool_alive_past_the_lease(blockmgr, executor) -> None:
+    epoch = _pools(blockmgr)["trusted"]
+    time.sleep(3 * LEASE_S)  # no traffic: only the executor's keep-alives renew the lease
+    assert _pools(blockmgr).get("trusted") == epoch
+
+
+def test_a_stranger_cannot_take_the_executors_pool(blockmgr, executor) -> None:
+    stranger = GrpcClient(blockmgr.address, internal_token=TOKEN)
+    with pytest.raises(BlockManagerError, match="another owner"):
+        stranger.register("trusted", 10**6, 16)
+    stranger.close()
+
+
+def test_shutdown_unregisters_and_a_killed_executors_pool_is_reclaimed(
+    blockmgr, tiny_checkpoint
+) -> None:
+    model = str(tiny_checkpoint("llama"))
+    graceful = _executor(model, blockmgr, "graceful")
+    assert "graceful" in _pools(blockmgr)
+    assert graceful.stop() == 0
+    assert "graceful" not in _pools(blockmgr)  # unregistered on SIGTERM
+
+    killed = _executor(model, blockmgr, "killed")
+    assert "killed" in _pools(blockmgr)
+    killed.proc.send_signal(signal.SIGKILL)
+    killed.proc.wait(10)
+    deadline = time.monotonic() + 4 * LEASE_S
+    while "killed" in _pools(blockmgr):
+        assert time.monotonic() < deadline, "the dead executor's pool was never reclaimed"
+        time.sleep(0.1)
+    killed.stop()
