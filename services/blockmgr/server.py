@@ -13,7 +13,12 @@ from services.blockmgr.config import BlockManagerServiceConfig
 from services.blockmgr.core import BlockManagerCore
 from services.blockmgr.servicer import BlockManagerServicer
 from services.common.auth import SERVER_OPTIONS
-from services.common.grpc_server import add_health_and_reflection, set_serving, stop_event
+from services.common.grpc_server import (
+    MalformedRequestInterceptor,
+    add_health_and_reflection,
+    set_serving,
+    stop_event,
+)
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
@@ -36,7 +41,7 @@ class BlockManagerServer:
         )
         security = config.security
         self.server = grpc.aio.server(
-            interceptors=security.interceptors(),
+            interceptors=[*security.interceptors(), MalformedRequestInterceptor()],
             options=[("grpc.max_receive_message_length", 64 * 1024 * 1024), *SERVER_OPTIONS],
         )
         pb_grpc.add_BlockManagerServicer_to_server(

@@ -1,12 +1,15 @@
 """What every pagedserve gRPC server shares: standard health + reflection, health updates,
-and the SIGTERM/SIGINT stop event."""
+the SIGTERM/SIGINT stop event, and INVALID_ARGUMENT for requests that do not parse."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -44,3 +47,81 @@ def stop_event() -> asyncio.Event:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Bytes that do not parse as the method's request message (or a string field that is not
+    UTF-8) are INVALID_ARGUMENT naming the message type, not UNKNOWN: the handler receives
+    raw bytes and parses them here. Put it after the authentication interceptors, so a caller
+    without credentials is refused before its request is parsed."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        name = handler_call_details.method.rsplit("/", 1)[-1]
+
+        async def parsed(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return parse(data)
+            except DecodeError as exc:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{name}: malformed request: {exc}"
+                )
+
+        async def parsed_stream(
+            stream: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            async for data in stream:
+                yield await parsed(data, context)
+
+        if handler.request_streaming and handler.response_streaming:
+            stream_stream = handler.stream_stream
+
+            async def streams(stream: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
+                result = stream_stream(parsed_stream(stream, context), context)
+                if hasattr(result, "__aiter__"):  # an async generator yields its responses
+                    async for response in result:
+                        yield response
+                else:  # a coroutine writes them with context.write
+                    await result
+
+            return grpc.stream_stream_rpc_method_handler(
+                streams, response_serializer=handler.response_serializer
+            )
+        if handler.request_streaming:
+            stream_unary = handler.stream_unary
+
+            async def stream_in(stream: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
+                return await stream_unary(parsed_stream(stream, context), context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                stream_in, response_serializer=handler.response_serializer
+            )
+        if handler.response_streaming:
+            behavior = handler.unary_stream
+
+            async def unary_stream(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+                result = behavior(await parsed(data, context), context)
+                if hasattr(result, "__aiter__"):  # an async generator yields its responses
+                    async for response in result:
+                        yield response
+                else:  # a coroutine writes them with context.write
+                    await result
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, response_serializer=handler.response_serializer
+            )
+        unary = handler.unary_unary
+
+        async def unary_unary(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+            return await unary(await parsed(data, context), context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, response_serializer=handler.response_serializer
+        )

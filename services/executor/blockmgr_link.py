@@ -42,7 +42,7 @@ class PoolSpec:
     enable_prefix_caching: bool
     eviction_policy: str = "lru"
     retry_s: float = 0.05
-    max_backoff_s: float = 2.0
+    max_backoff_s: float = 0.5  # serving again within a second of the block manager coming back
 
 
 class BlockManagerLink:

@@ -78,6 +78,8 @@ class EngineLoop:
                     outputs = self.engine.step()
                     self.load = self._snapshot()
                     self._dispatch(outputs)
+                    if not self.engine.has_work:
+                        self._broadcast_load()
         except BaseException as exc:  # the engine is broken: say so loudly, end every stream
             self.error = exc
             log.exception("engine_loop_crashed")
@@ -179,6 +181,12 @@ class EngineLoop:
             outs, errs = by_session.get(session_id, []), errors.get(session_id, [])
             session.deliver(Delivery(self.engine.num_steps, outs, errs, self.load))
             self._maybe_finish(session)
+
+    def _broadcast_load(self) -> None:
+        """The engine went idle: every session learns the final load (the step that freed the
+        last blocks produced no output, so no delivery carried it)."""
+        for session in list(self._sessions.values()):
+            session.deliver(Delivery(self.engine.num_steps, [], [], self.load))
 
     def _maybe_finish(self, session: Session) -> None:
         if session.half_closed and not session.live:

@@ -12,7 +12,12 @@ import structlog
 
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from services.common.auth import SERVER_OPTIONS
-from services.common.grpc_server import add_health_and_reflection, set_serving, stop_event
+from services.common.grpc_server import (
+    MalformedRequestInterceptor,
+    add_health_and_reflection,
+    set_serving,
+    stop_event,
+)
 from services.executor.config import ExecutorConfig
 from services.executor.engine_loop import EngineLoop
 from services.executor.servicer import ExecutorServicer
@@ -28,7 +33,7 @@ async def serve(config: ExecutorConfig) -> int:
     servicer = ExecutorServicer()
     security = config.security
     server = grpc.aio.server(
-        interceptors=security.interceptors(),
+        interceptors=[*security.interceptors(), MalformedRequestInterceptor()],
         options=[("grpc.max_receive_message_length", 64 * 2**20), *SERVER_OPTIONS],
     )
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)

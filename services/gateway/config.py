@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 
 from services.common.auth import InternalSecurity
 
+PROMPT_BYTES_PER_TOKEN = 32  # more UTF-8 bytes per token than any real text needs
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -17,6 +19,9 @@ class GatewayConfig:
     port: int = 50051
     max_concurrent_requests: int = 256
     max_n: int = 16
+    max_prompt_bytes: int | None = None  # default: PROMPT_BYTES_PER_TOKEN x max_model_len
+    tokenizer_workers: int = 2  # threads that tokenize and apply chat templates
+    executor_wait_s: float = 30.0  # streams wait this long for a non-serving executor
     api_key: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -45,6 +50,26 @@ class GatewayConfig:
         a("--port", type=int, default=cls.port)
         a("--max-concurrent-requests", type=int, default=cls.max_concurrent_requests)
         a("--max-n", type=int, default=cls.max_n, help="largest n (parallel samples) accepted")
+        a(
+            "--max-prompt-bytes",
+            type=int,
+            default=None,
+            help="refuse longer prompts (text or chat messages) before tokenizing them "
+            f"(default {PROMPT_BYTES_PER_TOKEN} x the executor's max_model_len)",
+        )
+        a(
+            "--executor-wait-s",
+            type=float,
+            default=cls.executor_wait_s,
+            help="running streams wait this long for an executor that stopped serving, then "
+            "fail UNAVAILABLE (default %(default)s)",
+        )
+        a(
+            "--tokenizer-workers",
+            type=int,
+            default=cls.tokenizer_workers,
+            help="threads tokenizing prompts off the event loop (default %(default)s)",
+        )
         a(
             "--api-key",
             default=os.environ.get("PAGEDSERVE_API_KEY"),
@@ -86,6 +111,12 @@ class GatewayConfig:
             raise ValueError("--max-concurrent-requests must be >= 1")
         if self.max_n < 1:
             raise ValueError("--max-n must be >= 1")
+        if self.max_prompt_bytes is not None and self.max_prompt_bytes < 1:
+            raise ValueError("--max-prompt-bytes must be >= 1")
+        if self.executor_wait_s <= 0:
+            raise ValueError("--executor-wait-s must be > 0")
+        if self.tokenizer_workers < 1:
+            raise ValueError("--tokenizer-workers must be >= 1")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.api_key is not None and not self.api_key:

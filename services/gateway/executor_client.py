@@ -4,18 +4,25 @@ Each :class:`ExecutorConnection` keeps its executor's Info, its latest load, and
 stream over which every request routed to it travels (``add`` / ``abort`` out, one
 ``ExecutorStep`` per scheduler step in). Per-request updates are fanned out to asyncio queues.
 When the stream breaks (the executor died or restarted), every in-flight request fails with
-UNAVAILABLE and the connection re-opens in the background. :class:`ExecutorPool` routes new
-requests to the ready executor with the fewest in-flight requests.
+UNAVAILABLE and the connection re-opens in the background.
+
+A connection is *ready* while its Session is up and the executor's own health says SERVING
+(watched with ``grpc.health.v1``): an executor whose block manager is down reports
+NOT_SERVING, gets no new requests, and the requests it holds wait ``executor_wait_s`` for it
+to serve again before they fail with UNAVAILABLE. :class:`ExecutorPool` routes new requests
+to the ready executor with the fewest in-flight requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from services.common.auth import InternalSecurity
@@ -37,9 +44,11 @@ class ExecutorConnection:
         on_change: Callable[[], None] = lambda: None,
         on_step: Callable[[executor_pb2.ExecutorStep], None] = lambda step: None,
         retry_s: float = 0.2,
+        executor_wait_s: float = 30.0,
         security: InternalSecurity | None = None,
     ) -> None:
         security = security or InternalSecurity()
+        self.executor_wait_s = executor_wait_s
         self.address = address
         self.on_change = on_change
         self.on_step = on_step
@@ -47,8 +56,13 @@ class ExecutorConnection:
         self.info: executor_pb2.ExecutorInfo | None = None
         self.load: executor_pb2.ExecutorLoad | None = None
         self.ready = False
+        self.not_ready_since: float | None = time.monotonic()
+        self._connected = False  # the Session stream is up
+        self._serving = False  # the executor's health says SERVING
+        self._expiry: asyncio.TimerHandle | None = None
         self._channel = security.aio_channel(address)
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = security.metadata()
         self._outbox: asyncio.Queue[executor_pb2.SessionRequest | None] = asyncio.Queue()
         self._inflight: dict[str, asyncio.Queue[Item]] = {}
@@ -60,12 +74,14 @@ class ExecutorConnection:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"executor-{self.address}")
+        self._watch_task = asyncio.create_task(self._watch(), name=f"health-{self.address}")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, getattr(self, "_watch_task", None)):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self._channel.close()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -81,14 +97,14 @@ class ExecutorConnection:
 
     def release(self, request_id: str, *, abort: bool) -> None:
         """Forget a request; with ``abort`` the executor stops it at its next step."""
-        if self._inflight.pop(request_id, None) is not None and abort and self.ready:
+        if self._inflight.pop(request_id, None) is not None and abort and self._connected:
             self._outbox.put_nowait(
                 executor_pb2.SessionRequest(abort=executor_pb2.AbortRequest(request_id=request_id))
             )
 
     def abort_sample(self, request_id: str, index: int) -> None:
         """Stop one sample of an n > 1 request; the others go on."""
-        if request_id in self._inflight and self.ready:
+        if request_id in self._inflight and self._connected:
             self._outbox.put_nowait(
                 executor_pb2.SessionRequest(
                     abort=executor_pb2.AbortRequest(request_id=request_id, index=index)
@@ -116,8 +132,25 @@ class ExecutorConnection:
                     )
             except Exception:
                 log.exception("executor_connection_error", address=self.address)
-            self._set_ready(False)
+            self._connected = False
+            self._update()
             self._fail_all(ExecutorUnavailable(f"executor {self.address} is unavailable"))
+            await asyncio.sleep(self.retry_s)
+
+    async def _watch(self) -> None:
+        """Follow the executor's health; a broken watch counts as not serving."""
+        request = health_pb2.HealthCheckRequest(service="pagedserve.v1.Executor")
+        while True:
+            try:
+                async for resp in self._health.Watch(request, metadata=self._metadata):
+                    self._serving = resp.status == health_pb2.HealthCheckResponse.SERVING
+                    self._update()
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError:
+                pass
+            self._serving = False
+            self._update()
             await asyncio.sleep(self.retry_s)
 
     async def _session(self) -> None:
@@ -133,7 +166,8 @@ class ExecutorConnection:
 
         call = self._stub.Session(requests(), metadata=self._metadata)
         await call.wait_for_connection()
-        self._set_ready(True)
+        self._connected = True
+        self._update()
         log.info(
             "executor_connected",
             address=self.address,
@@ -157,10 +191,41 @@ class ExecutorConnection:
         for q in inflight.values():
             q.put_nowait(exc)
 
-    def _set_ready(self, ready: bool) -> None:
-        if ready != self.ready:
-            self.ready = ready
-            self.on_change()
+    def _update(self) -> None:
+        ready = self._connected and self._serving
+        if ready == self.ready:
+            return
+        self.ready = ready
+        if ready:
+            self.not_ready_since = None
+            if self._expiry is not None:
+                self._expiry.cancel()
+                self._expiry = None
+        else:
+            self.not_ready_since = time.monotonic()
+            log.warning(
+                "executor_not_serving", address=self.address, waiting_s=self.executor_wait_s
+            )
+            self._expiry = asyncio.get_running_loop().call_later(
+                self.executor_wait_s, self._give_up_waiting
+            )
+        self.on_change()
+
+    def _give_up_waiting(self) -> None:
+        """The executor has not served for ``executor_wait_s``: its requests fail now (and are
+        aborted there, should it come back)."""
+        self._expiry = None
+        inflight = list(self._inflight)
+        self._fail_all(
+            ExecutorUnavailable(
+                f"executor {self.address} has not been serving for "
+                f"{self.executor_wait_s:.0f} s (--executor-wait-s); retry later"
+            )
+        )
+        if self._connected:
+            for request_id in inflight:
+                abort = executor_pb2.AbortRequest(request_id=request_id)
+                self._outbox.put_nowait(executor_pb2.SessionRequest(abort=abort))
 
 
 class ExecutorPool:
@@ -173,9 +238,16 @@ class ExecutorPool:
         on_change: Callable[[], None] = lambda: None,
         on_step: Callable[[executor_pb2.ExecutorStep], None] = lambda step: None,
         security: InternalSecurity | None = None,
+        executor_wait_s: float = 30.0,
     ) -> None:
         self.connections = [
-            ExecutorConnection(a, on_change=on_change, on_step=on_step, security=security)
+            ExecutorConnection(
+                a,
+                on_change=on_change,
+                on_step=on_step,
+                security=security,
+                executor_wait_s=executor_wait_s,
+            )
             for a in addresses
         ]
 
@@ -199,5 +271,8 @@ class ExecutorPool:
     def pick(self) -> ExecutorConnection:
         ready = self.ready
         if not ready:
-            raise ExecutorUnavailable("no executor is ready")
+            raise ExecutorUnavailable(
+                "no executor is serving (starting up, restarting, or waiting for its block "
+                "manager); retry in a few seconds"
+            )
         return min(ready, key=lambda c: c.num_inflight)

@@ -13,7 +13,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.common.auth import SERVER_OPTIONS, api_key_interceptor
-from services.common.grpc_server import add_health_and_reflection, set_serving, stop_event
+from services.common.grpc_server import (
+    MalformedRequestInterceptor,
+    add_health_and_reflection,
+    set_serving,
+    stop_event,
+)
 from services.gateway.config import GatewayConfig
 from services.gateway.executor_client import ExecutorPool
 from services.gateway.metrics import GatewayMetrics
@@ -35,13 +40,18 @@ class GatewayServer:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.pool = ExecutorPool(
-            config.executor_addresses, on_change=self._on_pool_change, security=config.security
+            config.executor_addresses,
+            on_change=self._on_pool_change,
+            security=config.security,
+            executor_wait_s=config.executor_wait_s,
         )
         self.metrics = GatewayMetrics(
             lambda: [c.load for c in self.pool.connections if c.ready and c.load is not None]
         )
         interceptors = [api_key_interceptor(config.api_key)] if config.api_key else []
-        self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(
+            interceptors=[*interceptors, MalformedRequestInterceptor()], options=SERVER_OPTIONS
+        )
         self.servicer = GenerationServicer(config, self.tokenizer, self.pool, self.metrics)
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(

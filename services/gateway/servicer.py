@@ -3,9 +3,12 @@ routing, and streaming of each sample's text."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -13,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedserve.v1 import common_pb2, executor_pb2, generation_pb2, generation_pb2_grpc
 from services.common.limits import FieldError, check_prompt, check_request_id, check_token_ids
-from services.gateway.config import GatewayConfig
+from services.gateway.config import PROMPT_BYTES_PER_TOKEN, GatewayConfig
 from services.gateway.executor_client import ExecutorPool, ExecutorUnavailable
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.sample_stream import SampleStream
@@ -21,10 +24,16 @@ from services.gateway.validation import (
     Limits,
     check_input_kind,
     check_messages,
+    check_prompt_bytes,
     sampling_to_executor,
 )
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
+NO_EXECUTOR = (
+    "no executor is serving (starting up, restarting, or waiting for its block manager); "
+    "retry in a few seconds"
+)
 
 _REFUSAL_STATUS = {
     executor_pb2.REQUEST_ERROR_CODE_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -53,6 +62,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics = metrics
         self.model_name = config.served_model_name or config.model.rstrip("/").split("/")[-1]
         self.num_inflight = 0
+        self._tokenizer_threads = ThreadPoolExecutor(
+            config.tokenizer_workers, thread_name_prefix="tokenizer"
+        )
+        self._tokenizer_slots = asyncio.Semaphore(4 * config.tokenizer_workers)
 
     # ---- Generate ---------------------------------------------------------------------------
 
@@ -88,12 +101,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         info = self.pool.info
         if info is None:
             self.metrics.requests.labels("unavailable").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is ready")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NO_EXECUTOR)
         assert info is not None
-        limits = Limits(info.max_model_len, info.vocab_size, self.config.max_n)
+        max_bytes = self.config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * info.max_model_len
+        limits = Limits(info.max_model_len, info.vocab_size, self.config.max_n, max_bytes)
         try:
             check_request_id(request_id)
-            prompt_ids = self._prompt_ids(request, limits)
+            prompt_ids = await self._prompt_ids(request, limits)
             params, options = sampling_to_executor(request, len(prompt_ids), limits)
         except FieldError as exc:
             self.metrics.requests.labels("invalid").inc()
@@ -129,16 +143,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         last_token_at: list[float | None] = [None] * params.n
         done = 0
         completed = False
+        outcome: str | None = None  # counted once in requests_total; None: cancelled
         stopped_here = False  # a stop string ended a sample the executor may still be running
         try:
             while done < params.n:
                 item = await queue.get()
                 if isinstance(item, executor_pb2.RequestError):
                     code = _REFUSAL_STATUS.get(item.code, grpc.StatusCode.INTERNAL)
-                    self.metrics.requests.labels("refused").inc()
+                    outcome = "refused" if code != grpc.StatusCode.INTERNAL else "error"
                     await context.abort(code, item.message)
                 if isinstance(item, BaseException):
-                    self.metrics.requests.labels("unavailable").inc()
+                    outcome = "unavailable"
                     log.warning("executor_lost_mid_request", error=str(item))
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
                 assert isinstance(item, executor_pb2.SequenceUpdate)
@@ -163,6 +178,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     done += 1
                     self._record_final(response)
+                    if response.index == 0:
+                        outcome = _FINISH_NAMES.get(response.finish_reason, "other")
                 yield response
             completed = True
             self.metrics.e2e.observe(time.monotonic() - start)
@@ -174,28 +191,41 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             # Cancelled, deadline passed, or failed: stop it on the executor right away.
             conn.release(internal_id, abort=not completed or stopped_here)
-            if not completed:
-                self.metrics.requests.labels("cancelled").inc()
+            if not completed and outcome is None:
                 log.info("request_cancelled", after_s=round(time.monotonic() - start, 4))
+            self.metrics.requests.labels(outcome or "cancelled").inc()
 
     def _record_final(self, response: generation_pb2.GenerateResponse) -> None:
-        self.metrics.requests.labels(_FINISH_NAMES.get(response.finish_reason, "other")).inc()
         if response.index == 0:
             self.metrics.prompt_tokens.inc(response.usage.prompt_tokens)
             self.metrics.cached_prompt_tokens.inc(response.usage.cached_prompt_tokens)
 
-    def _prompt_ids(self, request: generation_pb2.GenerateRequest, limits: Limits) -> list[int]:
+    async def _prompt_ids(
+        self, request: generation_pb2.GenerateRequest, limits: Limits
+    ) -> list[int]:
         kind = check_input_kind(request)
+        check_prompt_bytes(request, kind, limits.max_prompt_bytes)
         field = kind
         if kind == "prompt":
-            ids = self.tokenizer(request.prompt).input_ids
+            ids = await self._off_loop(self._encode, request.prompt, True)
         elif kind == "prompt_token_ids":
             ids = list(request.prompt_token_ids.ids)
             field = "prompt_token_ids.ids"
         else:
-            ids = self._chat_ids(request.messages, "messages")
+            ids = await self._off_loop(self._chat_ids, request.messages, "messages")
         check_prompt(ids, limits.vocab_size, limits.max_model_len, field)
         return ids
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer work in the tokenizer threads (never on the event loop, where a
+        megabyte prompt would stall every stream); at most a few jobs queue per thread."""
+        async with self._tokenizer_slots:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_threads, fn, *args
+            )
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def _chat_ids(self, messages: generation_pb2.ChatMessages, field: str) -> list[int]:
         check_messages(messages, field)
@@ -219,11 +249,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> generation_pb2.TokenizeResponse:
         kind = request.WhichOneof("input")
         try:
+            info = self.pool.info
+            limit = self.config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * (
+                info.max_model_len if info is not None else 4096
+            )
             if kind == "text":
+                if len(request.text.encode()) > limit:
+                    raise FieldError("text", f"more than --max-prompt-bytes={limit} bytes")
                 add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = self.tokenizer(request.text, add_special_tokens=add).input_ids
+                ids = await self._off_loop(self._encode, request.text, add)
             elif kind == "messages":
-                ids = self._chat_ids(request.messages, "messages")
+                size = sum(len(m.content.encode()) for m in request.messages.messages)
+                if size > limit:
+                    raise FieldError("messages", f"more than --max-prompt-bytes={limit} bytes")
+                ids = await self._off_loop(self._chat_ids, request.messages, "messages")
             else:
                 raise FieldError("input", "one of text or messages is required")
         except FieldError as exc:
@@ -247,7 +286,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> generation_pb2.ModelInfo:
         ready = self.pool.ready
         if not ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is ready")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NO_EXECUTOR)
         info = ready[0].info
         assert info is not None
         return generation_pb2.ModelInfo(

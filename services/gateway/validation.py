@@ -24,6 +24,20 @@ class Limits:
     max_model_len: int
     vocab_size: int
     max_n: int
+    max_prompt_bytes: int
+
+
+def check_prompt_bytes(request: generation_pb2.GenerateRequest, kind: str, limit: int) -> None:
+    """Refuse a text or chat prompt longer than ``limit`` UTF-8 bytes, before tokenizing it
+    (tokenizing megabytes takes seconds and is wasted: it could never fit)."""
+    if kind == "prompt":
+        size = len(request.prompt.encode())
+    elif kind == "messages":
+        size = sum(len(m.content.encode()) for m in request.messages.messages)
+    else:
+        return
+    if size > limit:
+        raise FieldError(kind, f"{size} bytes exceed --max-prompt-bytes={limit}")
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import urllib.request
@@ -337,6 +338,18 @@ def test_api_key_is_required_when_configured(stack):
         wait_serving(gw.address)  # health stays open
         out = collect(stub.Generate(req, metadata=[("authorization", "Bearer s3cret")]))
         assert out[0]["finals"] == 1
+        # Garbage bytes: refused for the missing key before they are parsed, INVALID_ARGUMENT
+        # (not UNKNOWN) with the key.
+        with grpc.insecure_channel(gw.address) as channel:
+            raw = channel.unary_stream("/pagedserve.v1.Generation/Generate")
+            for metadata, code in (
+                (None, grpc.StatusCode.UNAUTHENTICATED),
+                ([("authorization", "Bearer s3cret")], grpc.StatusCode.INVALID_ARGUMENT),
+            ):
+                for body in (b"\xff\xff\xff not protobuf", b"\x0a\x02\xff\xfe"):  # bad UTF-8
+                    with pytest.raises(grpc.RpcError) as info:
+                        list(raw(body, metadata=metadata, timeout=10))
+                    assert info.value.code() == code, info.value.details()
     finally:
         assert gw.stop() == 0
 
@@ -453,6 +466,21 @@ def test_metrics_endpoint_exposes_latency_histograms_and_counters(stack):
         line for line in body.splitlines() if line.startswith("pagedserve_generation_tokens_total")
     )
     assert float(gen.split()[-1]) > 0
+    # Once the engine is idle its last load reaches the gateway: no block shows as in use.
+    deadline = time.monotonic() + 5
+    while True:
+        body = (
+            urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5)
+            .read()
+            .decode()
+        )
+        usage = next(
+            line for line in body.splitlines() if line.startswith("pagedserve_kv_cache_usage_ratio")
+        )
+        if float(usage.split()[-1]) == 0.0:
+            break
+        assert time.monotonic() < deadline, usage
+        time.sleep(0.05)
 
 
 def test_tls_serves_encrypted_clients_only(stack, tmp_path):
@@ -507,5 +535,47 @@ def test_tls_serves_encrypted_clients_only(stack, tmp_path):
         with pytest.raises(grpc.RpcError) as info:
             stack.stub(gw.address).GetModelInfo(G.GetModelInfoRequest(), timeout=3)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # plaintext is refused
+    finally:
+        assert gw.stop() == 0
+
+
+def test_huge_prompts_are_refused_without_stalling_other_streams(stack):
+    """Prompts over --max-prompt-bytes are refused before tokenizing; the ones under it are
+    tokenized off the event loop: a running stream keeps receiving tokens meanwhile."""
+    gw = stack.start_gateway("--max-prompt-bytes", "4000000")
+    try:
+        wait_serving(gw.address)
+        stub = stack.stub(gw.address)
+        arrivals: list[float] = []
+        background = G.GenerateRequest(
+            prompt="Tell me a story", sampling_params=greedy(150, ignore_eos=True)
+        )
+
+        def stream() -> None:
+            for _ in stub.Generate(background, timeout=60):
+                arrivals.append(time.monotonic())
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while len(arrivals) < 5:  # the stream is flowing
+            time.sleep(0.01)
+        huge = "lorem ipsum dolor " * 215_000  # 3.9 MB: tokenized (in a thread), then too long
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            list(
+                stub.Generate(G.GenerateRequest(prompt=huge, sampling_params=greedy(2)), timeout=60)
+            )
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_model_len" in info.value.details()
+        t1 = time.monotonic()
+        # On the stack's gateway (default limit: 32 bytes x max_model_len) it is refused at once.
+        with pytest.raises(grpc.RpcError) as info:
+            list(stack.stub().Generate(G.GenerateRequest(prompt=huge), timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "--max-prompt-bytes=16384" in info.value.details()
+        t.join()
+        during = [b - a for a, b in itertools.pairwise(arrivals) if t0 <= b <= t1]
+        assert t1 - t0 > 0.3 and len(during) >= 3, (t1 - t0, len(during))  # it did take a while
+        assert max(during) < 0.1, f"a stream stalled {max(during):.3f} s while tokenizing"
     finally:
         assert gw.stop() == 0
