@@ -1,13 +1,18 @@
 """``pagedserve serve``: the whole stack on one machine, as three supervised processes.
 
-blockmgr, executor and gateway talk gRPC on loopback, exactly as in a multi-host deployment.
-If any of them dies, the supervisor says which and with what status, stops the others and
-exits non-zero; SIGTERM / Ctrl-C stops all three gracefully.
+blockmgr, executor and gateway talk gRPC on loopback, exactly as in a multi-host deployment,
+authenticated by an internal token made up here. A child that dies is restarted alone, after
+a back-off that doubles (0.5 s up to 8 s) while it keeps dying; the others heal by themselves
+(the executor restores a restarted block manager, the gateway reconnects to a restarted
+executor). When a child has used up ``--max-restarts`` within ``--restart-window-s``, the
+supervisor says so, stops the others and exits 1. The children die with the supervisor, even
+when it is killed (Linux: ``PR_SET_PDEATHSIG``). SIGTERM / Ctrl-C stops all three gracefully.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import secrets
 import signal
@@ -20,6 +25,7 @@ from services.common.auth import INTERNAL_TOKEN_ENV
 from services.common.logging import configure_logging
 
 DEFAULT_MODEL = Path("models/tiny-llama")
+PR_SET_PDEATHSIG = 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=9090, help="-1 disables")
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of one service within --restart-window-s before giving up",
+    )
+    p.add_argument("--restart-window-s", type=float, default=300.0)
     p.add_argument(
         "executor_args",
         nargs=argparse.REMAINDER,
@@ -104,20 +117,46 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    for name, cmd in specs.items():
-        procs[name] = subprocess.Popen(cmd, env=env)
+
+    def start(name: str) -> None:
+        procs[name] = subprocess.Popen(specs[name], env=env, preexec_fn=_die_with_parent)
         log.info("service_started", name=name, pid=procs[name].pid)
+
+    for name in specs:  # blockmgr, executor, gateway: each heals when the one before it is up
+        start(name)
     log.info("stack_starting", gateway=f"{args.host}:{args.port}", model=str(model))
 
+    restarts: dict[str, list[float]] = {name: [] for name in specs}
+    due: dict[str, float] = {}  # dead service -> when to restart it
     code = 0
     while not stopping:
-        dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
-        if dead:
-            for name, status in dead.items():
-                log.error("service_died", name=name, status=status)
-            code = 1
-            break
-        time.sleep(0.2)
+        now = time.monotonic()
+        for name, p in procs.items():
+            if name in due or p.poll() is None:
+                continue
+            recent = [t for t in restarts[name] if now - t < args.restart_window_s]
+            restarts[name] = recent
+            if len(recent) >= args.max_restarts:
+                log.error(
+                    "service_gave_up",
+                    name=name,
+                    status=p.returncode,
+                    restarts=len(recent),
+                    window_s=args.restart_window_s,
+                )
+                code = 1
+                stopping = True
+                break
+            delay = min(0.5 * 2 ** len(recent), 8.0)
+            log.error("service_died", name=name, status=p.returncode, restart_in_s=delay)
+            due[name] = now + delay
+        for name, when in list(due.items()):
+            if now >= when and not stopping:
+                del due[name]
+                restarts[name].append(now)
+                start(name)
+                log.info("service_restarted", name=name, restarts=len(restarts[name]))
+        time.sleep(0.1)
     for name in ("gateway", "executor", "blockmgr"):  # front to back
         p = procs[name]
         if p.poll() is None:
@@ -132,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
             p.wait()
     log.info("stack_stopped", status=code)
     return code
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the supervisor dies (Linux only)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 if __name__ == "__main__":

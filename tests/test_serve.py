@@ -39,7 +39,7 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 class Stack:
-    def __init__(self, model: Path) -> None:
+    def __init__(self, model: Path, *serve_args: str) -> None:
         self.port, self.exec_port, self.bm_port = _free_ports(3)
         self.lines: list[dict] = []
         self.proc = subprocess.Popen(
@@ -56,6 +56,7 @@ class Stack:
                 str(self.exec_port),
                 "--blockmgr-port",
                 str(self.bm_port),
+                *serve_args,
                 "--metrics-port",
                 "-1",
                 "--",
@@ -115,31 +116,93 @@ def test_serve_runs_three_processes_and_generate_streams_text(tmp_path):
             stack.proc.kill()
 
 
-def test_serve_stops_everything_when_one_service_dies(tmp_path):
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by a dead parent's successor) counts as gone.
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
+
+
+def _wait_gone(pids: list[int], timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, [p for p in pids if _alive(p)]
+        time.sleep(0.1)
+
+
+def _events(stack: Stack, event: str) -> list[dict]:
+    return [r for r in stack.lines if r.get("event") == event]
+
+
+def test_serve_restarts_a_dead_service_and_serves_again(tmp_path):
     model = write_tiny_model(tmp_path / "model")
     stack = Stack(model)
+    try:
+        assert stack.wait_generate("generate", "Hi", "--max-tokens", "2").returncode == 0
+        old = stack.pids()["executor"]
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not _events(stack, "service_restarted"):
+            assert time.monotonic() < deadline and stack.proc.poll() is None
+            time.sleep(0.1)
+        assert _events(stack, "service_died")[0]["name"] == "executor"
+        r = stack.wait_generate("generate", "Hi again", "--max-tokens", "2")
+        assert r.returncode == 0, r.stderr
+        assert stack.pids()["executor"] != old
+        stack.proc.send_signal(signal.SIGTERM)
+        assert stack.proc.wait(30) == 0
+    finally:
+        if stack.proc.poll() is None:
+            stack.proc.kill()
+
+
+def test_serve_gives_up_when_the_restart_budget_is_spent(tmp_path):
+    model = write_tiny_model(tmp_path / "model")
+    stack = Stack(model, "--max-restarts", "0")
     try:
         assert stack.wait_generate("generate", "Hi", "--max-tokens", "2").returncode == 0
         pids = stack.pids()
         os.kill(pids["executor"], signal.SIGKILL)
         assert stack.proc.wait(30) == 1
         stack.reader.join(5)
-        died = [r for r in stack.lines if r.get("event") == "service_died"]
-        assert died and died[0]["name"] == "executor" and died[0]["status"] == -9
-        for name in ("gateway", "blockmgr"):
-            try:
-                os.kill(pids[name], 0)
-                alive = True
-            except ProcessLookupError:
-                alive = False
-            assert not alive, name
+        gave_up = _events(stack, "service_gave_up")
+        assert gave_up and gave_up[0]["name"] == "executor" and gave_up[0]["status"] == -9
+        _wait_gone([pids["gateway"], pids["blockmgr"]])
     finally:
         if stack.proc.poll() is None:
             stack.proc.kill()
 
 
-def test_generate_reports_a_clear_error_when_nothing_listens():
-    (port,) = _free_ports(1)
-    r = _cli("generate", "Hello", "--address", f"127.0.0.1:{port}", "--timeout", "2")
-    assert r.returncode == 1
-    assert "UNAVAILABLE" in r.stderr or "DEADLINE_EXCEEDED" in r.stderr
+def test_children_die_with_a_killed_supervisor(tmp_path):
+    model = write_tiny_model(tmp_path / "model")
+    stack = Stack(model)
+    try:
+        assert stack.wait_generate("generate", "Hi", "--max-tokens", "2").returncode == 0
+        pids = list(stack.pids().values())
+        stack.proc.send_signal(signal.SIGKILL)
+        stack.proc.wait(10)
+        _wait_gone(pids)  # no orphans left serving on the ports
+    finally:
+        if stack.proc.poll() is None:
+            stack.proc.kill()
+
+
+def test_a_second_instance_on_the_same_port_fails_fast(tmp_path):
+    from tests.procs import ServiceProcess
+
+    first = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "services.cli", "blockmgr", "--port", str(first.port)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert second.returncode != 0
+        assert "could not bind" in second.stderr or "address" in second.stderr.lower()
+    finally:
+        first.stop()

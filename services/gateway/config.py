@@ -22,6 +22,7 @@ class GatewayConfig:
     max_prompt_bytes: int | None = None  # default: PROMPT_BYTES_PER_TOKEN x max_model_len
     tokenizer_workers: int = 2  # threads that tokenize and apply chat templates
     executor_wait_s: float = 30.0  # streams wait this long for a non-serving executor
+    drain_timeout_s: float = 30.0  # on SIGTERM, running streams get this long to finish
     api_key: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -63,6 +64,13 @@ class GatewayConfig:
             default=cls.executor_wait_s,
             help="running streams wait this long for an executor that stopped serving, then "
             "fail UNAVAILABLE (default %(default)s)",
+        )
+        a(
+            "--drain-timeout-s",
+            type=float,
+            default=cls.drain_timeout_s,
+            help="on SIGTERM, running streams get this long to finish before they are "
+            "cancelled (default %(default)s)",
         )
         a(
             "--tokenizer-workers",
@@ -115,6 +123,8 @@ class GatewayConfig:
             raise ValueError("--max-prompt-bytes must be >= 1")
         if self.executor_wait_s <= 0:
             raise ValueError("--executor-wait-s must be > 0")
+        if self.drain_timeout_s < 0:
+            raise ValueError("--drain-timeout-s must be >= 0")
         if self.tokenizer_workers < 1:
             raise ValueError("--tokenizer-workers must be >= 1")
         if bool(self.tls_cert) != bool(self.tls_key):

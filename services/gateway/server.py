@@ -26,7 +26,6 @@ from services.gateway.servicer import GenerationServicer
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-GRACE_PERIOD_S = 5.0
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
@@ -96,8 +95,16 @@ class GatewayServer:
         )
 
     async def stop(self) -> None:
+        """Drain: NOT_SERVING at once, no new RPC accepted, running streams finish within
+        ``--drain-timeout-s``; then whatever still runs is cancelled (and aborted on its
+        executor)."""
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(GRACE_PERIOD_S)
+        log.info(
+            "gateway_draining",
+            inflight=self.servicer.num_inflight,
+            timeout_s=self.config.drain_timeout_s,
+        )
+        await self.server.stop(self.config.drain_timeout_s)
         await self.pool.close()
         self.metrics.shutdown()
         log.info("gateway_stopped")

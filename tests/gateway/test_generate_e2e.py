@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import signal
 import threading
 import time
 import urllib.request
@@ -579,3 +580,35 @@ def test_huge_prompts_are_refused_without_stalling_other_streams(stack):
         assert max(during) < 0.1, f"a stream stalled {max(during):.3f} s while tokenizing"
     finally:
         assert gw.stop() == 0
+
+
+def test_sigterm_drains_running_streams_and_refuses_new_ones(stack):
+    gw = stack.start_gateway("--drain-timeout-s", "20")
+    wait_serving(gw.address)
+    stub = stack.stub(gw.address)
+    got: list[G.GenerateResponse] = []
+    errors: list[grpc.RpcError] = []
+    request = G.GenerateRequest(prompt="Drain me", sampling_params=greedy(80, ignore_eos=True))
+
+    def stream() -> None:
+        try:
+            for r in stub.Generate(request, timeout=60):
+                got.append(r)
+        except grpc.RpcError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    while len(got) < 3:
+        time.sleep(0.01)
+    gw.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises(grpc.RpcError) as info:  # draining: nothing new is accepted
+        list(stub.Generate(G.GenerateRequest(prompt="late", sampling_params=greedy(2)), timeout=10))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    t.join(60)
+    assert not errors, errors
+    assert got[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert sum(len(r.token_ids) for r in got) == 80  # the running stream finished whole
+    assert gw.proc.wait(30) == 0
+    assert "gateway_draining" in gw.events()
