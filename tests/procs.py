@@ -94,3 +94,39 @@ class ServiceProcess:
                 self.proc.wait()
         self._reader.join(5)
         return self.proc.returncode
+
+
+def executor_args(model: str | Path, blockmgr_address: str, *extra: str) -> list[str]:
+    """A small CPU executor on a free port, over the block manager at ``blockmgr_address``."""
+    return [
+        "executor",
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        "--num-kv-blocks",
+        "64",
+        "--max-model-len",
+        "256",
+        "--blockmgr-address",
+        blockmgr_address,
+        *extra,
+    ]
+
+
+def gateway_args(model: str | Path, executor_address: str, *extra: str) -> list[str]:
+    """A gateway on a free loopback port in front of ``executor_address``, no metrics."""
+    return [
+        "gateway",
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--metrics-port",
+        "-1",
+        "--executor",
+        executor_address,
+        *extra,
+    ]

@@ -24,7 +24,7 @@ from pagedserve.v1 import generation_pb2 as G
 from services.blockmgr.client import GrpcClient
 from services.common.auth import INTERNAL_TOKEN_HEADER
 from services.common.healthcheck import check
-from tests.procs import ServiceProcess, wait_serving
+from tests.procs import ServiceProcess, executor_args, gateway_args, wait_serving
 
 TOKEN = "fuzz-token"
 POOL = "fuzzed-executor"
@@ -115,45 +115,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     bm = ServiceProcess(
         ["blockmgr", "--port", "0", "--max-pools", "16"], "blockmgr_listening", env=env
     )
-    ex = ServiceProcess(
-        [
-            "executor",
-            "--model",
-            str(model),
-            "--port",
-            "0",
-            "--num-kv-blocks",
-            "64",
-            "--max-model-len",
-            "128",
-            "--blockmgr-address",
-            bm.address,
-            "--pool-id",
-            POOL,
-            "--max-seqs-per-session",
-            "64",
-        ],
-        "executor_ready",
-        env=env,
-    )
+    ex_extra = ("--max-model-len", "128", "--pool-id", POOL, "--max-seqs-per-session", "64")
+    ex = ServiceProcess(executor_args(model, bm.address, *ex_extra), "executor_ready", env=env)
     gw = ServiceProcess(
-        [
-            "gateway",
-            "--model",
-            str(model),
-            "--port",
-            "0",
-            "--host",
-            "127.0.0.1",
-            "--metrics-port",
-            "-1",
-            "--executor",
-            ex.address,
-            "--max-n",
-            "4",
-        ],
-        "gateway_listening",
-        env=env,
+        gateway_args(model, ex.address, "--max-n", "4"), "gateway_listening", env=env
     )
     wait_serving(gw.address)
     yield {"bm": bm.address, "ex": ex.address, "gw": gw.address}

@@ -84,12 +84,10 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             stream_stream = handler.stream_stream
 
             async def streams(stream: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
-                result = stream_stream(parsed_stream(stream, context), context)
-                if hasattr(result, "__aiter__"):  # an async generator yields its responses
-                    async for response in result:
-                        yield response
-                else:  # a coroutine writes them with context.write
-                    await result
+                async for response in _relay(
+                    stream_stream(parsed_stream(stream, context), context)
+                ):
+                    yield response
 
             return grpc.stream_stream_rpc_method_handler(
                 streams, response_serializer=handler.response_serializer
@@ -107,12 +105,8 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             behavior = handler.unary_stream
 
             async def unary_stream(data: bytes, context: grpc.aio.ServicerContext) -> Any:
-                result = behavior(await parsed(data, context), context)
-                if hasattr(result, "__aiter__"):  # an async generator yields its responses
-                    async for response in result:
-                        yield response
-                else:  # a coroutine writes them with context.write
-                    await result
+                async for response in _relay(behavior(await parsed(data, context), context)):
+                    yield response
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, response_serializer=handler.response_serializer
@@ -125,3 +119,13 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(
             unary_unary, response_serializer=handler.response_serializer
         )
+
+
+async def _relay(result: Any) -> AsyncIterator[Any]:
+    """The responses of a streaming behavior: an async generator yields them, a coroutine
+    writes them itself with ``context.write`` (grpc's health Watch does)."""
+    if hasattr(result, "__aiter__"):
+        async for response in result:
+            yield response
+    else:
+        await result

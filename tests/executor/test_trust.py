@@ -17,7 +17,7 @@ from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from services.blockmgr.client import GrpcClient
 from services.blockmgr.errors import BlockManagerError
 from services.common.auth import INTERNAL_TOKEN_HEADER
-from tests.procs import ServiceProcess
+from tests.procs import ServiceProcess, executor_args
 
 TOKEN = "trust-test-token"
 METADATA = ((INTERNAL_TOKEN_HEADER, TOKEN),)
@@ -25,29 +25,18 @@ LEASE_S = 1.5
 
 
 def _executor(model: str, blockmgr: ServiceProcess, pool_id: str, *extra: str) -> ServiceProcess:
-    return ServiceProcess(
-        [
-            "executor",
-            "--model",
-            model,
-            "--port",
-            "0",
-            "--num-kv-blocks",
-            "64",
-            "--max-model-len",
-            "256",
-            "--dtype",
-            "float32",
-            "--blockmgr-address",
-            blockmgr.address,
-            "--pool-id",
-            pool_id,
-            "--internal-token",
-            TOKEN,
-            *extra,
-        ],
-        "executor_ready",
+    args = executor_args(
+        model,
+        blockmgr.address,
+        "--dtype",
+        "float32",
+        "--pool-id",
+        pool_id,
+        "--internal-token",
+        TOKEN,
+        *extra,
     )
+    return ServiceProcess(args, "executor_ready")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.v1 import generation_pb2 as G
 from pagedserve.v1 import generation_pb2_grpc
 from services.common.healthcheck import check
-from tests.procs import ServiceProcess, wait_serving
+from tests.procs import ServiceProcess, executor_args, gateway_args, wait_serving
 
 
 def _free_port() -> int:
@@ -46,38 +46,11 @@ def test_block_manager_outage_is_seen_at_the_gateway_and_healed(tiny_model_dir: 
     bm_port, metrics_port = _free_port(), _free_port()
     blockmgr = ServiceProcess(["blockmgr", "--port", str(bm_port)], "blockmgr_listening")
     executor = ServiceProcess(
-        [
-            "executor",
-            "--model",
-            str(tiny_model_dir),
-            "--port",
-            "0",
-            "--num-kv-blocks",
-            "64",
-            "--max-model-len",
-            "256",
-            "--blockmgr-address",
-            f"127.0.0.1:{bm_port}",
-        ],
-        "executor_ready",
+        executor_args(tiny_model_dir, f"127.0.0.1:{bm_port}"), "executor_ready"
     )
+    extra = ("--executor-wait-s", "2", "--metrics-port", str(metrics_port))  # the last wins
     gateway = ServiceProcess(
-        [
-            "gateway",
-            "--model",
-            str(tiny_model_dir),
-            "--port",
-            "0",
-            "--host",
-            "127.0.0.1",
-            "--metrics-port",
-            str(metrics_port),
-            "--executor",
-            executor.address,
-            "--executor-wait-s",
-            "2",
-        ],
-        "gateway_listening",
+        gateway_args(tiny_model_dir, executor.address, *extra), "gateway_listening"
     )
     revived = None
     try:
