@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -40,12 +41,34 @@ def _params(a: argparse.Namespace) -> generation_pb2.SamplingParams:
     return sp
 
 
+# What a client should do with UNAVAILABLE (no executor serving, a restart): retry with
+# back-off. Streams are retried only before their first response, as gRPC does.
+RETRY_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "pagedserve.v1.Generation"}],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.5s",
+                    "maxBackoff": "4s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+CHANNEL_OPTIONS = [("grpc.service_config", RETRY_SERVICE_CONFIG), ("grpc.enable_retries", 1)]
+
+
 def _stream(a: argparse.Namespace, request: generation_pb2.GenerateRequest) -> int:
     if a.tls_ca:
         with open(a.tls_ca, "rb") as f:
-            channel = grpc.secure_channel(a.address, grpc.ssl_channel_credentials(f.read()))
+            credentials = grpc.ssl_channel_credentials(f.read())
+        channel = grpc.secure_channel(a.address, credentials, options=CHANNEL_OPTIONS)
     else:
-        channel = grpc.insecure_channel(a.address)
+        channel = grpc.insecure_channel(a.address, options=CHANNEL_OPTIONS)
     metadata = [("authorization", f"Bearer {a.api_key}")] if a.api_key else None
     stub = generation_pb2_grpc.GenerationStub(channel)
     multi = (a.n or 1) > 1

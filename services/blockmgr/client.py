@@ -52,6 +52,7 @@ class BlockManagerClient(Protocol):
         *,
         enable_prefix_caching: bool = True,
         eviction_policy: str = "lru",
+        owner_token: str | None = None,
     ) -> PoolInfo: ...
 
     def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult: ...
@@ -123,14 +124,17 @@ class InProcessClient:
         *,
         enable_prefix_caching: bool = True,
         eviction_policy: str = "lru",
+        owner_token: str | None = None,
     ) -> PoolInfo:
+        """``owner_token``: the token to own the pool with; by default the one of our last
+        registration of it (none: the block manager picks)."""
         info = self.core.register(
             pool_id,
             num_blocks,
             block_size,
             enable_prefix_caching=enable_prefix_caching,
             eviction_policy=eviction_policy,
-            owner_token=self._tokens.get(pool_id, ""),
+            owner_token=owner_token or self._tokens.get(pool_id, ""),
         )
         self._tokens[pool_id] = info.owner_token
         return info
@@ -239,6 +243,7 @@ class GrpcClient:
         *,
         enable_prefix_caching: bool = True,
         eviction_policy: str = "lru",
+        owner_token: str | None = None,
     ) -> PoolInfo:
         policy = convert.POLICY_TO_PB.get(eviction_policy)
         if policy is None:
@@ -254,7 +259,7 @@ class GrpcClient:
                 block_size=block_size,
                 enable_prefix_caching=enable_prefix_caching,
                 eviction_policy=policy,
-                owner_token=self._tokens.get(pool_id, ""),
+                owner_token=owner_token or self._tokens.get(pool_id, ""),
             ),
         )
         self._tokens[pool_id] = resp.owner_token

@@ -50,6 +50,7 @@ DEFAULT_MAX_POOLS = 64
 DEFAULT_MAX_POOL_BLOCKS = 2**22  # ~0.25 GB of metadata at most per pool
 MAX_BLOCK_SIZE = 4096
 MAX_POOL_ID_LEN = 128
+MIN_OWNER_TOKEN_LEN, MAX_OWNER_TOKEN_LEN = 16, 128
 
 EventListener = Callable[[str, list[KVEvent]], None]
 
@@ -127,7 +128,8 @@ class BlockManagerCore:
         """Create a pool, or replace one's own (``owner_token`` from its registration). A new
         epoch is issued; the previous epoch's sequences and cached hashes are dropped and its
         epoch refused from now on. The answer carries the owner token and the lease; a live
-        pool of another owner is FAILED_PRECONDITION until its lease expires."""
+        pool of another owner is FAILED_PRECONDITION until its lease expires. A new pool takes
+        a proposed ``owner_token`` (16..128 characters) or gets a random one."""
         if not pool_id or len(pool_id) > MAX_POOL_ID_LEN:
             raise invalid(f"pool_id must be 1..{MAX_POOL_ID_LEN} characters")
         if not 2 <= num_blocks <= self.max_pool_blocks:
@@ -139,6 +141,10 @@ class BlockManagerCore:
             raise invalid(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
         if eviction_policy not in POLICIES:
             raise invalid(f"eviction_policy {eviction_policy!r} is not one of {sorted(POLICIES)}")
+        if owner_token and not MIN_OWNER_TOKEN_LEN <= len(owner_token) <= MAX_OWNER_TOKEN_LEN:
+            raise invalid(
+                f"owner_token must be {MIN_OWNER_TOKEN_LEN}..{MAX_OWNER_TOKEN_LEN} characters"
+            )
         with self._lock:
             self._sweep(force=True)
             current = self._pools.get(pool_id)
@@ -154,7 +160,10 @@ class BlockManagerCore:
             else:
                 if len(self._pools) >= self.max_pools:
                     raise exhausted(f"at most {self.max_pools} pools (--max-pools)")
-                token = secrets.token_hex(16)
+                # A new pool takes the owner token its registrant proposes (an executor derives
+                # one from a secret, so that it can take its pool back after a restart), or a
+                # fresh random one.
+                token = owner_token or secrets.token_hex(16)
             manager = KVBlockManager(
                 num_blocks,
                 block_size,

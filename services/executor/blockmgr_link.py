@@ -41,6 +41,7 @@ class PoolSpec:
     block_size: int
     enable_prefix_caching: bool
     eviction_policy: str = "lru"
+    owner_token: str | None = None  # a stable one lets a restarted executor take its pool back
     retry_s: float = 0.05
     max_backoff_s: float = 0.5  # serving again within a second of the block manager coming back
 
@@ -142,6 +143,7 @@ class BlockManagerLink:
             s.block_size,
             enable_prefix_caching=s.enable_prefix_caching,
             eviction_policy=s.eviction_policy,
+            owner_token=s.owner_token,
         )
 
     def _resync(self, state: list[RestoredSequence]) -> None:

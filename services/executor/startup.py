@@ -3,6 +3,8 @@ the block-manager link, and what the executor's Info reports."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import socket
 from collections.abc import Callable
@@ -61,6 +63,16 @@ def default_pool_id(config: ExecutorConfig) -> str:
     return config.pool_id or f"executor-{socket.gethostname()}-{config.port}"
 
 
+def pool_owner_token(config: ExecutorConfig, pool_id: str) -> str | None:
+    """The executor's owner token for its pool: derived from the internal token, so that the
+    executor restarted after a crash owns its pool at once (no wait for the lease); without an
+    internal token the block manager picks a random one."""
+    secret = config.security.token
+    if not secret:
+        return None
+    return hmac.new(secret.encode(), f"pool-owner:{pool_id}".encode(), hashlib.sha256).hexdigest()
+
+
 def build_engine(
     config: ExecutorConfig,
     *,
@@ -86,8 +98,10 @@ def build_engine(
         ),
         seed=config.seed,
     )
+    pool_id = default_pool_id(config)
     pool = PoolSpec(
-        pool_id=default_pool_id(config),
+        pool_id=pool_id,
+        owner_token=pool_owner_token(config, pool_id),
         num_blocks=runner.num_blocks,
         block_size=bs,
         enable_prefix_caching=config.enable_prefix_caching,

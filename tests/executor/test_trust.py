@@ -158,3 +158,26 @@ def test_shutdown_unregisters_and_a_killed_executors_pool_is_reclaimed(
         assert time.monotonic() < deadline, "the dead executor's pool was never reclaimed"
         time.sleep(0.1)
     killed.stop()
+
+
+def test_a_restarted_executor_takes_its_pool_back_without_waiting_for_the_lease(
+    tiny_checkpoint,
+) -> None:
+    patient = ServiceProcess(
+        ["blockmgr", "--port", "0", "--internal-token", TOKEN, "--pool-lease-s", "600"],
+        "blockmgr_listening",
+    )
+    try:
+        model = str(tiny_checkpoint("llama"))
+        first = _executor(model, patient, "phoenix")
+        epoch = _pools(patient)["phoenix"]
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(10)
+        t0 = time.monotonic()
+        second = _executor(model, patient, "phoenix")  # ready means: registered, serving
+        assert time.monotonic() - t0 < 60  # not the 600 s lease
+        assert _pools(patient)["phoenix"] != epoch
+        assert second.stop() == 0
+        first.stop()
+    finally:
+        patient.stop()

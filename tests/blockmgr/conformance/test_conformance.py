@@ -144,6 +144,20 @@ def test_a_live_pool_is_refused_to_another_owner_and_its_sequences_are_untouchab
     assert isinstance(grow, GrowResult) and grow.statuses == (OpStatus.OK,)
 
 
+def test_a_new_pool_takes_a_proposed_owner_token_that_later_proves_ownership(
+    client, other_client, pool_id
+):
+    secret = "s" * 32  # e.g. derived by an executor from its secret, the same after a restart
+    first = client.register(pool_id, 16, BS, owner_token=secret)
+    assert first.owner_token == secret
+    with raises_code(ErrorCode.FAILED_PRECONDITION, "another owner"):
+        other_client.register(pool_id, 16, BS)
+    again = other_client.register(pool_id, 16, BS, owner_token=secret)  # the same owner
+    assert again.epoch > first.epoch
+    with raises_code(ErrorCode.INVALID_ARGUMENT, "owner_token"):
+        client.register(pool_id + "-x", 16, BS, owner_token="short")
+
+
 def test_the_owner_may_register_its_pool_again(client, pool_id):
     first = client.register(pool_id, 16, BS)
     again = client.register(pool_id, 16, BS)
