@@ -26,7 +26,7 @@ from services.executor.outputs import (
     TokenLogprob,
     Usage,
 )
-from services.executor.sampler import RowState, Sampler, SeededGenerators
+from services.executor.sampler import Sampler, SeededGenerators, sampling_rows
 from services.executor.scheduler import BadAnswer, ScheduledBatch, SchedulePlan, Scheduler
 from services.executor.sequence import FinishReason, Request, RequestKey, SeqStatus
 from services.executor.sequence import Sequence as Seq
@@ -242,7 +242,9 @@ class Engine:
         """Sample the next token of each of ``seqs`` (and the first token of the other
         samples of an n > 1 request whose prompt just finished), append it, emit it, and
         retire what finished."""
-        params, states, targets, row_logits = self._rows(seqs)
+        params, states, targets, row_logits = sampling_rows(
+            seqs, self._forks_now, self.generators, self.settings.eos_token_ids
+        )
         if row_logits is not None:
             logits = logits[torch.tensor(row_logits, device=logits.device)]
         result = self.sampler(logits, params, states)
@@ -277,40 +279,6 @@ class Engine:
                     continue
             self._check_finish(seq, out)
         return outs
-
-    def _rows(
-        self, seqs: list[Seq]
-    ) -> tuple[list[SamplingParams], dict[int, RowState], list[tuple[Seq, int]], list[int] | None]:
-        """The sampler's rows: per row its params, its state where it needs one, what it
-        produces (``(seq, 0)``: seq's next token; ``(parent, i)``: sample ``i``'s first
-        token), and which logits row it reads (None: row ``i`` reads row ``i``)."""
-        eos, gens = self.settings.eos_token_ids, self.generators
-        if all(seq.params.n == 1 or not self._forks_now(seq) for seq in seqs):
-            params = [seq.params for seq in seqs]
-            states: dict[int, RowState] = {}
-            for i, p in enumerate(params):
-                if not p.stateless or p.seed is not None:
-                    state = RowState.of(seqs[i], gens.get(seqs[i].seq_id), eos)
-                    if state is not None:
-                        states[i] = state
-            return params, states, [(seq, 0) for seq in seqs], None
-        params, states, targets, row_logits = [], {}, [], []
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            indices = range(1, p.n) if p.n > 1 and self._forks_now(seq) else range(0)
-            for child in (*indices, 0):  # the other samples first, then seq itself
-                gen = (
-                    gens.create((seq.seq_id, child), p.seed, child)
-                    if child
-                    else (gens.get(seq.seq_id))
-                )
-                state = RowState.of(seq, gen, eos)
-                if state is not None:
-                    states[len(params)] = state
-                params.append(p)
-                targets.append((seq, child))
-                row_logits.append(i)
-        return params, states, targets, row_logits
 
     def _forks_now(self, seq: Seq) -> bool:
         """Whether ``seq`` is the parent of an n > 1 request whose other samples do not exist

@@ -10,7 +10,7 @@ generator, so its tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +87,43 @@ class RowState:
             generator=generator,
             banned_token_ids=banned,
         )
+
+
+def sampling_rows(
+    seqs: list[Sequence],
+    forks_now: Callable[[Sequence], bool],
+    generators: SeededGenerators,
+    eos_token_ids: tuple[int, ...],
+) -> tuple[list[SamplingParams], dict[int, RowState], list[tuple[Sequence, int]], list[int] | None]:
+    """The sampler's rows for the sequences whose logits were computed: per row its params,
+    its state where it needs one, what it produces (``(seq, 0)``: seq's next token;
+    ``(parent, i)``: the first token of sample ``i`` of an n > 1 request whose prompt just
+    finished, ``forks_now(parent)``), and which logits row it reads (None: row ``i``)."""
+    if all(seq.params.n == 1 or not forks_now(seq) for seq in seqs):
+        params = [seq.params for seq in seqs]
+        states: dict[int, RowState] = {}
+        for i, p in enumerate(params):
+            if not p.stateless or p.seed is not None:
+                state = RowState.of(seqs[i], generators.get(seqs[i].seq_id), eos_token_ids)
+                if state is not None:
+                    states[i] = state
+        return params, states, [(seq, 0) for seq in seqs], None
+    params, states, targets, row_logits = [], {}, [], []
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        children = range(1, p.n) if p.n > 1 and forks_now(seq) else range(0)
+        for child in (*children, 0):  # the other samples first, then seq itself
+            if child:
+                gen = generators.create((seq.seq_id, child), p.seed, child)
+            else:
+                gen = generators.get(seq.seq_id)
+            state = RowState.of(seq, gen, eos_token_ids)
+            if state is not None:
+                states[len(params)] = state
+            params.append(p)
+            targets.append((seq, child))
+            row_logits.append(i)
+    return params, states, targets, row_logits
 
 
 @dataclass
