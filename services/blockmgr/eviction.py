@@ -82,8 +82,11 @@ class LFUPolicy:
         heapq.heappush(self._heap, entry)
 
     def remove(self, block_id: int) -> None:
-        del self._entry[block_id]  # lazily deleted from the heap
+        del self._entry[block_id]  # lazily deleted from the heap...
         self._hits[block_id] = self._hits.get(block_id, 0) + 1
+        if len(self._heap) > 2 * len(self._entry) + 64:  # ...which is rebuilt before the
+            self._heap = list(self._entry.values())  # stale entries outnumber live ones
+            heapq.heapify(self._heap)
 
     def pop(self) -> int:
         while True:

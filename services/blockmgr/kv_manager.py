@@ -140,6 +140,9 @@ class KVBlockManager:
             if isinstance(op, Grow):
                 if len(op.seq_ids) != len(op.num_tokens):
                     raise invalid(f"{where}.grow: seq_ids and num_tokens differ in length")
+                if len(set(op.seq_ids)) != len(op.seq_ids):
+                    dup = next(x for j, x in enumerate(op.seq_ids) if x in op.seq_ids[:j])
+                    raise invalid(f"{where}.grow.seq_ids: seq_id {dup} is listed twice")
                 for j, (seq_id, n) in enumerate(zip(op.seq_ids, op.num_tokens, strict=True)):
                     if not 0 <= n <= MAX_TOKENS:
                         raise invalid(f"{where}.grow.num_tokens[{j}] must be >= 0, got {n}")
@@ -173,6 +176,10 @@ class KVBlockManager:
                 if op.reserve_blocks < 0:
                     raise invalid(f"{where}.admit.reserve_blocks must be >= 0")
                 _check_hashes(op.block_hashes, f"{where}.admit.block_hashes")
+                if len(set(op.block_hashes)) != len(op.block_hashes):
+                    # A chained hash never repeats within one prompt; a repeat would put one
+                    # block twice in a table (refcount != tables holding it).
+                    raise invalid(f"{where}.admit.block_hashes: a hash is listed twice")
                 if len(op.block_hashes) > op.num_prompt_tokens // self.block_size:
                     raise invalid(
                         f"{where}.admit.block_hashes: {len(op.block_hashes)} hashes for "

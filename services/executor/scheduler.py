@@ -156,8 +156,15 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=_sort_key)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` shares all of ``parent``'s blocks from now on (n > 1 sampling). The Fork
-        is sent first thing in the next step; ``child`` holds ``parent``'s computed tokens."""
+        """``child`` (a sample of an n > 1 request, its first token drawn from ``parent``'s
+        logits) shares all of ``parent``'s blocks from now on; the Fork is sent first thing in
+        the next step. When ``max_num_seqs`` sequences already run, it waits instead and is
+        admitted later like a preempted sequence (its prompt blocks are prefix hits then)."""
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.admitted_once = True
+        if len(self.running) >= self.config.max_num_seqs:
+            self.add(child)
+            return
         child.block_table = list(parent.block_table)
         for b in child.block_table:
             self.refs[b] += 1
@@ -165,8 +172,6 @@ class Scheduler:
         bs = self.config.block_size
         child.num_committed_blocks = min(parent.num_committed_blocks, child.prompt_len // bs)
         child.block_hashes = parent.block_hashes[: child.prompt_len // bs]
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.admitted_once = True
         child.status = SeqStatus.RUNNING
         bisect.insort(self.running, child, key=_sort_key)
         self._forks[child.seq_id] = Fork(parent.seq_id, child.seq_id)

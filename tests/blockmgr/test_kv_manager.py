@@ -173,3 +173,22 @@ def test_step_validation_sees_earlier_ops_of_the_same_step():
     assert m.pool.num_cached_free == 1
     with raises_code(ErrorCode.FAILED_PRECONDITION, "freed earlier in this step"):
         m.step([Admit(3, 4, 4), Free((3,)), Grow((3,), (1,))])
+
+
+def test_lfu_heap_stays_bounded_under_free_and_hit_churn():
+    """Lazy deletion must not let the heap grow without bound: 20,000 free -> hit cycles of
+    two cached blocks (issue 12 saw 40,002 heap entries)."""
+    from services.blockmgr.eviction import LFUPolicy
+
+    policy = LFUPolicy()
+    for _ in range(20_000):
+        for block_id in (1, 2):
+            policy.push(block_id)  # freed: cached and evictable
+        for block_id in (1, 2):
+            policy.remove(block_id)  # a prefix hit takes it back
+    assert len(policy) == 0 and len(policy._heap) <= 64 + 2
+    policy.push(7)
+    policy.push(8)
+    policy.remove(7)
+    policy.push(7)  # one more hit than 8: 8 is evicted first
+    assert policy.pop() == 8 and policy.pop() == 7

@@ -544,3 +544,19 @@ def test_an_answer_of_the_wrong_shape_is_rejected_not_a_crash():
         assert tokens(outs[(req_id, 0)]) == reference_tokens(p, 5), req_id
     assert engine.num_bad_answers == 1
     assert_no_leak(engine, client.inner)
+
+
+def test_parallel_samples_never_run_more_than_max_num_seqs_at_once():
+    """n=4 with max_num_seqs=2: the fork makes as many samples run as fit; the others wait
+    and are admitted as slots free up, each still the exact continuation of its first token."""
+    engine, runner, client = make_engine(max_num_seqs=2)
+    p = prompt(9, 3)
+    engine.add_request(
+        RequestKey(0, "n4"), p, SamplingParams(n=4, temperature=0.0, max_tokens=6, ignore_eos=True)
+    )
+    outs = run(engine)
+    assert max(len(call) for call in runner.calls) <= 2  # sequences per forward
+    for i in range(4):
+        assert tokens(outs[("n4", i)]) == reference_tokens(p, 6), i
+        assert sum(o.finish_reason is not None for o in outs[("n4", i)]) == 1
+    assert_no_leak(engine, client)

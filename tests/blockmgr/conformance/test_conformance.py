@@ -182,6 +182,23 @@ def test_an_empty_step_is_a_lease_renewal_that_changes_nothing(client, pool_id):
     assert result.results == () and result.counters.num_in_use_blocks == 2
 
 
+def test_a_step_naming_a_sequence_twice_in_one_grow_is_rejected_whole(client, pool_id):
+    epoch = _register(client, pool_id)
+    _admit(client, pool_id, epoch, 1, list(range(3)))
+    before = _counters(client, pool_id)
+    with raises_code(ErrorCode.INVALID_ARGUMENT, "listed twice"):
+        client.step(pool_id, epoch, [Grow((1, 1), (2, 2))])
+    assert _counters(client, pool_id) == before
+
+
+def test_an_admission_repeating_a_block_hash_is_rejected(client, pool_id):
+    epoch = _register(client, pool_id)
+    h = hashes(list(range(4)), BS)[0]
+    with raises_code(ErrorCode.INVALID_ARGUMENT, "listed twice"):
+        client.step(pool_id, epoch, [Admit(1, 9, 9, (h, h))])
+    assert _counters(client, pool_id).num_in_use_blocks == 0
+
+
 # ---- allocation and growth ----------------------------------------------------------------
 
 
