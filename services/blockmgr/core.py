@@ -66,11 +66,13 @@ class _Pool:
 
 class _EventLog:
     """Per-pool-id event history: bounded replay buffer plus live listeners. Sequence numbers
-    keep increasing across re-registrations of the same pool id."""
+    keep increasing across re-registrations of the same pool id, and across restarts of this
+    process too: they start from the clock (microseconds), so a consumer resuming with the
+    last number it saw from before a restart still receives every new event."""
 
     def __init__(self, capacity: int) -> None:
         self.buffer: deque[KVEvent] = deque(maxlen=capacity)
-        self.next_seq = 1
+        self.next_seq = max(1, time.time_ns() // 1000)
         self.listeners: list[EventListener] = []
 
 
@@ -179,8 +181,9 @@ class BlockManagerCore:
             )
             self._pools[pool_id] = _Pool(info, manager, token, self._lease_end())
             log = self._events.setdefault(pool_id, _EventLog(self._event_buffer))
-            if current is not None:
-                self._publish(pool_id, log, epoch, [(KVEventKind.CLEARED, ())])
+            # Every new epoch starts with CLEARED, the first one too: a consumer that knew the
+            # pool before a block-manager restart learns that every hash it knew is gone.
+            self._publish(pool_id, log, epoch, [(KVEventKind.CLEARED, ())])
         return dataclasses.replace(info, owner_token=token, lease_s=self.pool_lease_s)
 
     def unregister(self, pool_id: str, epoch: int, owner_token: str = "") -> None:

@@ -53,6 +53,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     watermark_blocks: int = 1  # admissions must leave this many blocks free
+    # Hold back an admission whose prompt blocks are being computed by another sequence in
+    # this step (or a running prefill): it hits them, committed, a step later instead of
+    # computing them again.
+    hold_back_shared_prefixes: bool = True
 
 
 class ScheduledChunk(NamedTuple):
@@ -268,10 +272,17 @@ class Scheduler:
         num_running = len(self.running)
         speculative = False
         admits = plan.admits
+        hold_back = cfg.enable_prefix_caching and cfg.hold_back_shared_prefixes
+        computing = self._uncommitted_prompt_blocks() if hold_back else set()
         for seq in self.waiting:
             if budget <= 0 or num_running + len(admits) >= cfg.max_num_seqs:
                 break
             total = seq.num_tokens
+            hashes = (
+                tuple(seq.full_block_hashes(bs)[: total // bs]) if cfg.enable_prefix_caching else ()
+            )
+            if hold_back and hashes and not computing.isdisjoint(hashes):
+                continue  # its prefix is being computed: it hits it, committed, next step
             if not cfg.enable_chunked_prefill and total > budget:
                 break
             k_max = budget if cfg.enable_chunked_prefill else total
@@ -284,14 +295,23 @@ class Scheduler:
                 if not cfg.enable_prefix_caching or speculative:
                     break
                 speculative = True
-            hashes = (
-                tuple(seq.full_block_hashes(bs)[: total // bs]) if cfg.enable_prefix_caching else ()
-            )
             admits.append((seq, Admit(seq.seq_id, total, k_max, hashes, reserve)))
+            computing.update(hashes)
             free -= min(upper, free)
             budget -= first
             if speculative:
                 break
+
+    def _uncommitted_prompt_blocks(self) -> set[bytes]:
+        """Hashes of the full prompt blocks running sequences are computing but have not
+        committed yet (a prefill in progress)."""
+        bs = self.config.block_size
+        blocks: set[bytes] = set()
+        for seq in self.running:
+            full = seq.prompt_len // bs
+            if seq.num_committed_blocks < full:
+                blocks.update(seq.full_block_hashes(bs)[seq.num_committed_blocks : full])
+        return blocks
 
     # ---- phase two: apply the block manager's answer ---------------------------------------
 

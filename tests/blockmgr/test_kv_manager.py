@@ -13,6 +13,7 @@ from services.blockmgr.types import (
     Fork,
     Free,
     Grow,
+    KVEventKind,
     OpStatus,
     RestoredSequence,
 )
@@ -192,3 +193,19 @@ def test_lfu_heap_stays_bounded_under_free_and_hit_churn():
     policy.remove(7)
     policy.push(7)  # one more hit than 8: 8 is evicted first
     assert policy.pop() == 8 and policy.pop() == 7
+
+
+def test_a_consumer_resuming_after_a_restart_gets_every_new_event_from_cleared_on():
+    """Sequence numbers do not restart at 1 with the process, and the new epoch announces
+    itself: resuming with the last number seen before the restart misses nothing."""
+    before = BlockManagerCore()
+    info = before.register("p", 8, BS)
+    tokens = list(range(8))
+    before.step("p", info.epoch, [Admit(1, 9, 9, hashes(tokens, BS))], info.owner_token)
+    before.step("p", info.epoch, [Commit(1, 0, hashes(tokens, BS))], info.owner_token)
+    last_seen = before.stats("p").last_event_seq
+    restarted = BlockManagerCore()  # the process came back empty
+    again = restarted.register("p", 8, BS)
+    replay = restarted.subscribe("p", lambda pool_id, events: None, start_after_seq=last_seen)
+    assert [e.kind for e in replay] == [KVEventKind.CLEARED]
+    assert replay[0].epoch == again.epoch and replay[0].seq > last_seen

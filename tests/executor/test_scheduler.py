@@ -560,3 +560,33 @@ def test_parallel_samples_never_run_more_than_max_num_seqs_at_once():
         assert tokens(outs[("n4", i)]) == reference_tokens(p, 6), i
         assert sum(o.finish_reason is not None for o in outs[("n4", i)]) == 1
     assert_no_leak(engine, client)
+
+
+def _burst(hold_back: bool) -> tuple[Engine, dict[tuple[str, int], list[SeqOutput]], dict]:
+    """16 requests sharing a 40-token prefix, all arriving in the same step."""
+    from dataclasses import replace
+
+    engine, _, client = make_engine(num_blocks=256, max_num_seqs=32, budget=1024)
+    engine.scheduler.config = replace(engine.scheduler.config, hold_back_shared_prefixes=hold_back)
+    shared = prompt(40, 99)
+    prompts = {f"r{i}": [*shared, *prompt(3, i)] for i in range(16)}
+    for req_id, p in prompts.items():
+        engine.add_request(RequestKey(0, req_id), p, greedy(4))
+    outs = run(engine)
+    assert_no_leak(engine, client)
+    return engine, outs, prompts
+
+
+def test_a_prefix_shared_within_one_step_is_computed_once():
+    held, held_outs, prompts = _burst(hold_back=True)
+    eager, eager_outs, _ = _burst(hold_back=False)
+    for req_id, p in prompts.items():
+        assert (
+            tokens(held_outs[(req_id, 0)])
+            == reference_tokens(p, 4)
+            == tokens(eager_outs[(req_id, 0)])
+        )
+    # Without holding back, every request computes the 40 shared tokens itself.
+    assert eager.num_prompt_tokens == 16 * 43
+    assert held.num_prompt_tokens == 43 + 15 * 3  # the prefix once, then only the tails
+    assert held.num_cached_prompt_tokens == 15 * 40

@@ -604,14 +604,21 @@ def test_event_stream_reports_stored_removed_and_cleared_in_order(client, pool_i
     h = hashes(tokens, BS)
     client.step(pool_id, epoch, [Commit(1, 0, h), Free((1,))])
     _admit(client, pool_id, epoch, 2, list(range(50, 62)))  # evicts both cached blocks
-    _register(client, pool_id, num_blocks=4)
-    events = _collect(client.events(pool_id), 3)
+    new_epoch = _register(client, pool_id, num_blocks=4)
+    events = _collect(client.events(pool_id), 4)
     kinds = [e.kind for e in events]
-    assert kinds == [KVEventKind.STORED, KVEventKind.REMOVED, KVEventKind.CLEARED]
-    assert events[0].block_hashes == h
-    assert set(events[1].block_hashes) == set(h)
+    # Every epoch opens with CLEARED, the first registration's too.
+    assert kinds == [
+        KVEventKind.CLEARED,
+        KVEventKind.STORED,
+        KVEventKind.REMOVED,
+        KVEventKind.CLEARED,
+    ]
+    assert events[1].block_hashes == h
+    assert set(events[2].block_hashes) == set(h)
+    assert (events[0].epoch, events[3].epoch) == (epoch, new_epoch)
     seqs = [e.seq for e in events]
-    assert seqs == sorted(seqs) and len(set(seqs)) == 3
+    assert seqs == sorted(seqs) and len(set(seqs)) == 4
 
 
 def test_event_stream_replays_after_a_sequence_number_then_goes_live(client, pool_id):
