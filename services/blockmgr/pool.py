@@ -29,6 +29,11 @@ class BlockPool:
         self.eviction_policy = eviction_policy
         self.num_evicted = 0
         self.events: list[PendingEvent] = []
+        # In-use blocks whose content equals a hashed block (two identical prompts computed at
+        # once): hash -> those blocks, and back. One is promoted when the hashed one is evicted,
+        # so the hash stays matchable while any copy of it lives.
+        self._duplicates: dict[bytes, set[int]] = {}
+        self._duplicate_of: dict[int, bytes] = {}
 
     @property
     def num_usable(self) -> int:
@@ -68,6 +73,8 @@ class BlockPool:
         if ref:
             return False
         if self.block_hash[block_id] is None:
+            if block_id in self._duplicate_of:  # a free copy is not worth keeping
+                self._forget_duplicate(block_id)
             self._uncached.append(block_id)
         else:
             self._policy.push(block_id)
@@ -84,8 +91,15 @@ class BlockPool:
         """Make an in-use, full block matchable under ``block_hash``.
 
         Returns False (and stores nothing) when the block already has a hash or another block
-        already holds this one: the first writer wins, the duplicate stays uncached."""
-        if self.block_hash[block_id] is not None or block_hash in self.hash_to_block:
+        already holds this one: the first writer wins, and the duplicate is remembered to take
+        the hash over should the first be evicted while it lives."""
+        if self.block_hash[block_id] is not None:
+            return False
+        holder = self.hash_to_block.get(block_hash)
+        if holder is not None:
+            if holder != block_id and block_id not in self._duplicate_of:
+                self._duplicates.setdefault(block_hash, set()).add(block_id)
+                self._duplicate_of[block_id] = block_hash
             return False
         self.block_hash[block_id] = block_hash
         self.hash_to_block[block_hash] = block_id
@@ -108,6 +122,20 @@ class BlockPool:
             self.block_hash[block_id] = None
             self._policy.forget(block_id)
             self.events.append((KVEventKind.REMOVED, block_hash))
+            copies = self._duplicates.get(block_hash)
+            if copies:  # a live copy holds the same KV: it takes the hash over
+                heir = min(copies)
+                self._forget_duplicate(heir)
+                self.block_hash[heir] = block_hash
+                self.hash_to_block[block_hash] = heir
+                self.events.append((KVEventKind.STORED, block_hash))
+
+    def _forget_duplicate(self, block_id: int) -> None:
+        block_hash = self._duplicate_of.pop(block_id)
+        copies = self._duplicates[block_hash]
+        copies.discard(block_id)
+        if not copies:
+            del self._duplicates[block_hash]
 
     def free_block_ids(self) -> list[int]:
         """All free block ids (for invariant checks and tests; O(n))."""

@@ -209,3 +209,24 @@ def test_a_consumer_resuming_after_a_restart_gets_every_new_event_from_cleared_o
     replay = restarted.subscribe("p", lambda pool_id, events: None, start_after_seq=last_seen)
     assert [e.kind for e in replay] == [KVEventKind.CLEARED]
     assert replay[0].epoch == again.epoch and replay[0].seq > last_seen
+
+
+def test_a_live_duplicate_takes_over_the_hash_when_the_hashed_copy_is_evicted():
+    """Two identical prompts computed at once: only the first copy is hashed. Evicting it must
+    not lose the hash while the second copy, holding the same KV, is alive."""
+    m = KVBlockManager(8, BS)  # 7 usable blocks
+    tokens = list(range(8))  # two full blocks
+    h = hashes(tokens, BS)
+    _admit(m, 1, [*tokens, 99])
+    _admit(m, 2, [*tokens, 99])  # no hit yet: nothing is committed
+    m.step([Commit(1, 0, h), Commit(2, 0, h)])  # seq 1 wins; seq 2's blocks are copies
+    copies = m.block_table(2)[:2]
+    m.step([Free((1,))])  # seq 1's blocks: cached free, evictable
+    m.pool.events.clear()
+    _admit(m, 3, list(range(50, 63)))  # 4 blocks: the 2 uncached free, then seq 1's cached
+    kinds = [k for k, _ in m.pool.events]
+    assert kinds.count(KVEventKind.REMOVED) == 2 and kinds.count(KVEventKind.STORED) == 2
+    assert [m.pool.lookup(x) for x in h] == copies  # still matchable, now on seq 2's copies
+    m.step([Free((3,))])
+    res = _admit(m, 4, [*tokens, 7])
+    assert res.num_cached_tokens == 8 and res.block_ids[:2] == tuple(copies)

@@ -140,6 +140,17 @@ class PoolMachine(RuleBasedStateMachine):
             for i, b in enumerate(s.block_table[: len(expected)]):
                 if pool.block_hash[b] is not None:
                     assert pool.block_hash[b] == expected[i]
+                if b in pool._duplicate_of:
+                    assert pool._duplicate_of[b] == expected[i]
+
+    @invariant()
+    def duplicates_are_live_unhashed_copies_of_a_hashed_block(self) -> None:
+        pool = self.m.pool
+        for h, copies in pool._duplicates.items():
+            assert copies and pool.hash_to_block[h] not in copies
+            for d in copies:
+                assert pool.refcount[d] > 0 and pool.block_hash[d] is None
+                assert pool._duplicate_of[d] == h
 
     def teardown(self) -> None:
         if self.m.seqs:
