@@ -98,7 +98,6 @@ def write_model(preset: str, device: str, dtype: torch.dtype, out: Path) -> Path
         max_position_embeddings=2048,
         bos_token_id=1,
         eos_token_id=2,
-        torch_dtype=dtype,
     )
     torch.manual_seed(0)
     with torch.device(device):

@@ -217,6 +217,7 @@ def test_no_recapture_and_no_memory_growth_at_steady_state(tiny_checkpoint) -> N
         device="cuda",
         num_kv_blocks=256,
         max_model_len=512,
+        enforce_eager=True,  # no default capture: this test captures SIZES itself
     )
     runner.capture_decode_graphs(SIZES, CudaGraphBackend())
     graphs = runner.graphs
