@@ -22,14 +22,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import structlog
 import torch
 from torch import Tensor
 
 from services.executor.forward_batch import BatchBuilder, BatchLayout, ForwardBatch, SeqChunk
 from services.executor.model import DecoderLM
-
-log = structlog.get_logger(__name__)
 
 __all__ = ["CudaGraphBackend", "DecodeGraphs", "EagerGraphBackend"]
 
