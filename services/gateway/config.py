@@ -15,6 +15,7 @@ PROMPT_BYTES_PER_TOKEN = 32  # more UTF-8 bytes per token than any real text nee
 class GatewayConfig:
     model: str  # checkpoint directory: the gateway reads its tokenizer and chat template
     executor_addresses: tuple[str, ...] = ("127.0.0.1:50061",)
+    executor_dns: str | None = None  # name:port resolved every few seconds (k8s headless)
     host: str = "0.0.0.0"
     port: int = 50051
     max_concurrent_requests: int = 256
@@ -46,6 +47,13 @@ class GatewayConfig:
             dest="executor_addresses",
             default=None,
             help="executor host:port; repeat for several (default 127.0.0.1:50061)",
+        )
+        a(
+            "--executor-dns",
+            default=None,
+            help="name:port whose every address is an executor, re-resolved every 5 s "
+            "(a Kubernetes headless Service); executors that appear are connected, those "
+            "that disappear are drained",
         )
         a("--host", default=cls.host)
         a("--port", type=int, default=cls.port)
@@ -101,7 +109,8 @@ class GatewayConfig:
     def from_args(cls, argv: list[str]) -> GatewayConfig:
         p = cls.parser()
         ns = vars(p.parse_args(argv))
-        ns["executor_addresses"] = tuple(ns["executor_addresses"] or cls.executor_addresses)
+        default = () if ns["executor_dns"] else cls.executor_addresses
+        ns["executor_addresses"] = tuple(ns["executor_addresses"] or default)
         ns["security"] = InternalSecurity.from_namespace(ns)
         if ns["metrics_port"] is not None and ns["metrics_port"] < 0:
             ns["metrics_port"] = None
@@ -113,8 +122,12 @@ class GatewayConfig:
         return config
 
     def validate(self) -> None:
-        if not self.executor_addresses:
-            raise ValueError("at least one --executor is needed")
+        if not self.executor_addresses and not self.executor_dns:
+            raise ValueError("at least one --executor (or --executor-dns) is needed")
+        if self.executor_dns is not None:
+            host, _, port = self.executor_dns.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--executor-dns must be name:port, got {self.executor_dns!r}")
         if self.max_concurrent_requests < 1:
             raise ValueError("--max-concurrent-requests must be >= 1")
         if self.max_n < 1:

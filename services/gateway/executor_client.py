@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import structlog
@@ -56,6 +58,7 @@ class ExecutorConnection:
         self.info: executor_pb2.ExecutorInfo | None = None
         self.load: executor_pb2.ExecutorLoad | None = None
         self.ready = False
+        self.draining = False  # gone from discovery: no new requests, closed once idle
         self.not_ready_since: float | None = time.monotonic()
         self._connected = False  # the Session stream is up
         self._serving = False  # the executor's health says SERVING
@@ -228,8 +231,23 @@ class ExecutorConnection:
                 self._outbox.put_nowait(executor_pb2.SessionRequest(abort=abort))
 
 
+Resolver = Callable[[str, int], Awaitable[set[str]]]
+
+
+async def resolve_all(host: str, port: int) -> set[str]:
+    """Every address ``host`` resolves to, as ``ip:port`` (``[ip]:port`` for IPv6): a
+    Kubernetes headless Service names one address per ready pod."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return {
+        f"[{info[4][0]}]:{port}" if info[0] == socket.AF_INET6 else f"{info[4][0]}:{port}"
+        for info in infos
+    }
+
+
 class ExecutorPool:
-    """Every configured executor; routes each request to the least-loaded ready one."""
+    """Every executor: the configured ones, plus those a DNS name resolves to (re-resolved
+    every ``dns_interval_s``: executors that appear are connected, those that disappear are
+    drained, so no stream is dropped). Routes each request to the least-loaded ready one."""
 
     def __init__(
         self,
@@ -239,29 +257,52 @@ class ExecutorPool:
         on_step: Callable[[executor_pb2.ExecutorStep], None] = lambda step: None,
         security: InternalSecurity | None = None,
         executor_wait_s: float = 30.0,
+        dns: str | None = None,
+        dns_interval_s: float = 5.0,
+        resolver: Resolver = resolve_all,
     ) -> None:
-        self.connections = [
-            ExecutorConnection(
-                a,
-                on_change=on_change,
-                on_step=on_step,
-                security=security,
-                executor_wait_s=executor_wait_s,
-            )
-            for a in addresses
-        ]
+        self._make = functools.partial(
+            ExecutorConnection,
+            on_change=on_change,
+            on_step=on_step,
+            security=security,
+            executor_wait_s=executor_wait_s,
+        )
+        self._on_change = on_change
+        self._static = set(addresses)
+        self._by_address: dict[str, ExecutorConnection] = {a: self._make(a) for a in addresses}
+        self._dns = dns
+        self._dns_interval_s = dns_interval_s
+        self._resolver = resolver
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._started = False
+
+    @property
+    def connections(self) -> list[ExecutorConnection]:
+        return list(self._by_address.values())
 
     def start(self) -> None:
-        for c in self.connections:
+        self._started = True
+        for c in self._by_address.values():
             c.start()
+        if self._dns is not None:
+            self._spawn(self._discover(), "executor-discovery")
 
     async def close(self) -> None:
-        for c in self.connections:
+        for task in list(self._tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for c in list(self._by_address.values()):
             await c.close()
 
     @property
     def ready(self) -> list[ExecutorConnection]:
-        return [c for c in self.connections if c.ready and c.info is not None]
+        return [
+            c
+            for c in self._by_address.values()
+            if c.ready and not c.draining and c.info is not None
+        ]
 
     @property
     def info(self) -> executor_pb2.ExecutorInfo | None:
@@ -276,3 +317,51 @@ class ExecutorPool:
                 "manager); retry in a few seconds"
             )
         return min(ready, key=lambda c: c.num_inflight)
+
+    # ---- discovery --------------------------------------------------------------------------
+
+    async def _discover(self) -> None:
+        assert self._dns is not None
+        host, _, port = self._dns.rpartition(":")
+        while True:
+            try:
+                found = await self._resolver(host, int(port))
+            except OSError as exc:  # unresolvable for now (no pod ready yet): keep what we have
+                log.warning("executor_dns_failed", name=self._dns, error=str(exc))
+            else:
+                self.reconcile(found)
+            await asyncio.sleep(self._dns_interval_s)
+
+    def reconcile(self, discovered: set[str]) -> None:
+        """Connect executors that appeared; drain those that disappeared (no new requests;
+        closed once their streams are done). Configured addresses always stay."""
+        for address in sorted(discovered - self._by_address.keys()):
+            conn = self._make(address)
+            self._by_address[address] = conn
+            if self._started:
+                conn.start()
+            log.info("executor_discovered", address=address)
+        for address, conn in list(self._by_address.items()):
+            gone = address not in discovered and address not in self._static
+            if gone and not conn.draining:
+                conn.draining = True
+                log.info("executor_draining", address=address, inflight=conn.num_inflight)
+                self._spawn(self._retire(address, conn), f"drain-{address}")
+            elif not gone and conn.draining:  # it came back before it was closed
+                conn.draining = False
+        self._on_change()
+
+    async def _retire(self, address: str, conn: ExecutorConnection) -> None:
+        while conn.num_inflight and conn.draining:
+            await asyncio.sleep(0.2)
+        if conn.draining:
+            del self._by_address[address]
+            await conn.close()
+            log.info("executor_removed", address=address)
+            self._on_change()
+
+    def _spawn(self, coro: Awaitable[None], name: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

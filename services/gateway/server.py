@@ -43,6 +43,7 @@ class GatewayServer:
             on_change=self._on_pool_change,
             security=config.security,
             executor_wait_s=config.executor_wait_s,
+            dns=config.executor_dns,
         )
         self.metrics = GatewayMetrics(
             lambda: [c.load for c in self.pool.connections if c.ready and c.load is not None]
@@ -92,6 +93,7 @@ class GatewayServer:
             tls=bool(self.config.tls_cert),
             auth=bool(self.config.api_key),
             executors=list(self.config.executor_addresses),
+            executor_dns=self.config.executor_dns,
         )
 
     async def stop(self) -> None:

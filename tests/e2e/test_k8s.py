@@ -3,7 +3,8 @@
 manifests' commands run as local processes, two executors behind one gateway.
 
 No cluster runs here: the run rewrites only what Kubernetes provides (as the compose test
-does): service names -> 127.0.0.1 and free ports, ``$(POD_NAME)`` -> the pod's name, the
+does): service names -> 127.0.0.1 and free ports, ``--executor-dns`` -> the executors the
+headless Service would resolve to, ``$(POD_NAME)`` -> the pod's name, the
 mounted model -> a tiny one, ``--device cuda`` -> cpu (the GPU memory share dropped), the
 internal token from the Secret -> a test token. Kustomize itself is not run: the base's
 resources are read as listed in its kustomization.
@@ -116,10 +117,9 @@ def test_probes_gpus_secrets_and_disruption_budget() -> None:
     assert services["executor"]["spec"]["clusterIP"] == "None"  # headless: stable pod names
     (pdb,) = [d for d in _docs(BASE) if d["kind"] == "PodDisruptionBudget"]
     assert pdb["spec"]["selector"] == workloads["executor"]["spec"]["selector"]
-    replicas = workloads["executor"]["spec"]["replicas"]
     gateway_args = _container(workloads["gateway"])["args"]
-    listed = [gateway_args[i + 1] for i, a in enumerate(gateway_args) if a == "--executor"]
-    assert listed == [f"executor-{i}.executor:50061" for i in range(replicas)]
+    dns = gateway_args[gateway_args.index("--executor-dns") + 1]
+    assert dns == f"{services['executor']['metadata']['name']}:50061"  # every executor pod
 
 
 def _free_port() -> int:
@@ -128,7 +128,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _local(args: list[str], pod: str, hosts: dict[str, str], model: Path) -> list[str]:
+def _local(
+    args: list[str], pod: str, hosts: dict[str, str], model: Path, executors: list[str]
+) -> list[str]:
     """One container's args as a local command (the rewrites of the module docstring)."""
     out: list[str] = []
     skip = False
@@ -138,6 +140,11 @@ def _local(args: list[str], pod: str, hosts: dict[str, str], model: Path) -> lis
             continue
         if a == "--gpu-memory-utilization":
             skip = True
+            continue
+        if a == "--executor-dns":  # what the headless Service's name resolves to
+            skip = True
+            for address in executors:
+                out += ["--executor", address]
             continue
         a = a.replace("$(POD_NAME)", pod)
         a = {"0.0.0.0": "127.0.0.1", "/models/model": str(model), "cuda": "cpu"}.get(a, a)
@@ -162,15 +169,12 @@ def test_manifest_commands_run_two_executors_behind_one_gateway(tmp_path: Path) 
         "50052": str(ports["blockmgr"]),
         "50051": str(ports["gateway"]),
         "9090": "-1",
-        **{
-            f"executor-{i}.executor:50061": f"127.0.0.1:{ports[f'executor-{i}']}"
-            for i in range(replicas)
-        },
     }
+    executors = [f"127.0.0.1:{ports[f'executor-{i}']}" for i in range(replicas)]
     env = {"PAGEDSERVE_INTERNAL_TOKEN": TOKEN}
     procs: list[ServiceProcess] = []
     try:
-        args = _local(_container(workloads["blockmgr"])["args"], "blockmgr-0", hosts, model)
+        args = _local(_container(workloads["blockmgr"])["args"], "blockmgr-0", hosts, model, [])
         procs.append(ServiceProcess(args, "blockmgr_listening", env=env))
         for i in range(replicas):
             pod = f"executor-{i}"
@@ -179,9 +183,12 @@ def test_manifest_commands_run_two_executors_behind_one_gateway(tmp_path: Path) 
                 pod,
                 {**hosts, "50061": str(ports[pod])},
                 model,
+                [],
             )
             procs.append(ServiceProcess(args, "executor_ready", env=env))
-        args = _local(_container(workloads["gateway"])["args"], "gateway-0", hosts, model)
+        args = _local(
+            _container(workloads["gateway"])["args"], "gateway-0", hosts, model, executors
+        )
         gateway = ServiceProcess(args, "gateway_listening", env=env)
         procs.append(gateway)
         wait_serving(gateway.address)
