@@ -34,13 +34,7 @@ class SamplingParams:
     stateless: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        stateless = (
-            self.repetition_penalty == 1.0
-            and not self.presence_penalty
-            and not self.frequency_penalty
-            and self.min_tokens == 0
-        )
-        object.__setattr__(self, "stateless", stateless)
+        object.__setattr__(self, "stateless", not self.has_penalties and self.min_tokens == 0)
 
     @property
     def has_penalties(self) -> bool:

@@ -103,8 +103,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.metrics.requests.labels("unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, NO_EXECUTOR)
         assert info is not None
-        max_bytes = self.config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * info.max_model_len
-        limits = Limits(info.max_model_len, info.vocab_size, self.config.max_n, max_bytes)
+        limits = Limits(
+            info.max_model_len,
+            info.vocab_size,
+            self.config.max_n,
+            self._max_prompt_bytes(info.max_model_len),
+        )
         try:
             check_request_id(request_id)
             prompt_ids = await self._prompt_ids(request, limits)
@@ -204,14 +208,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, limits: Limits
     ) -> list[int]:
         kind = check_input_kind(request)
-        check_prompt_bytes(request, kind, limits.max_prompt_bytes)
         field = kind
         if kind == "prompt":
+            check_prompt_bytes(kind, request.prompt, limits.max_prompt_bytes)
             ids = await self._off_loop(self._encode, request.prompt, True)
         elif kind == "prompt_token_ids":
             ids = list(request.prompt_token_ids.ids)
             field = "prompt_token_ids.ids"
         else:
+            check_prompt_bytes(kind, request.messages, limits.max_prompt_bytes)
             ids = await self._off_loop(self._chat_ids, request.messages, "messages")
         check_prompt(ids, limits.vocab_size, limits.max_model_len, field)
         return ids
@@ -223,6 +228,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return await asyncio.get_running_loop().run_in_executor(
                 self._tokenizer_threads, fn, *args
             )
+
+    def _max_prompt_bytes(self, max_model_len: int) -> int:
+        return self.config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_model_len
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
@@ -250,18 +258,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         kind = request.WhichOneof("input")
         try:
             info = self.pool.info
-            limit = self.config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * (
-                info.max_model_len if info is not None else 4096
-            )
+            limit = self._max_prompt_bytes(info.max_model_len if info is not None else 4096)
             if kind == "text":
-                if len(request.text.encode()) > limit:
-                    raise FieldError("text", f"more than --max-prompt-bytes={limit} bytes")
+                check_prompt_bytes(kind, request.text, limit)
                 add = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 ids = await self._off_loop(self._encode, request.text, add)
             elif kind == "messages":
-                size = sum(len(m.content.encode()) for m in request.messages.messages)
-                if size > limit:
-                    raise FieldError("messages", f"more than --max-prompt-bytes={limit} bytes")
+                check_prompt_bytes(kind, request.messages, limit)
                 ids = await self._off_loop(self._chat_ids, request.messages, "messages")
             else:
                 raise FieldError("input", "one of text or messages is required")

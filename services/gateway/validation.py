@@ -27,17 +27,15 @@ class Limits:
     max_prompt_bytes: int
 
 
-def check_prompt_bytes(request: generation_pb2.GenerateRequest, kind: str, limit: int) -> None:
+def check_prompt_bytes(field: str, content: str | generation_pb2.ChatMessages, limit: int) -> None:
     """Refuse a text or chat prompt longer than ``limit`` UTF-8 bytes, before tokenizing it
     (tokenizing megabytes takes seconds and is wasted: it could never fit)."""
-    if kind == "prompt":
-        size = len(request.prompt.encode())
-    elif kind == "messages":
-        size = sum(len(m.content.encode()) for m in request.messages.messages)
+    if isinstance(content, str):
+        size = len(content.encode())
     else:
-        return
+        size = sum(len(m.content.encode()) for m in content.messages)
     if size > limit:
-        raise FieldError(kind, f"{size} bytes exceed --max-prompt-bytes={limit}")
+        raise FieldError(field, f"{size} bytes exceed --max-prompt-bytes={limit}")
 
 
 @dataclass(frozen=True)

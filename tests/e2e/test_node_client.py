@@ -23,7 +23,7 @@ import pytest
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.common.healthcheck import check
-from tests.procs import ROOT, ServiceProcess
+from tests.procs import ROOT, ServiceProcess, executor_args, gateway_args
 
 NODE_DIR = ROOT / "examples" / "node"
 API_KEY = "node-example-key"
@@ -85,42 +85,12 @@ def stack(node: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack
         procs.append(ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening"))
         procs.append(
             ServiceProcess(
-                [
-                    "executor",
-                    "--model",
-                    str(model),
-                    "--port",
-                    "0",
-                    "--dtype",
-                    "float32",
-                    "--num-kv-blocks",
-                    "64",
-                    "--max-model-len",
-                    "256",
-                    "--blockmgr-address",
-                    procs[0].address,
-                ],
-                "executor_ready",
+                executor_args(model, procs[0].address, "--dtype", "float32"), "executor_ready"
             )
         )
         procs.append(
             ServiceProcess(
-                [
-                    "gateway",
-                    "--model",
-                    str(model),
-                    "--port",
-                    "0",
-                    "--host",
-                    "127.0.0.1",
-                    "--metrics-port",
-                    "-1",
-                    "--executor",
-                    procs[1].address,
-                    "--api-key",
-                    API_KEY,
-                ],
-                "gateway_listening",
+                gateway_args(model, procs[1].address, "--api-key", API_KEY), "gateway_listening"
             )
         )
         deadline = time.monotonic() + 30
