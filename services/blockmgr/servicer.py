@@ -15,7 +15,7 @@ from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
 from services.blockmgr import convert
 from services.blockmgr.core import BlockManagerCore
 from services.blockmgr.errors import BlockManagerError, ErrorCode
-from services.blockmgr.types import KVEvent
+from services.blockmgr.types import EVENTS_LIVE_HEADER, KVEvent
 
 log = structlog.get_logger(__name__)
 
@@ -134,6 +134,8 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             await context.abort(_CODE_TO_STATUS[exc.code], exc.message)
             return
         try:
+            # Headers now: the consumer knows it is subscribed before any event arrives.
+            await context.send_initial_metadata(((EVENTS_LIVE_HEADER, "live"),))
             if replay:
                 yield convert.events_to_pb(request.pool_id, replay)
             while True:

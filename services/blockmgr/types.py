@@ -18,6 +18,10 @@ class OpStatus(enum.IntEnum):
     SKIPPED = 3  # an earlier op on the same sequence failed in this step: nothing changed
 
 
+# Initial metadata a StreamEvents server sends once subscribed (before any event).
+EVENTS_LIVE_HEADER = "x-pagedserve-events"
+
+
 class KVEventKind(enum.IntEnum):
     STORED = 1  # a block hash became matchable
     REMOVED = 2  # a cached block was reused: its hash is no longer matchable

@@ -27,6 +27,8 @@ class Load:
     num_cached_prompt_tokens: int = 0
     num_steps: int = 0
     num_blockmgr_round_trips: int = 0
+    num_running_tokens: int = 0
+    num_waiting_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -207,4 +207,6 @@ class EngineLoop:
             num_cached_prompt_tokens=e.num_cached_prompt_tokens,
             num_steps=e.num_steps,
             num_blockmgr_round_trips=e.link.num_round_trips,
+            num_running_tokens=sum(seq.num_tokens for seq in s.running),
+            num_waiting_tokens=sum(seq.num_tokens for seq in s.waiting),
         )

@@ -136,6 +136,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             enable_prefix_caching=cfg.enable_prefix_caching,
             device=served.device,
+            pool_id=served.pool_id,
         )
 
     async def Info(

@@ -33,6 +33,7 @@ class ServedModel:
     eos_token_ids: tuple[int, ...]
     num_kv_blocks: int
     device: str
+    pool_id: str
 
 
 def eos_token_ids(model_dir: str | Path, config: ModelConfig) -> tuple[int, ...]:
@@ -118,5 +119,6 @@ def build_engine(
         eos_token_ids=settings.eos_token_ids,
         num_kv_blocks=runner.num_blocks,
         device=str(runner.device),
+        pool_id=pool_id,
     )
     return engine, served

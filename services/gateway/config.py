@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from services.common.auth import InternalSecurity
+from services.gateway.routing import DEFAULT_LOAD_WEIGHT, RoutingPolicy
 
 PROMPT_BYTES_PER_TOKEN = 32  # more UTF-8 bytes per token than any real text needs
 
@@ -16,6 +17,9 @@ class GatewayConfig:
     model: str  # checkpoint directory: the gateway reads its tokenizer and chat template
     executor_addresses: tuple[str, ...] = ("127.0.0.1:50061",)
     executor_dns: str | None = None  # name:port resolved every few seconds (k8s headless)
+    blockmgr_address: str | None = None  # its KV events feed prefix-aware routing
+    routing: RoutingPolicy = RoutingPolicy.LEAST_LOADED
+    routing_load_weight: float = DEFAULT_LOAD_WEIGHT
     host: str = "0.0.0.0"
     port: int = 50051
     max_concurrent_requests: int = 256
@@ -54,6 +58,26 @@ class GatewayConfig:
             help="name:port whose every address is an executor, re-resolved every 5 s "
             "(a Kubernetes headless Service); executors that appear are connected, those "
             "that disappear are drained",
+        )
+        a(
+            "--blockmgr-address",
+            default=None,
+            help="the block manager (host:port) whose KV events tell which executor caches "
+            "which prefix (enables --routing prefix-aware)",
+        )
+        a(
+            "--routing",
+            choices=[p.value for p in RoutingPolicy],
+            default=None,
+            help="how requests pick an executor (default: prefix-aware with "
+            "--blockmgr-address, else least-loaded)",
+        )
+        a(
+            "--routing-load-weight",
+            type=float,
+            default=cls.routing_load_weight,
+            help="prefix-aware score = cached prefix tokens - weight x (running + waiting "
+            "tokens) of the executor (default %(default)s)",
         )
         a("--host", default=cls.host)
         a("--port", type=int, default=cls.port)
@@ -112,6 +136,10 @@ class GatewayConfig:
         default = () if ns["executor_dns"] else cls.executor_addresses
         ns["executor_addresses"] = tuple(ns["executor_addresses"] or default)
         ns["security"] = InternalSecurity.from_namespace(ns)
+        if ns["routing"] is None:
+            prefix = ns["blockmgr_address"] is not None
+            ns["routing"] = RoutingPolicy.PREFIX_AWARE if prefix else RoutingPolicy.LEAST_LOADED
+        ns["routing"] = RoutingPolicy(ns["routing"])
         if ns["metrics_port"] is not None and ns["metrics_port"] < 0:
             ns["metrics_port"] = None
         try:
@@ -128,6 +156,10 @@ class GatewayConfig:
             host, _, port = self.executor_dns.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"--executor-dns must be name:port, got {self.executor_dns!r}")
+        if self.routing == RoutingPolicy.PREFIX_AWARE and not self.blockmgr_address:
+            raise ValueError("--routing prefix-aware needs --blockmgr-address")
+        if self.routing_load_weight < 0:
+            raise ValueError("--routing-load-weight must be >= 0")
         if self.max_concurrent_requests < 1:
             raise ValueError("--max-concurrent-requests must be >= 1")
         if self.max_n < 1:

@@ -9,8 +9,8 @@ UNAVAILABLE and the connection re-opens in the background.
 A connection is *ready* while its Session is up and the executor's own health says SERVING
 (watched with ``grpc.health.v1``): an executor whose block manager is down reports
 NOT_SERVING, gets no new requests, and the requests it holds wait ``executor_wait_s`` for it
-to serve again before they fail with UNAVAILABLE. :class:`ExecutorPool` routes new requests
-to the ready executor with the fewest in-flight requests.
+to serve again before they fail with UNAVAILABLE. :class:`ExecutorPool` routes each new
+request to a ready executor with its :class:`Router` (see ``routing``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import contextlib
 import functools
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 import structlog
@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from services.common.auth import InternalSecurity
+from services.gateway.routing import Candidate, Decision, Router, RoutingPolicy
 
 log = structlog.get_logger(__name__)
 
@@ -69,11 +70,20 @@ class ExecutorConnection:
         self._metadata = security.metadata()
         self._outbox: asyncio.Queue[executor_pb2.SessionRequest | None] = asyncio.Queue()
         self._inflight: dict[str, asyncio.Queue[Item]] = {}
+        self._tokens: dict[str, int] = {}  # request -> prompt + streamed tokens
+        self.inflight_tokens = 0
         self._task: asyncio.Task[None] | None = None
 
     @property
     def num_inflight(self) -> int:
         return len(self._inflight)
+
+    @property
+    def load_tokens(self) -> int:
+        """Running + waiting tokens there: the larger of what the executor last reported
+        (every gateway's requests, a step old) and this gateway's own (fresh)."""
+        reported = self.load.num_running_tokens + self.load.num_waiting_tokens if self.load else 0
+        return max(reported, self.inflight_tokens)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"executor-{self.address}")
@@ -95,11 +105,13 @@ class ExecutorConnection:
             raise ExecutorUnavailable(f"executor {self.address} is not ready")
         q: asyncio.Queue[Item] = asyncio.Queue()
         self._inflight[add.request_id] = q
+        self._count(add.request_id, len(add.prompt_token_ids))
         self._outbox.put_nowait(executor_pb2.SessionRequest(add=add))
         return q
 
     def release(self, request_id: str, *, abort: bool) -> None:
         """Forget a request; with ``abort`` the executor stops it at its next step."""
+        self._uncount(request_id)
         if self._inflight.pop(request_id, None) is not None and abort and self._connected:
             self._outbox.put_nowait(
                 executor_pb2.SessionRequest(abort=executor_pb2.AbortRequest(request_id=request_id))
@@ -180,17 +192,28 @@ class ExecutorConnection:
             self.load = step.load
             self.on_step(step)
             for err in step.errors:
+                self._uncount(err.request_id)
                 q = self._inflight.pop(err.request_id, None)
                 if q is not None:
                     q.put_nowait(err)
             for update in step.updates:
                 q = self._inflight.get(update.request_id)
                 if q is not None:
+                    self._count(update.request_id, len(update.token_ids))
                     q.put_nowait(update)
         raise ExecutorUnavailable(f"executor {self.address} closed the session")
 
+    def _count(self, request_id: str, num_tokens: int) -> None:
+        self._tokens[request_id] = self._tokens.get(request_id, 0) + num_tokens
+        self.inflight_tokens += num_tokens
+
+    def _uncount(self, request_id: str) -> None:
+        self.inflight_tokens -= self._tokens.pop(request_id, 0)
+
     def _fail_all(self, exc: BaseException) -> None:
         inflight, self._inflight = self._inflight, {}
+        self._tokens.clear()
+        self.inflight_tokens = 0
         for q in inflight.values():
             q.put_nowait(exc)
 
@@ -247,7 +270,8 @@ async def resolve_all(host: str, port: int) -> set[str]:
 class ExecutorPool:
     """Every executor: the configured ones, plus those a DNS name resolves to (re-resolved
     every ``dns_interval_s``: executors that appear are connected, those that disappear are
-    drained, so no stream is dropped). Routes each request to the least-loaded ready one."""
+    drained, so no stream is dropped). Routes each request to a ready one with ``router``
+    (least-loaded by default)."""
 
     def __init__(
         self,
@@ -260,7 +284,9 @@ class ExecutorPool:
         dns: str | None = None,
         dns_interval_s: float = 5.0,
         resolver: Resolver = resolve_all,
+        router: Router | None = None,
     ) -> None:
+        self.router = router or Router(RoutingPolicy.LEAST_LOADED)
         self._make = functools.partial(
             ExecutorConnection,
             on_change=on_change,
@@ -309,14 +335,37 @@ class ExecutorPool:
         ready = self.ready
         return ready[0].info if ready else None
 
-    def pick(self) -> ExecutorConnection:
+    def pick(
+        self, prompt_ids: Sequence[int] = (), cache_salt: bytes = b""
+    ) -> tuple[ExecutorConnection, Decision]:
+        """The executor for a prompt, and why (see ``routing``)."""
         ready = self.ready
         if not ready:
             raise ExecutorUnavailable(
                 "no executor is serving (starting up, restarting, or waiting for its block "
                 "manager); retry in a few seconds"
             )
-        return min(ready, key=lambda c: c.num_inflight)
+        candidates = [
+            Candidate(
+                key=c.address,
+                pool_id=c.info.pool_id if c.info else "",
+                block_size=c.info.block_size if c.info else 1,
+                prefix_caching=bool(c.info and c.info.enable_prefix_caching and c.info.pool_id),
+                load_tokens=c.load_tokens,
+            )
+            for c in ready
+        ]
+        decision = self.router.choose(candidates, prompt_ids, cache_salt)
+        return ready[decision.index], decision
+
+    def pool_ids(self) -> set[str]:
+        """Block-manager pools of the executors (connected at least once) that cache
+        prefixes."""
+        return {
+            c.info.pool_id
+            for c in self._by_address.values()
+            if c.info is not None and c.info.pool_id and c.info.enable_prefix_caching
+        }
 
     # ---- discovery --------------------------------------------------------------------------
 

@@ -3,6 +3,12 @@
 Gateway-side observations (latencies, tokens, outcomes) are recorded as requests stream;
 executor-side state (running / waiting sequences, KV usage, preemptions, prefix-cache hits)
 is read from the latest ``ExecutorLoad`` of each executor at scrape time.
+
+Routing, per executor: requests routed and by which policy, the prompt tokens routed, the
+cached tokens the router predicted and those the executor actually reported
+(``rate(pagedserve_routing_predicted_cached_tokens_total[5m]) /
+rate(pagedserve_routing_prompt_tokens_total[5m])`` is the routing hit ratio), and the prefix
+index's state (event stream live, confirmed blocks).
 """
 
 from __future__ import annotations
@@ -59,10 +65,64 @@ class _ExecutorCollector(Collector):
         )
 
 
+RoutingState = Callable[[], list[tuple[str, bool, int]]]  # (executor, events live, blocks)
+
+
+class _RoutingCollector(Collector):
+    def __init__(self, state: RoutingState) -> None:
+        self._state = state
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        live = GaugeMetricFamily(
+            "pagedserve_routing_kv_events_live",
+            "1 while the executor's KV events are followed live from the block manager",
+            labels=["executor"],
+        )
+        blocks = GaugeMetricFamily(
+            "pagedserve_routing_index_blocks",
+            "Cached blocks the prefix index knows on the executor (from KV events)",
+            labels=["executor"],
+        )
+        for executor, synced, num_blocks in self._state():
+            live.add_metric([executor], 1.0 if synced else 0.0)
+            blocks.add_metric([executor], num_blocks)
+        yield live
+        yield blocks
+
+
 class GatewayMetrics:
-    def __init__(self, loads: Callable[[], list[executor_pb2.ExecutorLoad]]) -> None:
+    def __init__(
+        self,
+        loads: Callable[[], list[executor_pb2.ExecutorLoad]],
+        routing_state: RoutingState = list,
+    ) -> None:
         r = self.registry = CollectorRegistry()
         r.register(_ExecutorCollector(loads))
+        r.register(_RoutingCollector(routing_state))
+        self.routed_requests = Counter(
+            "pagedserve_routed_requests",
+            "Requests sent to each executor, by the routing policy that chose it",
+            ["executor", "policy"],
+            registry=r,
+        )
+        self.routing_prompt_tokens = Counter(
+            "pagedserve_routing_prompt_tokens",
+            "Prompt tokens sent to each executor",
+            ["executor"],
+            registry=r,
+        )
+        self.routing_predicted_cached_tokens = Counter(
+            "pagedserve_routing_predicted_cached_tokens",
+            "Prompt tokens the router expected each executor to find in its prefix cache",
+            ["executor"],
+            registry=r,
+        )
+        self.routing_cached_tokens = Counter(
+            "pagedserve_routing_cached_tokens",
+            "Prompt tokens each executor reported served from its prefix cache",
+            ["executor"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "pagedserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
         )

@@ -21,7 +21,10 @@ from services.common.grpc_server import (
 )
 from services.gateway.config import GatewayConfig
 from services.gateway.executor_client import ExecutorPool
+from services.gateway.kv_events import KVEventFollower
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.prefix_index import PrefixIndex
+from services.gateway.routing import Router, RoutingPolicy
 from services.gateway.servicer import GenerationServicer
 
 log = structlog.get_logger(__name__)
@@ -38,15 +41,24 @@ class GatewayServer:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
+        self.index: PrefixIndex | None = None
+        self.events: KVEventFollower | None = None
+        if config.blockmgr_address and config.routing == RoutingPolicy.PREFIX_AWARE:
+            self.index = PrefixIndex()
+            self.events = KVEventFollower(
+                config.blockmgr_address, self.index, security=config.security
+            )
         self.pool = ExecutorPool(
             config.executor_addresses,
             on_change=self._on_pool_change,
             security=config.security,
             executor_wait_s=config.executor_wait_s,
             dns=config.executor_dns,
+            router=Router(config.routing, self.index, load_weight=config.routing_load_weight),
         )
         self.metrics = GatewayMetrics(
-            lambda: [c.load for c in self.pool.connections if c.ready and c.load is not None]
+            lambda: [c.load for c in self.pool.connections if c.ready and c.load is not None],
+            self._routing_state,
         )
         interceptors = [api_key_interceptor(config.api_key)] if config.api_key else []
         self.server = grpc.aio.server(
@@ -69,7 +81,20 @@ class GatewayServer:
             raise OSError(f"could not bind {address}")
         self._health_task: asyncio.Task[None] | None = None
 
+    def _routing_state(self) -> list[tuple[str, bool, int]]:
+        """(executor, its KV events followed live, confirmed cached blocks) per executor."""
+        index = self.index
+        if index is None:
+            return []
+        return [
+            (c.address, index.is_synced(c.info.pool_id), index.num_blocks(c.info.pool_id))
+            for c in self.pool.connections
+            if c.info is not None and c.info.pool_id
+        ]
+
     def _on_pool_change(self) -> None:
+        if self.events is not None:
+            self.events.track(self.pool.pool_ids())
         serving = bool(self.pool.ready)
         log.info(
             "gateway_health", serving=serving, executors_ready=[c.address for c in self.pool.ready]
@@ -94,6 +119,8 @@ class GatewayServer:
             auth=bool(self.config.api_key),
             executors=list(self.config.executor_addresses),
             executor_dns=self.config.executor_dns,
+            routing=self.config.routing.value,
+            blockmgr=self.config.blockmgr_address,
         )
 
     async def stop(self) -> None:
@@ -108,6 +135,8 @@ class GatewayServer:
         )
         await self.server.stop(self.config.drain_timeout_s)
         await self.pool.close()
+        if self.events is not None:
+            await self.events.close()
         self.metrics.shutdown()
         log.info("gateway_stopped")
 

@@ -19,6 +19,7 @@ from services.common.limits import FieldError, check_prompt, check_request_id, c
 from services.gateway.config import PROMPT_BYTES_PER_TOKEN, GatewayConfig
 from services.gateway.executor_client import ExecutorPool, ExecutorUnavailable
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.routing import Decision
 from services.gateway.sample_stream import SampleStream
 from services.gateway.validation import (
     Limits,
@@ -122,7 +123,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             for i in range(params.n)
         ]
         try:
-            conn = self.pool.pick()
+            cache_salt = request.cache_salt.encode()
+            conn, decision = self.pool.pick(prompt_ids, cache_salt)
             internal_id = uuid.uuid4().hex
             queue = conn.submit(
                 executor_pb2.AddRequest(
@@ -130,15 +132,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     prompt_token_ids=prompt_ids,
                     sampling_params=params,
                     priority=request.priority,
-                    cache_salt=request.cache_salt.encode(),
+                    cache_salt=cache_salt,
                 )
             )
         except ExecutorUnavailable as exc:
             self.metrics.requests.labels("unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self._record_route(conn.address, decision, len(prompt_ids))
         log.info(
             "request_accepted",
             executor=conn.address,
+            routing=decision.policy.value,
+            predicted_cached_tokens=decision.predicted_cached_tokens,
             num_prompt_tokens=len(prompt_ids),
             n=params.n,
             max_tokens=params.max_tokens,
@@ -181,7 +186,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     self.metrics.generation_tokens.inc(len(response.token_ids))
                 if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     done += 1
-                    self._record_final(response)
+                    self._record_final(response, conn.address)
                     if response.index == 0:
                         outcome = _FINISH_NAMES.get(response.finish_reason, "other")
                 yield response
@@ -199,10 +204,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 log.info("request_cancelled", after_s=round(time.monotonic() - start, 4))
             self.metrics.requests.labels(outcome or "cancelled").inc()
 
-    def _record_final(self, response: generation_pb2.GenerateResponse) -> None:
+    def _record_route(self, executor: str, decision: Decision, num_prompt_tokens: int) -> None:
+        m = self.metrics
+        m.routed_requests.labels(executor, decision.policy.value).inc()
+        m.routing_prompt_tokens.labels(executor).inc(num_prompt_tokens)
+        m.routing_predicted_cached_tokens.labels(executor).inc(decision.predicted_cached_tokens)
+
+    def _record_final(self, response: generation_pb2.GenerateResponse, executor: str) -> None:
         if response.index == 0:
             self.metrics.prompt_tokens.inc(response.usage.prompt_tokens)
             self.metrics.cached_prompt_tokens.inc(response.usage.cached_prompt_tokens)
+            self.metrics.routing_cached_tokens.labels(executor).inc(
+                response.usage.cached_prompt_tokens
+            )
 
     async def _prompt_ids(
         self, request: generation_pb2.GenerateRequest, limits: Limits

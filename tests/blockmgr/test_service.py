@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pagedserve.v1 import blockmgr_pb2 as pb
 from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
 from services.blockmgr.client import GrpcClient
-from services.blockmgr.types import Admit, OpStatus
+from services.blockmgr.types import EVENTS_LIVE_HEADER, Admit, OpStatus
 from tests.blockmgr.helpers import ThreadedServer
 from tests.procs import ServiceProcess
 
@@ -91,6 +91,16 @@ def test_every_rpc_maps_unknown_pool_to_not_found(stub):
     with pytest.raises(grpc.RpcError) as info:
         list(stub.StreamEvents(pb.StreamEventsRequest(pool_id="nope"), timeout=5))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_subscribed_event_stream_says_so_in_its_headers_before_any_event(stub):
+    """A silent stream is live: consumers (the gateway's router) learn it from the headers."""
+    _register(stub, "raw-events")
+    stale = pb.StreamEventsRequest(pool_id="raw-events", start_after_seq=2**63)  # no replay
+    call = stub.StreamEvents(stale, timeout=5)
+    headers = dict(call.initial_metadata())
+    assert headers.get(EVENTS_LIVE_HEADER) == "live"
+    call.cancel()
 
 
 def test_stale_epoch_and_double_free_are_failed_precondition(stub):
