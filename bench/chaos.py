@@ -230,6 +230,8 @@ def main() -> None:
                 "127.0.0.1",
                 "--metrics-port",
                 "-1",
+                "--http-port",
+                "0",
                 "--executor",
                 f"127.0.0.1:{ex_port}",
             ],

@@ -105,6 +105,8 @@ def start(
             "127.0.0.1",
             "--metrics-port",
             "0",
+            "--http-port",
+            "0",
             "--max-concurrent-requests",
             "4096",
             *executors,

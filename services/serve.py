@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--executor-port", type=int, default=50061)
     p.add_argument("--blockmgr-port", type=int, default=50052)
     p.add_argument("--metrics-port", type=int, default=9090, help="-1 disables")
+    p.add_argument(
+        "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; -1 disables"
+    )
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
@@ -98,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             str(args.port),
             "--metrics-port",
             str(args.metrics_port),
+            "--http-port",
+            str(args.http_port),
             "--executor",
             f"127.0.0.1:{args.executor_port}",
             *common,

@@ -115,7 +115,8 @@ def executor_args(model: str | Path, blockmgr_address: str, *extra: str) -> list
 
 
 def gateway_args(model: str | Path, executor_address: str, *extra: str) -> list[str]:
-    """A gateway on a free loopback port in front of ``executor_address``, no metrics."""
+    """A gateway on free loopback ports (gRPC and HTTP) in front of ``executor_address``, no
+    metrics."""
     return [
         "gateway",
         "--model",
@@ -126,6 +127,8 @@ def gateway_args(model: str | Path, executor_address: str, *extra: str) -> list[
         "127.0.0.1",
         "--metrics-port",
         "-1",
+        "--http-port",
+        "0",
         "--executor",
         executor_address,
         *extra,

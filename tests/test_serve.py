@@ -59,6 +59,8 @@ class Stack:
                 *serve_args,
                 "--metrics-port",
                 "-1",
+                "--http-port",
+                "0",
                 "--",
                 "--num-kv-blocks",
                 "64",

@@ -32,6 +32,7 @@ class GatewayConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     metrics_port: int | None = 9090  # None: no metrics endpoint
+    http_port: int | None = 8000  # the OpenAI-compatible HTTP API; None: off, 0: a free port
     enable_reflection: bool = True
     served_model_name: str | None = None
     security: InternalSecurity = field(default_factory=InternalSecurity)
@@ -123,6 +124,13 @@ class GatewayConfig:
             default=cls.metrics_port,
             help="Prometheus /metrics HTTP port; 0 picks a free one; -1 disables",
         )
+        a(
+            "--http-port",
+            type=int,
+            default=cls.http_port,
+            help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...) port "
+            "on --host; 0 picks a free one; -1 disables (default %(default)s)",
+        )
         a("--no-reflection", dest="enable_reflection", action="store_false")
         a("--served-model-name", default=None)
         a("--log-level", default=cls.log_level)
@@ -140,8 +148,9 @@ class GatewayConfig:
             prefix = ns["blockmgr_address"] is not None
             ns["routing"] = RoutingPolicy.PREFIX_AWARE if prefix else RoutingPolicy.LEAST_LOADED
         ns["routing"] = RoutingPolicy(ns["routing"])
-        if ns["metrics_port"] is not None and ns["metrics_port"] < 0:
-            ns["metrics_port"] = None
+        for port in ("metrics_port", "http_port"):
+            if ns[port] is not None and ns[port] < 0:
+                ns[port] = None
         try:
             config = cls(**ns)
             config.validate()

@@ -1,5 +1,6 @@
 """The gateway process: tokenizer, executor connections, the public gRPC server (health,
-reflection, optional TLS and API key), and the Prometheus endpoint."""
+reflection, optional TLS and API key), the OpenAI-compatible HTTP server, and the Prometheus
+endpoint."""
 
 from __future__ import annotations
 
@@ -21,8 +22,11 @@ from services.common.grpc_server import (
 )
 from services.gateway.config import GatewayConfig
 from services.gateway.executor_client import ExecutorPool
+from services.gateway.generation import GenerationCore
+from services.gateway.http_server import HttpServer
 from services.gateway.kv_events import KVEventFollower
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai_api import build_app
 from services.gateway.prefix_index import PrefixIndex
 from services.gateway.routing import Router, RoutingPolicy
 from services.gateway.servicer import GenerationServicer
@@ -64,8 +68,10 @@ class GatewayServer:
         self.server = grpc.aio.server(
             interceptors=[*interceptors, MalformedRequestInterceptor()], options=SERVER_OPTIONS
         )
-        self.servicer = GenerationServicer(config, self.tokenizer, self.pool, self.metrics)
-        generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        self.core = GenerationCore(config, self.tokenizer, self.pool, self.metrics)
+        generation_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(self.core), self.server
+        )
         self.health = add_health_and_reflection(
             self.server, SERVICE_NAME, enable_reflection=config.enable_reflection
         )
@@ -80,6 +86,12 @@ class GatewayServer:
         if self.port == 0:
             raise OSError(f"could not bind {address}")
         self._health_task: asyncio.Task[None] | None = None
+        self.http: HttpServer | None = None
+        if config.http_port is not None:
+            app = build_app(self.core, api_key=config.api_key, registry=self.metrics.registry)
+            self.http = HttpServer(
+                app, config.host, config.http_port, drain_timeout_s=config.drain_timeout_s
+            )
 
     def _routing_state(self) -> list[tuple[str, bool, int]]:
         """(executor, its KV events followed live, confirmed cached blocks) per executor."""
@@ -111,6 +123,9 @@ class GatewayServer:
             log.info("metrics_listening", metrics_port=port)
         self.pool.start()
         await self.server.start()
+        if self.http is not None:
+            http_port = await self.http.start()
+            log.info("http_listening", host=self.config.host, http_port=http_port)
         log.info(
             "gateway_listening",
             host=self.config.host,
@@ -130,10 +145,13 @@ class GatewayServer:
         await self.health.enter_graceful_shutdown()
         log.info(
             "gateway_draining",
-            inflight=self.servicer.num_inflight,
+            inflight=self.core.num_inflight,
             timeout_s=self.config.drain_timeout_s,
         )
-        await self.server.stop(self.config.drain_timeout_s)
+        stopping = [self.server.stop(self.config.drain_timeout_s)]
+        if self.http is not None:
+            stopping.append(self.http.stop())
+        await asyncio.gather(*stopping)
         await self.pool.close()
         if self.events is not None:
             await self.events.close()

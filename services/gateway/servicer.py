@@ -1,320 +1,64 @@
-"""The public ``pagedserve.v1.Generation`` service: validation, tokenization, admission,
-routing, and streaming of each sample's text."""
+"""The public ``pagedserve.v1.Generation`` gRPC service: a thin front over
+:class:`GenerationCore`, mapping its errors to gRPC status codes."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
 
 import grpc
-import structlog
-from transformers import PreTrainedTokenizerBase
 
-from pagedserve.v1 import common_pb2, executor_pb2, generation_pb2, generation_pb2_grpc
-from services.common.limits import FieldError, check_prompt, check_request_id, check_token_ids
-from services.gateway.config import PROMPT_BYTES_PER_TOKEN, GatewayConfig
-from services.gateway.executor_client import ExecutorPool, ExecutorUnavailable
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.routing import Decision
-from services.gateway.sample_stream import SampleStream
-from services.gateway.validation import (
-    Limits,
-    check_input_kind,
-    check_messages,
-    check_prompt_bytes,
-    sampling_to_executor,
-)
+from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from services.gateway.generation import ErrorKind, GenerationCore, GenerationError
 
-log = structlog.get_logger(__name__)
-T = TypeVar("T")
-NO_EXECUTOR = (
-    "no executor is serving (starting up, restarting, or waiting for its block manager); "
-    "retry in a few seconds"
-)
-
-_REFUSAL_STATUS = {
-    executor_pb2.REQUEST_ERROR_CODE_INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    executor_pb2.REQUEST_ERROR_CODE_ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
-    executor_pb2.REQUEST_ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    executor_pb2.REQUEST_ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
+_STATUS = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
-_FINISH_NAMES = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: GenerationError) -> None:
+    await context.abort(_STATUS[exc.kind], exc.message)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(
-        self,
-        config: GatewayConfig,
-        tokenizer: PreTrainedTokenizerBase,
-        pool: ExecutorPool,
-        metrics: GatewayMetrics,
-    ) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
-        self.pool = pool
-        self.metrics = metrics
-        self.model_name = config.served_model_name or config.model.rstrip("/").split("/")[-1]
-        self.num_inflight = 0
-        self._tokenizer_threads = ThreadPoolExecutor(
-            config.tokenizer_workers, thread_name_prefix="tokenizer"
-        )
-        self._tokenizer_slots = asyncio.Semaphore(4 * config.tokenizer_workers)
-
-    # ---- Generate ---------------------------------------------------------------------------
+    def __init__(self, core: GenerationCore) -> None:
+        self.core = core
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        if self.num_inflight >= self.config.max_concurrent_requests:
-            self.metrics.requests.labels("rejected_full").inc()
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the gateway is at max_concurrent_requests="
-                f"{self.config.max_concurrent_requests}; retry later",
-            )
-        self.num_inflight += 1
-        self.metrics.inflight.inc()
-        request_id = request.request_id or uuid.uuid4().hex
-        structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
-            async for response in self._generate(request, request_id, context):
+            async for response in self.core.generate(request):
                 yield response
-        finally:
-            self.num_inflight -= 1
-            self.metrics.inflight.dec()
-            structlog.contextvars.unbind_contextvars("request_id")
-
-    async def _generate(
-        self,
-        request: generation_pb2.GenerateRequest,
-        request_id: str,
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        start = time.monotonic()
-        info = self.pool.info
-        if info is None:
-            self.metrics.requests.labels("unavailable").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, NO_EXECUTOR)
-        assert info is not None
-        limits = Limits(
-            info.max_model_len,
-            info.vocab_size,
-            self.config.max_n,
-            self._max_prompt_bytes(info.max_model_len),
-        )
-        try:
-            check_request_id(request_id)
-            prompt_ids = await self._prompt_ids(request, limits)
-            params, options = sampling_to_executor(request, len(prompt_ids), limits)
-        except FieldError as exc:
-            self.metrics.requests.labels("invalid").inc()
-            log.info("request_invalid", error=str(exc))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        samples = [
-            SampleStream(request_id, i, self.tokenizer, prompt_ids, options)
-            for i in range(params.n)
-        ]
-        try:
-            cache_salt = request.cache_salt.encode()
-            conn, decision = self.pool.pick(prompt_ids, cache_salt)
-            internal_id = uuid.uuid4().hex
-            queue = conn.submit(
-                executor_pb2.AddRequest(
-                    request_id=internal_id,
-                    prompt_token_ids=prompt_ids,
-                    sampling_params=params,
-                    priority=request.priority,
-                    cache_salt=cache_salt,
-                )
-            )
-        except ExecutorUnavailable as exc:
-            self.metrics.requests.labels("unavailable").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        self._record_route(conn.address, decision, len(prompt_ids))
-        log.info(
-            "request_accepted",
-            executor=conn.address,
-            routing=decision.policy.value,
-            predicted_cached_tokens=decision.predicted_cached_tokens,
-            num_prompt_tokens=len(prompt_ids),
-            n=params.n,
-            max_tokens=params.max_tokens,
-        )
-
-        last_token_at: list[float | None] = [None] * params.n
-        done = 0
-        completed = False
-        outcome: str | None = None  # counted once in requests_total; None: cancelled
-        stopped_here = False  # a stop string ended a sample the executor may still be running
-        try:
-            while done < params.n:
-                item = await queue.get()
-                if isinstance(item, executor_pb2.RequestError):
-                    code = _REFUSAL_STATUS.get(item.code, grpc.StatusCode.INTERNAL)
-                    outcome = "refused" if code != grpc.StatusCode.INTERNAL else "error"
-                    await context.abort(code, item.message)
-                if isinstance(item, BaseException):
-                    outcome = "unavailable"
-                    log.warning("executor_lost_mid_request", error=str(item))
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
-                assert isinstance(item, executor_pb2.SequenceUpdate)
-                sample = samples[item.index]
-                response, stopped = sample.process(item)
-                if stopped:
-                    stopped_here = True
-                    if params.n > 1 and done + 1 < params.n:
-                        conn.abort_sample(internal_id, item.index)
-                if response is None:
-                    continue
-                now = time.monotonic()
-                if response.token_ids:
-                    prev = last_token_at[item.index]
-                    if prev is None:
-                        if item.index == 0:
-                            self.metrics.ttft.observe(now - start)
-                    else:
-                        self.metrics.itl.observe(now - prev)
-                    last_token_at[item.index] = now
-                    self.metrics.generation_tokens.inc(len(response.token_ids))
-                if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    done += 1
-                    self._record_final(response, conn.address)
-                    if response.index == 0:
-                        outcome = _FINISH_NAMES.get(response.finish_reason, "other")
-                yield response
-            completed = True
-            self.metrics.e2e.observe(time.monotonic() - start)
-            log.info(
-                "request_finished",
-                latency_s=round(time.monotonic() - start, 4),
-                completion_tokens=[s.num_tokens for s in samples],
-            )
-        finally:
-            # Cancelled, deadline passed, or failed: stop it on the executor right away.
-            conn.release(internal_id, abort=not completed or stopped_here)
-            if not completed and outcome is None:
-                log.info("request_cancelled", after_s=round(time.monotonic() - start, 4))
-            self.metrics.requests.labels(outcome or "cancelled").inc()
-
-    def _record_route(self, executor: str, decision: Decision, num_prompt_tokens: int) -> None:
-        m = self.metrics
-        m.routed_requests.labels(executor, decision.policy.value).inc()
-        m.routing_prompt_tokens.labels(executor).inc(num_prompt_tokens)
-        m.routing_predicted_cached_tokens.labels(executor).inc(decision.predicted_cached_tokens)
-
-    def _record_final(self, response: generation_pb2.GenerateResponse, executor: str) -> None:
-        if response.index == 0:
-            self.metrics.prompt_tokens.inc(response.usage.prompt_tokens)
-            self.metrics.cached_prompt_tokens.inc(response.usage.cached_prompt_tokens)
-            self.metrics.routing_cached_tokens.labels(executor).inc(
-                response.usage.cached_prompt_tokens
-            )
-
-    async def _prompt_ids(
-        self, request: generation_pb2.GenerateRequest, limits: Limits
-    ) -> list[int]:
-        kind = check_input_kind(request)
-        field = kind
-        if kind == "prompt":
-            check_prompt_bytes(kind, request.prompt, limits.max_prompt_bytes)
-            ids = await self._off_loop(self._encode, request.prompt, True)
-        elif kind == "prompt_token_ids":
-            ids = list(request.prompt_token_ids.ids)
-            field = "prompt_token_ids.ids"
-        else:
-            check_prompt_bytes(kind, request.messages, limits.max_prompt_bytes)
-            ids = await self._off_loop(self._chat_ids, request.messages, "messages")
-        check_prompt(ids, limits.vocab_size, limits.max_model_len, field)
-        return ids
-
-    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run tokenizer work in the tokenizer threads (never on the event loop, where a
-        megabyte prompt would stall every stream); at most a few jobs queue per thread."""
-        async with self._tokenizer_slots:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._tokenizer_threads, fn, *args
-            )
-
-    def _max_prompt_bytes(self, max_model_len: int) -> int:
-        return self.config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_model_len
-
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
-
-    def _chat_ids(self, messages: generation_pb2.ChatMessages, field: str) -> list[int]:
-        check_messages(messages, field)
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise FieldError(field, "the model has no chat template")
-        add_prompt = (
-            messages.add_generation_prompt if messages.HasField("add_generation_prompt") else True
-        )
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages.messages],
-            add_generation_prompt=add_prompt,
-            tokenize=False,
-        )
-        # The template writes its own special tokens (BOS): tokenize without adding more.
-        return self.tokenizer(text, add_special_tokens=False).input_ids
-
-    # ---- the rest of the API ----------------------------------------------------------------
+        except GenerationError as exc:
+            await _abort(context, exc)
 
     async def Tokenize(
         self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.TokenizeResponse:
-        kind = request.WhichOneof("input")
         try:
-            info = self.pool.info
-            limit = self._max_prompt_bytes(info.max_model_len if info is not None else 4096)
-            if kind == "text":
-                check_prompt_bytes(kind, request.text, limit)
-                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = await self._off_loop(self._encode, request.text, add)
-            elif kind == "messages":
-                check_prompt_bytes(kind, request.messages, limit)
-                ids = await self._off_loop(self._chat_ids, request.messages, "messages")
-            else:
-                raise FieldError("input", "one of text or messages is required")
-        except FieldError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        tokens = self.tokenizer.convert_ids_to_tokens(ids)
-        return generation_pb2.TokenizeResponse(token_ids=ids, tokens=tokens)
+            return await self.core.tokenize(request)
+        except GenerationError as exc:
+            await _abort(context, exc)
+            raise
 
     async def Detokenize(
         self, request: generation_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.DetokenizeResponse:
         try:
-            check_token_ids(list(request.token_ids), len(self.tokenizer), "token_ids")
-        except FieldError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        text = self.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
-        return generation_pb2.DetokenizeResponse(text=text)
+            return self.core.detokenize(request)
+        except GenerationError as exc:
+            await _abort(context, exc)
+            raise
 
     async def GetModelInfo(
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ModelInfo:
-        ready = self.pool.ready
-        if not ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, NO_EXECUTOR)
-        info = ready[0].info
-        assert info is not None
-        return generation_pb2.ModelInfo(
-            model_name=self.model_name,
-            max_model_len=info.max_model_len,
-            vocab_size=info.vocab_size,
-            block_size=info.block_size,
-            kv_capacity_tokens=sum(c.info.kv_capacity_tokens for c in ready if c.info),
-            num_kv_blocks=sum(c.info.num_kv_blocks for c in ready if c.info),
-            dtype=info.dtype,
-            max_n=self.config.max_n,
-            eos_token_ids=info.eos_token_ids,
-            num_executors=len(ready),
-        )
+        try:
+            return self.core.model_info()
+        except GenerationError as exc:
+            await _abort(context, exc)
+            raise

@@ -17,6 +17,7 @@ from services.common.limits import MAX_CACHE_SALT_LEN, MAX_STOP_STRINGS, FieldEr
 from services.common.sampling_params import SamplingParams
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,14 @@ def check_messages(messages: generation_pb2.ChatMessages, field: str) -> None:
 
 
 def sampling_to_executor(
-    request: generation_pb2.GenerateRequest, num_prompt_tokens: int, limits: Limits
+    request: generation_pb2.GenerateRequest,
+    num_prompt_tokens: int,
+    limits: Limits,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
 ) -> tuple[executor_pb2.ExecutorSamplingParams, TextOptions]:
     """Apply defaults and the shared range rules; return the executor's params and the
-    gateway's own text options."""
+    gateway's own text options. ``default_max_tokens`` None: an unset ``max_tokens`` means
+    whatever room the prompt leaves in ``max_model_len`` (OpenAI chat completions)."""
     sp = request.sampling_params
     f = "sampling_params"
 
@@ -92,7 +97,12 @@ def sampling_to_executor(
         top_k=opt("top_k", -1),
         min_p=opt("min_p", 0.0),
         seed=opt("seed", None),
-        max_tokens=opt("max_tokens", 16),
+        max_tokens=opt(
+            "max_tokens",
+            default_max_tokens
+            if default_max_tokens is not None
+            else max(1, limits.max_model_len - num_prompt_tokens),
+        ),
         min_tokens=opt("min_tokens", 0),
         stop_token_ids=tuple(sp.stop_token_ids),
         ignore_eos=opt("ignore_eos", False),

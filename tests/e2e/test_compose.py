@@ -47,6 +47,7 @@ from tests.e2e.compose_runner import (
 
 MODEL_TARGET = "/models/model"
 GATEWAY_PORT, METRICS_PORT, BLOCKMGR_PORT, EXECUTOR_PORT = 50051, 9090, 50052, 50061
+HTTP_PORT = 8000
 HEALTHCHECK_MODULE = "services.common.healthcheck"
 SHELL = {"PAGEDSERVE_INTERNAL_TOKEN": "compose-test-token"}  # what `docker compose` sees
 
@@ -114,7 +115,7 @@ def test_only_the_gateway_is_published_and_the_backend_is_internal(compose, serv
     for name in ("blockmgr", "executor"):
         assert not services[name].get("ports"), f"{name} must not publish ports"
     published = {int(str(p).rsplit(":", 1)[-1]) for p in services["gateway"]["ports"]}
-    assert published == {GATEWAY_PORT, METRICS_PORT}
+    assert published == {GATEWAY_PORT, METRICS_PORT, HTTP_PORT}
 
 
 def test_startup_order_waits_for_health(services):
@@ -212,6 +213,8 @@ def test_rewritten_commands_keep_only_what_docker_does_not_provide(tmp_path):
         str(p["gateway"][GATEWAY_PORT]),
         "--metrics-port",
         str(p["gateway"][METRICS_PORT]),
+        "--http-port",
+        str(p["gateway"][HTTP_PORT]),
         "--executor",
         f"127.0.0.1:{p['executor'][EXECUTOR_PORT]}",
     ]
@@ -227,7 +230,7 @@ def test_rewritten_commands_keep_only_what_docker_does_not_provide(tmp_path):
     )
     assert exported.services["gateway"].env["PAGEDSERVE_API_KEY"] == "k"  # passed on when set
     local = {port for ports in p.values() for port in ports.values()}
-    assert len(local) == 4  # each of the 4 container ports got its own local port
+    assert len(local) == 5  # each of the 5 container ports got its own local port
 
 
 # -- the stack ---------------------------------------------------------------------------------

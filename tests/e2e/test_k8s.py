@@ -169,6 +169,7 @@ def test_manifest_commands_run_two_executors_behind_one_gateway(tmp_path: Path) 
         "50052": str(ports["blockmgr"]),
         "50051": str(ports["gateway"]),
         "9090": "-1",
+        "8000": str(_free_port()),
     }
     executors = [f"127.0.0.1:{ports[f'executor-{i}']}" for i in range(replicas)]
     env = {"PAGEDSERVE_INTERNAL_TOKEN": TOKEN}

@@ -28,6 +28,7 @@ class Stack:
     executor: ServiceProcess
     gateway: ServiceProcess
     metrics_port: int
+    http_port: int
 
     def stub(self, address: str | None = None) -> generation_pb2_grpc.GenerationStub:
         channel = grpc.insecure_channel(address or self.gateway.address)
@@ -60,6 +61,8 @@ class Stack:
                 "127.0.0.1",
                 "--metrics-port",
                 "-1",
+                "--http-port",
+                "0",
                 "--executor",
                 self.executor.address,
                 *extra,
@@ -128,6 +131,8 @@ def stack(tiny_model_dir: Path) -> Iterator[Stack]:
             "127.0.0.1",
             "--metrics-port",
             "0",
+            "--http-port",
+            "0",
             "--executor",
             executor.address,
             "--max-n",
@@ -136,7 +141,8 @@ def stack(tiny_model_dir: Path) -> Iterator[Stack]:
         "gateway_listening",
     )
     metrics_port = int(gateway.wait_for_event("metrics_listening")["metrics_port"])
+    http_port = int(gateway.wait_for_event("http_listening")["http_port"])
     wait_serving(gateway.address)
-    yield Stack(tiny_model_dir, blockmgr, executor, gateway, metrics_port)
+    yield Stack(tiny_model_dir, blockmgr, executor, gateway, metrics_port, http_port)
     for proc in (gateway, executor, blockmgr):
         assert proc.stop() == 0, proc.args[0]

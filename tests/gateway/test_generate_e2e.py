@@ -404,6 +404,8 @@ def test_health_not_serving_until_an_executor_is_ready(stack, tiny_model_dir):
             "127.0.0.1",
             "--metrics-port",
             "-1",
+            "--http-port",
+            "0",
             "--executor",
             f"127.0.0.1:{port}",
         ],

@@ -1,0 +1,245 @@
+"""OpenAI-compatible request bodies, and their translation into a ``GenerateRequest``.
+
+Only shapes live here: every range rule is the gRPC front's (``validation``,
+``services.common``), applied by the shared core to the translated request. Fields OpenAI
+defines that this server cannot honour (tools, logit_bias, suffix, echo, a JSON response
+format) are refused by name rather than silently ignored; unknown fields are ignored, as
+vLLM does. vLLM's extra sampling fields are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedserve.v1 import generation_pb2
+from services.common.limits import FieldError
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI's and vLLM's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+    def _refuse_unsupported(self) -> None:
+        if self.logit_bias:
+            raise FieldError("logit_bias", "is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options", "is only allowed with stream=true")
+
+    def _sampling(self, logprobs: int | None) -> generation_pb2.SamplingParams:
+        sp = generation_pb2.SamplingParams()
+        for name in (
+            "n",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "top_k",
+            "min_p",
+            "min_tokens",
+            "ignore_eos",
+            "repetition_penalty",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                _set(sp, name, value)
+        if self.seed is not None:
+            _set(sp, "seed", self.seed)
+        if self.stop is not None:
+            sp.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop)
+        if self.stop_token_ids:
+            _set_repeated(sp.stop_token_ids, "stop_token_ids", self.stop_token_ids)
+        if logprobs is not None:
+            _set(sp, "logprobs", logprobs)
+        return sp
+
+    def _request(self) -> generation_pb2.GenerateRequest:
+        return generation_pb2.GenerateRequest(
+            request_id=self.request_id or "",
+            priority=self.priority,
+            cache_salt=self.cache_salt or "",
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def to_generate(self) -> generation_pb2.GenerateRequest:
+        self._refuse_unsupported()
+        if self.echo:
+            raise FieldError("echo", "is not supported")
+        if self.suffix:
+            raise FieldError("suffix", "is not supported")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise FieldError("best_of", "must equal n (beam search and best-of are not supported)")
+        req = self._request()
+        prompt = self.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        elif all(isinstance(t, int) for t in prompt):
+            _set_repeated(req.prompt_token_ids.ids, "prompt", prompt)  # type: ignore[arg-type]
+        else:
+            raise FieldError("prompt", "one prompt per request: a string or a list of token ids")
+        req.sampling_params.CopyFrom(self._sampling(self.logprobs))
+        return req
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def to_generate(self) -> generation_pb2.GenerateRequest:
+        self._refuse_unsupported()
+        if self.tools:
+            raise FieldError("tools", "tool calling is not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise FieldError("response_format", "only type 'text' is supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "needs logprobs=true")
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        req = self._request()
+        for i, m in enumerate(self.messages):
+            req.messages.messages.add(role=m.role, content=_text(m.content, i))
+        req.messages.add_generation_prompt = self.add_generation_prompt
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        req.sampling_params.CopyFrom(self._sampling(logprobs))
+        return req
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's ``/tokenize``: a prompt, or chat messages."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def to_tokenize(self) -> generation_pb2.TokenizeRequest:
+        req = generation_pb2.TokenizeRequest()
+        if (self.prompt is None) == (self.messages is None):
+            raise FieldError("prompt", "give exactly one of prompt or messages")
+        if self.prompt is not None:
+            req.text = self.prompt
+            req.add_special_tokens = self.add_special_tokens
+        else:
+            assert self.messages is not None
+            for i, m in enumerate(self.messages):
+                req.messages.messages.add(role=m.role, content=_text(m.content, i))
+            req.messages.add_generation_prompt = self.add_generation_prompt
+        return req
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int] = Field(min_length=0)
+
+    def to_detokenize(self) -> generation_pb2.DetokenizeRequest:
+        req = generation_pb2.DetokenizeRequest()
+        _set_repeated(req.token_ids, "tokens", self.tokens)
+        return req
+
+
+Endpoint = Literal["completions", "chat"]
+
+
+def _text(content: str | list[ContentPart] | None, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise FieldError(
+                f"messages[{index}].content[{j}]", f"only text parts are supported, got {part.type}"
+            )
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _set(msg: Any, name: str, value: Any) -> None:
+    """Set a proto field, turning a value the field cannot hold (negative into unsigned,
+    beyond 32 / 64 bits) into a FieldError naming it."""
+    try:
+        setattr(msg, name, value)
+    except (ValueError, TypeError) as exc:
+        raise FieldError(name, f"out of range: {value!r}") from exc
+
+
+def _set_repeated(field: Any, name: str, values: list[int]) -> None:
+    try:
+        field.extend(values)
+    except (ValueError, TypeError) as exc:
+        raise FieldError(name, "token ids must be integers in [0, 2^32)") from exc

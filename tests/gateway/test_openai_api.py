@@ -1,0 +1,359 @@
+"""The OpenAI-compatible HTTP API of the real gateway process, driven by the official
+``openai`` client (and ``httpx`` for the raw Server-Sent-Events bytes): completions and chat,
+streaming and not, n, stop strings, logprobs, seeds, usage, errors and their statuses, and
+greedy parity with the gRPC API."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from pagedserve.v1 import generation_pb2 as G
+from tests.gateway.conftest import Stack
+from tests.procs import wait_serving
+
+PROMPT = "The quick brown fox"
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hello there"},
+]
+
+
+def base_url(port: int) -> str:
+    return f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
+    c = openai.OpenAI(base_url=base_url(stack.http_port), api_key="unused", max_retries=0)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def grpc_greedy_text(stack: Stack, request: G.GenerateRequest) -> str:
+    return "".join(r.text for r in stack.stub().Generate(request, timeout=60))
+
+
+# ---- completions --------------------------------------------------------------------------
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI, stack: Stack) -> None:
+    (card,) = client.models.list().data
+    assert card.id == stack.model_dir.name and card.object == "model"
+
+
+def test_greedy_completion_text_equals_the_grpc_api(client, model, stack) -> None:
+    out = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    expected = grpc_greedy_text(
+        stack,
+        G.GenerateRequest(
+            prompt=PROMPT,
+            sampling_params=G.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        ),
+    )
+    (choice,) = out.choices
+    assert choice.text == expected and choice.finish_reason == "length"
+    assert out.object == "text_completion" and out.model == model
+    assert out.usage.completion_tokens == 12
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+
+
+def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(client, model) -> None:
+    kw = dict(model=model, prompt=PROMPT, max_tokens=10, temperature=0)
+    whole = client.completions.create(**kw).choices[0]
+    chunks = list(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.finish_reason and not any(finishes[:-1])
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens >= 1
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_prompt_as_token_ids_matches_the_text_prompt(client, model, stack) -> None:
+    ids = list(stack.stub().Tokenize(G.TokenizeRequest(text=PROMPT)).token_ids)
+    by_text = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_n_samples_are_indexed_and_seeds_reproduce(client, model) -> None:
+    kw = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2, seed=7)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    streamed = client.completions.create(**kw, stream=True)
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert [texts[0], texts[1]] == [c.text for c in a.choices]
+
+
+def test_stop_strings_cut_the_text(client, model) -> None:
+    full = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0]
+    stop = full.text.strip()[2:5]
+    assert stop
+    cut = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop]
+    ).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+
+
+def test_completion_logprobs_have_one_entry_per_token(client, model) -> None:
+    out = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # Greedy: the chosen token is the most likely one.
+    assert all(lp.token_logprobs[i] >= max(lp.top_logprobs[i].values()) - 1e-5 for i in range(6))
+
+
+# ---- chat ---------------------------------------------------------------------------------
+
+
+def test_greedy_chat_equals_the_grpc_api_with_messages(client, model, stack) -> None:
+    out = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=10, temperature=0
+    )
+    expected = grpc_greedy_text(
+        stack,
+        G.GenerateRequest(
+            messages=G.ChatMessages(messages=[G.ChatMessage(**m) for m in MESSAGES]),
+            sampling_params=G.SamplingParams(max_tokens=10, temperature=0),
+        ),
+    )
+    (choice,) = out.choices
+    assert choice.message.role == "assistant" and choice.message.content == expected
+    assert out.object == "chat.completion"
+
+
+def test_streamed_chat_sends_the_role_first_then_content_then_the_finish(client, model) -> None:
+    kw = dict(model=model, messages=MESSAGES, max_tokens=10, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = list(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert deltas[0].delta.role == "assistant" and not deltas[0].delta.content
+    assert "".join(d.delta.content or "" for d in deltas) == whole.message.content
+    assert deltas[-1].finish_reason == whole.finish_reason
+    assert not any(d.finish_reason for d in deltas[:-1])
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens > 0 and usage.completion_tokens >= 1
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_chat_without_max_tokens_may_fill_the_context(client, model) -> None:
+    out = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == 512  # --max-model-len
+
+
+def test_chat_logprobs_with_top_alternatives(client, model) -> None:
+    out = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == 5
+    assert all(len(t.top_logprobs) == 3 for t in content)
+    assert "".join(t.token for t in content) == out.choices[0].message.content
+    assert all(t.bytes == list(t.token.encode()) for t in content)
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"max_tokens": 100_000}, "max_tokens"),
+        ({"n": -1}, "n"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"extra_body": {"min_p": 2.0}}, "min_p"),
+    ],
+)
+def test_invalid_fields_are_400_naming_the_param(client, model, kwargs, param) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=PROMPT, **kwargs)
+    assert info.value.status_code == 400
+    body = info.value.body
+    assert body["param"] == param, body
+    assert body["type"] == "invalid_request_error" and param in body["message"]
+
+
+def test_a_missing_required_field_is_400_not_422(stack) -> None:
+    r = httpx.post(f"{base_url(stack.http_port)}/completions", json={"model": "x"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "prompt"
+
+
+def test_an_unknown_model_is_404(client) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="no-such-model", prompt=PROMPT)
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_the_api_key_is_required_when_set(stack) -> None:
+    gw = stack.start_gateway("--api-key", "sesame")
+    try:
+        wait_serving(gw.address)
+        port = int(gw.wait_for_event("http_listening")["http_port"])
+        wrong = openai.OpenAI(base_url=base_url(port), api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as info:
+            wrong.models.list()
+        assert info.value.status_code == 401
+        right = openai.OpenAI(base_url=base_url(port), api_key="sesame", max_retries=0)
+        out = right.completions.create(
+            model=stack.model_dir.name, prompt=PROMPT, max_tokens=2, temperature=0
+        )
+        assert out.choices[0].text is not None
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200  # open
+    finally:
+        gw.stop()
+
+
+def test_the_admission_limit_is_429_and_loses_nothing(stack: Stack) -> None:
+    gw = stack.start_gateway("--max-concurrent-requests", "1")
+    try:
+        wait_serving(gw.address)
+        port = int(gw.wait_for_event("http_listening")["http_port"])
+        c = openai.OpenAI(base_url=base_url(port), api_key="x", max_retries=0)
+        model = stack.model_dir.name
+        started = threading.Event()
+        done: list[str] = []
+
+        def hold() -> None:
+            stream = c.completions.create(
+                model=model,
+                prompt=PROMPT,
+                max_tokens=400,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            text = ""
+            for chunk in stream:
+                started.set()
+                text += chunk.choices[0].text if chunk.choices else ""
+            done.append(text)
+
+        t = threading.Thread(target=hold)
+        t.start()
+        assert started.wait(30)
+        with pytest.raises(openai.RateLimitError) as info:
+            c.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+        assert info.value.status_code == 429
+        assert "max_concurrent_requests" in info.value.body["message"]
+        t.join(120)
+        assert done and done[0]  # the admitted stream was not disturbed
+    finally:
+        gw.stop()
+
+
+# ---- raw bytes, disconnects, the rest -------------------------------------------------------
+
+
+def test_server_sent_events_bytes_are_what_openai_sends(stack: Stack, model: str) -> None:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{base_url(stack.http_port)}/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(r.iter_bytes())
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith(b"data: ") and b"\n" not in event
+        chunk = json.loads(event[len(b"data: ") :])
+        assert chunk["object"] == "text_completion" and chunk["id"].startswith("cmpl-")
+
+
+def _cancelled(stack: Stack) -> float:
+    for line in httpx.get(f"http://127.0.0.1:{stack.http_port}/metrics").text.splitlines():
+        if line.startswith('pagedserve_requests_total{outcome="cancelled"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_blocks(
+    stack: Stack, model: str
+) -> None:
+    before = _cancelled(stack)
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{base_url(stack.http_port)}/completions", json=body) as r:
+        for _ in r.iter_lines():
+            break  # one event, then hang up
+    deadline = time.monotonic() + 10
+    while _cancelled(stack) == before:  # counted as cancelled, not run to its end
+        assert time.monotonic() < deadline, "the disconnect did not cancel the request"
+        time.sleep(0.05)
+    assert stack.wait_blocks_free(timeout=10) == 0
+
+
+def test_tokenize_and_detokenize_match_the_grpc_api(stack: Stack) -> None:
+    url = f"http://127.0.0.1:{stack.http_port}"
+    ids = list(stack.stub().Tokenize(G.TokenizeRequest(text=PROMPT)).token_ids)
+    tok = httpx.post(f"{url}/tokenize", json={"prompt": PROMPT}).json()
+    assert tok["tokens"] == ids and tok["count"] == len(ids) and tok["max_model_len"] == 512
+    chat = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()
+    grpc_chat = stack.stub().Tokenize(
+        G.TokenizeRequest(messages=G.ChatMessages(messages=[G.ChatMessage(**m) for m in MESSAGES]))
+    )
+    assert chat["tokens"] == list(grpc_chat.token_ids)
+    text = httpx.post(f"{url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == stack.stub().Detokenize(G.DetokenizeRequest(token_ids=ids)).text
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "token_ids[0]"
+
+
+def test_health_and_metrics_over_http(stack: Stack) -> None:
+    url = f"http://127.0.0.1:{stack.http_port}"
+    assert httpx.get(f"{url}/health").status_code == 200
+    metrics = httpx.get(f"{url}/metrics").text
+    assert "pagedserve_requests_total" in metrics
