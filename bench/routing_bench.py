@@ -69,6 +69,18 @@ def start(
     model: Path, args: argparse.Namespace, num_executors: int, blocks: int, routing: list[str]
 ) -> list[ServiceProcess]:
     procs = [ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")]
+    try:
+        _start_rest(procs, model, num_executors, blocks, routing)
+    except BaseException:
+        for p in reversed(procs):
+            p.stop()
+        raise
+    return procs
+
+
+def _start_rest(
+    procs: list[ServiceProcess], model: Path, num_executors: int, blocks: int, routing: list[str]
+) -> None:
     bm = procs[0].address
     for i in range(num_executors):
         procs.append(
@@ -118,7 +130,6 @@ def start(
     )
     procs.append(gateway)
     wait_serving(gateway.address)
-    return procs
 
 
 def metrics(port: int) -> dict[str, dict[tuple[str, ...], float]]:

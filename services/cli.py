@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("services.serve", "run blockmgr + executor + gateway as supervised processes"),
     "generate": ("services.client_cli:generate", "stream a completion from a gateway"),
     "chat": ("services.client_cli:chat", "stream a chat reply from a gateway"),
+    "bench": ("services.bench.__main__", "measure a running deployment (bench serve)"),
     "make-tiny-model": (
         "pagedserve.tools.tiny_model",
         "write a tiny random Llama checkpoint with a real tokenizer",

@@ -92,7 +92,9 @@ def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
         )
         procs.append(gateway)
         wait_serving(gateway.address)
-        yield Cluster(bm_port, procs[0], procs[1:3], gateway, metrics_port)
+        cluster = Cluster(bm_port, procs[0], procs[1:3], gateway, metrics_port)
+        yield cluster
+        procs[0] = cluster.blockmgr  # a test may have replaced it
     finally:
         for p in reversed(procs):
             p.stop()

@@ -1,0 +1,1 @@
+"""``pagedserve bench``: measuring a running deployment (``pagedserve bench serve``)."""

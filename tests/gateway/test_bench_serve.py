@@ -1,0 +1,104 @@
+"""``pagedserve bench serve`` against the real stack, over each backend: every JSON field is
+there and consistent with what was streamed, and the plots are real PNGs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from services.bench.results import parse_goodput
+from services.bench.serve import main
+from tests.gateway.conftest import Stack
+
+SUMMARY_FIELDS = [
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_output_tokens_per_s",
+    "max_concurrent_requests",
+    "request_goodput",
+    *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p99")),
+]
+
+
+def _run(stack: Stack, tmp_path: Path, backend: str, *extra: str) -> dict:
+    target = (
+        ["--address", stack.gateway.address]
+        if backend == "grpc"
+        else ["--base-url", f"http://127.0.0.1:{stack.http_port}/v1"]
+    )
+    argv = [
+        "--backend",
+        backend,
+        *target,
+        "--tokenizer",
+        str(stack.model_dir),
+        "--num-prompts",
+        "12",
+        "--random-input-len",
+        "24",
+        "--random-output-len",
+        "6",
+        "--random-range-ratio",
+        "0.5",
+        "--request-rate",
+        "40",
+        "--max-concurrency",
+        "4",
+        "--ignore-eos",
+        "--goodput",
+        "ttft:60000",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+        "--result-filename",
+        "out.json",
+        "--disable-tqdm",
+        *extra,
+    ]
+    assert main(argv) == 0
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+@pytest.mark.parametrize("backend", ["grpc", "openai"])
+def test_a_small_run_reports_every_field_consistently(stack, tmp_path, backend) -> None:
+    r = _run(stack, tmp_path, backend)
+    for name in SUMMARY_FIELDS:
+        assert name in r, name
+    assert r["completed"] + r["failed"] == r["num_prompts"] == 12
+    assert r["failed"] == 0 and not any(r["errors"])
+    # ignore_eos: every request streamed exactly what it asked for, and the totals add up.
+    assert r["total_output_tokens"] == sum(r["output_lens"])
+    assert sum(r["timeline"]["output_tokens"]) == r["total_output_tokens"]
+    assert r["total_input_tokens"] == sum(r["input_lens"])
+    assert all(12 <= n <= 36 for n in r["input_lens"])  # 24 +- 50%
+    assert 1 <= r["max_concurrent_requests"] <= 4  # --max-concurrency
+    assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # a 60 s TTFT SLO
+    assert r["median_ttft_ms"] <= r["p99_ttft_ms"] and r["mean_e2el_ms"] > r["mean_ttft_ms"]
+    assert len(r["ttfts"]) == len(r["itls"]) == 12
+
+
+def test_plots_and_a_rate_sweep_are_written(stack, tmp_path) -> None:
+    argv_extra = ("--plot", "--sweep-request-rate", "20,inf")
+    body = _run(stack, tmp_path, "grpc", *argv_extra)
+    assert [r["request_rate"] for r in body["sweep"]] == [20.0, "inf"]
+    for name in ("latency_cdf.png", "throughput_timeline.png", "latency_throughput.png"):
+        with Image.open(tmp_path / name) as img:
+            img.verify()
+            assert img.format == "PNG"
+
+
+def test_goodput_slos_are_parsed_and_checked() -> None:
+    assert parse_goodput(["ttft:200", "tpot:50"]) == {"ttft": 200.0, "tpot": 50.0}
+    with pytest.raises(ValueError, match="--goodput"):
+        parse_goodput(["itl:5"])
