@@ -6,6 +6,7 @@ greedy parity with the gRPC API."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import pytest
 
 from pagedserve.v1 import generation_pb2 as G
 from tests.gateway.conftest import Stack
-from tests.procs import wait_serving
+from tests.procs import ServiceProcess, gateway_args, wait_serving
 
 PROMPT = "The quick brown fox"
 MESSAGES = [
@@ -357,3 +358,19 @@ def test_health_and_metrics_over_http(stack: Stack) -> None:
     assert httpx.get(f"{url}/health").status_code == 200
     metrics = httpx.get(f"{url}/metrics").text
     assert "pagedserve_requests_total" in metrics
+
+
+def test_no_executor_serving_is_503(stack: Stack) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    gw = ServiceProcess(gateway_args(stack.model_dir, dead), "gateway_listening")
+    try:
+        port = int(gw.wait_for_event("http_listening")["http_port"])
+        c = openai.OpenAI(base_url=base_url(port), api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as info:
+            c.completions.create(model=stack.model_dir.name, prompt=PROMPT, max_tokens=2)
+        assert info.value.status_code == 503 and "retry" in info.value.body["message"]
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503
+    finally:
+        gw.stop()
