@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import generation_pb2 as G
 from pagedserve.v1 import generation_pb2_grpc
-from tests.procs import ServiceProcess, wait_serving
+from tests.procs import ServiceProcess, gateway_args, wait_serving
 
 SUFFIX_LEN = 16
 
@@ -105,27 +105,20 @@ def _start_rest(
                 "executor_ready",
             )
         )
-    executors = [a for p in procs[1:] for a in ("--executor", p.address)]
+    more = [a for p in procs[2:] for a in ("--executor", p.address)]
     gateway = ServiceProcess(
-        [
-            "gateway",
-            "--model",
-            str(model),
-            "--port",
-            "0",
-            "--host",
-            "127.0.0.1",
-            "--metrics-port",
-            "0",
-            "--http-port",
+        gateway_args(
+            model,
+            procs[1].address,
+            *more,
+            "--metrics-port",  # the last one given wins
             "0",
             "--max-concurrent-requests",
             "4096",
-            *executors,
             "--blockmgr-address",
             bm,
             *routing,
-        ],
+        ),
         "gateway_listening",
     )
     procs.append(gateway)

@@ -73,7 +73,7 @@ _REFUSAL_KIND = {
     executor_pb2.REQUEST_ERROR_CODE_RESOURCE_EXHAUSTED: ErrorKind.RESOURCE_EXHAUSTED,
     executor_pb2.REQUEST_ERROR_CODE_INTERNAL: ErrorKind.INTERNAL,
 }
-_FINISH_NAMES = {
+FINISH_NAMES = {  # finish reasons as the APIs and metrics name them
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
@@ -225,7 +225,7 @@ class GenerationCore:
                     done += 1
                     self._record_final(response, conn.address)
                     if response.index == 0:
-                        outcome = _FINISH_NAMES.get(response.finish_reason, "other")
+                        outcome = FINISH_NAMES.get(response.finish_reason, "other")
                 yield response
             completed = True
             self.metrics.e2e.observe(time.monotonic() - start)

@@ -30,7 +30,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedserve.v1 import common_pb2, generation_pb2
 from services.common.limits import FieldError
-from services.gateway.generation import ErrorKind, GenerationCore, GenerationError
+from services.gateway.generation import (
+    FINISH_NAMES,
+    ErrorKind,
+    GenerationCore,
+    GenerationError,
+)
 from services.gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,11 +61,6 @@ _ERROR_TYPE = {
     429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable",
-}
-_FINISH = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
 }
 _OPEN_PATHS = ("/health", "/metrics")
 
@@ -293,7 +293,7 @@ class _Formatter:
             texts.setdefault(r.index, []).append(r.text)
             logprobs.setdefault(r.index, []).extend(r.logprobs)
             if r.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                finish[r.index] = _FINISH.get(r.finish_reason, "stop")
+                finish[r.index] = FINISH_NAMES.get(r.finish_reason, "stop")
                 self._usage[r.index] = r.usage
         choices = []
         for i in sorted(texts):
@@ -348,7 +348,7 @@ class _Formatter:
         final = r.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
         if final:
             self._usage[r.index] = r.usage
-        finish = _FINISH.get(r.finish_reason, "stop") if final else None
+        finish = FINISH_NAMES.get(r.finish_reason, "stop") if final else None
         offset = self._offsets.get(r.index, 0)
         lp = self._logprobs(list(r.logprobs), offset, r.index) if self.logprobs else None
         self._offsets[r.index] = offset + len(r.text)
