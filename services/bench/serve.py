@@ -76,6 +76,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--percentile-metrics: unknown {unknown}; use {list(METRICS)}")
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
+    parse_goodput(args.goodput)
     if args.burstiness <= 0:
         raise ValueError("--burstiness must be > 0")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -316,8 +317,6 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         _check(args)
-        if args.goodput:
-            parse_goodput(args.goodput)
     except ValueError as exc:
         p.error(str(exc))
     records = asyncio.run(_main(args))

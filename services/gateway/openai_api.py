@@ -15,11 +15,12 @@ disconnects aborts its request on the executor, as a gRPC cancel does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import structlog
@@ -160,7 +161,8 @@ def build_app(core: GenerationCore, *, api_key: str | None, registry: Any) -> Fa
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody) -> dict[str, Any]:
         check_model(body.model)
-        resp = await _core_call(lambda: core.tokenize(_translate(body.to_tokenize)))
+        with _as_http():
+            resp = await core.tokenize(body.to_tokenize())
         info = core.pool.info
         out: dict[str, Any] = {
             "count": len(resp.token_ids),
@@ -175,41 +177,38 @@ def build_app(core: GenerationCore, *, api_key: str | None, registry: Any) -> Fa
     async def detokenize(body: DetokenizeBody) -> dict[str, Any]:
         check_model(body.model)
 
-        async def call() -> generation_pb2.DetokenizeResponse:
-            return core.detokenize(_translate(body.to_detokenize))
-
-        resp = await _core_call(call)
-        return {"prompt": resp.text}
+        with _as_http():
+            return {"prompt": core.detokenize(body.to_detokenize()).text}
 
     # ---- completions --------------------------------------------------------------------------
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        gen = _translate(body.to_generate)
+        with _as_http():
+            gen = body.to_generate()
         stream = _Formatter(core, "completions", body.include_usage, body.logprobs is not None)
         return await _respond(core, gen, DEFAULT_MAX_TOKENS, body.stream, stream, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        gen = _translate(body.to_generate)
+        with _as_http():
+            gen = body.to_generate()
         stream = _Formatter(core, "chat", body.include_usage, body.logprobs)
         return await _respond(core, gen, None, body.stream, stream, request)
 
     return app
 
 
-def _translate(fn: Callable[[], T]) -> T:
+@contextlib.contextmanager
+def _as_http() -> Iterator[None]:
+    """A refused request (a bad field in translation, or the core's refusal) as its HTTP
+    error."""
     try:
-        return fn()
+        yield
     except FieldError as exc:
         raise HttpError.of(GenerationError.invalid(exc)) from None
-
-
-async def _core_call(fn: Callable[[], Awaitable[T]]) -> T:
-    try:
-        return await fn()
     except GenerationError as exc:
         raise HttpError.of(exc) from None
 
@@ -238,9 +237,8 @@ async def _respond(
         return JSONResponse(await _until_disconnect(http_request, fmt.collect(responses)))
     # The first response before the headers: an error up to there is the HTTP status.
     try:
-        first = await anext(responses)
-    except GenerationError as exc:
-        raise HttpError.of(exc) from None
+        with _as_http():
+            first = await anext(responses)
     except StopAsyncIteration:
         first = None
     return StreamingResponse(
@@ -261,9 +259,8 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
     watcher = asyncio.ensure_future(watch())
     try:
-        return await task
-    except GenerationError as exc:
-        raise HttpError.of(exc) from None
+        with _as_http():
+            return await task
     finally:
         watcher.cancel()
 

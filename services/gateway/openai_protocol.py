@@ -9,7 +9,7 @@ vLLM does. vLLM's extra sampling fields are accepted.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -209,9 +209,6 @@ class DetokenizeBody(BaseModel):
         req = generation_pb2.DetokenizeRequest()
         _set_repeated(req.token_ids, "tokens", self.tokens)
         return req
-
-
-Endpoint = Literal["completions", "chat"]
 
 
 def _text(content: str | list[ContentPart] | None, index: int) -> str:
