@@ -57,6 +57,7 @@ class TinyModelSpec:
     intermediate_size: int = 128
     max_position_embeddings: int = 2048
     tokenizer_vocab_size: int = DEFAULT_VOCAB_SIZE  # BPE target; the model takes the actual size
+    extra_vocab: int = 0  # model rows past the tokenizer's (as real checkpoints often pad)
     tie_word_embeddings: bool = False
     rope_scaling: RopeScaling = "none"
     init_std: float = 0.25
@@ -78,7 +79,7 @@ def write_tiny_model(
 
     tokenizer = build_tokenizer(spec.tokenizer_vocab_size)
     special_ids = {tok: tokenizer.token_to_id(tok) for tok in (BOS, EOS, PAD)}
-    config = _hf_config(spec, tokenizer.get_vocab_size(), special_ids)
+    config = _hf_config(spec, tokenizer.get_vocab_size() + spec.extra_vocab, special_ids)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, spec)
     model.generation_config = GenerationConfig(

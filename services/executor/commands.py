@@ -105,4 +105,12 @@ class Close:
     session: Session
 
 
-Command = Open | Add | Refuse | Abort | HalfClose | Close
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """Something the engine depends on is gone (a tensor-parallel rank died): the engine
+    thread raises ``error`` and stops, ending every session."""
+
+    error: BaseException
+
+
+Command = Open | Add | Refuse | Abort | HalfClose | Close | Fail

@@ -51,6 +51,9 @@ class ExecutorConfig:
     max_seqs_per_session: int = 1024  # sequences one gateway session may hold at once
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (one process each)
+    distributed_init_method: str | None = None  # default: a free loopback TCP port
+    distributed_timeout: float = 600.0  # seconds a collective (or the join) may take
     log_level: str = "INFO"
 
     @classmethod
@@ -99,6 +102,27 @@ class ExecutorConfig:
             default=None,
             help="decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8,16 (default: 1, 2, "
             "4, then multiples of 8 up to --max-num-seqs)",
+        )
+        a(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=cls.tensor_parallel_size,
+            help="shard the model over this many ranks (Megatron-style; one process and, on "
+            "CUDA, one GPU each; NCCL on CUDA, gloo on the CPU)",
+        )
+        a(
+            "--distributed-init-method",
+            default=None,
+            help="torch.distributed rendezvous of the ranks, e.g. tcp://127.0.0.1:29500 "
+            "(default: a free loopback port)",
+        )
+        a(
+            "--distributed-timeout",
+            type=float,
+            default=cls.distributed_timeout,
+            help="seconds the ranks may take to join, or a collective to complete, before the "
+            "executor gives up (a dead rank is noticed at once; this bounds a hung one)",
         )
         a(
             "--max-seqs-per-session",
@@ -150,6 +174,10 @@ class ExecutorConfig:
             not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1
         ):
             raise ValueError("--cuda-graph-sizes must be positive integers")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be >= 1")
+        if self.distributed_timeout <= 0:
+            raise ValueError("--distributed-timeout must be positive")
         if not 0 <= self.watermark < 1:
             raise ValueError("--watermark must be in [0, 1)")
         if not 0 <= self.port <= 65535:

@@ -25,7 +25,13 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from services.executor.forward_batch import BatchBuilder, BatchLayout, ForwardBatch, SeqChunk
+from services.executor.forward_batch import (
+    BatchBuilder,
+    BatchLayout,
+    ForwardBatch,
+    HostBatch,
+    SeqChunk,
+)
 from services.executor.model import DecoderLM
 
 __all__ = ["CudaGraphBackend", "DecodeGraphs", "EagerGraphBackend"]
@@ -150,11 +156,19 @@ class DecodeGraphs:
                 return size
         return None  # unreachable: n <= max_size
 
-    def run(self, chunks: Sequence[SeqChunk], size: int) -> Tensor:
-        """Replay the graph of ``size`` over ``chunks``; fp32 logits ``[len(chunks), V]``."""
-        host = self.builder.build_host(chunks, pad_to_seqs=size, table_width=self.table_width)
-        self.builder.upload(host, into=(self.buf64, self.buf32))
+    @property
+    def buffers(self) -> tuple[Tensor, Tensor]:
+        """The persistent (int64, int32) input buffers every graph reads."""
+        return self.buf64, self.buf32
+
+    def host_batch(self, chunks: Sequence[SeqChunk], size: int) -> HostBatch:
+        """``chunks`` padded to ``size`` sequences, in the layout the graph of ``size`` reads."""
+        return self.builder.build_host(chunks, pad_to_seqs=size, table_width=self.table_width)
+
+    def replay(self, size: int) -> Tensor:
+        """Replay the graph of ``size`` over what the buffers hold; fp32 logits ``[size, V]``
+        (padding rows included)."""
         graph = self.graphs[size]
         graph.replay()
         self.num_replays += 1
-        return graph.output[: len(chunks)]
+        return graph.output

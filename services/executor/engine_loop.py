@@ -19,6 +19,7 @@ from services.executor.commands import (
     Close,
     Command,
     Delivery,
+    Fail,
     HalfClose,
     Load,
     Open,
@@ -62,6 +63,10 @@ class EngineLoop:
 
     def submit(self, command: Command) -> None:
         self._inbox.put(command)
+
+    def fail(self, error: BaseException) -> None:
+        """Stop the engine with ``error`` at its next step boundary (any thread)."""
+        self._inbox.put(Fail(error))
 
     # ---- the engine thread --------------------------------------------------------------
 
@@ -147,6 +152,8 @@ class EngineLoop:
                 session.live.clear()
                 self._sessions.pop(session.session_id, None)
                 log.info("session_closed", session_id=session.session_id)
+            case Fail(error):
+                raise error
 
     def _dispatch(self, outputs: list[SeqOutput]) -> None:
         by_session: dict[int, list[SeqOutput]] = {}

@@ -158,6 +158,14 @@ class BatchBuilder:
     def upload(self, host: HostBatch, into: tuple[Tensor, Tensor] | None = None) -> ForwardBatch:
         """Copy ``host`` to the device: into fresh tensors, or into the prefixes of the given
         persistent (int64, int32) device buffers."""
+        d64, d32 = self.upload_packed(host, into)
+        return host.layout.views(d64, d32, host.max_query_len, host.max_seq_len)
+
+    def upload_packed(
+        self, host: HostBatch, into: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Copy ``host``'s packed buffers to the device (as :meth:`upload`); returns the
+        device copies, exactly as long as the host buffers."""
         a64, a32 = host.packed64, host.packed32
         if self._staging is not None:
             t64, t32 = self._staging.stage(a64, a32)
@@ -167,12 +175,12 @@ class BatchBuilder:
             d64 = t64.to(self.device, non_blocking=True)
             d32 = t32.to(self.device, non_blocking=True)
         else:
-            d64, d32 = into
-            d64[: a64.size].copy_(t64, non_blocking=True)
-            d32[: a32.size].copy_(t32, non_blocking=True)
+            d64, d32 = into[0][: a64.size], into[1][: a32.size]
+            d64.copy_(t64, non_blocking=True)
+            d32.copy_(t32, non_blocking=True)
         if self._staging is not None:
             self._staging.record()
-        return host.layout.views(d64, d32, host.max_query_len, host.max_seq_len)
+        return d64, d32
 
     def build_host(
         self,

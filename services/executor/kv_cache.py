@@ -82,8 +82,10 @@ def size_kv_cache(model: DecoderLM, config: ExecutorConfig) -> int:
     """How many blocks (block 0 included) the executor's KV cache gets, the one place that
     decides it: ``--num-kv-blocks`` exactly, else ``--kv-cache-memory`` bytes, else on CUDA
     what ``--gpu-memory-utilization`` of the device leaves after a profiled forward, else the
-    CPU default budget. Raises ``ValueError`` when one full-length sequence would not fit."""
-    mc, bs, device = model.config, config.block_size, next(model.parameters()).device
+    CPU default budget. Under tensor parallelism each rank sizes its own shard (its KV heads)
+    and the count is the minimum over the ranks, so that one block id means the same slot
+    everywhere. Raises ``ValueError`` when one full-length sequence would not fit."""
+    mc, bs, device = model.local_config, config.block_size, next(model.parameters()).device
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif config.kv_cache_memory is not None or device.type != "cuda":
@@ -91,6 +93,7 @@ def size_kv_cache(model: DecoderLM, config: ExecutorConfig) -> int:
         num_blocks = num_blocks_for_budget(mc, bs, model.dtype, budget)
     else:
         num_blocks = num_blocks_for_budget(mc, bs, model.dtype, _profile_budget(model, config))
+    num_blocks = model.comm.min_int(num_blocks)
     tokens = (num_blocks - 1) * bs
     log.info(
         "kv_cache_sized",
@@ -116,7 +119,7 @@ def _profile_budget(model: DecoderLM, config: ExecutorConfig) -> int:
     weights and the peak activations of a forward at ``max_num_batched_tokens`` (measured,
     not guessed)."""
     device = next(model.parameters()).device
-    mc, bs = model.config, config.block_size
+    mc, bs = model.local_config, config.block_size
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     num_tokens = min(config.max_num_batched_tokens, mc.max_model_len)

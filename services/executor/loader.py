@@ -9,7 +9,7 @@ subclass :class:`UnsupportedModelError`) whose message names the file, field or 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from services.executor.errors import ModelLoadError
 from services.executor.model import DecoderLM
 from services.executor.model_config import ModelConfig
+from services.executor.parallel import Comm, ShardPlan
 
 __all__ = [
+    "iter_checkpoint_slices",
     "iter_checkpoint_weights",
     "load_model",
     "load_tokenizer",
@@ -129,15 +131,22 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     )
 
 
-def iter_checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, cpu_tensor)`` for every tensor of every weight file, one at a time."""
+def iter_checkpoint_slices(model_dir: str | Path) -> Iterator[tuple[str, Any]]:
+    """Yield ``(hf_name, safetensors slice)`` for every tensor of every weight file: nothing
+    is read until the slice is indexed, so a shard reads only its own rows."""
     for path in weight_files(model_dir):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name)
         except (OSError, RuntimeError) as exc:
             raise ModelLoadError(f"{path}: cannot read safetensors ({exc})") from exc
+
+
+def iter_checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, cpu_tensor)`` for every tensor of every weight file, one at a time."""
+    for name, weight in iter_checkpoint_slices(model_dir):
+        yield name, weight[:]
 
 
 def load_model(
@@ -146,14 +155,18 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
+    shard: Callable[[ModelConfig], ShardPlan] | None = None,
+    comm: Comm | None = None,
 ) -> DecoderLM:
-    """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint."""
+    """Build the model on ``device`` in ``dtype`` and fill it from the checkpoint; under
+    tensor parallelism, the shard that ``shard(config)`` names, reading only its slices."""
     config = read_model_config(model_dir, max_model_len=max_model_len)
     torch_dtype = resolve_dtype(dtype, config)
     dev = resolve_device(device)
     files = weight_files(model_dir)  # fail on missing weights before allocating anything
-    model = DecoderLM.empty(config, torch_dtype, dev)
-    model.load_weights(iter_checkpoint_weights(model_dir))
+    plan = shard(config) if shard is not None else None
+    model = DecoderLM.empty(config, torch_dtype, dev, plan, comm)
+    model.load_weights(iter_checkpoint_slices(model_dir))
     log.info(
         "model_loaded",
         model_dir=str(model_dir),
@@ -162,6 +175,8 @@ def load_model(
         device=str(dev),
         num_weight_files=len(files),
         num_params=sum(p.numel() for p in model.parameters()),
+        tensor_parallel_rank=model.shard.rank,
+        tensor_parallel_size=model.shard.size,
     )
     return model
 

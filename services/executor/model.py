@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +28,7 @@ from kernels import ops
 from services.executor.errors import ModelLoadError
 from services.executor.forward_batch import ForwardBatch
 from services.executor.model_config import ModelConfig, RopeConfig
+from services.executor.parallel import Comm, ShardPlan, SingleComm
 
 __all__ = ["DecoderLM", "rope_inv_freq"]
 
@@ -93,8 +96,12 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    """Self-attention over this rank's heads: ``qkv_proj`` is column-parallel (``config`` is
+    the rank's local config), ``o_proj`` row-parallel, its partial sums all-reduced."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, comm: Comm) -> None:
         super().__init__()
+        self.comm = comm
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
@@ -131,14 +138,16 @@ class Attention(nn.Module):
             max_query_len=batch.max_query_len,
             max_seq_len=batch.max_seq_len,
         )  # [T, Hq, D]
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return self.comm.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul,
+    column-parallel, and ``down`` row-parallel, its partial sums all-reduced."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, comm: Comm) -> None:
         super().__init__()
+        self.comm = comm
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias, dtype=dtype
@@ -148,16 +157,17 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
+        h = ops.silu_and_mul(self.gate_up_proj(x))  # [T, 2I] -> [T, I]
+        return self.comm.all_reduce(self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, comm: Comm) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = Attention(config, dtype, comm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        self.mlp = MLP(config, dtype, comm)
 
     def forward(
         self,
@@ -182,32 +192,98 @@ _FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+# Row-parallel projections: each rank holds a slice of the input columns; the bias is added
+# once, by rank 0 (the others hold zeros), before the all-reduce.
+_ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table's rows ``[vocab_start, vocab_start + vocab_rows)`` on this rank;
+    tokens outside them look up zeros, and the all-reduce adds the owning rank's row."""
+
+    def __init__(self, shard: ShardPlan, hidden_size: int, dtype: torch.dtype, comm: Comm) -> None:
+        super().__init__()
+        self.start, self.num_rows, self.comm = shard.vocab_start, shard.vocab_rows, comm
+        self.weight = nn.Parameter(torch.empty(shard.vocab_rows, hidden_size, dtype=dtype))
+
+    def forward(self, ids: Tensor) -> Tensor:  # [T] -> [T, H]
+        if self.comm.size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_rows)
+        h = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.comm.all_reduce(h.masked_fill_(outside[:, None], 0))
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a checkpoint tensor goes on this rank: the parameter region it fills, and the
+    slice of the checkpoint tensor that fills it (along ``dim``, from ``start``; ``total``
+    is that dimension's extent in a valid checkpoint). ``dim=None``: the whole tensor."""
+
+    target: Tensor
+    dim: int | None = None
+    start: int = 0
+    total: int = 0
+
+
+_SKIP = object()  # a row-parallel bias on a rank other than 0: read by rank 0 only
+
+
+def _shape(weight: Any) -> tuple[int, ...]:
+    """The shape of a tensor or of a safetensors slice (read without loading it)."""
+    return tuple(weight.shape) if isinstance(weight, Tensor) else tuple(weight.get_shape())
 
 
 class DecoderLM(nn.Module):
-    """The whole causal LM: embeddings, decoder layers, final norm, LM head."""
+    """The whole causal LM: embeddings, decoder layers, final norm, LM head; one rank's shard
+    of it under tensor parallelism (``shard`` and ``comm``; one rank by default)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        shard: ShardPlan | None = None,
+        comm: Comm | None = None,
+    ) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.shard = shard or ShardPlan.of(config)
+        self.comm: Comm = comm or SingleComm()
+        if self.comm.size != self.shard.size:
+            raise ValueError(f"a shard of {self.shard.size} ranks over {self.comm.size}")
+        #: This rank's heads and MLP width: its layers and its KV-cache shard are built from it.
+        self.local_config = lc = self.shard.local_config(config)
+        self.embed_tokens = VocabParallelEmbedding(self.shard, config.hidden_size, dtype, self.comm)
+        self.layers = nn.ModuleList(
+            DecoderLayer(lc, dtype, self.comm) for _ in range(lc.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = nn.Linear(config.hidden_size, self.shard.vocab_rows, bias=False, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len, dtype)
         self._tie_weights()
 
     @classmethod
     def empty(
-        cls, config: ModelConfig, dtype: torch.dtype, device: torch.device | str
+        cls,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        shard: ShardPlan | None = None,
+        comm: Comm | None = None,
     ) -> DecoderLM:
         """A model on ``device`` with uninitialised weights (no time spent on random init),
-        ready for :meth:`load_weights`; the RoPE tables are computed.
+        ready for :meth:`load_weights`; the RoPE tables are computed. A shard of several
+        ranks is zero-filled first: its padding rows and the row-parallel biases of ranks
+        other than 0 are never loaded and must be zero.
         """
         with torch.device("meta"):
-            model = cls(config, dtype)
+            model = cls(config, dtype, shard, comm)
         model.to_empty(device=device)
         model._tie_weights()  # to_empty gives each module its own new parameter
+        if model.shard.size > 1:
+            for param in model.parameters():
+                param.detach().zero_()
         model.rotary_emb.compute_tables()
         return model.eval().requires_grad_(False)
 
@@ -218,8 +294,8 @@ class DecoderLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: Tensor) -> Tensor:
         """Run every token of ``batch``, writing its K/V into ``kv_cache``
-        ``[L, 2, NB, BS, Hkv, D]``; return fp32 logits ``[K, V]`` for
-        ``batch.logits_indices`` only.
+        ``[L, 2, NB, BS, Hkv, D]`` (this rank's KV heads); return fp32 logits ``[K, V]`` for
+        ``batch.logits_indices`` only (on rank 0; other ranks return a placeholder).
         """
         h = self.embed_tokens(batch.input_ids)  # [T, H]
         residual: Tensor | None = None
@@ -228,7 +304,13 @@ class DecoderLM(nn.Module):
         assert residual is not None
         idx = batch.logits_indices  # the norm is per token: only the rows whose logits we need
         h = self.norm(h[idx], residual[idx])  # [K, H]
-        return self.lm_head(h).float()  # [K, V]
+        logits = self.lm_head(h)  # [K, V / N padded]
+        if self.comm.size == 1:
+            return logits.float()
+        logits = self.comm.gather_last_dim(logits)  # rank 0: [K, N * V/N padded]
+        if self.comm.rank != 0:
+            return logits  # rank 0 samples; nobody reads this
+        return logits[:, : self.config.vocab_size].float().contiguous()  # [K, V]
 
     def hf_weight_names(self) -> set[str]:
         """The tensor names a complete HF-format checkpoint of this model provides."""
@@ -244,54 +326,101 @@ class DecoderLM(nn.Module):
         return names
 
     @torch.inference_mode()
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named tensors into the model (converting dtype, stacking q/k/v and
-        gate/up into the fused projections).
+        gate/up into the fused projections). A weight is a tensor or a safetensors slice
+        (``safe_open(...).get_slice(name)``): a shard reads only the rows or columns it
+        holds, so no rank ever holds the whole model.
 
         Raises :class:`ModelLoadError` for an unknown name, a wrong shape, or (at the end)
         a tensor of :meth:`hf_weight_names` the stream did not provide.
         """
         params = dict(self.named_parameters())
         missing = self.hf_weight_names()
-        for hf_name, tensor in weights:
+        for hf_name, weight in weights:
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # some old checkpoints store the (recomputed) RoPE frequencies
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the LM head
-            target = self._target(params, hf_name)
-            if target is None:
+            place = self._place(params, hf_name)
+            if place is None:
                 raise ModelLoadError(
                     f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}"
                 )
-            if target.shape != tensor.shape:
-                raise ModelLoadError(
-                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
             missing.discard(hf_name)
+            if place is _SKIP:
+                continue
+            assert isinstance(place, _Placement)
+            expected = list(place.target.shape)
+            if place.dim is not None:
+                expected[place.dim] = place.total
+            if _shape(weight) != tuple(expected):
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} has shape {_shape(weight)}, "
+                    f"expected {tuple(expected)}"
+                )
+            if place.dim is None:
+                place.target.copy_(weight[:])
+            elif place.target.numel():
+                n = place.target.shape[place.dim]
+                index = (slice(None),) * place.dim + (slice(place.start, place.start + n),)
+                place.target.copy_(weight[index])
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors: {sorted(missing)[:8]}")
 
-    def _target(self, params: dict[str, nn.Parameter], hf_name: str) -> Tensor | None:
-        """The parameter, or the rows of a fused one, that checkpoint tensor ``hf_name`` fills."""
+    def _place(self, params: dict[str, nn.Parameter], hf_name: str) -> _Placement | object | None:
+        """Where checkpoint tensor ``hf_name`` goes on this rank (None: nowhere, an error)."""
         if hf_name == "lm_head.weight":
-            return params.get(hf_name)
-        if not hf_name.startswith("model.") or hf_name.startswith("model.lm_head."):
+            name = hf_name
+        elif hf_name.startswith("model.") and not hf_name.startswith("model.lm_head."):
+            name = hf_name.removeprefix("model.")
+        else:
             return None
-        name = hf_name.removeprefix("model.")
+        s, c = self.shard, self.config
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            param = params.get(name)
+            if param is None:
+                return None
+            return _Placement(param[: s.num_real_vocab], 0, s.vocab_start, c.vocab_size)
         for fused, parts in _FUSED_PARTS.items():
-            for shard, part in enumerate(parts):
+            for part_index, part in enumerate(parts):
                 if f".{part}." in name:
                     param = params.get(name.replace(part, fused))
-                    return None if param is None else param[self._fused_rows(fused, shard)]
-        return params.get(name)
+                    if param is None:
+                        return None
+                    offset, rows, start, total = self._fused_part(fused, part_index)
+                    return _Placement(param[offset : offset + rows], 0, start, total)
+        for row_parallel in _ROW_PARALLEL:
+            if f".{row_parallel}." in name:
+                param = params.get(name)
+                if param is None:
+                    return None
+                if name.endswith(".bias"):
+                    return _Placement(param) if s.rank == 0 else _SKIP
+                if row_parallel == "self_attn.o_proj":
+                    d = c.head_dim
+                    return _Placement(param, 1, s.q_head_start * d, c.q_size)
+                n = s.num_real_intermediate
+                return _Placement(param[:, :n], 1, s.intermediate_start, c.intermediate_size)
+        param = params.get(name)
+        return None if param is None else _Placement(param)
 
-    def _fused_rows(self, fused: str, shard: int) -> slice:
-        c = self.config
-        sizes = {
-            "self_attn.qkv_proj": (c.q_size, c.kv_size, c.kv_size),
-            "mlp.gate_up_proj": (c.intermediate_size, c.intermediate_size),
-        }[fused]
-        start = sum(sizes[:shard])
-        return slice(start, start + sizes[shard])
+    def _fused_part(self, fused: str, part_index: int) -> tuple[int, int, int, int]:
+        """(first row in the fused parameter, rows filled, first checkpoint row, checkpoint
+        rows in all) of part ``part_index`` of ``fused`` on this rank."""
+        s, c = self.shard, self.config
+        if fused == "self_attn.qkv_proj":
+            d = c.head_dim
+            q, kv = s.num_heads * d, s.num_kv_heads * d
+            return (
+                (0, q, s.q_head_start * d, c.q_size),
+                (q, kv, s.kv_head_start * d, c.kv_size),
+                (q + kv, kv, s.kv_head_start * d, c.kv_size),
+            )[part_index]
+        rows = s.intermediate_rows
+        return (
+            part_index * rows,
+            s.num_real_intermediate,
+            s.intermediate_start,
+            c.intermediate_size,
+        )

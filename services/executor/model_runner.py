@@ -7,6 +7,7 @@ those block tables, and the block pairs to copy for copy-on-write.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import structlog
@@ -16,11 +17,13 @@ from torch import Tensor
 from kernels import ops
 from services.executor.config import ExecutorConfig
 from services.executor.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
-from services.executor.forward_batch import BatchBuilder, SeqChunk
+from services.executor.forward_batch import BatchBuilder, BatchLayout, ForwardBatch, SeqChunk
 from services.executor.kv_cache import allocate_kv_cache, size_kv_cache
 from services.executor.loader import load_model, resolve_device
 from services.executor.model import DecoderLM
 from services.executor.model_config import ModelConfig
+from services.executor.parallel import Comm, ShardPlan, SingleComm
+from services.executor.workers import Op, StepChannel, WorkerGroup, rank_device
 
 __all__ = ["ModelRunner"]
 
@@ -28,17 +31,19 @@ log = structlog.get_logger(__name__)
 
 
 class ModelRunner:
-    """Runs forward passes of one model over its own KV cache."""
+    """Runs forward passes of one model over its own KV cache. Under tensor parallelism this
+    is rank 0's runner: it sends every operation to the other ranks (``workers``) before
+    running its own part; the other ranks' runners follow in :meth:`serve_rank`."""
 
-    def __init__(self, model: DecoderLM, kv_cache: Tensor, block_size: int) -> None:
-        expected = (
-            model.config.num_layers,
-            2,
-            kv_cache.shape[2],
-            block_size,
-            model.config.num_kv_heads,
-            model.config.head_dim,
-        )
+    def __init__(
+        self,
+        model: DecoderLM,
+        kv_cache: Tensor,
+        block_size: int,
+        workers: WorkerGroup | None = None,
+    ) -> None:
+        lc = model.local_config  # this rank's KV heads
+        expected = (lc.num_layers, 2, kv_cache.shape[2], block_size, lc.num_kv_heads, lc.head_dim)
         if tuple(kv_cache.shape) != expected:
             raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} != expected {expected}")
         self.model = model
@@ -48,6 +53,7 @@ class ModelRunner:
         self.num_blocks: int = kv_cache.shape[2]
         self.device: torch.device = kv_cache.device
         self.dtype: torch.dtype = model.dtype
+        self.workers = workers
         self.graphs: DecodeGraphs | None = None
         self.builder = BatchBuilder(
             block_size,
@@ -58,27 +64,67 @@ class ModelRunner:
         )
 
     @classmethod
-    def from_config(cls, config: ExecutorConfig) -> ModelRunner:
+    def from_config(cls, config: ExecutorConfig, *, comm: Comm | None = None) -> ModelRunner:
         """The one way to build a runner: load ``config.model`` on its device and dtype, size
         the KV cache (:func:`~.kv_cache.size_kv_cache`), allocate it, and on CUDA capture
         the decode graphs (unless ``--enforce-eager``). Loading errors are
-        ``ModelLoadError``; a cache too small for one full sequence is ``ValueError``."""
+        ``ModelLoadError``; a cache too small for one full sequence is ``ValueError``.
+
+        With ``--tensor-parallel-size`` N > 1 this starts ranks 1..N-1 (which call this with
+        their ``comm``) and builds rank 0's shard; every rank runs the same steps, in step.
+        """
         device = resolve_device(config.device)
+        workers = None
+        if comm is None and config.tensor_parallel_size > 1:
+            workers = WorkerGroup.launch(config, device)
+            comm = workers.comm
+        try:
+            return cls._build(config, device, comm or SingleComm(), workers)
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
+
+    @classmethod
+    def _build(
+        cls,
+        config: ExecutorConfig,
+        device: torch.device,
+        comm: Comm,
+        workers: WorkerGroup | None,
+    ) -> ModelRunner:
+        if comm.size > 1:
+            device = rank_device(device, comm.rank)
+            if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+                # The ranks share the host's cores: oversubscribed, every collective waits on
+                # the slowest rank.
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.size))
         model = load_model(
-            config.model, dtype=config.dtype, device=device, max_model_len=config.max_model_len
+            config.model,
+            dtype=config.dtype,
+            device=device,
+            max_model_len=config.max_model_len,
+            shard=lambda mc: ShardPlan.of(mc, comm.rank, comm.size),
+            comm=comm,
         )
         num_blocks = size_kv_cache(model, config)
         kv_cache = allocate_kv_cache(
-            model.config, num_blocks, config.block_size, model.dtype, device
+            model.local_config, num_blocks, config.block_size, model.dtype, device
         )
-        runner = cls(model, kv_cache, config.block_size)
+        runner = cls(model, kv_cache, config.block_size, workers)
         if device.type == "cuda" and not config.enforce_eager:
-            runner.capture_decode_graphs(config.capture_sizes, CudaGraphBackend())
+            runner._capture(config.capture_sizes, CudaGraphBackend())  # every rank, in step
         return runner
 
     def capture_decode_graphs(self, sizes: Sequence[int], backend: GraphBackend) -> None:
         """Capture the decode forward at each of ``sizes``; pure-decode steps of at most
-        ``max(sizes)`` sequences replay them from then on."""
+        ``max(sizes)`` sequences replay them from then on. One rank only: under tensor
+        parallelism every rank captures its own graphs at start-up, in step."""
+        if self.workers is not None:
+            raise RuntimeError("a tensor-parallel runner captures its graphs in from_config")
+        self._capture(sizes, backend)
+
+    def _capture(self, sizes: Sequence[int], backend: GraphBackend) -> None:
         graphs = DecodeGraphs(self.model, self.kv_cache, self.builder, sizes, backend)
         on_cuda = self.device.type == "cuda"
         before = torch.cuda.memory_reserved(self.device) if on_cuda else 0
@@ -104,21 +150,69 @@ class ModelRunner:
         Writes the new tokens' K/V into the cache slots their block tables name.
         """
         graphs = self.graphs
-        if graphs is not None:
-            size = graphs.bucket(chunks)
-            if size is not None:
-                return graphs.run(chunks, size)
-        return self.model(self.builder.build(chunks), self.kv_cache)
+        size = graphs.bucket(chunks) if graphs is not None else None
+        if size is None:
+            host = self.builder.build_host(chunks)
+            d64, d32 = self.builder.upload_packed(host)
+        else:
+            assert graphs is not None
+            host = graphs.host_batch(chunks, size)
+            d64, d32 = self.builder.upload_packed(host, into=graphs.buffers)
+        if self.workers is not None:
+            layout = host.layout
+            fields = (layout.num_tokens, layout.num_seqs, layout.table_width, layout.num_logits)
+            fields += (host.max_query_len, host.max_seq_len, size or 0)
+            self.workers.send(Op.FORWARD, fields, (d64, d32))
+        logits = self._forward(
+            host.layout.views(d64, d32, host.max_query_len, host.max_seq_len), size
+        )
+        return logits if size is None else logits[: len(chunks)]
+
+    def _forward(self, batch: ForwardBatch, graph_size: int | None) -> Tensor:
+        if graph_size and self.graphs is not None:
+            return self.graphs.replay(graph_size)
+        return self.model(batch, self.kv_cache)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy every layer's K/V of block ``src`` into block ``dst`` for each ``(src, dst)``
-        (copy-on-write). ``dst`` ids must be distinct and not among the sources.
+        (copy-on-write), on every rank. ``dst`` ids must be distinct and not among the
+        sources.
         """
         if not pairs:
             return
         ids = torch.tensor(pairs, dtype=torch.int64).T.contiguous()  # [2, N]: src row, dst row
         if ((ids <= 0) | (ids >= self.num_blocks)).any():
             raise ValueError(f"block ids must lie in [1, {self.num_blocks}), got {list(pairs)}")
-        src, dst = ids.to(self.device).unbind(0)
-        ops.copy_blocks(self.kv_cache, src, dst)
+        ids = ids.to(self.device)
+        if self.workers is not None:
+            self.workers.send(Op.COPY_BLOCKS, (ids.shape[1],), (ids,))
+        ops.copy_blocks(self.kv_cache, ids[0], ids[1])
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do for one rank)."""
+        if self.workers is not None:
+            self.workers.close()
+
+    @torch.inference_mode()
+    def serve_rank(self, channel: StepChannel) -> None:
+        """Ranks > 0: run rank 0's operations, in order, until SHUTDOWN."""
+        while True:
+            op, fields = channel.recv_header()
+            if op is Op.SHUTDOWN:
+                return
+            if op is Op.COPY_BLOCKS:
+                ids = torch.empty(2, fields[0], dtype=torch.int64, device=self.device)
+                channel.recv_payload((ids,))
+                ops.copy_blocks(self.kv_cache, ids[0], ids[1])
+                continue
+            num_tokens, num_seqs, width, num_logits, max_query_len, max_seq_len, size = fields
+            layout = BatchLayout(num_tokens, num_seqs, width, num_logits)
+            n64, n32 = sum(layout.sizes64), sum(layout.sizes32)
+            if size and self.graphs is not None:
+                d64, d32 = self.graphs.buffers[0][:n64], self.graphs.buffers[1][:n32]
+            else:
+                d64 = torch.empty(n64, dtype=torch.int64, device=self.device)
+                d32 = torch.empty(n32, dtype=torch.int32, device=self.device)
+            channel.recv_payload((d64, d32))
+            self._forward(layout.views(d64, d32, max_query_len, max_seq_len), size)

@@ -25,6 +25,7 @@ from services.executor.servicer import ExecutorServicer
 log = structlog.get_logger(__name__)
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 GRACE_PERIOD_S = 5.0
+LOST_RANK_GRACE_S = 2.0
 
 
 async def serve(config: ExecutorConfig) -> int:
@@ -60,6 +61,7 @@ async def serve(config: ExecutorConfig) -> int:
         log.info("executor_health", serving=healthy)
         aio_loop.call_soon_threadsafe(lambda: asyncio.ensure_future(set_health(healthy)))
 
+    from services.executor.model_runner import ModelRunner
     from services.executor.startup import build_engine
 
     load = asyncio.ensure_future(asyncio.to_thread(build_engine, config, on_health=on_health))
@@ -71,6 +73,15 @@ async def serve(config: ExecutorConfig) -> int:
         return 0
     engine, served = load.result()
     engine_loop = EngineLoop(engine, max_seqs_per_session=config.max_seqs_per_session)
+    runner = engine.runner if isinstance(engine.runner, ModelRunner) else None
+    workers = runner.workers if runner is not None else None
+    if workers is not None:
+
+        def on_worker_lost(exc: BaseException) -> None:  # the watcher thread
+            on_health(False)
+            engine_loop.fail(exc)
+
+        workers.watch(on_worker_lost)
     engine_loop.start()
     servicer.ready(engine_loop, served)
     gc.freeze()
@@ -84,6 +95,7 @@ async def serve(config: ExecutorConfig) -> int:
     )
 
     code = 0
+    lost_at: float | None = None
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), timeout=0.5)
@@ -92,10 +104,20 @@ async def serve(config: ExecutorConfig) -> int:
                 log.error("engine_loop_died", error=repr(engine_loop.error))
                 code = 1
                 break
+            if workers is not None and workers.lost is not None:
+                # The engine thread ends every stream (UNAVAILABLE) at its next step boundary;
+                # one stuck in a collective that never returns is not waited for long.
+                lost_at = lost_at or aio_loop.time()
+                if aio_loop.time() - lost_at > LOST_RANK_GRACE_S:
+                    log.error("engine_stuck_after_rank_lost", error=str(workers.lost))
+                    code = 1
+                    break
     log.info("executor_shutting_down")
     await health_servicer.enter_graceful_shutdown()
     await server.stop(GRACE_PERIOD_S)
     engine_loop.stop()
+    if runner is not None:
+        runner.close()
     engine.link.unregister()
     engine.link.close()
     log.info("executor_stopped")

@@ -24,6 +24,7 @@ from services.executor.commands import (
 )
 from services.executor.engine_loop import EngineLoop
 from services.executor.outputs import RequestError, RequestErrorCode, SeqOutput
+from services.executor.parallel import WorkerLost
 from services.executor.sequence import FinishReason
 from services.executor.startup import ServedModel
 
@@ -177,6 +178,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             while True:
                 delivery = await inbox.get()
                 if delivery is None:
+                    if isinstance(engine_loop.error, WorkerLost):  # the executor is going down
+                        await context.abort(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"executor lost a rank: {engine_loop.error}",
+                        )
                     if engine_loop.error is not None:
                         await context.abort(
                             grpc.StatusCode.INTERNAL, f"engine failed: {engine_loop.error!r}"

@@ -29,6 +29,10 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "qwen2": {"arch": "qwen2", "seed": 6},
     "qwen2_tied": {"arch": "qwen2", "seed": 7, "tie_word_embeddings": True},
     "mistral": {"arch": "mistral", "seed": 8},
+    # For tensor parallelism: as many KV heads as query heads (4), so they split over 4 ranks;
+    # and a vocabulary and an MLP width that 4 ranks do not divide.
+    "llama_mha": {"arch": "llama", "seed": 9, "num_kv_heads": 4},
+    "llama_odd_sizes": {"arch": "llama", "seed": 10, "extra_vocab": 2, "intermediate_size": 126},
 }
 
 CheckpointFactory = Callable[[str], Path]

@@ -1,0 +1,298 @@
+"""Tensor-parallel ranks: rank 0 (the executor process) launches ranks ``1 .. N-1`` as
+processes (``torch.multiprocessing``, spawn) and drives them, one broadcast per operation.
+
+Every rank joins two ``torch.distributed`` groups:
+
+- the **default group** (NCCL on CUDA, one device per rank; gloo on the CPU) carries the
+  model's collectives and each operation's payload, with ``--distributed-timeout``;
+- a **control group** (gloo, CPU) carries the operation headers. A worker waits on it for
+  as long as rank 0 is idle, so it has no practical timeout: a worker learns that rank 0
+  died from the closed connection, or from its parent process disappearing.
+
+An operation is a fixed-size int64 header broadcast on the control group, then its tensors
+broadcast on the default group (never pickled objects):
+
+- ``FORWARD``: the batch layout, ``max_query_len``, ``max_seq_len`` and the CUDA-graph
+  size (0: eager), then the packed int64 and int32 batch buffers (see
+  :class:`~.forward_batch.BatchLayout`);
+- ``COPY_BLOCKS``: the number of pairs, then the ``[2, n]`` (src, dst) block ids;
+- ``SHUTDOWN``: nothing; the worker leaves its loop and exits 0.
+
+A worker that dies is noticed by rank 0 at once: its next collective fails (gloo reports
+the closed connection), and :meth:`WorkerGroup.watch` reports the process's exit even
+while the executor is idle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor
+
+from services.executor.parallel import DistComm, WorkerLost
+
+if TYPE_CHECKING:
+    from services.executor.config import ExecutorConfig
+
+__all__ = ["HEADER_LEN", "Op", "StepChannel", "WorkerGroup", "rank_device", "worker_main"]
+
+log = structlog.get_logger(__name__)
+
+HEADER_LEN = 8
+_CONTROL_TIMEOUT = timedelta(days=365)  # a worker waits on rank 0 for as long as it idles
+
+
+class Op(IntEnum):
+    FORWARD = 1
+    COPY_BLOCKS = 2
+    SHUTDOWN = 3
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: ``cuda:rank`` on CUDA (one GPU per rank), else ``device``."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _init_distributed(
+    rank: int, size: int, init_method: str, device: torch.device, timeout_s: float
+) -> Any:
+    """Join the default group and the control group; returns the control group."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+
+
+class StepChannel:
+    """The operation stream from rank 0 to the other ranks (see the module docstring)."""
+
+    def __init__(self, control: Any, rank: int) -> None:
+        self.control = control
+        self.rank = rank
+
+    def send(self, op: Op, fields: Sequence[int], payload: Sequence[Tensor] = ()) -> None:
+        """Rank 0: broadcast one operation. Raises :class:`WorkerLost` when a rank is gone."""
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header[0] = int(op)
+        header[1 : 1 + len(fields)] = torch.tensor(list(fields), dtype=torch.int64)
+        try:
+            dist.broadcast(header, 0, group=self.control)
+            for tensor in payload:
+                dist.broadcast(tensor, 0)
+        except RuntimeError as exc:
+            raise WorkerLost(f"broadcast of {op.name} failed: {exc}") from exc
+
+    def recv_header(self) -> tuple[Op, list[int]]:
+        """Ranks > 0: wait for the next operation; returns it and its fields."""
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        try:
+            dist.broadcast(header, 0, group=self.control)
+        except RuntimeError as exc:
+            raise WorkerLost(f"rank {self.rank} lost rank 0: {exc}") from exc
+        values = header.tolist()
+        return Op(values[0]), values[1:]
+
+    def recv_payload(self, tensors: Sequence[Tensor]) -> None:
+        """Ranks > 0: receive the operation's tensors into ``tensors`` (shapes from the
+        header)."""
+        try:
+            for tensor in tensors:
+                dist.broadcast(tensor, 0)
+        except RuntimeError as exc:
+            raise WorkerLost(f"rank {self.rank} lost rank 0: {exc}") from exc
+
+
+class WorkerGroup:
+    """Rank 0's handle on ranks ``1 .. N-1``: their processes, the channel that drives them,
+    and the communicator of the model's collectives."""
+
+    def __init__(
+        self,
+        processes: list[Any],
+        channel: StepChannel,
+        comm: DistComm,
+        errors: Any,
+    ) -> None:
+        self.processes = processes
+        self.channel = channel
+        self.comm = comm
+        self._errors = errors
+        self._closing = False
+        self.lost: WorkerLost | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.processes) + 1
+
+    @classmethod
+    def launch(cls, config: ExecutorConfig, device: torch.device) -> WorkerGroup:
+        """Start the workers of ``config.tensor_parallel_size`` ranks and join their groups
+        as rank 0 (``device`` is rank 0's). Raises :class:`WorkerLost` if they cannot join
+        within ``--distributed-timeout``."""
+        size = config.tensor_parallel_size
+        init_method = config.distributed_init_method or f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        errors = ctx.SimpleQueue()
+        processes = [
+            ctx.Process(
+                target=worker_main,
+                args=(config, rank, init_method, errors),
+                name=f"pagedserve-tp-rank-{rank}",
+                daemon=True,
+            )
+            for rank in range(1, size)
+        ]
+        t0 = time.perf_counter()
+        for p in processes:
+            p.start()
+        try:
+            control = _init_distributed(0, size, init_method, device, config.distributed_timeout)
+        except Exception as exc:
+            for p in processes:
+                p.kill()
+            raise WorkerLost(f"tensor-parallel ranks did not join {init_method}: {exc}") from exc
+        log.info(
+            "tensor_parallel_started",
+            size=size,
+            init_method=init_method,
+            backend=dist.get_backend(),
+            seconds=round(time.perf_counter() - t0, 2),
+            worker_pids=[p.pid for p in processes],
+        )
+        return cls(processes, StepChannel(control, 0), DistComm(device), errors)
+
+    def send(self, op: Op, fields: Sequence[int], payload: Sequence[Tensor] = ()) -> None:
+        """Broadcast one operation to the workers; :class:`WorkerLost` if one is gone."""
+        self.check()
+        try:
+            self.channel.send(op, fields, payload)
+        except WorkerLost as exc:
+            raise self._lost(str(exc)) from exc
+
+    def check(self) -> None:
+        """Raise :class:`WorkerLost` if a worker process has exited."""
+        for rank, p in enumerate(self.processes, start=1):
+            if p.exitcode is not None:
+                raise self._lost(f"tensor-parallel rank {rank} exited with code {p.exitcode}")
+
+    def _lost(self, message: str) -> WorkerLost:
+        reports = []
+        while not self._errors.empty():
+            reports.append(self._errors.get())
+        if reports:
+            message += f" ({'; '.join(reports)})"
+        self.lost = self.lost or WorkerLost(message)
+        return self.lost
+
+    def watch(self, on_lost: Callable[[WorkerLost], None]) -> None:
+        """Call ``on_lost`` (from a watcher thread) as soon as any worker process exits,
+        unless the group is being closed."""
+
+        def run() -> None:
+            ready = multiprocessing.connection.wait([p.sentinel for p in self.processes])
+            for p in self.processes:
+                if p.sentinel in ready:
+                    p.join(2.0)  # the sentinel closes a moment before the exit is reaped
+            if self._closing:
+                return
+            try:
+                self.check()
+            except WorkerLost as exc:
+                log.error("tensor_parallel_worker_lost", error=str(exc))
+                on_lost(exc)
+
+        threading.Thread(target=run, name="tp-worker-watch", daemon=True).start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the workers (SHUTDOWN when they are all alive, else terminate) and leave
+        the process groups."""
+        if self._closing:
+            return
+        self._closing = True
+        with contextlib.suppress(WorkerLost):
+            self.send(Op.SHUTDOWN, ())
+        deadline = time.monotonic() + timeout_s
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.exitcode is None:
+                p.kill()
+                p.join(1.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        log.info("tensor_parallel_stopped", exit_codes=[p.exitcode for p in self.processes])
+
+
+def _exit_with_parent() -> None:
+    """A worker must not outlive its executor (even one killed by SIGKILL, which closes
+    no connection politely): a watcher thread exits the process when the parent is gone."""
+    parent = os.getppid()
+
+    def run() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=run, name="tp-parent-watch", daemon=True).start()
+
+
+def worker_main(config: ExecutorConfig, rank: int, init_method: str, errors: Any) -> None:
+    """Entry point of rank ``rank`` > 0: join the groups, load this rank's shard and size
+    its KV cache in step with the other ranks, then run rank 0's operations until SHUTDOWN.
+    Exits 0 after SHUTDOWN, 1 after any failure (reported to rank 0 on ``errors``)."""
+    from services.common.logging import configure_logging
+    from services.executor.loader import resolve_device
+    from services.executor.model_runner import ModelRunner
+
+    wlog = configure_logging("executor", config.log_level).bind(tp_rank=rank)
+    # Rank 0 owns this process's life: a Ctrl-C or a SIGTERM sent to the whole process group
+    # must not kill it under a running step; rank 0 stops it (SHUTDOWN, else SIGKILL), and it
+    # exits by itself when rank 0 is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with_parent()
+    code = 0
+    try:
+        device = rank_device(resolve_device(config.device), rank)
+        control = _init_distributed(
+            rank, config.tensor_parallel_size, init_method, device, config.distributed_timeout
+        )
+        runner = ModelRunner.from_config(config, comm=DistComm(device))
+        wlog.info("tensor_parallel_worker_ready", num_kv_blocks=runner.num_blocks)
+        runner.serve_rank(StepChannel(control, rank))
+        wlog.info("tensor_parallel_worker_stopped")
+    except BaseException as exc:  # report it to rank 0, then die: rank 0 cannot go on
+        errors.put(f"rank {rank}: {exc!r}")
+        wlog.error("tensor_parallel_worker_failed", error=repr(exc))
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
