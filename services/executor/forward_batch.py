@@ -9,7 +9,8 @@ tokens and context live. This is the only layout the model and the kernels see.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -198,12 +199,14 @@ class BatchBuilder:
         num_real = len(chunks)
         num_seqs = max(num_real, pad_to_seqs or 0)
 
-        q_lens = np.ones(num_seqs, np.int64)
-        q_lens[:num_real] = np.fromiter((len(c.token_ids) for c in chunks), np.int64, num_real)
-        num_computed = np.zeros(num_seqs, np.int64)
-        num_computed[:num_real] = np.fromiter(
-            (c.num_computed_tokens for c in chunks), np.int64, num_real
+        # One C-level transpose of the chunks into columns; no Python loop per chunk below.
+        token_col, computed_col, table_col, need_col = (
+            zip(*chunks, strict=True) if chunks else ((), (), (), ())
         )
+        q_lens = np.ones(num_seqs, np.int64)
+        q_lens[:num_real] = np.fromiter(map(len, token_col), np.int64, num_real)
+        num_computed = np.zeros(num_seqs, np.int64)
+        num_computed[:num_real] = computed_col
         if (q_lens <= 0).any():
             raise ValueError(f"chunk {int(np.argmax(q_lens <= 0))} has no tokens")
         if (num_computed < 0).any():
@@ -224,7 +227,7 @@ class BatchBuilder:
         # Block tables, truncated to the blocks this step touches, padded with block 0.
         blocks_needed = -(-seq_lens // bs)  # [B]
         blocks_needed[num_real:] = 0  # padding sequences read block 0 through an empty row
-        table_lens = np.fromiter((len(c.block_table) for c in chunks), np.int64, num_real)
+        table_lens = np.fromiter(map(len, table_col), np.int64, num_real)
         short = table_lens < blocks_needed[:num_real]
         if short.any():
             b = int(np.argmax(short))
@@ -237,7 +240,7 @@ class BatchBuilder:
         if width < max_blocks:
             raise ValueError(f"table_width={width} < {max_blocks} blocks needed")
         need_logits = np.ones(num_seqs, np.bool_)
-        need_logits[:num_real] = np.fromiter((c.need_logits for c in chunks), np.bool_, num_real)
+        need_logits[:num_real] = need_col
         logits_indices = query_start_loc[1:][need_logits] - 1  # [K]
         layout = BatchLayout(num_tokens, num_seqs, width, int(logits_indices.size))
 
@@ -248,7 +251,7 @@ class BatchBuilder:
 
         ids[num_real_tokens:] = 0
         ids[:num_real_tokens] = np.fromiter(
-            itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, num_real_tokens
+            itertools.chain.from_iterable(token_col), np.int64, num_real_tokens
         )
         if self.vocab_size is not None:
             bad = (ids < 0) | (ids >= self.vocab_size)
@@ -259,14 +262,14 @@ class BatchBuilder:
 
         tables = tables_flat.reshape(num_seqs, width)
         tables.fill(0)
-        needed = blocks_needed[:num_real].tolist()
+        if (table_lens == blocks_needed[:num_real]).all():  # the usual case: no truncation
+            used_tables: Iterable[Sequence[int]] = table_col
+        else:
+            used_tables = map(
+                operator.getitem, table_col, map(slice, blocks_needed[:num_real].tolist())
+            )
         used_ids = np.fromiter(
-            itertools.chain.from_iterable(
-                c.block_table if len(c.block_table) == n else c.block_table[:n]
-                for c, n in zip(chunks, needed, strict=True)
-            ),
-            np.int64,
-            int(blocks_needed.sum()),
+            itertools.chain.from_iterable(used_tables), np.int64, int(blocks_needed.sum())
         )
         if self.num_blocks is not None and ((used_ids <= 0) | (used_ids >= self.num_blocks)).any():
             bad_id = int(used_ids[(used_ids <= 0) | (used_ids >= self.num_blocks)][0])
