@@ -17,7 +17,12 @@ def main(argv: list[str] | None = None) -> int:
     log.info("executor_starting", config=config.as_log_dict())
     from services.executor.server import serve
 
-    _exit(asyncio.run(serve(config)))
+    try:
+        code = asyncio.run(serve(config))
+    except Exception:  # e.g. the model cannot be loaded: say why, and exit without hanging
+        log.exception("executor_failed")
+        code = 1
+    _exit(code)
     return 1  # unreachable
 
 

@@ -225,9 +225,7 @@ class _Placement:
     dim: int | None = None
     start: int = 0
     total: int = 0
-
-
-_SKIP = object()  # a row-parallel bias on a rank other than 0: read by rank 0 only
+    copy: bool = True  # false: shape-checked only (a row-parallel bias off rank 0 stays 0)
 
 
 def _shape(weight: Any) -> tuple[int, ...]:
@@ -348,9 +346,6 @@ class DecoderLM(nn.Module):
                     f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}"
                 )
             missing.discard(hf_name)
-            if place is _SKIP:
-                continue
-            assert isinstance(place, _Placement)
             expected = list(place.target.shape)
             if place.dim is not None:
                 expected[place.dim] = place.total
@@ -359,6 +354,8 @@ class DecoderLM(nn.Module):
                     f"checkpoint tensor {hf_name!r} has shape {_shape(weight)}, "
                     f"expected {tuple(expected)}"
                 )
+            if not place.copy:
+                continue
             if place.dim is None:
                 place.target.copy_(weight[:])
             elif place.target.numel():
@@ -368,7 +365,7 @@ class DecoderLM(nn.Module):
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors: {sorted(missing)[:8]}")
 
-    def _place(self, params: dict[str, nn.Parameter], hf_name: str) -> _Placement | object | None:
+    def _place(self, params: dict[str, nn.Parameter], hf_name: str) -> _Placement | None:
         """Where checkpoint tensor ``hf_name`` goes on this rank (None: nowhere, an error)."""
         if hf_name == "lm_head.weight":
             name = hf_name
@@ -396,7 +393,7 @@ class DecoderLM(nn.Module):
                 if param is None:
                     return None
                 if name.endswith(".bias"):
-                    return _Placement(param) if s.rank == 0 else _SKIP
+                    return _Placement(param, copy=s.rank == 0)
                 if row_parallel == "self_attn.o_proj":
                     d = c.head_dim
                     return _Placement(param, 1, s.q_head_start * d, c.q_size)

@@ -17,6 +17,7 @@ from torch import Tensor
 from kernels import ops
 from services.executor.config import ExecutorConfig
 from services.executor.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
+from services.executor.errors import ModelLoadError
 from services.executor.forward_batch import BatchBuilder, BatchLayout, ForwardBatch, SeqChunk
 from services.executor.kv_cache import allocate_kv_cache, size_kv_cache
 from services.executor.loader import load_model, resolve_device
@@ -74,16 +75,25 @@ class ModelRunner:
         their ``comm``) and builds rank 0's shard; every rank runs the same steps, in step.
         """
         device = resolve_device(config.device)
+        size = config.tensor_parallel_size
         workers = None
-        if comm is None and config.tensor_parallel_size > 1:
-            workers = WorkerGroup.launch(config, device)
+        if comm is None and size > 1:
+            if device.type == "cuda" and torch.cuda.device_count() < size:
+                raise ModelLoadError(
+                    f"--tensor-parallel-size={size} needs {size} GPUs (one per rank), "
+                    f"{torch.cuda.device_count()} visible"
+                )
+            workers = WorkerGroup.launch(config, rank_device(device, 0))
             comm = workers.comm
         try:
-            return cls._build(config, device, comm or SingleComm(), workers)
+            runner = cls._build(config, device, comm or SingleComm(), workers)
         except BaseException:
             if workers is not None:
                 workers.close()
             raise
+        if workers is not None:
+            workers.done()  # every rank finished its start-up collectives
+        return runner
 
     @classmethod
     def _build(
@@ -166,6 +176,8 @@ class ModelRunner:
         logits = self._forward(
             host.layout.views(d64, d32, host.max_query_len, host.max_seq_len), size
         )
+        if self.workers is not None:
+            self.workers.done()
         return logits if size is None else logits[: len(chunks)]
 
     def _forward(self, batch: ForwardBatch, graph_size: int | None) -> Tensor:
@@ -188,6 +200,8 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send(Op.COPY_BLOCKS, (ids.shape[1],), (ids,))
         ops.copy_blocks(self.kv_cache, ids[0], ids[1])
+        if self.workers is not None:
+            self.workers.done()
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do for one rank)."""

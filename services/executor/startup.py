@@ -81,7 +81,22 @@ def build_engine(
     blockmgr: BlockManagerClient | None = None,
     on_health: Callable[[bool], None] | None = None,
 ) -> tuple[Engine, ServedModel]:
-    runner = runner or ModelRunner.from_config(config)
+    if runner is not None:
+        return _build_engine(config, runner, blockmgr, on_health)
+    runner = ModelRunner.from_config(config)
+    try:
+        return _build_engine(config, runner, blockmgr, on_health)
+    except BaseException:
+        runner.close()  # the other tensor-parallel ranks, if any, must not outlive this
+        raise
+
+
+def _build_engine(
+    config: ExecutorConfig,
+    runner: ModelRunner,
+    blockmgr: BlockManagerClient | None,
+    on_health: Callable[[bool], None] | None,
+) -> tuple[Engine, ServedModel]:
     mc = runner.config
     bs = runner.block_size
     usable = runner.num_blocks - 1

@@ -25,10 +25,8 @@ while the executor is idle.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing.connection
 import os
-import signal
 import socket
 import sys
 import threading
@@ -137,16 +135,21 @@ class WorkerGroup:
     def __init__(
         self,
         processes: list[Any],
-        channel: StepChannel,
-        comm: DistComm,
+        channel: StepChannel | None,
+        comm: DistComm | None,
         errors: Any,
     ) -> None:
         self.processes = processes
-        self.channel = channel
-        self.comm = comm
+        self.channel: StepChannel = channel  # type: ignore[assignment]  # set by launch
+        self.comm: DistComm = comm  # type: ignore[assignment]
         self._errors = errors
+        self._errors_lock = threading.Lock()
         self._closing = False
         self.lost: WorkerLost | None = None
+        # Whether the workers wait for rank 0's next header: false until rank 0 has built its
+        # shard (the workers may be in a start-up collective) and while an operation runs
+        # (they may be in its collectives). Only then can SHUTDOWN be broadcast safely.
+        self.idle = False
 
     @property
     def size(self) -> int:
@@ -173,12 +176,12 @@ class WorkerGroup:
         t0 = time.perf_counter()
         for p in processes:
             p.start()
+        group = cls(processes, None, None, errors)
         try:
-            control = _init_distributed(0, size, init_method, device, config.distributed_timeout)
-        except Exception as exc:
-            for p in processes:
-                p.kill()
-            raise WorkerLost(f"tensor-parallel ranks did not join {init_method}: {exc}") from exc
+            control = group._join(init_method, device, config.distributed_timeout)
+        except BaseException:
+            group._kill()
+            raise
         log.info(
             "tensor_parallel_started",
             size=size,
@@ -187,15 +190,47 @@ class WorkerGroup:
             seconds=round(time.perf_counter() - t0, 2),
             worker_pids=[p.pid for p in processes],
         )
-        return cls(processes, StepChannel(control, 0), DistComm(device), errors)
+        group.channel, group.comm = StepChannel(control, 0), DistComm(device)
+        return group
+
+    def _join(self, init_method: str, device: torch.device, timeout_s: float) -> Any:
+        """Join the groups as rank 0, failing as soon as a worker exits before joining (a
+        worker that cannot start would otherwise leave rank 0 waiting out the timeout)."""
+        done = threading.Event()
+        result: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                result["control"] = _init_distributed(0, self.size, init_method, device, timeout_s)
+            except BaseException as exc:  # reported below, in the calling thread
+                result["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=join, name="tp-join", daemon=True).start()
+        while not done.wait(0.1):
+            self.check()  # WorkerLost naming the rank and its reported error
+        if "error" in result:
+            raise WorkerLost(
+                f"tensor-parallel ranks did not join {init_method}: {result['error']}"
+            ) from result["error"]
+        return result["control"]
 
     def send(self, op: Op, fields: Sequence[int], payload: Sequence[Tensor] = ()) -> None:
-        """Broadcast one operation to the workers; :class:`WorkerLost` if one is gone."""
+        """Broadcast one operation to the workers; :class:`WorkerLost` if one is gone. The
+        caller runs rank 0's part of the operation, then calls :meth:`done`; until then the
+        workers are not idle (an operation that raised leaves them so for good)."""
         self.check()
+        self.idle = False
         try:
             self.channel.send(op, fields, payload)
         except WorkerLost as exc:
             raise self._lost(str(exc)) from exc
+
+    def done(self) -> None:
+        """Rank 0 finished its part of the last operation (or its start-up): the workers
+        wait for the next header."""
+        self.idle = True
 
     def check(self) -> None:
         """Raise :class:`WorkerLost` if a worker process has exited."""
@@ -204,13 +239,14 @@ class WorkerGroup:
                 raise self._lost(f"tensor-parallel rank {rank} exited with code {p.exitcode}")
 
     def _lost(self, message: str) -> WorkerLost:
-        reports = []
-        while not self._errors.empty():
-            reports.append(self._errors.get())
-        if reports:
-            message += f" ({'; '.join(reports)})"
-        self.lost = self.lost or WorkerLost(message)
-        return self.lost
+        with self._errors_lock:  # the watcher and the engine thread may both get here
+            reports = []
+            while not self._errors.empty():
+                reports.append(self._errors.get())
+            if reports:
+                message += f" ({'; '.join(reports)})"
+            self.lost = self.lost or WorkerLost(message)
+            return self.lost
 
     def watch(self, on_lost: Callable[[WorkerLost], None]) -> None:
         """Call ``on_lost`` (from a watcher thread) as soon as any worker process exits,
@@ -232,22 +268,34 @@ class WorkerGroup:
         threading.Thread(target=run, name="tp-worker-watch", daemon=True).start()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the workers (SHUTDOWN when they are all alive, else terminate) and leave
-        the process groups."""
+        """Stop the workers: SHUTDOWN when they are idle and all alive; otherwise (a rank
+        lost, an operation or the start-up interrupted, so a collective may be pending) kill
+        them. Then leave the process groups."""
         if self._closing:
             return
         self._closing = True
-        with contextlib.suppress(WorkerLost):
-            self.send(Op.SHUTDOWN, ())
-        deadline = time.monotonic() + timeout_s
+        clean = self.idle and self.lost is None
+        if clean:
+            try:
+                self.send(Op.SHUTDOWN, ())
+            except WorkerLost:
+                clean = False
+        deadline = time.monotonic() + (timeout_s if clean else 0.0)
         for p in self.processes:
             p.join(max(0.0, deadline - time.monotonic()))
-            if p.exitcode is None:
-                p.kill()
-                p.join(1.0)
-        if dist.is_initialized():
+        self._kill()
+        # With its peers gone, a gloo group is left safely; an NCCL one with a collective in
+        # flight can hang its destruction, and the process is about to exit anyway.
+        if dist.is_initialized() and (clean or dist.get_backend() == "gloo"):
             dist.destroy_process_group()
         log.info("tensor_parallel_stopped", exit_codes=[p.exitcode for p in self.processes])
+
+    def _kill(self) -> None:
+        for p in self.processes:
+            if p.exitcode is None:
+                p.kill()
+        for p in self.processes:
+            p.join(2.0)
 
 
 def _exit_with_parent() -> None:
@@ -272,11 +320,10 @@ def worker_main(config: ExecutorConfig, rank: int, init_method: str, errors: Any
     from services.executor.model_runner import ModelRunner
 
     wlog = configure_logging("executor", config.log_level).bind(tp_rank=rank)
-    # Rank 0 owns this process's life: a Ctrl-C or a SIGTERM sent to the whole process group
-    # must not kill it under a running step; rank 0 stops it (SHUTDOWN, else SIGKILL), and it
-    # exits by itself when rank 0 is gone.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Rank 0 owns this process's life: a Ctrl-C or a SIGTERM sent to the executor's process
+    # group must not kill it under a running step, so it leaves the group; rank 0 stops it
+    # (SHUTDOWN, else SIGKILL), and it exits by itself when rank 0 is gone.
+    os.setsid()
     _exit_with_parent()
     code = 0
     try:

@@ -8,9 +8,12 @@ load their own slices of the checkpoint and follow rank 0's broadcasts.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +32,8 @@ from services.executor.model_runner import ModelRunner
 from services.executor.parallel import ShardPlan, WorkerLost
 from services.executor.sequence import RequestKey
 from services.executor.startup import build_engine
+from services.executor.workers import WorkerGroup
+from tests.procs import ROOT
 
 from .conftest import load_runner
 from .greedy import BlockAllocator, GreedySeq, hf_greedy, run_greedy
@@ -262,3 +267,54 @@ def test_a_rank_that_cannot_load_its_shard_fails_startup_with_its_reason(tmp_pat
             ExecutorConfig(model=str(model), device="cpu", tensor_parallel_size=3)
         )
     assert time.monotonic() - t0 < 30
+
+
+def test_a_start_up_failure_on_rank_0_alone_stops_the_workers_at_once(tiny_checkpoint, monkeypatch):
+    """Rank 0 fails before a start-up collective the workers already wait in: it must not
+    wait for them (nor for --distributed-timeout) but kill them."""
+    from services.executor import model_runner
+
+    def fail(model, config):
+        raise RuntimeError("rank 0 cannot size its cache")
+
+    monkeypatch.setattr(model_runner, "size_kv_cache", fail)
+    launched: list[WorkerGroup] = []
+    real_launch = WorkerGroup.launch
+
+    def launch(config, device):
+        launched.append(real_launch(config, device))
+        return launched[-1]
+
+    monkeypatch.setattr(model_runner.WorkerGroup, "launch", launch)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="cannot size"):
+        load_runner(tiny_checkpoint("llama"), tensor_parallel_size=2)
+    assert time.monotonic() - t0 < 20
+    assert all(p.exitcode is not None for p in launched[0].processes)
+
+
+def test_an_executor_that_fails_after_loading_exits_1_and_leaves_no_rank(tmp_path: Path):
+    """A start-up failure after the ranks are up (here a malformed generation_config.json)
+    ends the executor with status 1 and its worker with it: no hang at exit."""
+    from pagedserve.tools.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "m")
+    (model / "generation_config.json").write_text("{not json")
+    args = ["executor", "--model", str(model), "--port", "0", "--num-kv-blocks", "32"]
+    args += ["--max-model-len", "256", "--tensor-parallel-size", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 1
+    records = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    events = [r.get("event") for r in records]
+    assert "executor_failed" in events and "tensor_parallel_stopped" in events
+    (started,) = [r for r in records if r.get("event") == "tensor_parallel_started"]
+    for pid in started["worker_pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
