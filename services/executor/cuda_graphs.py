@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -34,7 +34,9 @@ from services.executor.forward_batch import (
 )
 from services.executor.model import DecoderLM
 
-__all__ = ["CudaGraphBackend", "DecodeGraphs", "EagerGraphBackend"]
+__all__ = ["CudaGraphBackend", "DecodeGraphs", "EagerGraphBackend", "GraphBackendName"]
+
+GraphBackendName = Literal["cuda", "eager"]
 
 
 class Replayable(Protocol):

@@ -16,7 +16,13 @@ from torch import Tensor
 
 from kernels import ops
 from services.executor.config import ExecutorConfig
-from services.executor.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
+from services.executor.cuda_graphs import (
+    CudaGraphBackend,
+    DecodeGraphs,
+    EagerGraphBackend,
+    GraphBackend,
+    GraphBackendName,
+)
 from services.executor.errors import ModelLoadError
 from services.executor.forward_batch import BatchBuilder, BatchLayout, ForwardBatch, SeqChunk
 from services.executor.kv_cache import allocate_kv_cache, size_kv_cache
@@ -65,7 +71,13 @@ class ModelRunner:
         )
 
     @classmethod
-    def from_config(cls, config: ExecutorConfig, *, comm: Comm | None = None) -> ModelRunner:
+    def from_config(
+        cls,
+        config: ExecutorConfig,
+        *,
+        comm: Comm | None = None,
+        graph_backend: GraphBackendName | None = None,
+    ) -> ModelRunner:
         """The one way to build a runner: load ``config.model`` on its device and dtype, size
         the KV cache (:func:`~.kv_cache.size_kv_cache`), allocate it, and on CUDA capture
         the decode graphs (unless ``--enforce-eager``). Loading errors are
@@ -73,6 +85,10 @@ class ModelRunner:
 
         With ``--tensor-parallel-size`` N > 1 this starts ranks 1..N-1 (which call this with
         their ``comm``) and builds rank 0's shard; every rank runs the same steps, in step.
+
+        ``graph_backend``: ``"cuda"`` (the default on CUDA) or ``"eager"``, the replay
+        stand-in of :mod:`.cuda_graphs`, which tests use to run the graph path on the CPU (on
+        every rank); neither under ``--enforce-eager``.
         """
         device = resolve_device(config.device)
         size = config.tensor_parallel_size
@@ -83,10 +99,10 @@ class ModelRunner:
                     f"--tensor-parallel-size={size} needs {size} GPUs (one per rank), "
                     f"{torch.cuda.device_count()} visible"
                 )
-            workers = WorkerGroup.launch(config, rank_device(device, 0))
+            workers = WorkerGroup.launch(config, rank_device(device, 0), graph_backend)
             comm = workers.comm
         try:
-            runner = cls._build(config, device, comm or SingleComm(), workers)
+            runner = cls._build(config, device, comm or SingleComm(), workers, graph_backend)
         except BaseException:
             if workers is not None:
                 workers.close()
@@ -102,6 +118,7 @@ class ModelRunner:
         device: torch.device,
         comm: Comm,
         workers: WorkerGroup | None,
+        graph_backend: GraphBackendName | None,
     ) -> ModelRunner:
         if comm.size > 1:
             device = rank_device(device, comm.rank)
@@ -122,8 +139,11 @@ class ModelRunner:
             model.local_config, num_blocks, config.block_size, model.dtype, device
         )
         runner = cls(model, kv_cache, config.block_size, workers)
-        if device.type == "cuda" and not config.enforce_eager:
-            runner._capture(config.capture_sizes, CudaGraphBackend())  # every rank, in step
+        if graph_backend is None and device.type == "cuda":
+            graph_backend = "cuda"
+        if graph_backend is not None and not config.enforce_eager:
+            backend = CudaGraphBackend() if graph_backend == "cuda" else EagerGraphBackend()
+            runner._capture(config.capture_sizes, backend)  # every rank, in step
         return runner
 
     def capture_decode_graphs(self, sizes: Sequence[int], backend: GraphBackend) -> None:

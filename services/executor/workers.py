@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
+from services.executor.cuda_graphs import GraphBackendName
 from services.executor.parallel import DistComm, WorkerLost
 
 if TYPE_CHECKING:
@@ -156,10 +157,16 @@ class WorkerGroup:
         return len(self.processes) + 1
 
     @classmethod
-    def launch(cls, config: ExecutorConfig, device: torch.device) -> WorkerGroup:
+    def launch(
+        cls,
+        config: ExecutorConfig,
+        device: torch.device,
+        graph_backend: GraphBackendName | None = None,
+    ) -> WorkerGroup:
         """Start the workers of ``config.tensor_parallel_size`` ranks and join their groups
-        as rank 0 (``device`` is rank 0's). Raises :class:`WorkerLost` if they cannot join
-        within ``--distributed-timeout``."""
+        as rank 0 (``device`` is rank 0's; ``graph_backend`` as rank 0's, see
+        ``ModelRunner.from_config``). Raises :class:`WorkerLost` if a worker exits before
+        joining, or they cannot join within ``--distributed-timeout``."""
         size = config.tensor_parallel_size
         init_method = config.distributed_init_method or f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
@@ -167,7 +174,7 @@ class WorkerGroup:
         processes = [
             ctx.Process(
                 target=worker_main,
-                args=(config, rank, init_method, errors),
+                args=(config, rank, init_method, errors, graph_backend),
                 name=f"pagedserve-tp-rank-{rank}",
                 daemon=True,
             )
@@ -311,7 +318,13 @@ def _exit_with_parent() -> None:
     threading.Thread(target=run, name="tp-parent-watch", daemon=True).start()
 
 
-def worker_main(config: ExecutorConfig, rank: int, init_method: str, errors: Any) -> None:
+def worker_main(
+    config: ExecutorConfig,
+    rank: int,
+    init_method: str,
+    errors: Any,
+    graph_backend: GraphBackendName | None = None,
+) -> None:
     """Entry point of rank ``rank`` > 0: join the groups, load this rank's shard and size
     its KV cache in step with the other ranks, then run rank 0's operations until SHUTDOWN.
     Exits 0 after SHUTDOWN, 1 after any failure (reported to rank 0 on ``errors``)."""
@@ -331,7 +344,7 @@ def worker_main(config: ExecutorConfig, rank: int, init_method: str, errors: Any
         control = _init_distributed(
             rank, config.tensor_parallel_size, init_method, device, config.distributed_timeout
         )
-        runner = ModelRunner.from_config(config, comm=DistComm(device))
+        runner = ModelRunner.from_config(config, comm=DistComm(device), graph_backend=graph_backend)
         wlog.info("tensor_parallel_worker_ready", num_kv_blocks=runner.num_blocks)
         runner.serve_rank(StepChannel(control, rank))
         wlog.info("tensor_parallel_worker_stopped")

@@ -107,7 +107,7 @@ def run_greedy(
             s.num_computed_tokens += len(chunk.token_ids)
             if chunk.need_logits:
                 row = next(rows)
-                s.logits.append(row)
+                s.logits.append(row.clone())  # a graph replay reuses its output buffer
                 s.output.append(int(row.argmax()))
                 s.finished = s.output[-1] in eos or len(s.output) == s.max_new_tokens
         assert next(rows, None) is None, "more logits rows than chunks needing them"

@@ -38,6 +38,7 @@ from tests.procs import ROOT
 from .conftest import load_runner
 from .greedy import BlockAllocator, GreedySeq, hf_greedy, run_greedy
 
+MAX_LEN = 512
 PARITY_MODELS = {
     "kv_heads_divisible": "llama_mha",
     "one_kv_head_replicated": "llama_head_dim",
@@ -179,6 +180,37 @@ def test_tensor_parallel_matches_transformers_and_copies_blocks_on_every_rank(
     copy.output = list(seq.output)
     run_greedy(runner, [copy], allocator=allocator)
     assert copy.output == expected
+
+
+def test_every_rank_replays_its_decode_graphs_in_step(make_runner, tiny_checkpoint):
+    """The graph path at TP=2, through the eager replay stand-in on every rank: decode
+    batches around the bucket edges replay graphs (the workers into their own persistent
+    buffers) and decode exactly as one eager rank does."""
+    one = make_runner("llama")
+    runner = ModelRunner.from_config(
+        ExecutorConfig(
+            model=str(tiny_checkpoint("llama")),
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=128,
+            max_model_len=MAX_LEN,
+            tensor_parallel_size=2,
+            cuda_graph_sizes=(1, 2, 4),
+        ),
+        graph_backend="eager",
+    )
+    try:
+        assert runner.graphs is not None and runner.graphs.sizes == (1, 2, 4)
+        prompts = [*_prompts(one.config.vocab_size), [1, 7, 8, 9], [1, 40, 41]]
+        expected = _greedy(one, prompts)  # staggered: decode batches of 1 to 5 sequences
+        got = _greedy(runner, prompts)
+        assert [g.output for g in got] == [e.output for e in expected]
+        for e, g in zip(expected, got, strict=True):
+            for le, lg in zip(e.logits, g.logits, strict=True):
+                torch.testing.assert_close(lg, le, rtol=0, atol=1e-4)
+        assert runner.graphs.num_replays > 0
+    finally:
+        runner.close()
 
 
 # ---- the engine at TP=2 -----------------------------------------------------------------
