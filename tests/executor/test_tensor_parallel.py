@@ -313,8 +313,8 @@ def test_a_start_up_failure_on_rank_0_alone_stops_the_workers_at_once(tiny_check
     launched: list[WorkerGroup] = []
     real_launch = WorkerGroup.launch
 
-    def launch(config, device):
-        launched.append(real_launch(config, device))
+    def launch(*args):
+        launched.append(real_launch(*args))
         return launched[-1]
 
     monkeypatch.setattr(model_runner.WorkerGroup, "launch", launch)
