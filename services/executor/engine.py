@@ -227,15 +227,16 @@ class Engine:
         return pending
 
     def _forward(self, batch: ScheduledBatch) -> Tensor:
-        seq_chunks = []
+        seq_chunks: list[SeqChunk] = []
+        append, new = seq_chunks.append, tuple.__new__  # hot: 256 decode chunks per step
+        num_prompt_tokens = 0
         for seq, k, need_logits in batch.chunks:
             start = seq.num_computed_tokens
             end = start + k
-            seq_chunks.append(
-                SeqChunk(seq.token_ids[start:end], start, seq.block_table, need_logits)
-            )
+            append(new(SeqChunk, (seq.token_ids[start:end], start, seq.block_table, need_logits)))
             if start < seq.prompt_len:
-                self.num_prompt_tokens += min(end, seq.prompt_len) - start
+                num_prompt_tokens += min(end, seq.prompt_len) - start
+        self.num_prompt_tokens += num_prompt_tokens
         return self.runner.execute(seq_chunks)
 
     def _sample_and_update(self, logits: Tensor, seqs: list[Seq]) -> list[SeqOutput]:
