@@ -114,7 +114,8 @@ async def serve(config: ExecutorConfig) -> int:
                     break
     log.info("executor_shutting_down")
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(GRACE_PERIOD_S)
+    # A dead engine serves nothing: do not hold its health watchers for the grace period.
+    await server.stop(GRACE_PERIOD_S if code == 0 else 0.5)
     engine_loop.stop()
     if runner is not None:
         runner.close()
