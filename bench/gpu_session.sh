@@ -2,7 +2,8 @@
 # Everything to check on a lent GPU, in one call (see ../shared/GPU.md for the machine):
 #   1. the kernel checks and bandwidth tables (bench/gpu_check.py),
 #   2. every `gpu` test (fused kernels in bf16, CUDA graphs vs eager, no recapture),
-#   3. the engine benchmark with and without CUDA graphs (bench/gpu_engine.py).
+#   3. the engine benchmark with and without CUDA graphs (bench/gpu_engine.py),
+#   4. on a host with several GPUs, tensor parallelism over NCCL (bench/tp_bench.py).
 # Usage on the device: carry .whl, then `bash bench/gpu_session.sh` (logs go to $OUT when set).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,4 +18,12 @@ status=0
 python3 bench/gpu_check.py 2>&1 | tee "$out/gpu_check.log" || status=1
 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" || status=1
 python3 bench/gpu_engine.py "$@" 2>&1 | grep -v '"event"' | tee "$out/gpu_engine.log" || status=1
+num_gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ "$num_gpus" -ge 2 ]; then
+  sizes=1,2
+  [ "$num_gpus" -ge 4 ] && sizes=1,2,4
+  python3 bench/tp_bench.py --device cuda --sizes "$sizes" --hidden-size 4096 \
+    --intermediate-size 14336 --num-heads 32 --num-layers 2 --batch 64 --prompt-len 512 \
+    2>&1 | tee "$out/tp_bench.log" || status=1
+fi
 exit $status
