@@ -9,7 +9,9 @@ is published as an immutable snapshot (:attr:`EngineLoop.load`) that any thread 
 from __future__ import annotations
 
 import queue
+import sys
 import threading
+import traceback
 
 import structlog
 
@@ -60,6 +62,11 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def stack(self) -> str:
+        """Where the engine thread is now (for a log line when it seems stuck)."""
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        return "".join(traceback.format_stack(frame)) if frame is not None else ""
 
     def submit(self, command: Command) -> None:
         self._inbox.put(command)

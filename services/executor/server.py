@@ -25,7 +25,7 @@ from services.executor.servicer import ExecutorServicer
 log = structlog.get_logger(__name__)
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 GRACE_PERIOD_S = 5.0
-LOST_RANK_GRACE_S = 2.0
+LOST_RANK_GRACE_S = 0.5
 
 
 async def serve(config: ExecutorConfig) -> int:
@@ -109,14 +109,18 @@ async def serve(config: ExecutorConfig) -> int:
                 # one stuck in a collective that never returns is not waited for long.
                 lost_at = lost_at or aio_loop.time()
                 if aio_loop.time() - lost_at > LOST_RANK_GRACE_S:
-                    log.error("engine_stuck_after_rank_lost", error=str(workers.lost))
+                    log.error(
+                        "engine_stuck_after_rank_lost",
+                        error=str(workers.lost),
+                        engine_stack=engine_loop.stack(),
+                    )
                     code = 1
                     break
     log.info("executor_shutting_down")
     await health_servicer.enter_graceful_shutdown()
     # A dead engine serves nothing: do not hold its health watchers for the grace period.
     await server.stop(GRACE_PERIOD_S if code == 0 else 0.5)
-    engine_loop.stop()
+    engine_loop.stop(timeout=10.0 if lost_at is None else 1.0)  # a stuck one is not waited for
     if runner is not None:
         runner.close()
     engine.link.unregister()
