@@ -5,6 +5,8 @@
 #   3. the engine benchmark with and without CUDA graphs (bench/gpu_engine.py),
 #   4. on a host with several GPUs, tensor parallelism over NCCL (bench/tp_bench.py).
 # Usage on the device: carry .whl, then `bash bench/gpu_session.sh` (logs go to $OUT when set).
+# Each part has its own time limit, so one that hangs cannot take the others' results with it
+# (a device call is cut at 600 s; the logs written so far still come back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -15,14 +17,16 @@ if [ -d .whl ]; then
 fi
 python3 -m pagedserve._protogen || exit 1
 status=0
-python3 bench/gpu_check.py 2>&1 | tee "$out/gpu_check.log" || status=1
-python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" || status=1
-python3 bench/gpu_engine.py "$@" 2>&1 | grep -v '"event"' | tee "$out/gpu_engine.log" || status=1
+timeout 150 python3 bench/gpu_check.py 2>&1 | tee "$out/gpu_check.log" || status=1
+timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" \
+  || status=1
+timeout 270 python3 bench/gpu_engine.py "$@" 2>&1 | grep -v '"event"' \
+  | tee "$out/gpu_engine.log" || status=1
 num_gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$num_gpus" -ge 2 ]; then
   sizes=1,2
   [ "$num_gpus" -ge 4 ] && sizes=1,2,4
-  python3 bench/tp_bench.py --device cuda --sizes "$sizes" --hidden-size 4096 \
+  timeout 300 python3 bench/tp_bench.py --device cuda --sizes "$sizes" --hidden-size 4096 \
     --intermediate-size 14336 --num-heads 32 --num-layers 2 --batch 64 --prompt-len 512 \
     2>&1 | tee "$out/tp_bench.log" || status=1
 fi
