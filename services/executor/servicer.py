@@ -138,6 +138,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             enable_prefix_caching=cfg.enable_prefix_caching,
             device=served.device,
             pool_id=served.pool_id,
+            tensor_parallel_size=served.tensor_parallel_size,
         )
 
     async def Info(

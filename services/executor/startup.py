@@ -34,6 +34,7 @@ class ServedModel:
     num_kv_blocks: int
     device: str
     pool_id: str
+    tensor_parallel_size: int = 1
 
 
 def eos_token_ids(model_dir: str | Path, config: ModelConfig) -> tuple[int, ...]:
@@ -135,5 +136,6 @@ def _build_engine(
         num_kv_blocks=runner.num_blocks,
         device=str(runner.device),
         pool_id=pool_id,
+        tensor_parallel_size=runner.model.shard.size,
     )
     return engine, served

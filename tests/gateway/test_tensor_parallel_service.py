@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from pagedserve.v1 import generation_pb2 as G
 from tests.procs import ServiceProcess, gateway_args, wait_serving
 
@@ -79,7 +80,10 @@ def _generate_all(stub, n: int = 2) -> list[dict[int, dict]]:
 
 
 def test_executor_at_tp2_streams_the_tokens_of_one_rank(stack: Stack, tp2_stack) -> None:
-    _, gateway = tp2_stack
+    executor, gateway = tp2_stack
+    with grpc.insecure_channel(executor.address) as channel:
+        info = executor_pb2_grpc.ExecutorStub(channel).Info(executor_pb2.ExecutorInfoRequest())
+    assert info.tensor_parallel_size == 2
     one_rank = _generate_all(stack.stub())
     two_ranks = _generate_all(stack.stub(gateway.address))
     for a, b in zip(one_rank, two_ranks, strict=True):
