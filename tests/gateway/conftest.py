@@ -95,29 +95,38 @@ def hf_greedy(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:
     return run
 
 
+def stack_executor_args(model_dir: Path, *extra: str) -> list[str]:
+    """The executor of the gateway tests' stacks: fp32 (exact greedy), 256 KV blocks,
+    ``max_model_len`` 512, on a free port."""
+    return [
+        "executor",
+        "--model",
+        str(model_dir),
+        "--port",
+        "0",
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "256",
+        "--max-model-len",
+        "512",
+        *extra,
+    ]
+
+
 @pytest.fixture(scope="session")
 def stack(tiny_model_dir: Path) -> Iterator[Stack]:
     blockmgr = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")
     executor = ServiceProcess(
-        [
-            "executor",
-            "--model",
-            str(tiny_model_dir),
-            "--port",
-            "0",
-            "--dtype",
-            "float32",
-            "--num-kv-blocks",
-            "256",
-            "--max-model-len",
-            "512",
+        stack_executor_args(
+            tiny_model_dir,
             "--max-num-seqs",
             "64",
             "--blockmgr-address",
             blockmgr.address,
             "--pool-id",
             POOL_ID,
-        ],
+        ),
         "executor_ready",
     )
     gateway = ServiceProcess(

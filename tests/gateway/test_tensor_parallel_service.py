@@ -19,7 +19,7 @@ from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from pagedserve.v1 import generation_pb2 as G
 from tests.procs import ServiceProcess, gateway_args, wait_serving
 
-from .conftest import Stack
+from .conftest import Stack, stack_executor_args
 from .test_generate_e2e import collect, greedy
 
 PROMPTS = [
@@ -34,23 +34,7 @@ def tp2_stack(tiny_model_dir: Path) -> Iterator[tuple[ServiceProcess, ServicePro
     """An in-process-block-manager executor of two ranks, and a gateway in front of it. The
     last test of this module kills a rank: it must stay last."""
     executor = ServiceProcess(
-        [
-            "executor",
-            "--model",
-            str(tiny_model_dir),
-            "--port",
-            "0",
-            "--dtype",
-            "float32",
-            "--num-kv-blocks",
-            "256",
-            "--max-model-len",
-            "512",
-            "--tensor-parallel-size",
-            "2",
-            "--pool-id",
-            "tp2",
-        ],
+        stack_executor_args(tiny_model_dir, "--tensor-parallel-size", "2", "--pool-id", "tp2"),
         "executor_ready",
     )
     gateway = ServiceProcess(gateway_args(tiny_model_dir, executor.address), "gateway_listening")
