@@ -350,3 +350,36 @@ def test_an_executor_that_fails_after_loading_exits_1_and_leaves_no_rank(tmp_pat
     for pid in started["worker_pids"]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+# ---- NCCL, on a host with two GPUs --------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one per rank)")
+@pytest.mark.parametrize("case", ["kv_heads_divisible", "one_kv_head_replicated"])
+def test_nccl_tp2_with_cuda_graphs_decodes_as_one_rank(tiny_checkpoint, case):
+    """The NCCL path: rank 0 on cuda:0, rank 1 on cuda:1, every rank capturing its decode
+    graphs (collectives inside); greedy tokens as one eager rank in fp32."""
+    name = PARITY_MODELS[case]
+    runners = [
+        load_runner(tiny_checkpoint(name), device="cuda", dtype="float32", enforce_eager=True),
+        load_runner(
+            tiny_checkpoint(name),
+            device="cuda",
+            dtype="float32",
+            tensor_parallel_size=2,
+            cuda_graph_sizes=(1, 2, 4, 8),
+        ),
+    ]
+    try:
+        prompts = _prompts(runners[0].config.vocab_size)
+        expected, got = (_greedy(r, prompts) for r in runners)
+        assert [g.output for g in got] == [e.output for e in expected]
+        for e, g in zip(expected, got, strict=True):
+            for le, lg in zip(e.logits, g.logits, strict=True):
+                torch.testing.assert_close(lg.cpu(), le.cpu(), rtol=0, atol=1e-3)
+        assert runners[1].graphs is not None and runners[1].graphs.num_replays > 0
+    finally:
+        for r in runners:
+            r.close()
