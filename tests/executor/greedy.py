@@ -139,3 +139,26 @@ def hf_greedy(
         return_dict_in_generate=True,
     )
     return out.sequences[0, len(prompt) :].tolist(), [step[0].float() for step in out.logits]
+
+
+def shared_prefix_workload(
+    model: PreTrainedModel,
+    *,
+    seed: int,
+    num_requests: int,
+    prefix_len: int,
+    max_tail: int,
+    max_tokens: tuple[int, int],
+) -> list[tuple[list[int], int, list[int]]]:
+    """``(prompt, max_tokens, transformers' greedy output)`` per request; the odd ones share a
+    ``prefix_len``-token prefix (BOS included), every prompt ends in a random tail of
+    ``1 .. max_tail - 1`` tokens, ``max_tokens`` is drawn from ``range(*max_tokens)``."""
+    rng = random.Random(seed)
+    shared = [1] + [rng.randrange(3, 600) for _ in range(prefix_len - 1)]
+    out = []
+    for i in range(num_requests):
+        tail = [rng.randrange(3, 600) for _ in range(rng.randrange(1, max_tail))]
+        prompt = [*shared, *tail] if i % 2 else [1, *tail]
+        n = rng.randrange(*max_tokens)
+        out.append((prompt, n, hf_greedy(model, prompt, n)[0]))
+    return out

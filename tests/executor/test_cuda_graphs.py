@@ -21,7 +21,7 @@ from services.executor.sequence import RequestKey
 from services.executor.startup import build_engine
 
 from .conftest import load_runner
-from .greedy import BlockAllocator
+from .greedy import BlockAllocator, shared_prefix_workload
 
 SIZES = (1, 2, 4, 8)
 
@@ -119,19 +119,9 @@ def test_engine_over_graphs_gives_transformers_tokens_with_preemption_and_prefix
 ) -> None:
     """Batches grow and shrink across the bucket edges (1..12 running), the small cache
     forces preemption by recompute, and half the prompts share a prefix."""
-    rng = random.Random(3)
-    hf = hf_model("llama")
-    shared = [1] + [rng.randrange(3, 600) for _ in range(20)]
-    cases = []
-    for i in range(12):
-        tail = [rng.randrange(3, 600) for _ in range(rng.randrange(1, 12))]
-        prompt = [*shared, *tail] if i % 2 else [1, *tail]
-        max_tokens = rng.randrange(20, 60)
-        with torch.inference_mode():
-            expected = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False
-            )[0, len(prompt) :].tolist()
-        cases.append((prompt, max_tokens, expected))
+    cases = shared_prefix_workload(
+        hf_model("llama"), seed=3, num_requests=12, prefix_len=21, max_tail=12, max_tokens=(20, 60)
+    )
     engine = _graphed_engine(llama, num_kv_blocks=24, max_model_len=112, max_num_batched_tokens=64)
     graphs = engine.runner.graphs  # type: ignore[attr-defined]
     got: dict[str, list[int]] = {}

@@ -22,6 +22,8 @@ from services.executor.sequence import RequestKey
 from services.executor.startup import build_engine
 from tests.blockmgr.helpers import ThreadedServer
 
+from .greedy import shared_prefix_workload
+
 NUM_REQUESTS = 32
 
 
@@ -33,20 +35,14 @@ def llama(tiny_checkpoint) -> str:
 @pytest.fixture(scope="module")
 def workload(llama, hf_model) -> list[tuple[list[int], int, list[int]]]:
     """32 (prompt, max_tokens, transformers' greedy output); half share a 40-token prefix."""
-    rng = random.Random(0)
-    shared = [1] + [rng.randrange(3, 600) for _ in range(39)]
-    hf = hf_model("llama")
-    out = []
-    for i in range(NUM_REQUESTS):
-        tail = [rng.randrange(3, 600) for _ in range(rng.randrange(1, 50))]
-        prompt = [*shared, *tail] if i % 2 else [1, *tail]
-        max_tokens = rng.randrange(1, 24)
-        with torch.inference_mode():
-            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)[
-                0, len(prompt) :
-            ].tolist()
-        out.append((prompt, max_tokens, ids))
-    return out
+    return shared_prefix_workload(
+        hf_model("llama"),
+        seed=0,
+        num_requests=NUM_REQUESTS,
+        prefix_len=40,
+        max_tail=50,
+        max_tokens=(1, 24),
+    )
 
 
 def _engine(model: str, client: BlockManagerClient | None = None, **kw) -> Engine:

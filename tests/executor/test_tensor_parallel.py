@@ -36,7 +36,7 @@ from services.executor.workers import WorkerGroup
 from tests.procs import ROOT
 
 from .conftest import load_runner
-from .greedy import BlockAllocator, GreedySeq, hf_greedy, run_greedy
+from .greedy import BlockAllocator, GreedySeq, hf_greedy, run_greedy, shared_prefix_workload
 
 MAX_LEN = 512
 PARITY_MODELS = {
@@ -220,16 +220,9 @@ def test_engine_at_tp2_matches_transformers_under_chunking_prefix_hits_preemptio
     tiny_checkpoint, hf_model
 ):
     model = str(tiny_checkpoint("llama"))
-    hf = hf_model("llama")
-    rng = random.Random(5)
-    shared = [1] + [rng.randrange(3, 600) for _ in range(39)]
-    work = []
-    for i in range(16):
-        tail = [rng.randrange(3, 600) for _ in range(rng.randrange(1, 40))]
-        prompt = [*shared, *tail] if i % 2 else [1, *tail]
-        max_tokens = rng.randrange(4, 24)
-        expected, _ = hf_greedy(hf, prompt, max_tokens)
-        work.append((prompt, max_tokens, expected))
+    work = shared_prefix_workload(
+        hf_model("llama"), seed=5, num_requests=16, prefix_len=40, max_tail=40, max_tokens=(4, 24)
+    )
     config = ExecutorConfig(
         model=model,
         dtype="float32",
