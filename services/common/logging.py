@@ -34,7 +34,10 @@ def configure_logging(service: str, level: str = "INFO") -> structlog.stdlib.Bou
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write() per line (print() writes the newline separately): processes sharing
+        # stderr, such as tensor-parallel ranks, then never interleave inside a line shorter
+        # than the pipe's atomic-write size.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     return structlog.get_logger(service)
