@@ -26,7 +26,8 @@ continuous batching + paging buys from how fast each implementation runs a forwa
 
 For our engine it also reports host overhead per step (``Engine.last_step_host_s``),
 block-manager round trips per step, preemptions and KV waste (allocated slots not holding a
-token); ``--grpc`` adds a run of (a) with the block manager as a separate process on loopback.
+token); ``--grpc`` adds runs of (a) with the block manager as a separate process on loopback,
+synchronous and with ``--async-scheduling``.
 Correctness is checked in the same run: our greedy tokens must equal HF's (mismatch count 0).
 
 torch runs single-threaded (``torch.set_num_threads(1)``): on a small, shared CPU box more
@@ -333,7 +334,10 @@ def run_ours(system: OurSystem, waves: list[list[Req]], *, pad_to_batch_max: boo
             running = sched.running
             conc_sum += len(running)
             res.max_concurrency = max(res.max_concurrency, len(running))
-            per_seq = [len(s.block_table) * bs - s.num_computed_tokens for s in running]
+            # Slots granted ahead (async scheduling) are for tokens of the next forward.
+            per_seq = [
+                len(s.block_table) * bs - s.num_computed_tokens - s.num_ahead_slots for s in running
+            ]
             allocated = sum(len(s.block_table) for s in running) * bs
             res.waste.add(sum(per_seq), allocated, len(running), max(per_seq, default=0))
             instr_s += time.perf_counter() - te
@@ -473,6 +477,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 SYSTEM_LABELS = {
     "ours": "ours (continuous + paged)",
     "ours-grpc": "ours, block manager over gRPC",
+    "ours-grpc-async": "ours, gRPC block manager, --async-scheduling",
     "static-hf": "static: HF generate()",
     "static-ours": "static batches on our engine",
 }
@@ -484,6 +489,7 @@ ALL_SYSTEMS = (
     "b/static-hf",
     "b/static-ours",
     "a/ours-grpc",
+    "a/ours-grpc-async",
 )
 
 
@@ -494,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore")
-    wanted = [n for n in ALL_SYSTEMS if n != "a/ours-grpc" or args.grpc]
+    wanted = [n for n in ALL_SYSTEMS if "grpc" not in n or args.grpc]
     if args.no_static_ours:
         wanted = [n for n in wanted if "static-ours" not in n]
     if args.only:
@@ -557,15 +563,20 @@ def main(argv: list[str] | None = None) -> None:
                 return lambda: run_ours(ours[scen], batches[scen], pad_to_batch_max=True)
             if kind == "static-hf":
                 return lambda: run_hf_static(hf, batches[scen], pad_id)
-            return lambda: run_ours(ours["grpc"], [reqs], pad_to_batch_max=False)
+            key = kind.removeprefix("ours-")
+            return lambda: run_ours(ours[key], [reqs], pad_to_batch_max=False)
 
         results: dict[str, list[RunResult]] = {n: [] for n in wanted}
-        grpc_ctx = blockmgr_process() if "a/ours-grpc" in wanted else contextlib.nullcontext()
+        uses_grpc = any("grpc" in n for n in wanted)
+        grpc_ctx = blockmgr_process() if uses_grpc else contextlib.nullcontext()
         t_all = time.perf_counter()
         with grpc_ctx as address:
             if address:
-                ours["grpc"] = OurSystem(model_dir, max_len, kv_blocks["a"], 1024, address, **knobs)
-                run_ours(ours["grpc"], [warm], pad_to_batch_max=False)
+                for key, extra in (("grpc", {}), ("grpc-async", {"async_scheduling": True})):
+                    ours[key] = OurSystem(
+                        model_dir, max_len, kv_blocks["a"], 1024, address, **knobs, **extra
+                    )
+                    run_ours(ours[key], [warm], pad_to_batch_max=False)
             for rep in range(args.repeats):
                 for name in wanted:
                     res = system(name)()
@@ -740,7 +751,8 @@ def report(
         "sum(host) / sum(host + forward). Model tokens / needed: tokens run through the model "
         "over prompt tokens + output tokens but the last (> 1: recomputation after preemption "
         "or, for static, tokens past max_tokens). KV waste = sum over running sequences of "
-        "len(block_table) * block_size - num_computed_tokens, after every step; for static, "
+        "len(block_table) * block_size - num_computed_tokens (- slots granted ahead for the "
+        "next forward), after every step; for static, "
         "B * (padded prompt + max_new_tokens) reserved minus slots holding a prompt or "
         "requested token, at every decode step. Mean waste share = sum(waste) / "
         "sum(allocated) over steps.\n"

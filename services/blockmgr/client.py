@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import grpc
@@ -41,6 +41,14 @@ class EventStream(Protocol):
     def close(self) -> None: ...
 
 
+class StepCall(Protocol):
+    """A Step sent but not yet answered (:meth:`BlockManagerClient.step_async`)."""
+
+    def result(self) -> StepResult:
+        """The answer; raises :class:`BlockManagerError` as ``step`` would."""
+        ...
+
+
 class BlockManagerClient(Protocol):
     def info(self, pool_id: str = "") -> ServiceInfo: ...
 
@@ -56,6 +64,10 @@ class BlockManagerClient(Protocol):
     ) -> PoolInfo: ...
 
     def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult: ...
+
+    def step_async(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepCall:
+        """Send a Step and return at once; its answer comes with ``result()``."""
+        ...
 
     def restore(
         self, pool_id: str, epoch: int, sequences: Sequence[RestoredSequence]
@@ -106,6 +118,14 @@ class _QueueEventStream:
         self._queue.put(self._CLOSED)
 
 
+class _DeferredStep:
+    def __init__(self, call: Callable[[], StepResult]) -> None:
+        self._call = call
+
+    def result(self) -> StepResult:
+        return self._call()
+
+
 class InProcessClient:
     """Direct calls into a core living in this process."""
 
@@ -141,6 +161,12 @@ class InProcessClient:
 
     def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult:
         return self.core.step(pool_id, epoch, ops, self._tokens.get(pool_id, ""))
+
+    def step_async(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepCall:
+        """Deferred: the core runs the Step when ``result()`` is called. In one process there
+        is no I/O to overlap, and the core's Python work cannot run beside the engine's (the
+        GIL); asked for after a GPU forward was launched, it overlaps the device's work."""
+        return _DeferredStep(lambda: self.step(pool_id, epoch, ops))
 
     def restore(
         self, pool_id: str, epoch: int, sequences: Sequence[RestoredSequence]
@@ -198,6 +224,17 @@ class _GrpcEventStream:
     def close(self) -> None:
         self._closed.set()
         self._call.cancel()
+
+
+class _GrpcStepCall:
+    def __init__(self, future: grpc.Future) -> None:
+        self._future = future
+
+    def result(self) -> StepResult:
+        try:
+            return convert.step_from_pb(self._future.result())
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
 
 
 class GrpcClient:
@@ -267,14 +304,24 @@ class GrpcClient:
             convert.pool_info_from_pb(resp.pool), owner_token=resp.owner_token, lease_s=resp.lease_s
         )
 
-    def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult:
-        request = pb.StepRequest(
+    def _step_request(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> pb.StepRequest:
+        return pb.StepRequest(
             pool_id=pool_id,
             epoch=epoch,
             ops=convert.ops_to_pb(ops),
             owner_token=self._tokens.get(pool_id, ""),
         )
+
+    def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult:
+        request = self._step_request(pool_id, epoch, ops)
         return convert.step_from_pb(self._call(self._stub.Step, request))
+
+    def step_async(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepCall:
+        """The request is serialized here; the round trip runs in gRPC's own threads, without
+        the GIL, until ``result()`` waits for the answer and converts it."""
+        request = self._step_request(pool_id, epoch, ops)
+        future = self._stub.Step.future(request, timeout=self.timeout_s, metadata=self._metadata)
+        return _GrpcStepCall(future)
 
     def restore(
         self, pool_id: str, epoch: int, sequences: Sequence[RestoredSequence]

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import structlog
 
-from services.blockmgr.client import BlockManagerClient
+from services.blockmgr.client import BlockManagerClient, StepCall
 from services.blockmgr.errors import BlockManagerError, ErrorCode
 from services.blockmgr.types import (
     Operation,
@@ -109,6 +109,21 @@ class BlockManagerLink:
                 raise
             self._recovered()
             return result
+
+    @property
+    def can_send_ahead(self) -> bool:
+        """Whether :meth:`send_ahead` may be used: the block manager answers and our pool is
+        in step with it (no resync is due)."""
+        return self.healthy and not self._stale
+
+    def send_ahead(self, ops: Sequence[Operation]) -> StepCall:
+        """Send one Step and return at once; nothing else (no retry, no resync). No other
+        call may use the link until its ``result()`` is taken. On any error there the outcome
+        is unknown (the Step may have been applied): the caller must :meth:`invalidate` and
+        plan again, so that the next :meth:`step` rebuilds the pool."""
+        self.num_round_trips += 1
+        self._last_call = time.monotonic()
+        return self.client.step_async(self.spec.pool_id, self.pool.epoch, ops)
 
     def invalidate(self) -> None:
         """The last answer could not be trusted: rebuild the pool from our own state (register

@@ -29,6 +29,7 @@ class Load:
     num_blockmgr_round_trips: int = 0
     num_running_tokens: int = 0
     num_waiting_tokens: int = 0
+    num_steps_ahead: int = 0
 
 
 @dataclass(frozen=True, slots=True)

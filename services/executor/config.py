@@ -50,6 +50,7 @@ class ExecutorConfig:
     security: InternalSecurity = field(default_factory=InternalSecurity)
     max_seqs_per_session: int = 1024  # sequences one gateway session may hold at once
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    async_scheduling: bool = False  # the next Step's round trip overlaps this forward
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture
     tensor_parallel_size: int = 1  # ranks the model is sharded over (one process each)
     distributed_init_method: str | None = None  # default: a free loopback TCP port
@@ -95,6 +96,12 @@ class ExecutorConfig:
             "--enforce-eager",
             action="store_true",
             help="never use CUDA graphs (decode steps then launch every kernel)",
+        )
+        a(
+            "--async-scheduling",
+            action="store_true",
+            help="in steady decode, plan the next step and send its block-manager Step during "
+            "this step's forward, so the round trip overlaps it (outputs are unchanged)",
         )
         a(
             "--cuda-graph-sizes",

@@ -3,6 +3,11 @@ sample, emit. Single-threaded by contract (the :mod:`.engine_loop` thread drives
 
 The block manager is reached through a :class:`~.blockmgr_link.BlockManagerLink`, which
 survives outages and restarts; the engine only plans, computes and samples.
+
+With ``async_scheduling``, a step in steady decode plans the next one before its forward and
+sends that Step without waiting, so the block-manager round trip overlaps the forward; the
+answer is applied after the forward, before sampling (see :meth:`Scheduler.plan_ahead`).
+Admissions, forks, prefill chunks, copy-on-write and preemption always plan after sampling.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import structlog
 import torch
 from torch import Tensor
 
+from services.blockmgr.client import StepCall
+from services.blockmgr.errors import BlockManagerError
 from services.common.sampling_params import SamplingParams
 from services.executor.blockmgr_link import BlockManagerLink
 from services.executor.forward_batch import SeqChunk
@@ -67,7 +74,10 @@ class Engine:
         self.num_bad_answers = 0  # block-manager answers rejected
         self.last_step_host_s = 0.0
         self.last_step_forward_s = 0.0
+        self.num_steps_ahead = 0  # steps whose Step was sent during the previous forward
+        self.num_ahead_failures = 0  # Steps sent ahead that failed or were refused or rejected
         self.scheduler = Scheduler(settings.scheduler, link.counters())
+        self._batch_ahead: ScheduledBatch | None = None  # the next step's, already granted
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -184,28 +194,80 @@ class Engine:
         if not self.scheduler.has_work:
             return outputs
         t0 = time.perf_counter()
-        plan = self.scheduler.plan()
-        result = self.link.step(plan.ops(), lambda: self.scheduler.pre_plan_state(plan))
-        try:
-            batch = self.scheduler.apply(plan, result)
-        except BadAnswer as exc:
-            self._distrust(plan, exc)
-            self.num_steps += 1
-            return outputs + self._take_pending()
+        batch = self._take_batch_ahead()
+        if batch is None:
+            plan = self.scheduler.plan()
+            result = self.link.step(plan.ops(), lambda: self.scheduler.pre_plan_state(plan))
+            try:
+                batch = self.scheduler.apply(plan, result)
+            except BadAnswer as exc:
+                self._distrust(plan, exc)
+                self.num_steps += 1
+                return outputs + self._take_pending()
         if batch.copies:
             self.runner.copy_blocks(batch.copies)
+        ahead = self._send_ahead(batch)
         t1 = time.perf_counter()
         logits = self._forward(batch) if batch.chunks else None
         t2 = time.perf_counter()
         sampled = [c.seq for c in batch.chunks if c.need_logits]
         self.scheduler.after_forward(batch.chunks)
+        rejected = self._receive_ahead(*ahead) if ahead is not None else None
         if sampled:
             assert logits is not None
             outputs.extend(self._sample_and_update(logits, sampled))
+        if rejected is not None:  # after sampling: it may retire sequences sampled above
+            self._distrust(*rejected)
+            outputs.extend(self._take_pending())
         self.num_steps += 1
         self.last_step_forward_s = t2 - t1
         self.last_step_host_s = (time.perf_counter() - t0) - self.last_step_forward_s
         return outputs
+
+    # ---- async scheduling -----------------------------------------------------------------
+
+    def _take_batch_ahead(self) -> ScheduledBatch | None:
+        """The batch granted during the previous step, less the sequences that finished since
+        (their slots go back with the next Step); None when nothing of it is left."""
+        batch, self._batch_ahead = self._batch_ahead, None
+        if batch is None:
+            return None
+        running = SeqStatus.RUNNING
+        chunks = [c for c in batch.chunks if c.seq.status is running]
+        return ScheduledBatch(chunks, batch.copies) if chunks else None
+
+    def _send_ahead(self, batch: ScheduledBatch) -> tuple[SchedulePlan, StepCall] | None:
+        """Plan the next step now and send its Step, if that is safe."""
+        if not self.settings.async_scheduling or not self.link.can_send_ahead:
+            return None
+        plan = self.scheduler.plan_ahead(batch)
+        if plan is None:
+            return None
+        return plan, self.link.send_ahead(plan.ops())
+
+    def _receive_ahead(
+        self, plan: SchedulePlan, call: StepCall
+    ) -> tuple[SchedulePlan, BadAnswer] | None:
+        """Apply the answer to the Step sent ahead: the next step's batch. A failed call or a
+        refused grow abandons the plan and rebuilds the pool before the next Step, which is
+        then planned after sampling, as usual. A contradicting answer is returned, for
+        :meth:`_distrust` after sampling."""
+        try:
+            batch = self.scheduler.apply_ahead(plan, call.result())
+        except BlockManagerError as exc:
+            log.warning("blockmgr_step_ahead_failed", code=exc.code.name, error=exc.message)
+            batch = None
+        except BadAnswer as exc:
+            self.num_ahead_failures += 1
+            return plan, exc
+        if batch is None:
+            self.num_ahead_failures += 1
+            self.scheduler.abandon(plan)
+            self.link.invalidate()
+            return None
+        self._batch_ahead = batch
+        self.num_steps_ahead += 1
+        return None
 
     def _distrust(self, plan: SchedulePlan, exc: BadAnswer) -> None:
         """The block manager answered something our plan contradicts: nothing of the answer

@@ -223,4 +223,5 @@ class EngineLoop:
             num_blockmgr_round_trips=e.link.num_round_trips,
             num_running_tokens=sum(seq.num_tokens for seq in s.running),
             num_waiting_tokens=sum(seq.num_tokens for seq in s.waiting),
+            num_steps_ahead=e.num_steps_ahead,
         )

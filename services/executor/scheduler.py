@@ -197,13 +197,7 @@ class Scheduler:
 
     def plan(self) -> SchedulePlan:
         cfg = self.config
-        plan = SchedulePlan(commits=self._commits, released=self._to_free)
-        free = self.num_free_blocks
-        for view in self._to_free:
-            free += self._release(view.block_ids)
-            plan.free_seq_ids.append(view.seq_id)
-        self._to_free, self._commits = [], []
-
+        plan, free = self._open_plan()
         budget = cfg.max_num_batched_tokens
         scheduled: set[int] = set()
         preempted = False
@@ -256,6 +250,57 @@ class Scheduler:
         # No admissions in a step that had to preempt: the pool is under pressure.
         if not preempted:
             self._plan_admissions(plan, free, budget)
+        return plan
+
+    def _open_plan(self) -> tuple[SchedulePlan, int]:
+        """A new plan carrying the pending commits and frees, and the free blocks after them."""
+        plan = SchedulePlan(commits=self._commits, released=self._to_free)
+        free = self.num_free_blocks
+        for view in self._to_free:
+            free += self._release(view.block_ids)
+            plan.free_seq_ids.append(view.seq_id)
+        self._to_free, self._commits = [], []
+        return plan, free
+
+    def plan_ahead(self, batch: ScheduledBatch) -> SchedulePlan | None:
+        """Phase one of the *next* step, made before this step's forward (async scheduling),
+        so that its Step round trip overlaps the forward.
+
+        Possible when every running sequence is in ``batch`` and samples a token in this step
+        (decodes and the last chunks of prompts), no fork is pending or about to happen, and
+        the pool's free blocks cover the new blocks without a preemption. Each sequence then
+        grows by the slot of the token this step samples, whatever it turns out to be (one
+        that finishes gives it back in the step after), and waiting sequences are admitted
+        as :meth:`plan` would. None (nothing changed) when the next step must be planned after
+        sampling: prefill chunks that do not end a prompt, samples forking, copy-on-write and
+        preemption go through :meth:`plan`. Admissions that only the blocks freed by this
+        step's finished sequences would make fit wait one step."""
+        chunks = batch.chunks
+        if not chunks or self._forks or len(chunks) != len(self.running):
+            return None
+        bs, refs, running = self.config.block_size, self.refs, SeqStatus.RUNNING
+        grows: list[tuple[Sequence, int]] = []
+        grow_blocks: list[int] = []
+        for seq, k, need_logits in chunks:
+            if not need_logits or seq.status is not running:
+                return None  # a prompt chunk before its last: planned after sampling
+            computed = seq.num_computed_tokens + k  # once this step's forward ran
+            num_output = computed + 1 - seq.prompt_len  # with the token sampled now
+            if num_output == 1 and seq.params.n > 1:
+                return None  # its other samples fork from this token
+            if num_output >= seq.params.max_tokens:
+                continue  # this token is its last: nothing to grow
+            new_block = computed % bs == 0  # the next token's slot starts a block
+            if not new_block and refs[seq.block_table[-1]] != 1:
+                return None  # copy-on-write: planned after sampling
+            grows.append((seq, 1))
+            grow_blocks.append(int(new_block))
+        need, budget = sum(grow_blocks), self.config.max_num_batched_tokens - len(grows)
+        if need > self.num_free_blocks or budget < 0 or not (grows or self.waiting):
+            return None  # (this step's frees are not counted: conservative)
+        plan, free = self._open_plan()
+        plan.grows, plan.grow_blocks = grows, grow_blocks
+        self._plan_admissions(plan, free - need, budget)
         return plan
 
     def _plan_admissions(self, plan: SchedulePlan, free: int, budget: int) -> None:
@@ -329,10 +374,51 @@ class Scheduler:
             failed = self._apply_grow(plan, grow, copies)
             if failed:
                 grows = [(s, k) for s, k in grows if s.seq_id not in failed]
+        new_prefills = self._apply_admissions(plan, admitted)
+        self.num_free_blocks = result.counters.num_free_blocks
+        chunks = [
+            ScheduledChunk(s, k, s.num_computed_tokens + k == len(s.token_ids))
+            for s, k in itertools.chain(grows, new_prefills)
+        ]
+        return ScheduledBatch(chunks, copies)
+
+    def apply_ahead(self, plan: SchedulePlan, result: StepResult) -> ScheduledBatch | None:
+        """Take the answer to a :meth:`plan_ahead` plan, after this step's forward and
+        :meth:`after_forward` but before sampling: the next step's batch (one token for each
+        sequence that grew, then the first chunks of the admitted ones). Until that batch
+        runs, ``num_ahead_slots`` counts the slots granted ahead. None, with nothing applied,
+        when the pool refused a grow the mirror says fits: the caller abandons the plan and
+        rebuilds the pool, as for :class:`BadAnswer` (raised, with nothing applied, for an
+        answer that contradicts the plan)."""
+        grow, admitted = plan.answers(result)
+        if grow is not None and grow.statuses.count(OpStatus.OK) != len(plan.grows):
+            return None
+        self._check_answer(plan, grow, admitted)  # no copy-on-write either: one is rejected
+        refs, chunks = self.refs, []
+        append, new = chunks.append, tuple.__new__  # hot: every sequence, every step
+        if grow is not None:
+            for (seq, k), ids in zip(plan.grows, grow.new_block_ids, strict=True):
+                if ids:
+                    seq.block_table.extend(ids)
+                    for b in ids:
+                        refs[b] += 1
+                seq.num_ahead_slots = k
+                append(new(ScheduledChunk, (seq, k, True)))
+        for seq, k in self._apply_admissions(plan, admitted):
+            seq.num_ahead_slots = k
+            append(ScheduledChunk(seq, k, seq.num_computed_tokens + k == len(seq.token_ids)))
+        self.num_free_blocks = result.counters.num_free_blocks
+        return ScheduledBatch(chunks, [])
+
+    def _apply_admissions(
+        self, plan: SchedulePlan, admitted: list[AdmitResult]
+    ) -> list[tuple[Sequence, int]]:
+        """Run the admitted sequences (the others stay waiting, in their place); returns each
+        with the tokens of its first chunk."""
         new_prefills: list[tuple[Sequence, int]] = []
         for (seq, _), res in zip(plan.admits, admitted, strict=True):
             if res.status is not OpStatus.OK:
-                continue  # stays waiting, in its place
+                continue
             self.waiting.remove(seq)
             seq.block_table = list(res.block_ids)
             for b in res.block_ids:
@@ -345,12 +431,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=_sort_key)
             new_prefills.append((seq, res.num_tokens - res.num_cached_tokens))
-        self.num_free_blocks = result.counters.num_free_blocks
-        chunks = [
-            ScheduledChunk(s, k, s.num_computed_tokens + k == len(s.token_ids))
-            for s, k in itertools.chain(grows, new_prefills)
-        ]
-        return ScheduledBatch(chunks, copies)
+        return new_prefills
 
     def _apply_grow(
         self, plan: SchedulePlan, grow: GrowResult, copies: list[tuple[int, int]]
@@ -486,6 +567,7 @@ class Scheduler:
         for chunk in chunks:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_new_tokens
+            seq.num_ahead_slots = 0
             if not self.config.enable_prefix_caching:
                 continue
             full = seq.num_computed_tokens // bs
@@ -500,7 +582,7 @@ class Scheduler:
         """What the block manager holds for ``seq``: its slots, table and committed hashes."""
         return RestoredSequence(
             seq.seq_id,
-            seq.num_computed_tokens,
+            seq.num_computed_tokens + seq.num_ahead_slots,
             tuple(seq.block_table),
             tuple(seq.block_hashes[: seq.num_committed_blocks]),
         )

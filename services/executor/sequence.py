@@ -50,6 +50,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks
     num_committed_blocks: int = 0
+    # Slots the pool granted beyond ``num_computed_tokens`` for a step that has not run yet
+    # (async scheduling grants the next step's slot while this step's forward runs).
+    num_ahead_slots: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
     num_bad_answers: int = 0  # block-manager answers about it that were rejected

@@ -18,6 +18,8 @@ class EngineSettings:
     eos_token_ids: tuple[int, ...]
     scheduler: SchedulerConfig
     seed: int = 0
+    # Send the next step's block-manager Step during this step's forward, in steady decode.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         cfg = self.scheduler

@@ -114,6 +114,7 @@ def _build_engine(
             watermark_blocks=max(1, int(config.watermark * usable)) if config.watermark else 0,
         ),
         seed=config.seed,
+        async_scheduling=config.async_scheduling,
     )
     pool_id = default_pool_id(config)
     pool = PoolSpec(

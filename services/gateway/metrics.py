@@ -63,6 +63,12 @@ class _ExecutorCollector(Collector):
             "Scheduler steps run by the executors",
             value=sum(x.num_steps for x in loads),
         )
+        yield CounterMetricFamily(
+            "pagedserve_executor_steps_scheduled_ahead",
+            "Steps whose block-manager round trip overlapped the previous forward "
+            "(--async-scheduling)",
+            value=sum(x.num_steps_ahead for x in loads),
+        )
 
 
 RoutingState = Callable[[], list[tuple[str, bool, int]]]  # (executor, events live, blocks)

@@ -201,6 +201,7 @@ def test_rewritten_commands_keep_only_what_docker_does_not_provide(tmp_path):
         "cpu",
         "--dtype",
         "auto",
+        "--async-scheduling",
     ]
     assert gw.argv == [
         *head,

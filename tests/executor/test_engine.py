@@ -88,7 +88,17 @@ CONFIGS = {
     "small_budget": {"max_num_batched_tokens": 24},
     "tiny_kv_cache": {"num_kv_blocks": 12, "max_model_len": 176},
     "block_size_32": {"block_size": 32, "num_kv_blocks": 40},
+    "async_scheduling": {"async_scheduling": True},
+    "async_tiny_kv_cache": {"async_scheduling": True, "num_kv_blocks": 12, "max_model_len": 176},
 }
+
+
+def _assert_round_trips(engine: Engine) -> None:
+    """One Step per iteration; with async scheduling, decode steps got theirs a step early."""
+    if engine.settings.async_scheduling:
+        assert engine.num_steps_ahead > 0 and engine.num_bad_answers == 0
+    else:
+        assert engine.link.num_round_trips == engine.num_steps
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -98,7 +108,7 @@ def test_32_concurrent_requests_match_transformers_greedy(llama, workload, name)
     _assert_matches(_run_staggered(engine, workload), workload)
     if name == "default":
         assert engine.link.client.stats(engine.link.spec.pool_id).prefix_cache_hits_tokens > 0
-    assert engine.link.num_round_trips == engine.num_steps
+    _assert_round_trips(engine)
     _assert_pool_empty(engine)
 
 
@@ -109,13 +119,13 @@ def grpc_blockmgr() -> Iterator[ThreadedServer]:
     server.stop()
 
 
-@pytest.mark.parametrize("name", ["default", "tiny_kv_cache"])
+@pytest.mark.parametrize("name", ["default", "tiny_kv_cache", "async_tiny_kv_cache"])
 def test_same_tokens_with_the_block_manager_over_grpc(llama, workload, grpc_blockmgr, name):
     kw = {"num_kv_blocks": 96, "max_num_batched_tokens": 128, **CONFIGS[name]}
     client = GrpcClient(grpc_blockmgr.address)
     engine = _engine(llama, client, **kw)
     _assert_matches(_run_staggered(engine, workload), workload)
-    assert engine.link.num_round_trips == engine.num_steps  # one Step per iteration
+    _assert_round_trips(engine)
     _assert_pool_empty(engine)
     client.close()
 
@@ -137,16 +147,22 @@ def long_workload(llama, hf_model) -> list[tuple[list[int], int, list[int]]]:
     return out
 
 
-@pytest.mark.parametrize("transport", ["inproc", "grpc"])
+@pytest.mark.parametrize("transport", ["inproc", "grpc", "grpc_async"])
 def test_preemption_by_recompute_keeps_outputs_identical(llama, long_workload, transport):
-    server = ThreadedServer() if transport == "grpc" else None
+    server = ThreadedServer() if transport != "inproc" else None
     client = GrpcClient(server.address) if server else InProcessClient()
     try:
         engine = _engine(
-            llama, client, num_kv_blocks=16, max_model_len=240, max_num_batched_tokens=64
+            llama,
+            client,
+            num_kv_blocks=16,
+            max_model_len=240,
+            max_num_batched_tokens=64,
+            async_scheduling=transport == "grpc_async",
         )
         _assert_matches(_run_staggered(engine, long_workload, per_step=8), long_workload)
         assert engine.scheduler.num_preemptions > 0
+        _assert_round_trips(engine)
         _assert_pool_empty(engine)
     finally:
         client.close()
@@ -160,7 +176,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_generation_survives_a_block_manager_restart(llama, workload):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_generation_survives_a_block_manager_restart(llama, workload, async_scheduling):
     port = _free_port()
     config = BlockManagerServiceConfig(port=port, grace_period_s=0.1)
     server = ThreadedServer(config)
@@ -173,6 +190,7 @@ def test_generation_survives_a_block_manager_restart(llama, workload):
         num_kv_blocks=96,
         max_num_batched_tokens=128,
         max_model_len=512,
+        async_scheduling=async_scheduling,
     )
     engine, _ = build_engine(
         config_e, runner=ModelRunner.from_config(config_e), blockmgr=client, on_health=health.append
@@ -183,6 +201,9 @@ def test_generation_survives_a_block_manager_restart(llama, workload):
             RequestKey(0, f"r{i}"), prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens)
         )
     for _ in range(6):
+        for o in engine.step():
+            got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
+    while async_scheduling and engine.num_steps_ahead < 3:  # the next Step goes ahead
         for o in engine.step():
             got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
     old_epoch = engine.link.epoch
@@ -203,6 +224,7 @@ def test_generation_survives_a_block_manager_restart(llama, workload):
     _assert_matches(got, workload)
     assert engine.link.epoch != old_epoch and engine.link.num_recoveries == 1
     assert health[:2] == [False, True]
+    assert engine.num_ahead_failures == async_scheduling  # the Step sent ahead hit the outage
     _assert_pool_empty(engine)
     client.close()
     restarted[0].stop()

@@ -1,6 +1,6 @@
 """``bench/gpu_engine.py`` works before it meets a GPU: its ``--cpu-dry-run`` runs every code
-path (model writing, graphed and eager engine runs, profiling, HF static batching, the
-report) with a tiny model on the CPU."""
+path (model writing, graphed, async-scheduling and eager engine runs, profiling, HF static
+batching, the report) with a tiny model on the CPU."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ def test_gpu_engine_cpu_dry_run_prints_every_row_and_graphed_equals_eager() -> N
     )
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     out = proc.stdout
-    for row in ("| ours, CUDA graphs |", "| ours, --enforce-eager |", "| HF static, batch 4 |"):
+    for row in (
+        "| ours, CUDA graphs |",
+        "| ours, CUDA graphs, --async-scheduling |",
+        "| ours, --enforce-eager |",
+        "| HF static, batch 4 |",
+    ):
         assert row in out
     assert "graphed vs eager greedy tokens: 12/12 requests identical" in out
+    assert "async scheduling vs not, greedy tokens: 12/12 requests identical" in out

@@ -33,9 +33,11 @@ def make_engine(
     prefix: bool = True,
     max_model_len: int = 128,
     watermark: int = 0,
+    async_scheduling: bool = False,
+    client: Any = None,
 ) -> tuple[Engine, FakePagedRunner, InProcessClient]:
     runner = FakePagedRunner(num_blocks, BS)
-    client = InProcessClient()
+    client = client or InProcessClient()
     settings = EngineSettings(
         max_model_len=max_model_len,
         vocab_size=VOCAB,
@@ -48,6 +50,7 @@ def make_engine(
             enable_prefix_caching=prefix,
             watermark_blocks=watermark,
         ),
+        async_scheduling=async_scheduling,
     )
     return Engine(settings, runner, link(client, runner, prefix)), runner, client
 

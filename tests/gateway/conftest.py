@@ -126,6 +126,7 @@ def stack(tiny_model_dir: Path) -> Iterator[Stack]:
             blockmgr.address,
             "--pool-id",
             POOL_ID,
+            "--async-scheduling",  # as deployed: the block manager is another process
         ),
         "executor_ready",
     )

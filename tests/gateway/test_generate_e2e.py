@@ -446,7 +446,7 @@ def test_health_not_serving_until_an_executor_is_ready(stack, tiny_model_dir):
 
 
 def test_metrics_endpoint_exposes_latency_histograms_and_counters(stack):
-    collect(stack.stub().Generate(G.GenerateRequest(prompt="metrics", sampling_params=greedy(3))))
+    collect(stack.stub().Generate(G.GenerateRequest(prompt="metrics", sampling_params=greedy(8))))
     body = (
         urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5)
         .read()
@@ -469,6 +469,12 @@ def test_metrics_endpoint_exposes_latency_histograms_and_counters(stack):
         line for line in body.splitlines() if line.startswith("pagedserve_generation_tokens_total")
     )
     assert float(gen.split()[-1]) > 0
+    ahead = next(
+        line
+        for line in body.splitlines()
+        if line.startswith("pagedserve_executor_steps_scheduled_ahead_total")
+    )
+    assert float(ahead.split()[-1]) > 0  # the stack's executor runs --async-scheduling
     # Once the engine is idle its last load reaches the gateway: no block shows as in use.
     deadline = time.monotonic() + 5
     while True:

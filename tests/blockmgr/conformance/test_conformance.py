@@ -182,6 +182,20 @@ def test_an_empty_step_is_a_lease_renewal_that_changes_nothing(client, pool_id):
     assert result.results == () and result.counters.num_in_use_blocks == 2
 
 
+def test_a_step_sent_without_waiting_answers_as_a_plain_step_and_raises_at_result(client, pool_id):
+    epoch = _register(client, pool_id)
+    _admit(client, pool_id, epoch, 1, list(range(4)))
+    call = client.step_async(pool_id, epoch, [Grow((1,), (1,))])
+    (grow,) = call.result().results
+    assert isinstance(grow, GrowResult) and grow.statuses == (OpStatus.OK,)
+    assert len(grow.new_block_ids[0]) == 1  # the 5th token starts a block
+    assert _counters(client, pool_id).num_in_use_blocks == 2
+    bad = client.step_async(pool_id, epoch + 1, [Grow((1,), (1,))])
+    with raises_code(ErrorCode.FAILED_PRECONDITION):
+        bad.result()
+    assert _counters(client, pool_id).num_in_use_blocks == 2
+
+
 def test_a_step_naming_a_sequence_twice_in_one_grow_is_rejected_whole(client, pool_id):
     epoch = _register(client, pool_id)
     _admit(client, pool_id, epoch, 1, list(range(3)))

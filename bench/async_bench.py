@@ -1,0 +1,168 @@
+"""Decode step time with and without ``--async-scheduling``, in one run.
+
+Set-up: the host-bench engine (the real scheduler, block-manager link, batch build, sampler
+and output building; a null model with random logits over 128 tokens), 256 running sequences
+in pure decode, prompts of 300 tokens, over the block manager as a real separate process
+(gRPC on loopback, as in compose and Kubernetes) and in-process. The forward keeps the host
+thread waiting ``--forward-ms`` (the GPU's share of a decode step: the host waits on the
+device, the GIL free) after building the real forward batch; 0 shows the pure host cost.
+
+Each configuration runs ``--steps`` timed decode steps after a warm-up, configurations
+interleaved ``--rounds`` times; the figure is the median of the per-round medians.
+
+    .venv/bin/python bench/async_bench.py [--forward-ms 0,3.5] [--steps 200] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from bench.host_bench import VOCAB, NullRunner
+from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
+from services.common.sampling_params import SamplingParams
+from services.executor.blockmgr_link import BlockManagerLink, PoolSpec
+from services.executor.engine import Engine
+from services.executor.forward_batch import SeqChunk
+from services.executor.scheduler import SchedulerConfig
+from services.executor.sequence import RequestKey
+from services.executor.settings import EngineSettings
+from tests.procs import ServiceProcess
+
+
+class WaitingRunner(NullRunner):
+    """The null runner, plus a forward that leaves the host waiting ``forward_s``."""
+
+    def __init__(self, forward_s: float, *args: int) -> None:
+        super().__init__(*args)
+        self.forward_s = forward_s
+
+    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        logits = super().execute(chunks)
+        if self.forward_s:
+            time.sleep(self.forward_s)
+        return logits
+
+
+def decode_steps(
+    client: BlockManagerClient,
+    *,
+    pool_id: str,
+    async_scheduling: bool,
+    forward_s: float,
+    num_seqs: int,
+    prompt_len: int,
+    steps: int,
+) -> tuple[float, float]:
+    """(p50 step ms, share of steps whose Step was sent ahead) over ``steps`` decode steps."""
+    bs = 16
+    max_model_len = prompt_len + steps + 64
+    num_blocks = num_seqs * -(-max_model_len // bs) + 2
+    runner = WaitingRunner(forward_s, num_blocks, bs, max_model_len)
+    settings = EngineSettings(
+        max_model_len=max_model_len,
+        vocab_size=VOCAB,
+        eos_token_ids=(2,),
+        scheduler=SchedulerConfig(
+            block_size=bs,
+            max_num_seqs=num_seqs,
+            max_num_batched_tokens=max(2048, prompt_len),
+            watermark_blocks=0,
+        ),
+        async_scheduling=async_scheduling,
+    )
+    link = BlockManagerLink(client, PoolSpec(pool_id, num_blocks, bs, True))
+    engine = Engine(settings, runner, link)
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0.0, max_tokens=10**6 // 2, ignore_eos=True)
+    for i in range(num_seqs):
+        prompt = torch.randint(3, VOCAB, (prompt_len,), generator=gen).tolist()
+        engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.prompt_len for s in engine.scheduler.running
+    ):
+        engine.step()
+    for _ in range(20):
+        engine.step()
+    ahead0 = engine.num_steps_ahead
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        outs = engine.step()
+        times.append(time.perf_counter() - t0)
+        assert len(outs) == num_seqs
+    ahead = (engine.num_steps_ahead - ahead0) / steps
+    link.unregister()
+    return statistics.median(times) * 1e3, ahead
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=300)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--forward-ms",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[0.0, 3.5],
+        help="comma-separated device times of the forward to model",
+    )
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    blockmgr = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")
+    grpc_client = GrpcClient(blockmgr.address)
+    results: dict[tuple[str, float, bool], list[float]] = {}
+    ahead: dict[tuple[str, float, bool], float] = {}
+    try:
+        n = 0
+        for _ in range(args.rounds):
+            for forward_ms in args.forward_ms:
+                for transport in ("grpc", "inproc"):
+                    for async_scheduling in (False, True):
+                        n += 1
+                        key = (transport, forward_ms, async_scheduling)
+                        client = grpc_client if transport == "grpc" else InProcessClient()
+                        ms, share = decode_steps(
+                            client,
+                            pool_id=f"async-bench-{n}",
+                            async_scheduling=async_scheduling,
+                            forward_s=forward_ms / 1e3,
+                            num_seqs=args.num_seqs,
+                            prompt_len=args.prompt_len,
+                            steps=args.steps,
+                        )
+                        results.setdefault(key, []).append(ms)
+                        ahead[key] = share
+    finally:
+        grpc_client.close()
+        blockmgr.stop()
+    print(
+        f"decode step p50, {args.num_seqs} seqs, prompts {args.prompt_len}, "
+        f"{args.steps} steps x {args.rounds} rounds (median of round medians)"
+    )
+    print("| block manager | forward (device wait) | sync | async | steps sent ahead | saved |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for forward_ms in args.forward_ms:
+        for transport in ("grpc", "inproc"):
+            sync = statistics.median(results[(transport, forward_ms, False)])
+            fast = statistics.median(results[(transport, forward_ms, True)])
+            share = ahead[(transport, forward_ms, True)]
+            print(
+                f"| {transport} | {forward_ms:.1f} ms | {sync:.3f} ms | {fast:.3f} ms | "
+                f"{share:.0%} | {sync - fast:+.3f} ms ({sync / fast:.2f}x) |"
+            )
+
+
+if __name__ == "__main__":
+    main()
