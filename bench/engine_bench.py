@@ -195,6 +195,7 @@ class RunResult:
     forward_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)  # wall of Engine.step() seen by the caller
     round_trips: int = 0
+    steps_ahead: int = 0  # steps whose Step was sent during the forward before (async)
     computed_tokens: int = 0  # tokens run through the model (recomputation included)
     preemptions: int = 0
     waste: WasteStats | None = None
@@ -309,7 +310,7 @@ def run_ours(system: OurSystem, waves: list[list[Req]], *, pad_to_batch_max: boo
     asked = {r.req_id: r.max_tokens for w in waves for r in w}
     res = RunResult(0.0, 0.0, outputs, waste=WasteStats())
     assert res.waste is not None
-    rt0, pre0 = engine.link.num_round_trips, sched.num_preemptions
+    rt0, pre0, ahead0 = engine.link.num_round_trips, sched.num_preemptions, engine.num_steps_ahead
     tok0 = system.runner.num_computed_tokens
     conc_sum = 0
     instr_s = 0.0  # bookkeeping time, taken off the wall clock
@@ -350,6 +351,7 @@ def run_ours(system: OurSystem, waves: list[list[Req]], *, pad_to_batch_max: boo
     res.num_steps = len(res.step_s)
     res.mean_concurrency = conc_sum / max(1, res.num_steps)
     res.round_trips = engine.link.num_round_trips - rt0
+    res.steps_ahead = engine.num_steps_ahead - ahead0
     res.preemptions = sched.num_preemptions - pre0
     res.computed_tokens = system.runner.num_computed_tokens - tok0
     return res
@@ -718,10 +720,11 @@ def report(
     out("### Our engine: host overhead, block manager, preemption, KV waste\n")
     out(
         "| run | host ms / step: mean / p50 / p99 | forward ms: mean / p50 | host share | "
-        "Step RPCs / step | preemptions | model tokens / needed | peak KV waste: slots, "
-        "share of allocated (seqs) | mean waste share | max waste of one seq |"
+        "Step RPCs / step | Steps sent ahead | preemptions | model tokens / needed | "
+        "peak KV waste: slots, share of allocated (seqs) | mean waste share | "
+        "max waste of one seq |"
     )
-    out("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    out("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, runs in results.items():
         if "static-hf" in name:
             continue
@@ -734,14 +737,15 @@ def report(
             f"| {name} | {statistics.mean(host) * 1e3:.2f} / {med(host) * 1e3:.2f} / "
             f"{pct(host, 0.99) * 1e3:.2f} | {statistics.mean(fwd) * 1e3:.2f} / "
             f"{med(fwd) * 1e3:.2f} | {sum(host) / (sum(host) + sum(fwd)):.1%} | "
-            f"{r0.round_trips / r0.num_steps:.3f} | {r0.preemptions} | "
+            f"{r0.round_trips / r0.num_steps:.3f} | {r0.steps_ahead / r0.num_steps:.0%} | "
+            f"{r0.preemptions} | "
             f"{r0.computed_tokens / needed:.3f} | {w.peak_slots}, {w.peak_share:.1%} "
             f"({w.peak_seqs}) | {w.mean_share:.1%} | {w.max_per_seq} |"
         )
     for scen in "ab":
         w = static_waste(batches[scen])
         out(
-            f"| ({scen}) static, max-length reservation | - | - | - | - | - | - | "
+            f"| ({scen}) static, max-length reservation | - | - | - | - | - | - | - | "
             f"{w.peak_slots}, {w.peak_share:.1%} of reserved ({w.peak_seqs}) | "
             f"{w.mean_share:.1%} | {w.max_per_seq or '-'} |"
         )

@@ -266,37 +266,55 @@ class Scheduler:
         """Phase one of the *next* step, made before this step's forward (async scheduling),
         so that its Step round trip overlaps the forward.
 
-        Possible when every running sequence is in ``batch`` and samples a token in this step
-        (decodes and the last chunks of prompts), no fork is pending or about to happen, and
-        the pool's free blocks cover the new blocks without a preemption. Each sequence then
-        grows by the slot of the token this step samples, whatever it turns out to be (one
-        that finishes gives it back in the step after), and waiting sequences are admitted
-        as :meth:`plan` would. None (nothing changed) when the next step must be planned after
-        sampling: prefill chunks that do not end a prompt, samples forking, copy-on-write and
-        preemption go through :meth:`plan`. Admissions that only the blocks freed by this
-        step's finished sequences would make fit wait one step."""
-        chunks = batch.chunks
-        if not chunks or self._forks or len(chunks) != len(self.running):
+        The running sequences are planned as :meth:`plan` would plan them once ``batch`` has
+        run and been sampled: a sequence that samples a token now grows by that token's slot,
+        whatever the token turns out to be (one that finishes gives the slot back in the step
+        after; one whose token is its last by ``max_tokens`` is left out), then prefill chunks
+        go on within the token budget, then waiting sequences are admitted. None (nothing
+        changed) when the next step must be planned after sampling: samples about to fork, a
+        copy-on-write, or too few free blocks without a preemption. Admissions that only the
+        blocks freed by this step's finished sequences would make fit wait one step."""
+        if not batch.chunks or self._forks:
             return None
-        bs, refs, running = self.config.block_size, self.refs, SeqStatus.RUNNING
+        scheduled = {c.seq.seq_id: c for c in batch.chunks}
+        decodes: list[tuple[Sequence, int]] = []  # (seq, slots it holds after this forward)
+        prefills: list[tuple[Sequence, int, int]] = []  # (seq, slots, tokens left)
+        for seq in self.running:
+            chunk = scheduled.get(seq.seq_id)
+            slots = seq.num_computed_tokens
+            if chunk is None:
+                left = len(seq.token_ids) - slots
+            elif chunk.need_logits:  # samples a token now
+                slots += chunk.num_new_tokens
+                num_output = slots + 1 - seq.prompt_len
+                if num_output == 1 and seq.params.n > 1:
+                    return None  # its other samples fork from this token
+                if num_output >= seq.params.max_tokens:
+                    continue  # this token is its last: nothing to grow
+                left = 1
+            else:
+                slots += chunk.num_new_tokens
+                left = len(seq.token_ids) - slots
+            if left == 1:
+                decodes.append((seq, slots))
+            else:
+                prefills.append((seq, slots, left))
+        bs, refs = self.config.block_size, self.refs
+        budget = self.config.max_num_batched_tokens
         grows: list[tuple[Sequence, int]] = []
         grow_blocks: list[int] = []
-        for seq, k, need_logits in chunks:
-            if not need_logits or seq.status is not running:
-                return None  # a prompt chunk before its last: planned after sampling
-            computed = seq.num_computed_tokens + k  # once this step's forward ran
-            num_output = computed + 1 - seq.prompt_len  # with the token sampled now
-            if num_output == 1 and seq.params.n > 1:
-                return None  # its other samples fork from this token
-            if num_output >= seq.params.max_tokens:
-                continue  # this token is its last: nothing to grow
-            new_block = computed % bs == 0  # the next token's slot starts a block
-            if not new_block and refs[seq.block_table[-1]] != 1:
-                return None  # copy-on-write: planned after sampling
-            grows.append((seq, 1))
-            grow_blocks.append(int(new_block))
-        need, budget = sum(grow_blocks), self.config.max_num_batched_tokens - len(grows)
-        if need > self.num_free_blocks or budget < 0 or not (grows or self.waiting):
+        for seq, slots, left in itertools.chain(((s, n, 1) for s, n in decodes), prefills):
+            if budget <= 0:
+                break
+            k = min(left, budget)
+            table = seq.block_table
+            if table and needs_cow(slots, k, bs, refs[table[-1]]):
+                return None  # planned after sampling
+            grows.append((seq, k))
+            grow_blocks.append(-(-(slots + k) // bs) - len(table))
+            budget -= k
+        need = sum(grow_blocks)
+        if need > self.num_free_blocks or not (grows or self.waiting):
             return None  # (this step's frees are not counted: conservative)
         plan, free = self._open_plan()
         plan.grows, plan.grow_blocks = grows, grow_blocks
@@ -403,7 +421,9 @@ class Scheduler:
                     for b in ids:
                         refs[b] += 1
                 seq.num_ahead_slots = k
-                append(new(ScheduledChunk, (seq, k, True)))
+                # A sequence sampled in this step lacks its token yet: its chunk samples too.
+                end = seq.num_computed_tokens + k
+                append(new(ScheduledChunk, (seq, k, end >= len(seq.token_ids))))
         for seq, k in self._apply_admissions(plan, admitted):
             seq.num_ahead_slots = k
             append(ScheduledChunk(seq, k, seq.num_computed_tokens + k == len(seq.token_ids)))

@@ -221,3 +221,22 @@ def test_aborting_a_request_admitted_ahead_frees_what_it_was_granted():
     assert [(o.token_ids, o.finish_reason) for o in outs[("b", 0)]] == [([], FinishReason.ABORT)]
     assert tokens(outs[("a", 0)]) == reference_tokens(prompt(6, 0), 10)
     assert_no_leak(engine, client)
+
+
+def test_chunked_prefills_are_planned_ahead_with_the_same_chunks_as_sync():
+    """Prompts longer than the token budget: every chunk after the first step is planned
+    ahead, and the chunks are exactly those the synchronous engine computes."""
+    sync, sync_runner, _ = make_engine(budget=8)
+    fast, fast_runner, client = make_engine(budget=8, async_scheduling=True)
+    prompts = {"long": prompt(30, 1), "mid": prompt(20, 2), "short": prompt(3, 3)}
+    for engine in (sync, fast):
+        for req_id, p in prompts.items():
+            engine.add_request(RequestKey(0, req_id), p, greedy(9))
+    want, got = run(sync), run(fast)
+    for req_id, p in prompts.items():
+        assert tokens(got[(req_id, 0)]) == tokens(want[(req_id, 0)]) == reference_tokens(p, 9)
+    assert fast_runner.calls == sync_runner.calls
+    assert any(n > 1 and c > 0 for call in fast_runner.calls for c, n in call)  # mid-prompt
+    assert fast.num_steps_ahead == len(fast_runner.calls) - 1
+    assert fast.num_bad_answers == 0 and fast.link.num_recoveries == 0
+    assert_no_leak(fast, client)
