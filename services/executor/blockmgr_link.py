@@ -29,6 +29,9 @@ from services.blockmgr.types import (
 log = structlog.get_logger(__name__)
 
 MAX_CONSECUTIVE_RESYNCS = 8
+# Errors after which the pool is rebuilt from the executor's state and the Step sent again;
+# any other is a bug or a misconfiguration, and raised.
+RECOVERABLE = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.NOT_FOUND, ErrorCode.FAILED_PRECONDITION})
 T = TypeVar("T")
 
 
@@ -99,9 +102,7 @@ class BlockManagerLink:
                     self._back_off(exc)
                     needs_resync = True
                     continue
-                if exc.code in (ErrorCode.NOT_FOUND, ErrorCode.FAILED_PRECONDITION) and (
-                    resyncs < MAX_CONSECUTIVE_RESYNCS
-                ):
+                if exc.code in RECOVERABLE and resyncs < MAX_CONSECUTIVE_RESYNCS:
                     log.warning("blockmgr_diverged", error=exc.message)
                     resyncs += 1
                     needs_resync = True
@@ -120,7 +121,8 @@ class BlockManagerLink:
         """Send one Step and return at once; nothing else (no retry, no resync). No other
         call may use the link until its ``result()`` is taken. On any error there the outcome
         is unknown (the Step may have been applied): the caller must :meth:`invalidate` and
-        plan again, so that the next :meth:`step` rebuilds the pool."""
+        plan again, so that the next :meth:`step` rebuilds the pool (an error not in
+        ``RECOVERABLE`` is raised there, as :meth:`step` raises it)."""
         self.num_round_trips += 1
         self._last_call = time.monotonic()
         return self.client.step_async(self.spec.pool_id, self.pool.epoch, ops)

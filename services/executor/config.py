@@ -100,8 +100,10 @@ class ExecutorConfig:
         a(
             "--async-scheduling",
             action="store_true",
-            help="in steady decode, plan the next step and send its block-manager Step during "
-            "this step's forward, so the round trip overlaps it (outputs are unchanged)",
+            help="plan the next step before this step's forward and send its block-manager "
+            "Step without waiting, so the round trip overlaps the forward (outputs are "
+            "unchanged; samples about to fork, copy-on-write and preemption still plan "
+            "after sampling)",
         )
         a(
             "--cuda-graph-sizes",

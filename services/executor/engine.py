@@ -4,10 +4,11 @@ sample, emit. Single-threaded by contract (the :mod:`.engine_loop` thread drives
 The block manager is reached through a :class:`~.blockmgr_link.BlockManagerLink`, which
 survives outages and restarts; the engine only plans, computes and samples.
 
-With ``async_scheduling``, a step in steady decode plans the next one before its forward and
-sends that Step without waiting, so the block-manager round trip overlaps the forward; the
-answer is applied after the forward, before sampling (see :meth:`Scheduler.plan_ahead`).
-Admissions, forks, prefill chunks, copy-on-write and preemption always plan after sampling.
+With ``async_scheduling``, a step plans the next one before its forward (as if every
+sequence had the token it samples now) and sends that Step without waiting, so the
+block-manager round trip overlaps the forward; the answer is applied after the forward,
+before sampling (see :meth:`Scheduler.plan_ahead`). Samples about to fork, copy-on-write and
+preemption always plan after sampling.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import Tensor
 from services.blockmgr.client import StepCall
 from services.blockmgr.errors import BlockManagerError
 from services.common.sampling_params import SamplingParams
-from services.executor.blockmgr_link import BlockManagerLink
+from services.executor.blockmgr_link import RECOVERABLE, BlockManagerLink
 from services.executor.forward_batch import SeqChunk
 from services.executor.outputs import (
     EngineError,
@@ -75,7 +76,7 @@ class Engine:
         self.last_step_host_s = 0.0
         self.last_step_forward_s = 0.0
         self.num_steps_ahead = 0  # steps whose Step was sent during the previous forward
-        self.num_ahead_failures = 0  # Steps sent ahead that failed or were refused or rejected
+        self.num_ahead_failures = 0  # Steps sent ahead that failed or were answered wrongly
         self.scheduler = Scheduler(settings.scheduler, link.counters())
         self._batch_ahead: ScheduledBatch | None = None  # the next step's, already granted
 
@@ -208,7 +209,13 @@ class Engine:
             self.runner.copy_blocks(batch.copies)
         ahead = self._send_ahead(batch)
         t1 = time.perf_counter()
-        logits = self._forward(batch) if batch.chunks else None
+        try:
+            logits = self._forward(batch) if batch.chunks else None
+        except BaseException:
+            if ahead is not None:  # the Step sent ahead may be applied: never trust the pool
+                self.scheduler.abandon(ahead[0])
+                self.link.invalidate()
+            raise
         t2 = time.perf_counter()
         sampled = [c.seq for c in batch.chunks if c.need_logits]
         self.scheduler.after_forward(batch.chunks)
@@ -234,7 +241,10 @@ class Engine:
             return None
         running = SeqStatus.RUNNING
         chunks = [c for c in batch.chunks if c.seq.status is running]
-        return ScheduledBatch(chunks, batch.copies) if chunks else None
+        if not chunks:
+            return None
+        self.num_steps_ahead += 1
+        return ScheduledBatch(chunks, batch.copies)
 
     def _send_ahead(self, batch: ScheduledBatch) -> tuple[SchedulePlan, StepCall] | None:
         """Plan the next step now and send its Step, if that is safe."""
@@ -248,25 +258,22 @@ class Engine:
     def _receive_ahead(
         self, plan: SchedulePlan, call: StepCall
     ) -> tuple[SchedulePlan, BadAnswer] | None:
-        """Apply the answer to the Step sent ahead: the next step's batch. A failed call or a
-        refused grow abandons the plan and rebuilds the pool before the next Step, which is
-        then planned after sampling, as usual. A contradicting answer is returned, for
-        :meth:`_distrust` after sampling."""
+        """Apply the answer to the Step sent ahead: the next step's batch. A call that failed
+        with a recoverable error abandons the plan: the pool is rebuilt before the next Step,
+        which is then planned after sampling (other errors are raised, as a Step's are). A
+        contradicting answer is returned, for :meth:`_distrust` after sampling."""
         try:
-            batch = self.scheduler.apply_ahead(plan, call.result())
+            self._batch_ahead = self.scheduler.apply_ahead(plan, call.result())
         except BlockManagerError as exc:
+            if exc.code not in RECOVERABLE:
+                raise
             log.warning("blockmgr_step_ahead_failed", code=exc.code.name, error=exc.message)
-            batch = None
-        except BadAnswer as exc:
-            self.num_ahead_failures += 1
-            return plan, exc
-        if batch is None:
             self.num_ahead_failures += 1
             self.scheduler.abandon(plan)
             self.link.invalidate()
-            return None
-        self._batch_ahead = batch
-        self.num_steps_ahead += 1
+        except BadAnswer as exc:
+            self.num_ahead_failures += 1
+            return plan, exc
         return None
 
     def _distrust(self, plan: SchedulePlan, exc: BadAnswer) -> None:

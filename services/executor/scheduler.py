@@ -400,23 +400,28 @@ class Scheduler:
         ]
         return ScheduledBatch(chunks, copies)
 
-    def apply_ahead(self, plan: SchedulePlan, result: StepResult) -> ScheduledBatch | None:
+    def apply_ahead(self, plan: SchedulePlan, result: StepResult) -> ScheduledBatch:
         """Take the answer to a :meth:`plan_ahead` plan, after this step's forward and
-        :meth:`after_forward` but before sampling: the next step's batch (one token for each
-        sequence that grew, then the first chunks of the admitted ones). Until that batch
-        runs, ``num_ahead_slots`` counts the slots granted ahead. None, with nothing applied,
-        when the pool refused a grow the mirror says fits: the caller abandons the plan and
-        rebuilds the pool, as for :class:`BadAnswer` (raised, with nothing applied, for an
-        answer that contradicts the plan)."""
+        :meth:`after_forward` but before sampling: the next step's batch (the grown
+        sequences' chunks, then the first chunks of the admitted ones). Until that batch
+        runs, ``num_ahead_slots`` counts the slots granted ahead. A grow the pool refused
+        preempts its sequence, as in :meth:`apply` (it is still sampled in this step: its
+        token joins what it recomputes). An answer that contradicts the plan raises
+        :class:`BadAnswer` with nothing applied."""
         grow, admitted = plan.answers(result)
-        if grow is not None and grow.statuses.count(OpStatus.OK) != len(plan.grows):
-            return None
         self._check_answer(plan, grow, admitted)  # no copy-on-write either: one is rejected
         refs, chunks = self.refs, []
         append, new = chunks.append, tuple.__new__  # hot: every sequence, every step
         if grow is not None:
+            all_ok = grow.statuses.count(OpStatus.OK) == len(plan.grows)
+            seqs = [s for s, _ in plan.grows]
+            failed = set() if all_ok else self._apply_grow_statuses(plan, seqs, grow)
             for (seq, k), ids in zip(plan.grows, grow.new_block_ids, strict=True):
-                if ids:
+                if not all_ok:  # tables already extended; refused sequences are preempted
+                    if seq.seq_id in failed:
+                        self._requeue_refused(seq)
+                        continue
+                elif ids:
                     seq.block_table.extend(ids)
                     for b in ids:
                         refs[b] += 1

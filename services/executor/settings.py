@@ -18,7 +18,7 @@ class EngineSettings:
     eos_token_ids: tuple[int, ...]
     scheduler: SchedulerConfig
     seed: int = 0
-    # Send the next step's block-manager Step during this step's forward, in steady decode.
+    # Plan the next step before this step's forward and send its Step without waiting.
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:

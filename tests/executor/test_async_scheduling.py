@@ -1,7 +1,7 @@
-"""Async scheduling (``--async-scheduling``): in steady decode the next step's Step is sent
-from a helper thread during this step's forward. Outputs, forward batches and the pool must be
-exactly those of the synchronous engine, whatever finishes, aborts, forks, preempts or fails
-in between."""
+"""Async scheduling (``--async-scheduling``): the next step is planned before this step's
+forward and its Step sent without waiting, so the round trip overlaps the forward. Outputs,
+forward batches and the pool must be exactly those of the synchronous engine, whatever
+finishes, aborts, forks, preempts or fails in between."""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ class _Answered:
         self.result = answer
 
 
-@pytest.mark.parametrize("fault", ["unreachable", "answer_lost", "refused", "contradicting"])
+@pytest.mark.parametrize("fault", ["unreachable", "answer_lost", "contradicting"])
 @pytest.mark.parametrize("at", [1, 4])
 def test_a_failed_step_sent_ahead_rebuilds_the_pool_without_losing_a_token(fault, at):
     client = FaultAhead(fault, at)
@@ -185,6 +185,30 @@ def test_a_failed_step_sent_ahead_rebuilds_the_pool_without_losing_a_token(fault
     assert engine.num_bad_answers == (fault == "contradicting")
     assert client.ahead > at  # sending ahead resumed after the rebuild
     assert_no_leak(engine, client.inner)
+
+
+@pytest.mark.parametrize("at", [1, 4])
+def test_a_grow_refused_ahead_preempts_that_sequence_as_a_sync_step_would(at):
+    client = FaultAhead("refused", at)
+    engine, _runner, _ = make_engine(budget=64, async_scheduling=True, client=client)
+    prompts = _decode_workload(engine)
+    outs = run(engine)
+    for req_id, p in prompts.items():
+        assert tokens(outs[(req_id, 0)]) == reference_tokens(p, 14), req_id
+    assert engine.scheduler.num_preemptions == 1
+    assert engine.link.num_recoveries == 0 and engine.num_bad_answers == 0
+    assert_no_leak(engine, client.inner)
+
+
+def test_an_error_that_is_not_an_outage_is_raised_not_retried():
+    class Refuses(FaultAhead):
+        def _spoiled(self, pool_id: str, epoch: int, ops: list) -> StepResult:
+            raise BlockManagerError(ErrorCode.INVALID_ARGUMENT, "ops[0].grow: malformed")
+
+    engine, _runner, _ = make_engine(budget=64, async_scheduling=True, client=Refuses("", 2))
+    _decode_workload(engine)
+    with pytest.raises(BlockManagerError, match="malformed"):
+        run(engine)
 
 
 def test_arrivals_are_admitted_in_steps_planned_ahead():
@@ -240,3 +264,22 @@ def test_chunked_prefills_are_planned_ahead_with_the_same_chunks_as_sync():
     assert fast.num_steps_ahead == len(fast_runner.calls) - 1
     assert fast.num_bad_answers == 0 and fast.link.num_recoveries == 0
     assert_no_leak(fast, client)
+
+
+def test_a_forward_that_raises_with_a_step_ahead_marks_the_pool_for_a_rebuild():
+    """A failed forward ends the engine loop (the executor exits); the Step sent ahead may
+    have been applied though its answer is never taken, so the link is left needing a
+    rebuild: nothing would trust the pool again without restoring it first."""
+    engine, runner, _client = make_engine(budget=64, async_scheduling=True)
+    _decode_workload(engine)
+    while engine.num_steps_ahead < 3:
+        engine.step()
+    assert engine.link.can_send_ahead
+
+    def fails(chunks):
+        raise RuntimeError("device error")
+
+    runner.execute = fails
+    with pytest.raises(RuntimeError, match="device error"):
+        engine.step()
+    assert not engine.link.can_send_ahead

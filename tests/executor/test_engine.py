@@ -244,8 +244,8 @@ def test_seeded_sampling_is_reproducible_regardless_of_batch(llama, workload):
     )
     prompt = workload[3][0]
 
-    def sample(extra: int) -> tuple[list[int], list[float]]:
-        engine = _engine(llama, num_kv_blocks=96)
+    def sample(extra: int, async_scheduling: bool = False) -> tuple[list[int], list[float]]:
+        engine = _engine(llama, num_kv_blocks=96, async_scheduling=async_scheduling)
         for i in range(extra):
             engine.add_request(
                 RequestKey(0, f"x{i}"),
@@ -265,8 +265,8 @@ def test_seeded_sampling_is_reproducible_regardless_of_batch(llama, workload):
 
     alone_tokens, alone_logprobs = sample(0)
     assert len(alone_tokens) == 20
-    for extra in (7, 3):
-        tokens, logprobs = sample(extra)
+    for extra, async_scheduling in ((7, False), (3, False), (7, True)):
+        tokens, logprobs = sample(extra, async_scheduling)
         assert tokens == alone_tokens
         # Logprobs only differ by float reduction order across batch shapes.
         assert logprobs == pytest.approx(alone_logprobs, abs=1e-4)
