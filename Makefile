@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint protos serve bench-blockmgr bench-engine bench-host clean
+.PHONY: test lint protos serve bench-blockmgr bench-engine bench-host bench-async clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,6 +37,9 @@ bench-engine: protos
 
 bench-host: protos
 	$(PY) bench/host_bench.py
+
+bench-async: protos
+	$(PY) bench/async_bench.py
 
 clean:
 	rm -rf $(VENV) pagedserve/v1/*_pb2*.py pagedserve/v1/*_pb2*.pyi

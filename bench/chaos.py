@@ -194,6 +194,12 @@ def main() -> None:
     )
     ap.add_argument("--soak-s", type=float, default=600)
     ap.add_argument("--model", default=None, help="checkpoint (default: a tiny one, written)")
+    ap.add_argument(
+        "--executor-arg",
+        action="append",
+        default=[],
+        help="an extra executor flag (repeatable), e.g. --executor-arg=--async-scheduling",
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="chaos-"))
     model = args.model
@@ -215,6 +221,7 @@ def main() -> None:
                 f"127.0.0.1:{bm_port}",
                 "--pool-id",
                 "chaos",
+                *args.executor_arg,
             ],
             ex_port,
             tmp,
