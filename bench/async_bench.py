@@ -3,9 +3,12 @@
 Set-up: the host-bench engine (the real scheduler, block-manager link, batch build, sampler
 and output building; a null model with random logits over 128 tokens), 256 running sequences
 in pure decode, prompts of 300 tokens, over the block manager as a real separate process
-(gRPC on loopback, as in compose and Kubernetes) and in-process. The forward keeps the host
-thread waiting ``--forward-ms`` (the GPU's share of a decode step: the host waits on the
-device, the GIL free) after building the real forward batch; 0 shows the pure host cost.
+(gRPC on loopback, as in compose and Kubernetes) and in-process. The forward is modelled as
+on a GPU: the real batch is built and "launched", the call returns at once, and the device
+stays busy ``--forward-ms``; the sampler's first read of the logits waits for it (GIL free,
+as a CUDA synchronisation). Host work between the launch and that read (with async
+scheduling: the next Step's round trip, its answer, the next batch's build) overlaps the
+device; 0 ms shows the pure host cost.
 
 Each configuration runs ``--steps`` timed decode steps after a warm-up, configurations
 interleaved ``--rounds`` times; the figure is the median of the per-round medians.
@@ -20,8 +23,8 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,25 +36,44 @@ from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessCl
 from services.common.sampling_params import SamplingParams
 from services.executor.blockmgr_link import BlockManagerLink, PoolSpec
 from services.executor.engine import Engine
-from services.executor.forward_batch import SeqChunk
+from services.executor.forward_batch import PreparedForward
+from services.executor.sampler import Sampler
 from services.executor.scheduler import SchedulerConfig
 from services.executor.sequence import RequestKey
 from services.executor.settings import EngineSettings
 from tests.procs import ServiceProcess
 
 
-class WaitingRunner(NullRunner):
-    """The null runner, plus a forward that leaves the host waiting ``forward_s``."""
+class DeviceRunner(NullRunner):
+    """The null runner with a model of a GPU: ``launch`` returns at once and the device is
+    busy ``forward_s`` from then; the first read of the logits (the sampler's copy to the
+    host) waits for it, GIL free, as a CUDA synchronisation does."""
 
     def __init__(self, forward_s: float, *args: int) -> None:
         super().__init__(*args)
         self.forward_s = forward_s
+        self.ready_at = 0.0
 
-    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        logits = super().execute(chunks)
-        if self.forward_s:
-            time.sleep(self.forward_s)
+    def launch(self, prepared: PreparedForward) -> torch.Tensor:
+        logits = super().launch(prepared)
+        self.ready_at = time.perf_counter() + self.forward_s
         return logits
+
+    def wait(self) -> None:
+        left = self.ready_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
+class SyncingSampler:
+    """The engine's sampler, reading the logits only once the device is done."""
+
+    def __init__(self, sampler: Sampler, device: DeviceRunner) -> None:
+        self.sampler, self.device = sampler, device
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.device.wait()
+        return self.sampler(*args, **kwargs)
 
 
 def decode_steps(
@@ -68,7 +90,7 @@ def decode_steps(
     bs = 16
     max_model_len = prompt_len + steps + 64
     num_blocks = num_seqs * -(-max_model_len // bs) + 2
-    runner = WaitingRunner(forward_s, num_blocks, bs, max_model_len)
+    runner = DeviceRunner(forward_s, num_blocks, bs, max_model_len)
     settings = EngineSettings(
         max_model_len=max_model_len,
         vocab_size=VOCAB,
@@ -83,6 +105,7 @@ def decode_steps(
     )
     link = BlockManagerLink(client, PoolSpec(pool_id, num_blocks, bs, True))
     engine = Engine(settings, runner, link)
+    engine.sampler = SyncingSampler(engine.sampler, runner)  # type: ignore[assignment]
     gen = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0.0, max_tokens=10**6 // 2, ignore_eos=True)
     for i in range(num_seqs):

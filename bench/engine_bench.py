@@ -72,7 +72,7 @@ from services.common.logging import configure_logging  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.executor.config import ExecutorConfig  # noqa: E402
 from services.executor.engine import Engine  # noqa: E402
-from services.executor.forward_batch import SeqChunk  # noqa: E402
+from services.executor.forward_batch import PreparedForward, SeqChunk  # noqa: E402
 from services.executor.model_runner import ModelRunner  # noqa: E402
 from services.executor.sequence import RequestKey  # noqa: E402
 from services.executor.startup import build_engine  # noqa: E402
@@ -258,8 +258,14 @@ class CountingRunner:
         self.num_computed_tokens = 0
 
     def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        return self.launch(self.prepare(chunks))
+
+    def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedForward:
         self.num_computed_tokens += sum(len(c.token_ids) for c in chunks)
-        return self.runner.execute(chunks)
+        return self.runner.prepare(chunks)
+
+    def launch(self, prepared: PreparedForward) -> torch.Tensor:
+        return self.runner.launch(prepared)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)

@@ -41,7 +41,7 @@ from services.common.sampling_params import SamplingParams
 from services.executor.config import ExecutorConfig
 from services.executor.cuda_graphs import EagerGraphBackend
 from services.executor.engine import Engine
-from services.executor.forward_batch import SeqChunk
+from services.executor.forward_batch import PreparedForward, SeqChunk
 from services.executor.model_runner import ModelRunner
 from services.executor.outputs import SeqOutput
 from services.executor.sequence import RequestKey
@@ -129,11 +129,22 @@ class TimedRunner:
         self.last_decode_batch = 0
         self.last_chunks: list[SeqChunk] = []
 
+        self._built: dict[int, list[SeqChunk]] = {}  # prepared forward -> its chunks
+
     def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        return self.launch(self.prepare(chunks))
+
+    def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedForward:
+        prepared = self.inner.prepare(chunks)
+        self._built[id(prepared)] = list(chunks)
+        return prepared
+
+    def launch(self, prepared: PreparedForward) -> torch.Tensor:
+        chunks = self._built.pop(id(prepared))
         decode = all(len(c.token_ids) == 1 for c in chunks)
         self.last_decode_batch = len(chunks) if decode else 0
-        self.last_chunks = list(chunks)
-        return self.inner.execute(chunks)
+        self.last_chunks = chunks
+        return self.inner.launch(prepared)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         self.inner.copy_blocks(pairs)

@@ -28,7 +28,7 @@ from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
 from services.executor.blockmgr_link import BlockManagerLink, PoolSpec
 from services.executor.engine import Engine
-from services.executor.forward_batch import BatchBuilder, SeqChunk
+from services.executor.forward_batch import BatchBuilder, PreparedForward, SeqChunk
 from services.executor.scheduler import SchedulerConfig
 from services.executor.sequence import RequestKey
 from services.executor.settings import EngineSettings
@@ -52,7 +52,13 @@ class NullRunner:
         self.gen = torch.Generator().manual_seed(0)
 
     def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        batch = self.builder.build(chunks)
+        return self.launch(self.prepare(chunks))
+
+    def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedForward:
+        return PreparedForward(self.builder.build_host(chunks), None, len(chunks))
+
+    def launch(self, prepared: PreparedForward) -> torch.Tensor:
+        batch = self.builder.upload(prepared.host)
         return torch.randn(batch.logits_indices.shape[0], VOCAB, generator=self.gen)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:

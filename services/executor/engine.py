@@ -16,7 +16,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import structlog
 import torch
@@ -26,7 +27,7 @@ from services.blockmgr.client import StepCall
 from services.blockmgr.errors import BlockManagerError
 from services.common.sampling_params import SamplingParams
 from services.executor.blockmgr_link import RECOVERABLE, BlockManagerLink
-from services.executor.forward_batch import SeqChunk
+from services.executor.forward_batch import PreparedForward, SeqChunk
 from services.executor.outputs import (
     EngineError,
     RequestErrorCode,
@@ -35,7 +36,13 @@ from services.executor.outputs import (
     Usage,
 )
 from services.executor.sampler import Sampler, SeededGenerators, sampling_rows
-from services.executor.scheduler import BadAnswer, ScheduledBatch, SchedulePlan, Scheduler
+from services.executor.scheduler import (
+    BadAnswer,
+    ScheduledBatch,
+    ScheduledChunk,
+    SchedulePlan,
+    Scheduler,
+)
 from services.executor.sequence import FinishReason, Request, RequestKey, SeqStatus
 from services.executor.sequence import Sequence as Seq
 from services.executor.settings import EngineSettings
@@ -53,6 +60,25 @@ class Runner(Protocol):
 
     def execute(self, chunks: Sequence[SeqChunk]) -> Tensor: ...
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
+
+
+@runtime_checkable
+class PreparingRunner(Protocol):
+    """A runner whose ``execute`` comes in two halves (``ModelRunner``): with async
+    scheduling the next step's host batch is built while the device runs this step."""
+
+    def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedForward: ...
+    def launch(self, prepared: PreparedForward) -> Tensor: ...
+
+
+@dataclass
+class _Prepared:
+    """The next step's batch, built on the host before this step's sampling: the tokens this
+    step samples (``pending`` chunks) are written in before it runs."""
+
+    forward: PreparedForward
+    chunks: list[ScheduledChunk]  # as built; some may have ended by launch
+    pending: list[int]  # chunks whose (one) token is the one sampled in this step
 
 
 class Engine:
@@ -77,8 +103,11 @@ class Engine:
         self.last_step_forward_s = 0.0
         self.num_steps_ahead = 0  # steps whose Step was sent during the previous forward
         self.num_ahead_failures = 0  # Steps sent ahead that failed or were answered wrongly
+        self.num_batches_prepared = 0  # host batches built while the step before ran
         self.scheduler = Scheduler(settings.scheduler, link.counters())
         self._batch_ahead: ScheduledBatch | None = None  # the next step's, already granted
+        self._prepared: _Prepared | None = None  # and its host batch, when the runner can
+        self._prepares = settings.async_scheduling and isinstance(runner, PreparingRunner)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -195,7 +224,7 @@ class Engine:
         if not self.scheduler.has_work:
             return outputs
         t0 = time.perf_counter()
-        batch = self._take_batch_ahead()
+        batch, prepared = self._take_batch_ahead()
         if batch is None:
             plan = self.scheduler.plan()
             result = self.link.step(plan.ops(), lambda: self.scheduler.pre_plan_state(plan))
@@ -210,7 +239,10 @@ class Engine:
         ahead = self._send_ahead(batch)
         t1 = time.perf_counter()
         try:
-            logits = self._forward(batch) if batch.chunks else None
+            if prepared is not None:
+                logits = self._launch(prepared, batch)
+            else:
+                logits = self._forward(batch) if batch.chunks else None
         except BaseException:
             if ahead is not None:  # the Step sent ahead may be applied: never trust the pool
                 self.scheduler.abandon(ahead[0])
@@ -220,6 +252,8 @@ class Engine:
         sampled = [c.seq for c in batch.chunks if c.need_logits]
         self.scheduler.after_forward(batch.chunks)
         rejected = self._receive_ahead(*ahead) if ahead is not None else None
+        if self._prepares and self._batch_ahead is not None and self._batch_ahead.chunks:
+            self._prepared = self._prepare(self._batch_ahead)  # overlaps the device's forward
         if sampled:
             assert logits is not None
             outputs.extend(self._sample_and_update(logits, sampled))
@@ -233,18 +267,62 @@ class Engine:
 
     # ---- async scheduling -----------------------------------------------------------------
 
-    def _take_batch_ahead(self) -> ScheduledBatch | None:
+    def _take_batch_ahead(self) -> tuple[ScheduledBatch | None, _Prepared | None]:
         """The batch granted during the previous step, less the sequences that finished since
-        (their slots go back with the next Step); None when nothing of it is left."""
+        (their slots go back with the next Step), and its host batch if one was prepared,
+        completed: the tokens sampled since written in, the ended sequences' rows made to
+        write nothing. (None, None) when nothing of it is left."""
         batch, self._batch_ahead = self._batch_ahead, None
+        prepared, self._prepared = self._prepared, None
         if batch is None:
-            return None
+            return None, None
         running = SeqStatus.RUNNING
         chunks = [c for c in batch.chunks if c.seq.status is running]
         if not chunks:
-            return None
+            return None, None
         self.num_steps_ahead += 1
-        return ScheduledBatch(chunks, batch.copies)
+        if prepared is not None:
+            host = prepared.forward.host
+            for i in prepared.pending:
+                seq = prepared.chunks[i].seq
+                if seq.status is running:
+                    host.set_last_token(i, seq.token_ids[-1])
+            if len(chunks) < len(prepared.chunks):
+                for i, c in enumerate(prepared.chunks):
+                    if c.seq.status is not running:
+                        host.write_nothing(i)
+        return ScheduledBatch(chunks, batch.copies), prepared
+
+    def _prepare(self, batch: ScheduledBatch) -> _Prepared:
+        """Build ``batch``'s host batch now, before this step's sampling: a chunk of a
+        sequence sampled in this step gets a placeholder for that token."""
+        assert isinstance(self.runner, PreparingRunner)
+        seq_chunks: list[SeqChunk] = []
+        pending: list[int] = []
+        for i, (seq, k, need_logits) in enumerate(batch.chunks):
+            start = seq.num_computed_tokens
+            tokens = seq.token_ids[start : start + k]
+            if len(tokens) < k:  # k == 1: the token this step samples
+                pending.append(i)
+                tokens = [0]
+            seq_chunks.append(SeqChunk(tokens, start, seq.block_table, need_logits))
+        return _Prepared(self.runner.prepare(seq_chunks), batch.chunks, pending)
+
+    def _launch(self, prepared: _Prepared, batch: ScheduledBatch) -> Tensor:
+        """Run a prepared batch; its logits rows of the sequences still running, in order."""
+        assert isinstance(self.runner, PreparingRunner)
+        self.num_batches_prepared += 1
+        self._count_prompt_tokens(batch)
+        logits = self.runner.launch(prepared.forward)
+        if len(batch.chunks) == len(prepared.chunks):
+            return logits
+        running, rows, row = SeqStatus.RUNNING, [], 0
+        for c in prepared.chunks:
+            if c.need_logits:
+                if c.seq.status is running:
+                    rows.append(row)
+                row += 1
+        return logits[torch.tensor(rows, device=logits.device)]
 
     def _send_ahead(self, batch: ScheduledBatch) -> tuple[SchedulePlan, StepCall] | None:
         """Plan the next step now and send its Step, if that is safe."""
@@ -298,15 +376,20 @@ class Engine:
     def _forward(self, batch: ScheduledBatch) -> Tensor:
         seq_chunks: list[SeqChunk] = []
         append, new = seq_chunks.append, tuple.__new__  # hot: 256 decode chunks per step
-        num_prompt_tokens = 0
         for seq, k, need_logits in batch.chunks:
             start = seq.num_computed_tokens
-            end = start + k
-            append(new(SeqChunk, (seq.token_ids[start:end], start, seq.block_table, need_logits)))
-            if start < seq.prompt_len:
-                num_prompt_tokens += min(end, seq.prompt_len) - start
-        self.num_prompt_tokens += num_prompt_tokens
+            tokens = seq.token_ids[start : start + k]
+            append(new(SeqChunk, (tokens, start, seq.block_table, need_logits)))
+        self._count_prompt_tokens(batch)
         return self.runner.execute(seq_chunks)
+
+    def _count_prompt_tokens(self, batch: ScheduledBatch) -> None:
+        num_prompt_tokens = 0
+        for seq, k, _ in batch.chunks:
+            start = seq.num_computed_tokens
+            if start < seq.prompt_len:
+                num_prompt_tokens += min(start + k, seq.prompt_len) - start
+        self.num_prompt_tokens += num_prompt_tokens
 
     def _sample_and_update(self, logits: Tensor, seqs: list[Seq]) -> list[SeqOutput]:
         """Sample the next token of each of ``seqs`` (and the first token of the other

@@ -23,6 +23,7 @@ __all__ = [
     "BatchLayout",
     "ForwardBatch",
     "HostBatch",
+    "PreparedForward",
     "SeqChunk",
     "build_forward_batch",
 ]
@@ -117,6 +118,33 @@ class HostBatch:
     packed32: np.ndarray
     max_query_len: int
     max_seq_len: int
+
+    def _token_span(self, chunk: int) -> tuple[int, int]:
+        lay = self.layout
+        qsl = lay.num_seqs * lay.table_width  # query_start_loc follows the block tables
+        return int(self.packed32[qsl + chunk]), int(self.packed32[qsl + chunk + 1])
+
+    def set_last_token(self, chunk: int, token: int) -> None:
+        """Set the last input token of ``chunk`` (one built before that token was known)."""
+        self.packed64[self._token_span(chunk)[1] - 1] = token
+
+    def write_nothing(self, chunk: int) -> None:
+        """Make ``chunk`` write no K/V (its sequence ended after the batch was built): its
+        tokens still run, reading its blocks, and its logits are to be ignored."""
+        start, end = self._token_span(chunk)
+        slots = 2 * self.layout.num_tokens  # ids, positions, then slots
+        self.packed64[slots + start : slots + end] = -1
+
+
+@dataclass(frozen=True)
+class PreparedForward:
+    """A forward whose host batch is built (``ModelRunner.prepare``) but not yet run: ``host``
+    may still be patched (:meth:`HostBatch.set_last_token`, :meth:`HostBatch.write_nothing`)
+    before ``ModelRunner.launch``."""
+
+    host: HostBatch
+    graph_size: int | None  # the captured graph that runs it, or None: eager
+    num_chunks: int
 
 
 class BatchBuilder:

@@ -24,7 +24,13 @@ from services.executor.cuda_graphs import (
     GraphBackendName,
 )
 from services.executor.errors import ModelLoadError
-from services.executor.forward_batch import BatchBuilder, BatchLayout, ForwardBatch, SeqChunk
+from services.executor.forward_batch import (
+    BatchBuilder,
+    BatchLayout,
+    ForwardBatch,
+    PreparedForward,
+    SeqChunk,
+)
 from services.executor.kv_cache import allocate_kv_cache, size_kv_cache
 from services.executor.loader import load_model, resolve_device
 from services.executor.model import DecoderLM
@@ -172,21 +178,34 @@ class ModelRunner:
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
-    @torch.inference_mode()
     def execute(self, chunks: Sequence[SeqChunk]) -> Tensor:
         """One forward pass over ``chunks``; returns fp32 logits ``[num_need_logits, vocab]``,
         one row per chunk with ``need_logits``, in chunk order.
 
         Writes the new tokens' K/V into the cache slots their block tables name.
         """
+        return self.launch(self.prepare(chunks))
+
+    def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedForward:
+        """The host half of :meth:`execute`: the batch built on the host, nothing on the
+        device (so it can run while the device computes the step before)."""
         graphs = self.graphs
         size = graphs.bucket(chunks) if graphs is not None else None
         if size is None:
             host = self.builder.build_host(chunks)
-            d64, d32 = self.builder.upload_packed(host)
         else:
             assert graphs is not None
             host = graphs.host_batch(chunks, size)
+        return PreparedForward(host, size, len(chunks))
+
+    @torch.inference_mode()
+    def launch(self, prepared: PreparedForward) -> Tensor:
+        """The device half of :meth:`execute`: upload, (broadcast to the other ranks,) run."""
+        host, size, graphs = prepared.host, prepared.graph_size, self.graphs
+        if size is None:
+            d64, d32 = self.builder.upload_packed(host)
+        else:
+            assert graphs is not None
             d64, d32 = self.builder.upload_packed(host, into=graphs.buffers)
         if self.workers is not None:
             layout = host.layout
@@ -198,7 +217,7 @@ class ModelRunner:
         )
         if self.workers is not None:
             self.workers.done()
-        return logits if size is None else logits[: len(chunks)]
+        return logits if size is None else logits[: prepared.num_chunks]
 
     def _forward(self, batch: ForwardBatch, graph_size: int | None) -> Tensor:
         if graph_size and self.graphs is not None:

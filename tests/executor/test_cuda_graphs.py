@@ -114,15 +114,23 @@ def llama(tiny_checkpoint) -> str:
     return str(tiny_checkpoint("llama"))
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_engine_over_graphs_gives_transformers_tokens_with_preemption_and_prefix_hits(
-    llama, hf_model
+    llama, hf_model, async_scheduling
 ) -> None:
     """Batches grow and shrink across the bucket edges (1..12 running), the small cache
-    forces preemption by recompute, and half the prompts share a prefix."""
+    forces preemption by recompute, and half the prompts share a prefix. With async
+    scheduling the padded graph batches are built a step early and completed at launch."""
     cases = shared_prefix_workload(
         hf_model("llama"), seed=3, num_requests=12, prefix_len=21, max_tail=12, max_tokens=(20, 60)
     )
-    engine = _graphed_engine(llama, num_kv_blocks=24, max_model_len=112, max_num_batched_tokens=64)
+    engine = _graphed_engine(
+        llama,
+        num_kv_blocks=24 if not async_scheduling else 20,  # admissions go a step later
+        max_model_len=112,
+        max_num_batched_tokens=64,
+        async_scheduling=async_scheduling,
+    )
     graphs = engine.runner.graphs  # type: ignore[attr-defined]
     got: dict[str, list[int]] = {}
     pending = list(enumerate(cases))
@@ -140,6 +148,7 @@ def test_engine_over_graphs_gives_transformers_tokens_with_preemption_and_prefix
         assert got[f"r{i}"] == expected, f"request r{i}"
     assert engine.scheduler.num_preemptions > 0
     assert graphs.num_replays > 0 and graphs.num_captures == len(SIZES)
+    assert (engine.num_batches_prepared > 0) == async_scheduling
 
 
 def test_parallel_samples_copy_on_write_under_graphs_match_one_sample(llama) -> None:
@@ -170,7 +179,7 @@ def test_parallel_samples_copy_on_write_under_graphs_match_one_sample(llama) -> 
 def test_cuda_graphs_and_eager_give_identical_greedy_tokens_in_fp32(tiny_checkpoint, name):
     model = str(tiny_checkpoint(name))
     outputs = []
-    for eager in (True, False):
+    for eager, async_scheduling in ((True, False), (False, False), (False, True)):
         config = ExecutorConfig(
             model=model,
             dtype="float32",
@@ -179,6 +188,7 @@ def test_cuda_graphs_and_eager_give_identical_greedy_tokens_in_fp32(tiny_checkpo
             max_model_len=512,
             enforce_eager=eager,
             cuda_graph_sizes=SIZES,
+            async_scheduling=async_scheduling,
         )
         engine, _ = build_engine(config, blockmgr=InProcessClient())
         assert (engine.runner.graphs is None) == eager  # type: ignore[attr-defined]
@@ -196,7 +206,7 @@ def test_cuda_graphs_and_eager_give_identical_greedy_tokens_in_fp32(tiny_checkpo
         if not eager:
             graphs = engine.runner.graphs  # type: ignore[attr-defined]
             assert graphs.num_replays > 0 and graphs.num_captures == len(SIZES)
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == outputs[2]
 
 
 @pytest.mark.gpu

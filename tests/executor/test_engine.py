@@ -296,3 +296,33 @@ def test_parallel_samples_share_prompt_blocks_and_copy_on_write(llama, workload)
     assert set(finals) == {0, 1, 2, 3}
     assert all(u.prompt_tokens == len(prompt) for u in finals.values())
     _assert_pool_empty(engine)
+
+
+def test_async_batches_built_ahead_survive_aborts_and_finishes_between_steps(llama, workload):
+    """Each next batch is built before this step's sampling; requests that finish or are
+    aborted in between run as rows that write nothing, and every other output is exact."""
+    engine = _engine(llama, num_kv_blocks=96, max_num_batched_tokens=128, async_scheduling=True)
+    for i, (prompt, max_tokens, _) in enumerate(workload):
+        engine.add_request(
+            RequestKey(0, f"r{i}"), prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        )
+    got: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+    step = 0
+    while engine.has_work:
+        step += 1
+        if step % 3 == 0 and engine.num_batches_prepared:
+            victim = next((k for k in sorted(engine.requests) if k.request_id not in aborted), None)
+            if victim is not None and len(aborted) < 6:
+                assert engine.abort_request(victim)
+                aborted.add(victim.request_id)
+        for o in engine.step():
+            got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
+    assert len(aborted) == 6 and engine.num_batches_prepared > 0
+    for i, (_, _, expected) in enumerate(workload):
+        rid = f"r{i}"
+        if rid in aborted:
+            assert expected[: len(got.get(rid, []))] == got.get(rid, []), rid
+        else:
+            assert got[rid] == expected, rid
+    _assert_pool_empty(engine)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.executor.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
+from services.executor.forward_batch import (
+    BatchBuilder,
+    ForwardBatch,
+    SeqChunk,
+    build_forward_batch,
+)
 
 
 def test_decode_prefill_and_cache_hit_chunks_flatten_to_exact_tensors() -> None:
@@ -106,3 +112,26 @@ def test_invalid_chunks_are_rejected_on_the_host_with_a_clear_message(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         build_forward_batch(chunks, 4, "cpu", **kwargs)
+
+
+def test_a_batch_built_before_its_last_token_is_known_is_completed_in_place():
+    """Async scheduling builds the next batch before the token it runs is sampled: setting
+    that token afterwards gives exactly the batch built with it; a chunk whose sequence
+    ended in between is made to write nothing, and nothing else changes."""
+    builder = BatchBuilder(4, "cpu", num_blocks=16, max_model_len=64, vocab_size=100)
+    known = [SeqChunk([7, 8, 9], 0, [3], False), SeqChunk([5], 6, [1, 2], True)]
+    placeholder = [*known, SeqChunk([0], 9, [4, 5, 6], True), SeqChunk([0], 2, [7], True)]
+    sampled = [*known, SeqChunk([42], 9, [4, 5, 6], True), SeqChunk([17], 2, [7], True)]
+    host, want = builder.build_host(placeholder), builder.build_host(sampled)
+    host.set_last_token(2, 42)
+    host.set_last_token(3, 17)
+    assert np.array_equal(host.packed64, want.packed64)
+    assert np.array_equal(host.packed32, want.packed32)
+
+    host.write_nothing(1)
+    batch = builder.upload(host)
+    assert batch.slot_mapping.tolist() == [12, 13, 14, -1, 25, 30]
+    assert batch.input_ids.tolist() == [7, 8, 9, 5, 42, 17]  # it still runs (logits ignored)
+    padded = builder.build_host(placeholder[2:], pad_to_seqs=4, table_width=3)
+    padded.set_last_token(1, 17)
+    assert builder.upload(padded).input_ids.tolist() == [0, 17, 0, 0]

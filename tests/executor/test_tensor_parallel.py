@@ -216,8 +216,9 @@ def test_every_rank_replays_its_decode_graphs_in_step(make_runner, tiny_checkpoi
 # ---- the engine at TP=2 -----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_engine_at_tp2_matches_transformers_under_chunking_prefix_hits_preemption_and_cow(
-    tiny_checkpoint, hf_model
+    tiny_checkpoint, hf_model, async_scheduling
 ):
     model = str(tiny_checkpoint("llama"))
     work = shared_prefix_workload(
@@ -231,6 +232,7 @@ def test_engine_at_tp2_matches_transformers_under_chunking_prefix_hits_preemptio
         num_kv_blocks=14,  # room for a few sequences: preemption
         max_model_len=176,
         max_num_batched_tokens=24,  # chunked prefill
+        async_scheduling=async_scheduling,  # batches built a step early, broadcast patched
     )
     runner = ModelRunner.from_config(config)
     try:
@@ -251,6 +253,7 @@ def test_engine_at_tp2_matches_transformers_under_chunking_prefix_hits_preemptio
         stats = engine.link.client.stats(engine.link.spec.pool_id)
         assert stats.num_cow_copies > 0
         assert stats.counters.num_in_use_blocks == 0
+        assert (engine.num_batches_prepared > 0) == async_scheduling
     finally:
         runner.close()
     assert all(p.exitcode == 0 for p in runner.workers.processes)  # SHUTDOWN, not killed
