@@ -238,9 +238,10 @@ class Engine:
             self.runner.copy_blocks(batch.copies)
         ahead = self._send_ahead(batch)
         t1 = time.perf_counter()
+        rows: list[int] | None = None  # logits rows of ``sampled``, when not all rows are
         try:
             if prepared is not None:
-                logits = self._launch(prepared, batch)
+                logits, rows = self._launch(prepared, batch)
             else:
                 logits = self._forward(batch) if batch.chunks else None
         except BaseException:
@@ -256,7 +257,7 @@ class Engine:
             self._prepared = self._prepare(self._batch_ahead)  # overlaps the device's forward
         if sampled:
             assert logits is not None
-            outputs.extend(self._sample_and_update(logits, sampled))
+            outputs.extend(self._sample_and_update(logits, sampled, rows))
         if rejected is not None:  # after sampling: it may retire sequences sampled above
             self._distrust(*rejected)
             outputs.extend(self._take_pending())
@@ -308,21 +309,25 @@ class Engine:
             seq_chunks.append(SeqChunk(tokens, start, seq.block_table, need_logits))
         return _Prepared(self.runner.prepare(seq_chunks), batch.chunks, pending)
 
-    def _launch(self, prepared: _Prepared, batch: ScheduledBatch) -> Tensor:
-        """Run a prepared batch; its logits rows of the sequences still running, in order."""
+    def _launch(
+        self, prepared: _Prepared, batch: ScheduledBatch
+    ) -> tuple[Tensor, list[int] | None]:
+        """Run a prepared batch: its logits, and the rows of the sequences still running
+        (None: every row), selected only when sampling (an index built now would wait for
+        the device here, before the work meant to overlap it)."""
         assert isinstance(self.runner, PreparingRunner)
         self.num_batches_prepared += 1
         self._count_prompt_tokens(batch)
         logits = self.runner.launch(prepared.forward)
         if len(batch.chunks) == len(prepared.chunks):
-            return logits
+            return logits, None
         running, rows, row = SeqStatus.RUNNING, [], 0
         for c in prepared.chunks:
             if c.need_logits:
                 if c.seq.status is running:
                     rows.append(row)
                 row += 1
-        return logits[torch.tensor(rows, device=logits.device)]
+        return logits, rows
 
     def _send_ahead(self, batch: ScheduledBatch) -> tuple[SchedulePlan, StepCall] | None:
         """Plan the next step now and send its Step, if that is safe."""
@@ -391,13 +396,18 @@ class Engine:
                 num_prompt_tokens += min(start + k, seq.prompt_len) - start
         self.num_prompt_tokens += num_prompt_tokens
 
-    def _sample_and_update(self, logits: Tensor, seqs: list[Seq]) -> list[SeqOutput]:
+    def _sample_and_update(
+        self, logits: Tensor, seqs: list[Seq], rows: list[int] | None = None
+    ) -> list[SeqOutput]:
         """Sample the next token of each of ``seqs`` (and the first token of the other
         samples of an n > 1 request whose prompt just finished), append it, emit it, and
-        retire what finished."""
+        retire what finished. ``rows``: the logits row of each of ``seqs`` (default: in
+        order)."""
         params, states, targets, row_logits = sampling_rows(
             seqs, self._forks_now, self.generators, self.settings.eos_token_ids
         )
+        if rows is not None:
+            row_logits = rows if row_logits is None else [rows[r] for r in row_logits]
         if row_logits is not None:
             logits = logits[torch.tensor(row_logits, device=logits.device)]
         result = self.sampler(logits, params, states)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.executor.forward_batch import SeqChunk
+from services.executor.forward_batch import BatchBuilder, PreparedForward, SeqChunk
 
 VOCAB = 101
 
@@ -71,4 +71,47 @@ class FakePagedRunner:
                 logits = torch.full((VOCAB,), -1e4)
                 logits[next_token([*context, *c.token_ids])] = 0.0  # type: ignore[list-item]
                 rows.append(logits)
+        return torch.stack(rows) if rows else torch.empty(0, VOCAB)
+
+
+class PreparingFakeRunner(FakePagedRunner):
+    """The fake runner in two halves, as ``ModelRunner``: ``prepare`` builds the real packed
+    host batch, ``launch`` runs from that batch alone (after the engine completed it), so a
+    wrong token, position, slot or logits row there shows up as here. A row whose slots are
+    all -1 (a sequence that ended after the batch was built) writes nothing and gets
+    all-equal logits."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size)
+        self.builder = BatchBuilder(block_size, "cpu", num_blocks=num_blocks, vocab_size=VOCAB)
+
+    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        return self.launch(self.prepare(chunks))
+
+    def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedForward:
+        return PreparedForward(self.builder.build_host(chunks), None, len(chunks))
+
+    def launch(self, prepared: PreparedForward) -> torch.Tensor:
+        batch = self.builder.upload(prepared.host)
+        ids, pos, slots = batch.input_ids.tolist(), batch.positions.tolist(), batch.slot_mapping
+        qsl, tables = batch.query_start_loc.tolist(), batch.block_tables.tolist()
+        logit_rows = set(batch.logits_indices.tolist())
+        rows, call = [], []
+        for b in range(batch.num_seqs):
+            s, e = qsl[b], qsl[b + 1]
+            start, table = pos[s], tables[b]
+            dead = bool((slots[s:e] == -1).all())
+            logits = torch.full((VOCAB,), -1e4)
+            if not dead:
+                call.append((start, e - s))
+                for i in range(s, e):
+                    assert int(slots[i]) == self._slot(table, pos[i]), "slot != table / position"
+                context = [self.cache.get(self._slot(table, p)) for p in range(start)]
+                assert None not in context, "context slot never written"
+                for i in range(s, e):
+                    self.cache[int(slots[i])] = ids[i]
+                logits[next_token([*context, *ids[s:e]])] = 0.0  # type: ignore[list-item]
+            if e - 1 in logit_rows:
+                rows.append(logits)
+        self.calls.append(call)
         return torch.stack(rows) if rows else torch.empty(0, VOCAB)

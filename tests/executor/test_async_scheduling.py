@@ -37,9 +37,10 @@ def _decode_workload(engine: Engine, num: int = 6, max_tokens: int = 14) -> dict
     return prompts
 
 
-def test_steady_decode_runs_the_same_forwards_as_sync_with_every_step_sent_ahead():
+@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+def test_steady_decode_runs_the_same_forwards_as_sync_with_every_step_sent_ahead(preparing):
     sync, sync_runner, _ = make_engine(budget=64)
-    fast, fast_runner, client = make_engine(budget=64, async_scheduling=True)
+    fast, fast_runner, client = make_engine(budget=64, async_scheduling=True, preparing=preparing)
     prompts = _decode_workload(sync)
     _decode_workload(fast)
     want, got = run(sync), run(fast)
@@ -53,12 +54,13 @@ def test_steady_decode_runs_the_same_forwards_as_sync_with_every_step_sent_ahead
 
 
 @pytest.mark.parametrize("seed", [7, 8, 9])
-def test_random_workload_with_aborts_and_samples_matches_the_reference(seed):
+@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+def test_random_workload_with_aborts_and_samples_matches_the_reference(seed, preparing):
     """Arrivals, priorities, n > 1, stop tokens, aborts and a pool small enough to preempt:
     every sample is the reference's continuation (cut at its abort), with one final each."""
     rng = random.Random(seed)
     engine, _runner, client = make_engine(
-        num_blocks=18, budget=24, max_num_seqs=6, async_scheduling=True
+        num_blocks=18, budget=24, max_num_seqs=6, async_scheduling=True, preparing=preparing
     )
     expected: dict[tuple[str, int], list[int]] = {}
     got: dict[tuple[str, int], list[int]] = {}
@@ -100,10 +102,11 @@ def test_random_workload_with_aborts_and_samples_matches_the_reference(seed):
     assert_no_leak(engine, client)
 
 
-def test_samples_forking_after_a_one_token_prompt_chunk_are_planned_after_sampling():
+@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+def test_samples_forking_after_a_one_token_prompt_chunk_are_planned_after_sampling(preparing):
     """A prefix hit can leave a prompt with one token to compute: that chunk looks like a
     decode, but its samples fork when it is sampled, so the next step is not planned ahead."""
-    engine, runner, client = make_engine(async_scheduling=True)
+    engine, runner, client = make_engine(async_scheduling=True, preparing=preparing)
     p = prompt(2 * 4 + 1, 5)  # two full blocks cached, then one token
     engine.add_request(RequestKey(0, "warm"), p, greedy(1))
     run(engine)
@@ -118,8 +121,9 @@ def test_samples_forking_after_a_one_token_prompt_chunk_are_planned_after_sampli
     assert_no_leak(engine, client)
 
 
-def test_abort_between_steps_gives_back_the_slot_granted_ahead():
-    engine, _runner, client = make_engine(async_scheduling=True)
+@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+def test_abort_between_steps_gives_back_the_slot_granted_ahead(preparing):
+    engine, _runner, client = make_engine(async_scheduling=True, preparing=preparing)
     prompts = _decode_workload(engine, num=3, max_tokens=20)
     early: list[SeqOutput] = []
     while engine.num_steps_ahead < 3:
@@ -171,9 +175,12 @@ class _Answered:
 
 @pytest.mark.parametrize("fault", ["unreachable", "answer_lost", "contradicting"])
 @pytest.mark.parametrize("at", [1, 4])
-def test_a_failed_step_sent_ahead_rebuilds_the_pool_without_losing_a_token(fault, at):
+@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+def test_a_failed_step_sent_ahead_rebuilds_the_pool_without_losing_a_token(fault, at, preparing):
     client = FaultAhead(fault, at)
-    engine, _runner, _ = make_engine(budget=64, async_scheduling=True, client=client)
+    engine, _runner, _ = make_engine(
+        budget=64, async_scheduling=True, preparing=preparing, client=client
+    )
     prompts = _decode_workload(engine)
     outs = run(engine)
     for req_id, p in prompts.items():
@@ -188,9 +195,12 @@ def test_a_failed_step_sent_ahead_rebuilds_the_pool_without_losing_a_token(fault
 
 
 @pytest.mark.parametrize("at", [1, 4])
-def test_a_grow_refused_ahead_preempts_that_sequence_as_a_sync_step_would(at):
+@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+def test_a_grow_refused_ahead_preempts_that_sequence_as_a_sync_step_would(at, preparing):
     client = FaultAhead("refused", at)
-    engine, _runner, _ = make_engine(budget=64, async_scheduling=True, client=client)
+    engine, _runner, _ = make_engine(
+        budget=64, async_scheduling=True, preparing=preparing, client=client
+    )
     prompts = _decode_workload(engine)
     outs = run(engine)
     for req_id, p in prompts.items():
@@ -211,10 +221,13 @@ def test_an_error_that_is_not_an_outage_is_raised_not_retried():
         run(engine)
 
 
-def test_arrivals_are_admitted_in_steps_planned_ahead():
+@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+def test_arrivals_are_admitted_in_steps_planned_ahead(preparing):
     """Requests arriving every step while others decode: admissions ride in the Steps sent
     ahead, so nearly every step overlaps its round trip, and every output is exact."""
-    engine, runner, client = make_engine(num_blocks=128, budget=48, async_scheduling=True)
+    engine, runner, client = make_engine(
+        num_blocks=128, budget=48, async_scheduling=True, preparing=preparing
+    )
     expected: dict[str, list[int]] = {}
     got: dict[str, list[int]] = {}
     for step in range(400):
@@ -232,8 +245,9 @@ def test_arrivals_are_admitted_in_steps_planned_ahead():
     assert_no_leak(engine, client)
 
 
-def test_aborting_a_request_admitted_ahead_frees_what_it_was_granted():
-    engine, _runner, client = make_engine(async_scheduling=True)
+@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+def test_aborting_a_request_admitted_ahead_frees_what_it_was_granted(preparing):
+    engine, _runner, client = make_engine(async_scheduling=True, preparing=preparing)
     engine.add_request(RequestKey(0, "a"), prompt(6, 0), greedy(10))
     early = engine.step()
     engine.add_request(RequestKey(0, "b"), prompt(9, 1), greedy(10))
@@ -247,11 +261,12 @@ def test_aborting_a_request_admitted_ahead_frees_what_it_was_granted():
     assert_no_leak(engine, client)
 
 
-def test_chunked_prefills_are_planned_ahead_with_the_same_chunks_as_sync():
+@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+def test_chunked_prefills_are_planned_ahead_with_the_same_chunks_as_sync(preparing):
     """Prompts longer than the token budget: every chunk after the first step is planned
     ahead, and the chunks are exactly those the synchronous engine computes."""
     sync, sync_runner, _ = make_engine(budget=8)
-    fast, fast_runner, client = make_engine(budget=8, async_scheduling=True)
+    fast, fast_runner, client = make_engine(budget=8, async_scheduling=True, preparing=preparing)
     prompts = {"long": prompt(30, 1), "mid": prompt(20, 2), "short": prompt(3, 3)}
     for engine in (sync, fast):
         for req_id, p in prompts.items():
@@ -266,11 +281,12 @@ def test_chunked_prefills_are_planned_ahead_with_the_same_chunks_as_sync():
     assert_no_leak(fast, client)
 
 
-def test_a_forward_that_raises_with_a_step_ahead_marks_the_pool_for_a_rebuild():
+@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+def test_a_forward_that_raises_with_a_step_ahead_marks_the_pool_for_a_rebuild(preparing):
     """A failed forward ends the engine loop (the executor exits); the Step sent ahead may
     have been applied though its answer is never taken, so the link is left needing a
     rebuild: nothing would trust the pool again without restoring it first."""
-    engine, runner, _client = make_engine(budget=64, async_scheduling=True)
+    engine, runner, _client = make_engine(budget=64, async_scheduling=True, preparing=preparing)
     _decode_workload(engine)
     while engine.num_steps_ahead < 3:
         engine.step()
@@ -279,7 +295,28 @@ def test_a_forward_that_raises_with_a_step_ahead_marks_the_pool_for_a_rebuild():
     def fails(chunks):
         raise RuntimeError("device error")
 
-    runner.execute = fails
+    runner.execute = runner.launch = fails  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="device error"):
         engine.step()
     assert not engine.link.can_send_ahead
+
+
+def test_a_built_batch_whose_sampled_rows_all_ended_runs_its_prefill_chunk_alone():
+    """The batch built ahead holds a decode and a chunk of a long prompt; the decoding
+    request is aborted before it runs: its row writes nothing, no logits row is left to
+    sample, and the prompt goes on (a crash once, indexing logits with an empty index)."""
+    engine, _runner, client = make_engine(budget=8, async_scheduling=True, preparing=True)
+    engine.add_request(RequestKey(0, "a"), prompt(5, 0), greedy(30))
+    early = engine.step() + engine.step() + engine.step()
+    engine.add_request(RequestKey(0, "b"), prompt(40, 1), greedy(3))
+    while not (
+        engine._batch_ahead is not None
+        and [c.need_logits for c in engine._batch_ahead.chunks] == [True, False]
+    ):
+        early += engine.step()
+    assert engine.abort_request(RequestKey(0, "a"))
+    outs = _collect(run(engine), early)
+    assert outs[("a", 0)][-1].finish_reason is FinishReason.ABORT
+    assert tokens(outs[("b", 0)]) == reference_tokens(prompt(40, 1), 3)
+    assert engine.num_batches_prepared > 0
+    assert_no_leak(engine, client)

@@ -19,7 +19,7 @@ from services.executor.scheduler import SchedulerConfig
 from services.executor.sequence import FinishReason, RequestKey
 from services.executor.settings import EngineSettings
 
-from .fake_runner import VOCAB, FakePagedRunner, reference_tokens
+from .fake_runner import VOCAB, FakePagedRunner, PreparingFakeRunner, reference_tokens
 
 BS = 4
 
@@ -35,8 +35,9 @@ def make_engine(
     watermark: int = 0,
     async_scheduling: bool = False,
     client: Any = None,
+    preparing: bool = False,
 ) -> tuple[Engine, FakePagedRunner, InProcessClient]:
-    runner = FakePagedRunner(num_blocks, BS)
+    runner = (PreparingFakeRunner if preparing else FakePagedRunner)(num_blocks, BS)
     client = client or InProcessClient()
     settings = EngineSettings(
         max_model_len=max_model_len,
