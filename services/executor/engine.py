@@ -257,7 +257,11 @@ class Engine:
             self._prepared = self._prepare(self._batch_ahead)  # overlaps the device's forward
         if sampled:
             assert logits is not None
-            outputs.extend(self._sample_and_update(logits, sampled, rows))
+            try:
+                outputs.extend(self._sample_and_update(logits, sampled, rows))
+            except BaseException:
+                self._prepared = None  # its placeholders would never be filled in
+                raise
         if rejected is not None:  # after sampling: it may retire sequences sampled above
             self._distrust(*rejected)
             outputs.extend(self._take_pending())
