@@ -55,7 +55,7 @@ class NullRunner:
         return self.launch(self.prepare(chunks))
 
     def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedForward:
-        return PreparedForward(self.builder.build_host(chunks), None, len(chunks))
+        return self.builder.prepare(chunks)
 
     def launch(self, prepared: PreparedForward) -> torch.Tensor:
         batch = self.builder.upload(prepared.host)

@@ -179,6 +179,10 @@ class BatchBuilder:
         self.vocab_size = vocab_size
         self._staging = _PinnedStaging() if self.device.type == "cuda" else None
 
+    def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedForward:
+        """``chunks`` built on the host for an eager forward, to be uploaded later."""
+        return PreparedForward(self.build_host(chunks), None, len(chunks))
+
     def build(self, chunks: Sequence[SeqChunk]) -> ForwardBatch:
         """Flatten ``chunks`` (in order) into a :class:`ForwardBatch` on the device."""
         host = self.build_host(chunks)

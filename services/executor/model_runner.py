@@ -192,11 +192,9 @@ class ModelRunner:
         graphs = self.graphs
         size = graphs.bucket(chunks) if graphs is not None else None
         if size is None:
-            host = self.builder.build_host(chunks)
-        else:
-            assert graphs is not None
-            host = graphs.host_batch(chunks, size)
-        return PreparedForward(host, size, len(chunks))
+            return self.builder.prepare(chunks)
+        assert graphs is not None
+        return PreparedForward(graphs.host_batch(chunks, size), size, len(chunks))
 
     @torch.inference_mode()
     def launch(self, prepared: PreparedForward) -> Tensor:

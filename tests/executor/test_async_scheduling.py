@@ -173,10 +173,9 @@ class _Answered:
         self.result = answer
 
 
-@pytest.mark.parametrize("fault", ["unreachable", "answer_lost", "contradicting"])
-@pytest.mark.parametrize("at", [1, 4])
-@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
-def test_a_failed_step_sent_ahead_rebuilds_the_pool_without_losing_a_token(fault, at, preparing):
+def _run_with_fault(fault: str, at: int, preparing: bool) -> tuple[Engine, FaultAhead, dict, dict]:
+    """The decode workload with its ``at``-th Step sent ahead spoiled by ``fault``; every
+    sample checked against the reference."""
     client = FaultAhead(fault, at)
     engine, _runner, _ = make_engine(
         budget=64, async_scheduling=True, preparing=preparing, client=client
@@ -185,6 +184,15 @@ def test_a_failed_step_sent_ahead_rebuilds_the_pool_without_losing_a_token(fault
     outs = run(engine)
     for req_id, p in prompts.items():
         assert tokens(outs[(req_id, 0)]) == reference_tokens(p, 14), req_id
+    return engine, client, prompts, outs
+
+
+@pytest.mark.parametrize("fault", ["unreachable", "answer_lost", "contradicting"])
+@pytest.mark.parametrize("at", [1, 4])
+@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+def test_a_failed_step_sent_ahead_rebuilds_the_pool_without_losing_a_token(fault, at, preparing):
+    engine, client, prompts, outs = _run_with_fault(fault, at, preparing)
+    for req_id in prompts:
         assert [o.finish_reason for o in outs[(req_id, 0)] if o.finish_reason] == [
             FinishReason.LENGTH
         ]
@@ -197,14 +205,7 @@ def test_a_failed_step_sent_ahead_rebuilds_the_pool_without_losing_a_token(fault
 @pytest.mark.parametrize("at", [1, 4])
 @pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
 def test_a_grow_refused_ahead_preempts_that_sequence_as_a_sync_step_would(at, preparing):
-    client = FaultAhead("refused", at)
-    engine, _runner, _ = make_engine(
-        budget=64, async_scheduling=True, preparing=preparing, client=client
-    )
-    prompts = _decode_workload(engine)
-    outs = run(engine)
-    for req_id, p in prompts.items():
-        assert tokens(outs[(req_id, 0)]) == reference_tokens(p, 14), req_id
+    engine, client, _prompts, _outs = _run_with_fault("refused", at, preparing)
     assert engine.scheduler.num_preemptions == 1
     assert engine.link.num_recoveries == 0 and engine.num_bad_answers == 0
     assert_no_leak(engine, client.inner)
