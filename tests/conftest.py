@@ -2,12 +2,18 @@
 
 Without CUDA, Triton kernels run under the interpreter: TRITON_INTERPRET must be set before
 anything imports triton, so it is set here, first.
+
+Every batch builder of the suite (and of the executor processes it starts) checks its mirrored
+block tables against the tables it is given, so a table changed other than by appending fails
+the test that did it (see services/executor/host_block_tables.py).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+
+os.environ.setdefault("PAGEDSERVE_VERIFY_BLOCK_TABLES", "1")
 
 if not shutil.which("nvidia-smi"):
     os.environ.setdefault("TRITON_INTERPRET", "1")

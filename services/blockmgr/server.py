@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-
 import grpc
 import structlog
 
@@ -13,6 +11,7 @@ from services.blockmgr.config import BlockManagerServiceConfig
 from services.blockmgr.core import BlockManagerCore
 from services.blockmgr.servicer import BlockManagerServicer
 from services.common.auth import SERVER_OPTIONS
+from services.common.gc_policy import freeze_startup_heap
 from services.common.grpc_server import (
     MalformedRequestInterceptor,
     add_health_and_reflection,
@@ -82,7 +81,7 @@ async def serve(config: BlockManagerServiceConfig) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
     server = BlockManagerServer(config)
     await server.start()
-    gc.freeze()  # start-up objects leave the collector's view: shorter gen-2 pauses per Step
+    log.info("gc_frozen", objects=freeze_startup_heap())
     await stop_event().wait()
     log.info("blockmgr_shutdown_requested")
     await server.stop()

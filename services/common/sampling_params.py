@@ -32,9 +32,14 @@ class SamplingParams:
     # Derived: no penalty reads the token history and no token is ever banned (min_tokens
     # is 0), so a row of these params needs nothing but the params themselves.
     stateless: bool = field(init=False, repr=False, compare=False)
+    # Derived: stateless, unseeded and one sample: a row needs nothing but the params and
+    # never forks (the sampler's and the engine's fast path).
+    plain: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stateless", not self.has_penalties and self.min_tokens == 0)
+        stateless = not self.has_penalties and self.min_tokens == 0
+        object.__setattr__(self, "stateless", stateless)
+        object.__setattr__(self, "plain", stateless and self.seed is None and self.n == 1)
 
     @property
     def has_penalties(self) -> bool:

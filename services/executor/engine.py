@@ -251,7 +251,7 @@ class Engine:
             raise
         t2 = time.perf_counter()
         sampled = [c.seq for c in batch.chunks if c.need_logits]
-        self.scheduler.after_forward(batch.chunks)
+        self.num_prompt_tokens += self.scheduler.after_forward(batch.chunks)
         rejected = self._receive_ahead(*ahead) if ahead is not None else None
         if self._prepares and self._batch_ahead is not None and self._batch_ahead.chunks:
             self._prepared = self._prepare(self._batch_ahead)  # overlaps the device's forward
@@ -321,7 +321,6 @@ class Engine:
         the device here, before the work meant to overlap it)."""
         assert isinstance(self.runner, PreparingRunner)
         self.num_batches_prepared += 1
-        self._count_prompt_tokens(batch)
         logits = self.runner.launch(prepared.forward)
         if len(batch.chunks) == len(prepared.chunks):
             return logits, None
@@ -389,16 +388,7 @@ class Engine:
             start = seq.num_computed_tokens
             tokens = seq.token_ids[start : start + k]
             append(new(SeqChunk, (tokens, start, seq.block_table, need_logits)))
-        self._count_prompt_tokens(batch)
         return self.runner.execute(seq_chunks)
-
-    def _count_prompt_tokens(self, batch: ScheduledBatch) -> None:
-        num_prompt_tokens = 0
-        for seq, k, _ in batch.chunks:
-            start = seq.num_computed_tokens
-            if start < seq.prompt_len:
-                num_prompt_tokens += min(start + k, seq.prompt_len) - start
-        self.num_prompt_tokens += num_prompt_tokens
 
     def _sample_and_update(
         self, logits: Tensor, seqs: list[Seq], rows: list[int] | None = None
@@ -417,8 +407,9 @@ class Engine:
         result = self.sampler(logits, params, states)
 
         outs: list[SeqOutput] = []
-        emitted: list[Seq] = []
+        emitted: list[Seq] = []  # settled after the loop when samples fork now
         children: dict[int, list[Seq]] = {}
+        settle_now = row_logits is None  # nothing forks: settle each sample as it is emitted
         for (seq, child_index), token, lp in zip(
             targets, result.token_ids, result.logprobs, strict=True
         ):
@@ -433,19 +424,35 @@ class Engine:
             if lp is not None:
                 out.logprobs = (TokenLogprob(token, lp[0], tuple(lp[1])),)
             outs.append(out)
-            emitted.append(seq)
+            if settle_now:
+                self._settle(seq, out)
+            else:
+                emitted.append(seq)
         self.num_generation_tokens += len(outs)
         if children:
             self._join_children(seqs, children)
-        for seq, out in zip(emitted, outs, strict=True):
-            if seq.params.n > 1:
-                req = self.requests.get(seq.req_id)
-                if req is not None and seq.index in req.pending_aborts:
-                    req.pending_aborts.discard(seq.index)  # aborted before it existed
-                    self._retire(seq, FinishReason.ABORT, out=out)
-                    continue
-            self._check_finish(seq, out)
+        if not settle_now:
+            for seq, out in zip(emitted, outs, strict=True):
+                self._settle(seq, out)
         return outs
+
+    def _settle(self, seq: Seq, out: SeqOutput) -> None:
+        """After ``seq``'s new token is in ``out``: retire it if it was aborted before it was
+        forked, or if that token ends it."""
+        if seq.params.n > 1:
+            req = self.requests.get(seq.req_id)
+            if req is not None and seq.index in req.pending_aborts:
+                req.pending_aborts.discard(seq.index)  # aborted before it existed
+                self._retire(seq, FinishReason.ABORT, out=out)
+                return
+        p, tokens = seq.params, seq.token_ids
+        token, num_output = tokens[-1], len(tokens) - seq.prompt_len
+        if (
+            (token in self._eos and not p.ignore_eos) or token in p.stop_token_ids
+        ) and num_output >= p.min_tokens:
+            self._retire(seq, FinishReason.STOP, token, out)
+        elif num_output >= p.max_tokens or len(tokens) >= self.settings.max_model_len:
+            self._retire(seq, FinishReason.LENGTH, out=out)
 
     def _forks_now(self, seq: Seq) -> bool:
         """Whether ``seq`` is the parent of an n > 1 request whose other samples do not exist
@@ -473,16 +480,6 @@ class Engine:
         )
         self.generators.rename((parent.seq_id, index), child.seq_id)
         return child
-
-    def _check_finish(self, seq: Seq, out: SeqOutput) -> None:
-        p, tokens = seq.params, seq.token_ids
-        token, num_output = tokens[-1], len(tokens) - seq.prompt_len
-        if (
-            (token in self._eos and not p.ignore_eos) or token in p.stop_token_ids
-        ) and num_output >= p.min_tokens:
-            self._retire(seq, FinishReason.STOP, token, out)
-        elif num_output >= p.max_tokens or len(tokens) >= self.settings.max_model_len:
-            self._retire(seq, FinishReason.LENGTH, out=out)
 
 
 def _usage(seq: Seq) -> Usage:

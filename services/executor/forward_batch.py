@@ -9,14 +9,15 @@ tokens and context live. This is the only layout the model and the kernels see.
 from __future__ import annotations
 
 import itertools
-import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from services.executor.host_block_tables import HostBlockTables
 
 __all__ = [
     "BatchBuilder",
@@ -36,8 +37,11 @@ class SeqChunk(NamedTuple):
     num_computed_tokens + len(token_ids) - 1``. The first ``num_computed_tokens`` tokens'
     K/V are already in the cache (an earlier step, or blocks shared through the prefix cache).
     ``block_table`` maps the sequence's logical blocks to physical block ids and must cover
-    every position up to the last new token. ``need_logits``: return the logits of the
-    last token of the chunk (false for a prefill chunk that does not end the prompt).
+    every position up to the last new token. It is mirrored across steps by identity: **a
+    table passed again as the same object must only have been appended to** (any other
+    change comes as a new list; see :mod:`.host_block_tables`). ``need_logits``: return the
+    logits of the last token of the chunk (false for a prefill chunk that does not end the
+    prompt).
     """
 
     token_ids: Sequence[int]
@@ -178,6 +182,7 @@ class BatchBuilder:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self._staging = _PinnedStaging() if self.device.type == "cuda" else None
+        self._tables = HostBlockTables(num_blocks=num_blocks)
 
     def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedForward:
         """``chunks`` built on the host for an eager forward, to be uploaded later."""
@@ -278,8 +283,8 @@ class BatchBuilder:
 
         packed64 = np.empty(sum(layout.sizes64), np.int64)
         packed32 = np.empty(sum(layout.sizes32), np.int32)
-        ids, pos, slots, logits_idx = np.split(packed64, np.cumsum(layout.sizes64)[:-1])
-        tables_flat, qsl, lens = np.split(packed32, np.cumsum(layout.sizes32)[:-1])
+        ids, pos, slots, logits_idx = _split(packed64, layout.sizes64)
+        tables_flat, qsl, lens = _split(packed32, layout.sizes32)
 
         ids[num_real_tokens:] = 0
         ids[:num_real_tokens] = np.fromiter(
@@ -293,21 +298,15 @@ class BatchBuilder:
                 )
 
         tables = tables_flat.reshape(num_seqs, width)
-        tables.fill(0)
-        if (table_lens == blocks_needed[:num_real]).all():  # the usual case: no truncation
-            used_tables: Iterable[Sequence[int]] = table_col
-        else:
-            used_tables = map(
-                operator.getitem, table_col, map(slice, blocks_needed[:num_real].tolist())
-            )
-        used_ids = np.fromiter(
-            itertools.chain.from_iterable(used_tables), np.int64, int(blocks_needed.sum())
-        )
-        if self.num_blocks is not None and ((used_ids <= 0) | (used_ids >= self.num_blocks)).any():
-            bad_id = int(used_ids[(used_ids <= 0) | (used_ids >= self.num_blocks)][0])
-            raise ValueError(f"block id {bad_id} outside [1, {self.num_blocks})")
-        used = np.arange(width)[None, :] < blocks_needed[:, None]  # [B, width] bool
-        tables[used] = used_ids  # row-major fill = concatenation order
+        if num_real:
+            store = self._tables
+            rows = store.rows(table_col, table_lens)
+            w = min(width, store.width)
+            tables[:num_real, :w] = store.ids[rows, :w]  # zero past each table's end
+            tables[:num_real, w:] = 0
+            if (table_lens > blocks_needed[:num_real]).any():  # blocks this step does not touch
+                tables[:num_real][np.arange(width)[None, :] >= blocks_needed[:num_real, None]] = 0
+        tables[num_real:] = 0
 
         # Per-token positions and cache slots; padding tokens write nowhere (slot -1).
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)  # [T]
@@ -319,6 +318,15 @@ class BatchBuilder:
         qsl[:] = query_start_loc
         lens[:] = seq_lens
         return HostBatch(layout, packed64, packed32, int(q_lens.max()), int(seq_lens.max()))
+
+
+def _split(buf: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+    """Consecutive views of ``buf`` of the given sizes (``np.split`` costs 15 us)."""
+    views, start = [], 0
+    for size in sizes:
+        views.append(buf[start : start + size])
+        start += size
+    return views
 
 
 class _PinnedStaging:

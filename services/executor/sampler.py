@@ -10,6 +10,8 @@ generator, so its tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -20,6 +22,8 @@ from services.common.sampling_params import SamplingParams
 from services.executor.sequence import Sequence
 
 _NEG_INF = float("-inf")
+_PARAMS = operator.attrgetter("params")
+_PLAIN = operator.attrgetter("plain")
 _GOLDEN = 0x9E3779B97F4A7C15
 
 GeneratorKey = Hashable
@@ -99,8 +103,10 @@ def sampling_rows(
     its state where it needs one, what it produces (``(seq, 0)``: seq's next token;
     ``(parent, i)``: the first token of sample ``i`` of an n > 1 request whose prompt just
     finished, ``forks_now(parent)``), and which logits row it reads (None: row ``i``)."""
+    params = list(map(_PARAMS, seqs))
+    if all(map(_PLAIN, params)):  # the common case, in C: no state, no fork
+        return params, {}, list(zip(seqs, itertools.repeat(0))), None
     if all(seq.params.n == 1 or not forks_now(seq) for seq in seqs):
-        params = [seq.params for seq in seqs]
         states: dict[int, RowState] = {}
         for i, p in enumerate(params):
             if not p.stateless or p.seed is not None:
@@ -158,7 +164,7 @@ class Sampler:
             bi = torch.tensor(banned, dtype=torch.long, device=dev)
             logits[bi[:, 0], bi[:, 1]] = _NEG_INF
 
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = _argmax(logits)
         if all(p.temperature == 0 for p in params):
             tokens = greedy_tokens
         else:
@@ -236,7 +242,7 @@ class Sampler:
             q.exponential_(generator=self.generator)
         for i, generator in seeded:
             q[i].exponential_(generator=generator)
-        sampled = (probs / q).argmax(dim=-1)
+        sampled = _argmax(probs / q)
         return torch.where(greedy_mask, greedy_tokens, sampled)
 
     @staticmethod
@@ -261,6 +267,14 @@ class Sampler:
             top = list(zip(top_ids[i][:k], top_vals[i][:k], strict=True)) if k else []
             out.append((chosen[i], top))
         return out
+
+
+def _argmax(x: Tensor) -> Tensor:
+    """Row-wise argmax (the first maximum, as ``torch.argmax``). On the CPU through numpy:
+    torch's CPU argmax is 8-10x slower (256 x 32,000 float32: 11 ms against 1.1 ms)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
 
 
 def _flatten(lists: dict[int, list[int]], device: torch.device) -> tuple[Tensor, Tensor]:

@@ -224,24 +224,30 @@ class Scheduler:
 
         # Decodes first, then prefill chunks of running sequences, in priority order.
         bs, refs, grows, grow_blocks = cfg.block_size, self.refs, plan.grows, plan.grow_blocks
-        for decode_pass in (True, False):
-            for seq in list(self.running):
-                if seq.status is not SeqStatus.RUNNING or seq.seq_id in scheduled:
-                    continue
-                computed = seq.num_computed_tokens
-                remaining = len(seq.token_ids) - computed
-                if (remaining == 1) != decode_pass or budget <= 0:
-                    continue
-                if remaining == 1 and computed % bs and refs[seq.block_table[-1]] == 1:
-                    # The common decode: room in a last block no one else holds.
-                    scheduled.add(seq.seq_id)
-                    grows.append((seq, 1))
-                    grow_blocks.append(0)
-                    budget -= 1
-                    continue
-                k = min(remaining, budget)
-                if schedule(seq, k):
-                    budget -= k
+        running = SeqStatus.RUNNING
+        prefills: list[Sequence] = []  # (planning only removes from ``running``)
+        for seq in list(self.running):
+            if seq.status is not running or seq.seq_id in scheduled:
+                continue
+            computed = seq.num_computed_tokens
+            if len(seq.token_ids) - computed != 1:
+                prefills.append(seq)
+            elif budget <= 0:
+                continue
+            elif computed % bs and refs[seq.block_table[-1]] == 1:
+                # The common decode: room in a last block no one else holds.
+                scheduled.add(seq.seq_id)
+                grows.append((seq, 1))
+                grow_blocks.append(0)
+                budget -= 1
+            elif schedule(seq, 1):
+                budget -= 1
+        for seq in prefills:
+            if seq.status is not running or seq.seq_id in scheduled or budget <= 0:
+                continue
+            k = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if schedule(seq, k):
+                budget -= k
 
         # Children preempted while planning cancelled their own forks.
         plan.forks = list(self._forks.values())
@@ -474,7 +480,11 @@ class Scheduler:
             failed = self._apply_grow_statuses(plan, seqs, grow)
         for copy in grow.copies:
             seq = seqs[copy.entry]
-            seq.block_table[copy.block_index] = copy.dst
+            # A new list, never an edit in place: runners mirror tables that only grow
+            # (see forward_batch.SeqChunk).
+            table = list(seq.block_table)
+            table[copy.block_index] = copy.dst
+            seq.block_table = table
             refs[copy.dst] += 1
             copies.append((copy.src, copy.dst))
         for seq in seqs:
@@ -586,20 +596,23 @@ class Scheduler:
 
     # ---- after the forward ----------------------------------------------------------------
 
-    def after_forward(self, chunks: Iterable[ScheduledChunk]) -> None:
-        """Advance computed counts and queue commits of newly full blocks for the next step."""
-        bs = self.config.block_size
-        for chunk in chunks:
-            seq = chunk.seq
-            seq.num_computed_tokens += chunk.num_new_tokens
+    def after_forward(self, chunks: Iterable[ScheduledChunk]) -> int:
+        """Advance computed counts and queue commits of newly full blocks for the next step.
+        Returns the number of prompt tokens the chunks computed (recomputation included)."""
+        bs, caching = self.config.block_size, self.config.enable_prefix_caching
+        num_prompt_tokens = 0
+        for seq, k, _ in chunks:
+            start = seq.num_computed_tokens
+            if start < seq.prompt_len:
+                num_prompt_tokens += min(start + k, seq.prompt_len) - start
+            seq.num_computed_tokens = computed = start + k
             seq.num_ahead_slots = 0
-            if not self.config.enable_prefix_caching:
-                continue
-            full = seq.num_computed_tokens // bs
-            if full > seq.num_committed_blocks:
+            if caching and computed // bs > seq.num_committed_blocks:
+                full = computed // bs
                 hashes = seq.full_block_hashes(bs)[seq.num_committed_blocks : full]
                 self._commits.append(Commit(seq.seq_id, seq.num_committed_blocks, tuple(hashes)))
                 seq.num_committed_blocks = full
+        return num_prompt_tokens
 
     # ---- recovery -------------------------------------------------------------------------
 

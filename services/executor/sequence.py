@@ -47,6 +47,8 @@ class Sequence:
     cache_salt: bytes = b""
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
+    # Only ever appended to in place; any other change assigns a new list (runners mirror
+    # tables by identity: see forward_batch.SeqChunk).
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks
     num_committed_blocks: int = 0

@@ -5,13 +5,13 @@ answers."""
 from __future__ import annotations
 
 import asyncio
-import gc
 
 import grpc
 import structlog
 
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from services.common.auth import SERVER_OPTIONS
+from services.common.gc_policy import freeze_startup_heap
 from services.common.grpc_server import (
     MalformedRequestInterceptor,
     add_health_and_reflection,
@@ -84,7 +84,7 @@ async def serve(config: ExecutorConfig) -> int:
         workers.watch(on_worker_lost)
     engine_loop.start()
     servicer.ready(engine_loop, served)
-    gc.freeze()
+    log.info("gc_frozen", objects=freeze_startup_heap())
     await set_health(engine.link.healthy)
     log.info(
         "executor_ready",

@@ -328,6 +328,7 @@ def worker_main(
     """Entry point of rank ``rank`` > 0: join the groups, load this rank's shard and size
     its KV cache in step with the other ranks, then run rank 0's operations until SHUTDOWN.
     Exits 0 after SHUTDOWN, 1 after any failure (reported to rank 0 on ``errors``)."""
+    from services.common.gc_policy import freeze_startup_heap
     from services.common.logging import configure_logging
     from services.executor.loader import resolve_device
     from services.executor.model_runner import ModelRunner
@@ -345,7 +346,11 @@ def worker_main(
             rank, config.tensor_parallel_size, init_method, device, config.distributed_timeout
         )
         runner = ModelRunner.from_config(config, comm=DistComm(device), graph_backend=graph_backend)
-        wlog.info("tensor_parallel_worker_ready", num_kv_blocks=runner.num_blocks)
+        wlog.info(
+            "tensor_parallel_worker_ready",
+            num_kv_blocks=runner.num_blocks,
+            gc_frozen=freeze_startup_heap(),
+        )
         runner.serve_rank(StepChannel(control, rank))
         wlog.info("tensor_parallel_worker_stopped")
     except BaseException as exc:  # report it to rank 0, then die: rank 0 cannot go on

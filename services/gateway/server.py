@@ -5,7 +5,6 @@ endpoint."""
 from __future__ import annotations
 
 import asyncio
-import gc
 from pathlib import Path
 
 import grpc
@@ -14,6 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.common.auth import SERVER_OPTIONS, api_key_interceptor
+from services.common.gc_policy import freeze_startup_heap
 from services.common.grpc_server import (
     MalformedRequestInterceptor,
     add_health_and_reflection,
@@ -162,7 +162,7 @@ class GatewayServer:
 async def serve(config: GatewayConfig) -> int:
     server = GatewayServer(config)
     await server.start()
-    gc.freeze()
+    log.info("gc_frozen", objects=freeze_startup_heap())
     await stop_event().wait()
     log.info("gateway_shutting_down")
     await server.stop()
