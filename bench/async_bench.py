@@ -33,6 +33,7 @@ import torch
 
 from bench.host_bench import VOCAB, NullRunner
 from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
+from services.common.gc_policy import freeze_startup_heap
 from services.common.sampling_params import SamplingParams
 from services.executor.blockmgr_link import BlockManagerLink, PoolSpec
 from services.executor.engine import Engine
@@ -48,6 +49,8 @@ class DeviceRunner(NullRunner):
     """The null runner with a model of a GPU: ``launch`` returns at once and the device is
     busy ``forward_s`` from then; the first read of the logits (the sampler's copy to the
     host) waits for it, GIL free, as a CUDA synchronisation does."""
+
+    launch_returns_early = True
 
     def __init__(self, forward_s: float, *args: int) -> None:
         super().__init__(*args)
@@ -117,6 +120,7 @@ def decode_steps(
         engine.step()
     for _ in range(20):
         engine.step()
+    freeze_startup_heap()  # as every service does once it has started
     ahead0 = engine.num_steps_ahead
     times = []
     for _ in range(steps):

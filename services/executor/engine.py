@@ -53,7 +53,11 @@ MAX_BAD_ANSWERS = 2  # a sequence concerned by this many rejected answers fails
 
 
 class Runner(Protocol):
-    """What the engine needs from a model runner (``ModelRunner``, or a fake in tests)."""
+    """What the engine needs from a model runner (``ModelRunner``, or a fake in tests).
+
+    Optional: ``launch_returns_early`` (default: the device is CUDA), whether a forward
+    returns once launched, before the device is done; async scheduling then plans the next
+    step after the launch, in the device's time, rather than before it."""
 
     device: torch.device
     num_blocks: int
@@ -107,7 +111,12 @@ class Engine:
         self.scheduler = Scheduler(settings.scheduler, link.counters())
         self._batch_ahead: ScheduledBatch | None = None  # the next step's, already granted
         self._prepared: _Prepared | None = None  # and its host batch, when the runner can
-        self._prepares = settings.async_scheduling and isinstance(runner, PreparingRunner)
+        # (checked once: a runtime-checkable isinstance costs 15 us)
+        preparing = settings.async_scheduling and isinstance(runner, PreparingRunner)
+        self._preparing: PreparingRunner | None = runner if preparing else None  # type: ignore[assignment]
+        self._launch_returns_early: bool = getattr(
+            runner, "launch_returns_early", runner.device.type == "cuda"
+        )
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -236,7 +245,10 @@ class Engine:
                 return outputs + self._take_pending()
         if batch.copies:
             self.runner.copy_blocks(batch.copies)
-        ahead = self._send_ahead(batch)
+        # Plan and send the next Step while the forward runs: after the launch where it
+        # returns before the device is done (CUDA), else before it.
+        launch_first = self._launch_returns_early
+        ahead = None if launch_first else self._send_ahead(batch)
         t1 = time.perf_counter()
         rows: list[int] | None = None  # logits rows of ``sampled``, when not all rows are
         try:
@@ -250,11 +262,14 @@ class Engine:
                 self.link.invalidate()
             raise
         t2 = time.perf_counter()
+        if launch_first:
+            ahead = self._send_ahead(batch)
         sampled = [c.seq for c in batch.chunks if c.need_logits]
         self.num_prompt_tokens += self.scheduler.after_forward(batch.chunks)
         rejected = self._receive_ahead(*ahead) if ahead is not None else None
-        if self._prepares and self._batch_ahead is not None and self._batch_ahead.chunks:
-            self._prepared = self._prepare(self._batch_ahead)  # overlaps the device's forward
+        next_batch = self._batch_ahead
+        if self._preparing is not None and next_batch is not None and next_batch.chunks:
+            self._prepared = self._prepare(next_batch)  # overlaps the device's forward
         if sampled:
             assert logits is not None
             try:
@@ -287,11 +302,9 @@ class Engine:
             return None, None
         self.num_steps_ahead += 1
         if prepared is not None:
-            host = prepared.forward.host
-            for i in prepared.pending:
-                seq = prepared.chunks[i].seq
-                if seq.status is running:
-                    host.set_last_token(i, seq.token_ids[-1])
+            host, built = prepared.forward.host, prepared.chunks
+            live = [i for i in prepared.pending if built[i].seq.status is running]
+            host.set_last_tokens(live, [built[i].seq.token_ids[-1] for i in live])
             if len(chunks) < len(prepared.chunks):
                 for i, c in enumerate(prepared.chunks):
                     if c.seq.status is not running:
@@ -301,7 +314,7 @@ class Engine:
     def _prepare(self, batch: ScheduledBatch) -> _Prepared:
         """Build ``batch``'s host batch now, before this step's sampling: a chunk of a
         sequence sampled in this step gets a placeholder for that token."""
-        assert isinstance(self.runner, PreparingRunner)
+        assert self._preparing is not None
         seq_chunks: list[SeqChunk] = []
         pending: list[int] = []
         for i, (seq, k, need_logits) in enumerate(batch.chunks):
@@ -311,7 +324,7 @@ class Engine:
                 pending.append(i)
                 tokens = [0]
             seq_chunks.append(SeqChunk(tokens, start, seq.block_table, need_logits))
-        return _Prepared(self.runner.prepare(seq_chunks), batch.chunks, pending)
+        return _Prepared(self._preparing.prepare(seq_chunks), batch.chunks, pending)
 
     def _launch(
         self, prepared: _Prepared, batch: ScheduledBatch
@@ -319,9 +332,9 @@ class Engine:
         """Run a prepared batch: its logits, and the rows of the sequences still running
         (None: every row), selected only when sampling (an index built now would wait for
         the device here, before the work meant to overlap it)."""
-        assert isinstance(self.runner, PreparingRunner)
+        assert self._preparing is not None
         self.num_batches_prepared += 1
-        logits = self.runner.launch(prepared.forward)
+        logits = self._preparing.launch(prepared.forward)
         if len(batch.chunks) == len(prepared.chunks):
             return logits, None
         running, rows, row = SeqStatus.RUNNING, [], 0

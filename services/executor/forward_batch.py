@@ -124,13 +124,20 @@ class HostBatch:
     max_seq_len: int
 
     def _token_span(self, chunk: int) -> tuple[int, int]:
-        lay = self.layout
-        qsl = lay.num_seqs * lay.table_width  # query_start_loc follows the block tables
+        qsl = self._qsl_offset
         return int(self.packed32[qsl + chunk]), int(self.packed32[qsl + chunk + 1])
 
-    def set_last_token(self, chunk: int, token: int) -> None:
-        """Set the last input token of ``chunk`` (one built before that token was known)."""
-        self.packed64[self._token_span(chunk)[1] - 1] = token
+    @property
+    def _qsl_offset(self) -> int:
+        lay = self.layout
+        return lay.num_seqs * lay.table_width  # query_start_loc follows the block tables
+
+    def set_last_tokens(self, chunks: Sequence[int], tokens: Sequence[int]) -> None:
+        """Set the last input token of each of ``chunks`` (built before it was known)."""
+        if not chunks:
+            return
+        ends = self.packed32[self._qsl_offset + 1 + np.asarray(chunks, np.intp)]
+        self.packed64[ends.astype(np.intp) - 1] = tokens
 
     def write_nothing(self, chunk: int) -> None:
         """Make ``chunk`` write no K/V (its sequence ended after the batch was built): its
@@ -143,7 +150,7 @@ class HostBatch:
 @dataclass(frozen=True)
 class PreparedForward:
     """A forward whose host batch is built (``ModelRunner.prepare``) but not yet run: ``host``
-    may still be patched (:meth:`HostBatch.set_last_token`, :meth:`HostBatch.write_nothing`)
+    may still be patched (:meth:`HostBatch.set_last_tokens`, :meth:`HostBatch.write_nothing`)
     before ``ModelRunner.launch``."""
 
     host: HostBatch

@@ -314,7 +314,7 @@ class Scheduler:
                 break
             k = min(left, budget)
             table = seq.block_table
-            if table and needs_cow(slots, k, bs, refs[table[-1]]):
+            if table and refs[table[-1]] > 1 and needs_cow(slots, k, bs, refs[table[-1]]):
                 return None  # planned after sampling
             grows.append((seq, k))
             grow_blocks.append(-(-(slots + k) // bs) - len(table))
@@ -336,6 +336,8 @@ class Scheduler:
         admitted (admitting on prompt blocks alone makes the newest sequences thrash:
         admitted, preempted, recomputed, again). With nothing running no headroom is needed.
         """
+        if not self.waiting:
+            return
         cfg = self.config
         bs = cfg.block_size
         num_running = len(self.running)

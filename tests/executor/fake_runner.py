@@ -81,9 +81,12 @@ class PreparingFakeRunner(FakePagedRunner):
     all -1 (a sequence that ended after the batch was built) writes nothing and gets
     all-equal logits."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, *, launch_returns_early: bool = False
+    ) -> None:
         super().__init__(num_blocks, block_size)
         self.builder = BatchBuilder(block_size, "cpu", num_blocks=num_blocks, vocab_size=VOCAB)
+        self.launch_returns_early = launch_returns_early  # as on CUDA: plan ahead after it
 
     def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         return self.launch(self.prepare(chunks))

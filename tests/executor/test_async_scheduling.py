@@ -23,6 +23,12 @@ from services.executor.sequence import FinishReason, RequestKey
 from .fake_runner import reference_tokens
 from .test_scheduler import assert_no_leak, greedy, make_engine, prompt, run, tokens
 
+# Each async test runs with a runner that only executes, one in two halves (batches built
+# ahead), and one whose launch returns early (the next step planned after the launch).
+RUNNERS = pytest.mark.parametrize(
+    "preparing", [False, True, "launch-first"], ids=["execute", "prepared", "launch-first"]
+)
+
 
 def _collect(outs: dict, early: list[SeqOutput]) -> dict:
     for o in reversed(early):
@@ -37,7 +43,7 @@ def _decode_workload(engine: Engine, num: int = 6, max_tokens: int = 14) -> dict
     return prompts
 
 
-@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+@RUNNERS
 def test_steady_decode_runs_the_same_forwards_as_sync_with_every_step_sent_ahead(preparing):
     sync, sync_runner, _ = make_engine(budget=64)
     fast, fast_runner, client = make_engine(budget=64, async_scheduling=True, preparing=preparing)
@@ -54,7 +60,7 @@ def test_steady_decode_runs_the_same_forwards_as_sync_with_every_step_sent_ahead
 
 
 @pytest.mark.parametrize("seed", [7, 8, 9])
-@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+@RUNNERS
 def test_random_workload_with_aborts_and_samples_matches_the_reference(seed, preparing):
     """Arrivals, priorities, n > 1, stop tokens, aborts and a pool small enough to preempt:
     every sample is the reference's continuation (cut at its abort), with one final each."""
@@ -102,7 +108,7 @@ def test_random_workload_with_aborts_and_samples_matches_the_reference(seed, pre
     assert_no_leak(engine, client)
 
 
-@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+@RUNNERS
 def test_samples_forking_after_a_one_token_prompt_chunk_are_planned_after_sampling(preparing):
     """A prefix hit can leave a prompt with one token to compute: that chunk looks like a
     decode, but its samples fork when it is sampled, so the next step is not planned ahead."""
@@ -121,7 +127,7 @@ def test_samples_forking_after_a_one_token_prompt_chunk_are_planned_after_sampli
     assert_no_leak(engine, client)
 
 
-@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+@RUNNERS
 def test_abort_between_steps_gives_back_the_slot_granted_ahead(preparing):
     engine, _runner, client = make_engine(async_scheduling=True, preparing=preparing)
     prompts = _decode_workload(engine, num=3, max_tokens=20)
@@ -173,7 +179,9 @@ class _Answered:
         self.result = answer
 
 
-def _run_with_fault(fault: str, at: int, preparing: bool) -> tuple[Engine, FaultAhead, dict, dict]:
+def _run_with_fault(
+    fault: str, at: int, preparing: bool | str
+) -> tuple[Engine, FaultAhead, dict, dict]:
     """The decode workload with its ``at``-th Step sent ahead spoiled by ``fault``; every
     sample checked against the reference."""
     client = FaultAhead(fault, at)
@@ -189,7 +197,7 @@ def _run_with_fault(fault: str, at: int, preparing: bool) -> tuple[Engine, Fault
 
 @pytest.mark.parametrize("fault", ["unreachable", "answer_lost", "contradicting"])
 @pytest.mark.parametrize("at", [1, 4])
-@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+@RUNNERS
 def test_a_failed_step_sent_ahead_rebuilds_the_pool_without_losing_a_token(fault, at, preparing):
     engine, client, prompts, outs = _run_with_fault(fault, at, preparing)
     for req_id in prompts:
@@ -203,7 +211,7 @@ def test_a_failed_step_sent_ahead_rebuilds_the_pool_without_losing_a_token(fault
 
 
 @pytest.mark.parametrize("at", [1, 4])
-@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+@RUNNERS
 def test_a_grow_refused_ahead_preempts_that_sequence_as_a_sync_step_would(at, preparing):
     engine, client, _prompts, _outs = _run_with_fault("refused", at, preparing)
     assert engine.scheduler.num_preemptions == 1
@@ -222,7 +230,7 @@ def test_an_error_that_is_not_an_outage_is_raised_not_retried():
         run(engine)
 
 
-@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+@RUNNERS
 def test_arrivals_are_admitted_in_steps_planned_ahead(preparing):
     """Requests arriving every step while others decode: admissions ride in the Steps sent
     ahead, so nearly every step overlaps its round trip, and every output is exact."""
@@ -246,7 +254,7 @@ def test_arrivals_are_admitted_in_steps_planned_ahead(preparing):
     assert_no_leak(engine, client)
 
 
-@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+@RUNNERS
 def test_aborting_a_request_admitted_ahead_frees_what_it_was_granted(preparing):
     engine, _runner, client = make_engine(async_scheduling=True, preparing=preparing)
     engine.add_request(RequestKey(0, "a"), prompt(6, 0), greedy(10))
@@ -262,7 +270,7 @@ def test_aborting_a_request_admitted_ahead_frees_what_it_was_granted(preparing):
     assert_no_leak(engine, client)
 
 
-@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+@RUNNERS
 def test_chunked_prefills_are_planned_ahead_with_the_same_chunks_as_sync(preparing):
     """Prompts longer than the token budget: every chunk after the first step is planned
     ahead, and the chunks are exactly those the synchronous engine computes."""
@@ -282,11 +290,12 @@ def test_chunked_prefills_are_planned_ahead_with_the_same_chunks_as_sync(prepari
     assert_no_leak(fast, client)
 
 
-@pytest.mark.parametrize("preparing", [False, True], ids=["execute", "prepared"])
+@RUNNERS
 def test_a_forward_that_raises_with_a_step_ahead_marks_the_pool_for_a_rebuild(preparing):
     """A failed forward ends the engine loop (the executor exits); the Step sent ahead may
     have been applied though its answer is never taken, so the link is left needing a
-    rebuild: nothing would trust the pool again without restoring it first."""
+    rebuild: nothing would trust the pool again without restoring it first. A runner whose
+    launch returns early gets its next Step planned after the launch: none was sent."""
     engine, runner, _client = make_engine(budget=64, async_scheduling=True, preparing=preparing)
     _decode_workload(engine)
     while engine.num_steps_ahead < 3:
@@ -299,7 +308,7 @@ def test_a_forward_that_raises_with_a_step_ahead_marks_the_pool_for_a_rebuild(pr
     runner.execute = runner.launch = fails  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="device error"):
         engine.step()
-    assert not engine.link.can_send_ahead
+    assert engine.link.can_send_ahead == (preparing == "launch-first")
 
 
 def test_a_built_batch_whose_sampled_rows_all_ended_runs_its_prefill_chunk_alone():

@@ -45,12 +45,17 @@ def workload(llama, hf_model) -> list[tuple[list[int], int, list[int]]]:
     )
 
 
-def _engine(model: str, client: BlockManagerClient | None = None, **kw) -> Engine:
+def _engine(
+    model: str, client: BlockManagerClient | None = None, launch_first: bool = False, **kw
+) -> Engine:
+    """``launch_first``: the runner claims its launch returns before the device is done (as
+    on CUDA), so async scheduling plans the next step after the launch."""
     kw.setdefault("max_model_len", 512)
     config = ExecutorConfig(model=model, dtype="float32", device="cpu", **kw)
-    engine, _ = build_engine(
-        config, runner=ModelRunner.from_config(config), blockmgr=client or InProcessClient()
-    )
+    runner = ModelRunner.from_config(config)
+    if launch_first:
+        runner.launch_returns_early = True  # type: ignore[attr-defined]
+    engine, _ = build_engine(config, runner=runner, blockmgr=client or InProcessClient())
     return engine
 
 
@@ -90,6 +95,7 @@ CONFIGS = {
     "block_size_32": {"block_size": 32, "num_kv_blocks": 40},
     "async_scheduling": {"async_scheduling": True},
     "async_tiny_kv_cache": {"async_scheduling": True, "num_kv_blocks": 12, "max_model_len": 176},
+    "async_launch_first": {"async_scheduling": True, "launch_first": True},
 }
 
 
@@ -159,6 +165,7 @@ def test_preemption_by_recompute_keeps_outputs_identical(llama, long_workload, t
             max_model_len=240,
             max_num_batched_tokens=64,
             async_scheduling=transport == "grpc_async",
+            launch_first=transport == "grpc_async",
         )
         _assert_matches(_run_staggered(engine, long_workload, per_step=8), long_workload)
         assert engine.scheduler.num_preemptions > 0

@@ -123,8 +123,7 @@ def test_a_batch_built_before_its_last_token_is_known_is_completed_in_place():
     placeholder = [*known, SeqChunk([0], 9, [4, 5, 6], True), SeqChunk([0], 2, [7], True)]
     sampled = [*known, SeqChunk([42], 9, [4, 5, 6], True), SeqChunk([17], 2, [7], True)]
     host, want = builder.build_host(placeholder), builder.build_host(sampled)
-    host.set_last_token(2, 42)
-    host.set_last_token(3, 17)
+    host.set_last_tokens([2, 3], [42, 17])
     assert np.array_equal(host.packed64, want.packed64)
     assert np.array_equal(host.packed32, want.packed32)
 
@@ -133,5 +132,5 @@ def test_a_batch_built_before_its_last_token_is_known_is_completed_in_place():
     assert batch.slot_mapping.tolist() == [12, 13, 14, -1, 25, 30]
     assert batch.input_ids.tolist() == [7, 8, 9, 5, 42, 17]  # it still runs (logits ignored)
     padded = builder.build_host(placeholder[2:], pad_to_seqs=4, table_width=3)
-    padded.set_last_token(1, 17)
+    padded.set_last_tokens([1], [17])
     assert builder.upload(padded).input_ids.tolist() == [0, 17, 0, 0]

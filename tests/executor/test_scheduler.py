@@ -35,9 +35,16 @@ def make_engine(
     watermark: int = 0,
     async_scheduling: bool = False,
     client: Any = None,
-    preparing: bool = False,
+    preparing: bool | str = False,
 ) -> tuple[Engine, FakePagedRunner, InProcessClient]:
-    runner = (PreparingFakeRunner if preparing else FakePagedRunner)(num_blocks, BS)
+    """``preparing``: False, a runner with ``execute`` only; True, one in two halves
+    (``prepare``/``launch``); ``"launch-first"``, that one claiming its launch returns before
+    the device is done (as on CUDA), so async scheduling plans ahead after the launch."""
+    if preparing:
+        early = preparing == "launch-first"
+        runner: FakePagedRunner = PreparingFakeRunner(num_blocks, BS, launch_returns_early=early)
+    else:
+        runner = FakePagedRunner(num_blocks, BS)
     client = client or InProcessClient()
     settings = EngineSettings(
         max_model_len=max_model_len,
