@@ -221,10 +221,11 @@ class Sampler:
         greedy_mask = temps == 0
         scaled = logits / torch.where(greedy_mask, torch.ones_like(temps), temps).unsqueeze(1)
 
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
-        if bool((top_k < vocab).any() | (top_p < 1).any() | (min_p > 0).any()):
+        # Decided on the host: a device-side test would wait for the device here.
+        if any(0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0 for p in params):
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
             sorted_logits, order = scaled.sort(dim=-1, descending=True)
             ranks = torch.arange(vocab, device=dev).unsqueeze(0)
             drop = ranks >= top_k.clamp(min=1).unsqueeze(1)
