@@ -83,6 +83,8 @@ class _Prepared:
     forward: PreparedForward
     chunks: list[ScheduledChunk]  # as built; some may have ended by launch
     pending: list[int]  # chunks whose (one) token is the one sampled in this step
+    # At launch: the logits rows of the chunks still running, None if all are.
+    rows: list[int] | None = None
 
 
 class Engine:
@@ -253,7 +255,7 @@ class Engine:
         rows: list[int] | None = None  # logits rows of ``sampled``, when not all rows are
         try:
             if prepared is not None:
-                logits, rows = self._launch(prepared, batch)
+                logits, rows = self._launch(prepared)
             else:
                 logits = self._forward(batch) if batch.chunks else None
         except BaseException:
@@ -305,45 +307,32 @@ class Engine:
             host, built = prepared.forward.host, prepared.chunks
             live = [i for i in prepared.pending if built[i].seq.status is running]
             host.set_last_tokens(live, [built[i].seq.token_ids[-1] for i in live])
-            if len(chunks) < len(prepared.chunks):
-                for i, c in enumerate(prepared.chunks):
-                    if c.seq.status is not running:
+            if len(chunks) < len(built):
+                prepared.rows, row = [], 0
+                for i, c in enumerate(built):
+                    live = c.seq.status is running
+                    if not live:
                         host.write_nothing(i)
+                    if c.need_logits:
+                        if live:
+                            prepared.rows.append(row)
+                        row += 1
         return ScheduledBatch(chunks, batch.copies), prepared
 
     def _prepare(self, batch: ScheduledBatch) -> _Prepared:
         """Build ``batch``'s host batch now, before this step's sampling: a chunk of a
         sequence sampled in this step gets a placeholder for that token."""
         assert self._preparing is not None
-        seq_chunks: list[SeqChunk] = []
-        pending: list[int] = []
-        for i, (seq, k, need_logits) in enumerate(batch.chunks):
-            start = seq.num_computed_tokens
-            tokens = seq.token_ids[start : start + k]
-            if len(tokens) < k:  # k == 1: the token this step samples
-                pending.append(i)
-                tokens = [0]
-            seq_chunks.append(SeqChunk(tokens, start, seq.block_table, need_logits))
+        seq_chunks, pending = _seq_chunks(batch)
         return _Prepared(self._preparing.prepare(seq_chunks), batch.chunks, pending)
 
-    def _launch(
-        self, prepared: _Prepared, batch: ScheduledBatch
-    ) -> tuple[Tensor, list[int] | None]:
+    def _launch(self, prepared: _Prepared) -> tuple[Tensor, list[int] | None]:
         """Run a prepared batch: its logits, and the rows of the sequences still running
         (None: every row), selected only when sampling (an index built now would wait for
         the device here, before the work meant to overlap it)."""
         assert self._preparing is not None
         self.num_batches_prepared += 1
-        logits = self._preparing.launch(prepared.forward)
-        if len(batch.chunks) == len(prepared.chunks):
-            return logits, None
-        running, rows, row = SeqStatus.RUNNING, [], 0
-        for c in prepared.chunks:
-            if c.need_logits:
-                if c.seq.status is running:
-                    rows.append(row)
-                row += 1
-        return logits, rows
+        return self._preparing.launch(prepared.forward), prepared.rows
 
     def _send_ahead(self, batch: ScheduledBatch) -> tuple[SchedulePlan, StepCall] | None:
         """Plan the next step now and send its Step, if that is safe."""
@@ -395,12 +384,8 @@ class Engine:
         return pending
 
     def _forward(self, batch: ScheduledBatch) -> Tensor:
-        seq_chunks: list[SeqChunk] = []
-        append, new = seq_chunks.append, tuple.__new__  # hot: 256 decode chunks per step
-        for seq, k, need_logits in batch.chunks:
-            start = seq.num_computed_tokens
-            tokens = seq.token_ids[start : start + k]
-            append(new(SeqChunk, (tokens, start, seq.block_table, need_logits)))
+        seq_chunks, pending = _seq_chunks(batch)
+        assert not pending  # planned after sampling: every token is known
         return self.runner.execute(seq_chunks)
 
     def _sample_and_update(
@@ -493,6 +478,23 @@ class Engine:
         )
         self.generators.rename((parent.seq_id, index), child.seq_id)
         return child
+
+
+def _seq_chunks(batch: ScheduledBatch) -> tuple[list[SeqChunk], list[int]]:
+    """What the runner computes for ``batch``, and the chunks whose token is not known yet
+    (a batch built ahead: the one token its sequence samples in this step), which get a
+    placeholder."""
+    seq_chunks: list[SeqChunk] = []
+    pending: list[int] = []
+    append, new = seq_chunks.append, tuple.__new__  # hot: 256 decode chunks per step
+    for i, (seq, k, need_logits) in enumerate(batch.chunks):
+        start = seq.num_computed_tokens
+        tokens = seq.token_ids[start : start + k]
+        if len(tokens) < k:  # k == 1
+            pending.append(i)
+            tokens = [0]
+        append(new(SeqChunk, (tokens, start, seq.block_table, need_logits)))
+    return seq_chunks, pending
 
 
 def _usage(seq: Seq) -> Usage:

@@ -93,7 +93,7 @@ class HostBlockTables:
         at, n = synced[stale], lens[stale]
         if (n == at + 1).all() and int(n.max()) <= self.width:
             last = np.fromiter((tables[i][-1] for i in stale.tolist()), np.int64, stale.size)
-            if self.num_blocks is None or not ((last <= 0) | (last >= self.num_blocks)).any():
+            if self._first_bad(last) is None:
                 self.ids[rows[stale], at] = last
                 self._lens[rows[stale]] = n
                 self.num_writes += stale.size
@@ -119,17 +119,21 @@ class HostBlockTables:
             self.ids[row, n:start] = 0
             start = 0
         new = np.asarray(table[start:n], np.int64)
-        if self.num_blocks is not None and new.size:
-            bad = (new <= 0) | (new >= self.num_blocks)
-            if bad.any():
-                raise ValueError(
-                    f"chunk {index}: block id {int(new[bad][0])} outside [1, {self.num_blocks})"
-                )
+        bad = self._first_bad(new)
+        if bad is not None:
+            raise ValueError(f"chunk {index}: block id {bad} outside [1, {self.num_blocks})")
         if n > self.width:
             self._widen(n)
         self.ids[row, start:n] = new
         self._lens[row] = n
         self.num_writes += 1
+
+    def _first_bad(self, ids: np.ndarray) -> int | None:
+        """The first of ``ids`` outside ``[1, num_blocks)``, if any."""
+        if self.num_blocks is None or not ids.size:
+            return None
+        bad = (ids <= 0) | (ids >= self.num_blocks)
+        return int(ids[bad][0]) if bad.any() else None
 
     def _drop_unused(self) -> None:
         unused = np.flatnonzero(self._stamp != self._build).tolist()

@@ -314,7 +314,7 @@ class Scheduler:
                 break
             k = min(left, budget)
             table = seq.block_table
-            if table and refs[table[-1]] > 1 and needs_cow(slots, k, bs, refs[table[-1]]):
+            if table and needs_cow(slots, k, bs, refs[table[-1]]):
                 return None  # planned after sampling
             grows.append((seq, k))
             grow_blocks.append(-(-(slots + k) // bs) - len(table))
@@ -418,25 +418,16 @@ class Scheduler:
         :class:`BadAnswer` with nothing applied."""
         grow, admitted = plan.answers(result)
         self._check_answer(plan, grow, admitted)  # no copy-on-write either: one is rejected
-        refs, chunks = self.refs, []
+        failed = self._apply_grow(plan, grow, []) if grow is not None else set()
+        chunks: list[ScheduledChunk] = []
         append, new = chunks.append, tuple.__new__  # hot: every sequence, every step
-        if grow is not None:
-            all_ok = grow.statuses.count(OpStatus.OK) == len(plan.grows)
-            seqs = [s for s, _ in plan.grows]
-            failed = set() if all_ok else self._apply_grow_statuses(plan, seqs, grow)
-            for (seq, k), ids in zip(plan.grows, grow.new_block_ids, strict=True):
-                if not all_ok:  # tables already extended; refused sequences are preempted
-                    if seq.seq_id in failed:
-                        self._requeue_refused(seq)
-                        continue
-                elif ids:
-                    seq.block_table.extend(ids)
-                    for b in ids:
-                        refs[b] += 1
-                seq.num_ahead_slots = k
-                # A sequence sampled in this step lacks its token yet: its chunk samples too.
-                end = seq.num_computed_tokens + k
-                append(new(ScheduledChunk, (seq, k, end >= len(seq.token_ids))))
+        for seq, k in plan.grows:
+            if failed and seq.seq_id in failed:
+                continue
+            seq.num_ahead_slots = k
+            # A sequence sampled in this step lacks its token yet: its chunk samples too.
+            end = seq.num_computed_tokens + k
+            append(new(ScheduledChunk, (seq, k, end >= len(seq.token_ids))))
         for seq, k in self._apply_admissions(plan, admitted):
             seq.num_ahead_slots = k
             append(ScheduledChunk(seq, k, seq.num_computed_tokens + k == len(seq.token_ids)))
@@ -489,9 +480,10 @@ class Scheduler:
             seq.block_table = table
             refs[copy.dst] += 1
             copies.append((copy.src, copy.dst))
-        for seq in seqs:
-            if seq.seq_id in failed:
-                self._requeue_refused(seq)
+        if failed:
+            for seq in seqs:
+                if seq.seq_id in failed:
+                    self._requeue_refused(seq)
         return failed
 
     def _apply_grow_statuses(
