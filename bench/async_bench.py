@@ -35,13 +35,13 @@ from bench.host_bench import VOCAB, NullRunner
 from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
 from services.common.gc_policy import freeze_startup_heap
 from services.common.sampling_params import SamplingParams
-from services.executor.blockmgr_link import BlockManagerLink, PoolSpec
-from services.executor.engine import Engine
-from services.executor.forward_batch import PreparedForward
-from services.executor.sampler import Sampler
-from services.executor.scheduler import SchedulerConfig
-from services.executor.sequence import RequestKey
-from services.executor.settings import EngineSettings
+from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
+from services.executor.core.config import EngineSettings
+from services.executor.core.engine import Engine
+from services.executor.core.sampler import Sampler
+from services.executor.core.scheduler import SchedulerConfig
+from services.executor.core.sequence import RequestKey
+from services.executor.model.forward_batch import PreparedForward
 from tests.procs import ServiceProcess
 
 

@@ -70,12 +70,12 @@ from pagedserve.tools.tiny_model import write_tiny_model  # noqa: E402
 from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient  # noqa: E402
 from services.common.logging import configure_logging  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
-from services.executor.config import ExecutorConfig  # noqa: E402
-from services.executor.engine import Engine  # noqa: E402
-from services.executor.forward_batch import PreparedForward, SeqChunk  # noqa: E402
-from services.executor.model_runner import ModelRunner  # noqa: E402
-from services.executor.sequence import RequestKey  # noqa: E402
-from services.executor.startup import build_engine  # noqa: E402
+from services.executor.core.engine import Engine  # noqa: E402
+from services.executor.core.sequence import RequestKey  # noqa: E402
+from services.executor.model.forward_batch import PreparedForward, SeqChunk  # noqa: E402
+from services.executor.model.runner import ModelRunner  # noqa: E402
+from services.executor.service.config import ExecutorConfig  # noqa: E402
+from services.executor.service.startup import build_engine  # noqa: E402
 
 BOS_ID = 1  # the tiny tokenizer's <s>; prompts start with it, as a tokenizer would do
 FIRST_ORDINARY_ID = 3  # ids 0..2 are <pad>, <s>, </s>

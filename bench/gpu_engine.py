@@ -38,14 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
-from services.executor.config import ExecutorConfig
-from services.executor.cuda_graphs import EagerGraphBackend
-from services.executor.engine import Engine
-from services.executor.forward_batch import PreparedForward, SeqChunk
-from services.executor.model_runner import ModelRunner
-from services.executor.outputs import SeqOutput
-from services.executor.sequence import RequestKey
-from services.executor.startup import build_engine
+from services.executor.core.engine import Engine
+from services.executor.core.outputs import SeqOutput
+from services.executor.core.sequence import RequestKey
+from services.executor.model.cuda_graphs import EagerGraphBackend
+from services.executor.model.forward_batch import PreparedForward, SeqChunk
+from services.executor.model.runner import ModelRunner
+from services.executor.service.config import ExecutorConfig
+from services.executor.service.startup import build_engine
 
 PRESETS: dict[str, dict[str, int]] = {
     "llama-1b": dict(

@@ -27,12 +27,12 @@ import torch
 from services.blockmgr.client import InProcessClient
 from services.common.gc_policy import freeze_startup_heap
 from services.common.sampling_params import SamplingParams
-from services.executor.blockmgr_link import BlockManagerLink, PoolSpec
-from services.executor.engine import Engine
-from services.executor.forward_batch import BatchBuilder, PreparedForward, SeqChunk
-from services.executor.scheduler import SchedulerConfig
-from services.executor.sequence import RequestKey
-from services.executor.settings import EngineSettings
+from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
+from services.executor.core.config import EngineSettings
+from services.executor.core.engine import Engine
+from services.executor.core.scheduler import SchedulerConfig
+from services.executor.core.sequence import RequestKey
+from services.executor.model.forward_batch import BatchBuilder, PreparedForward, SeqChunk
 
 VOCAB = 128
 

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedserve.tools.tiny_model import write_tiny_model
 from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
-from services.executor.config import ExecutorConfig
-from services.executor.sequence import RequestKey
-from services.executor.startup import build_engine
+from services.executor.core.sequence import RequestKey
+from services.executor.service.config import ExecutorConfig
+from services.executor.service.startup import build_engine
 
 
 def run(model: str, prompts: list[list[int]], max_tokens: int, hold_back: bool) -> dict:

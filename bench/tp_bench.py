@@ -34,10 +34,10 @@ import torch
 
 from pagedserve.tools.tiny_model import write_tiny_model
 from services.common.logging import configure_logging
-from services.executor.config import ExecutorConfig
-from services.executor.forward_batch import SeqChunk
-from services.executor.model_runner import ModelRunner
-from services.executor.parallel import DistComm
+from services.executor.model.forward_batch import SeqChunk
+from services.executor.model.parallel import DistComm
+from services.executor.model.runner import ModelRunner
+from services.executor.service.config import ExecutorConfig
 
 
 def _steps(runner: ModelRunner, batch: int, prompt_len: int, block_size: int):

@@ -5,7 +5,7 @@ anything imports triton, so it is set here, first.
 
 Every batch builder of the suite (and of the executor processes it starts) checks its mirrored
 block tables against the tables it is given, so a table changed other than by appending fails
-the test that did it (see services/executor/host_block_tables.py).
+the test that did it (see services/executor/model/host_block_tables.py).
 """
 
 from __future__ import annotations

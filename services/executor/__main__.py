@@ -7,7 +7,7 @@ import os
 import sys
 
 from services.common.logging import configure_logging
-from services.executor.config import ExecutorConfig
+from services.executor.service.config import ExecutorConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ExecutorConfig.from_args(sys.argv[1:] if argv is None else argv)
     log = configure_logging("executor", config.log_level)
     log.info("executor_starting", config=config.as_log_dict())
-    from services.executor.server import serve
+    from services.executor.service.server import serve
 
     try:
         code = asyncio.run(serve(config))

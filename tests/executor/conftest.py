@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pagedserve.tools.tiny_model import TinyModelSpec, write_tiny_model
-from services.executor.config import ExecutorConfig
-from services.executor.loader import load_tokenizer
-from services.executor.model_runner import ModelRunner
+from services.executor.model.loader import load_tokenizer
+from services.executor.model.runner import ModelRunner
+from services.executor.service.config import ExecutorConfig
 
 from .greedy import PROMPT_TEXTS
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.executor.forward_batch import BatchBuilder, PreparedForward, SeqChunk
+from services.executor.model.forward_batch import BatchBuilder, PreparedForward, SeqChunk
 
 VOCAB = 101
 

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from services.executor.forward_batch import SeqChunk
-from services.executor.model_runner import ModelRunner
+from services.executor.model.forward_batch import SeqChunk
+from services.executor.model.runner import ModelRunner
 
 PROMPT_TEXTS = (
     "The train",

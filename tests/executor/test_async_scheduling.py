@@ -16,9 +16,9 @@ from services.blockmgr.client import InProcessClient, StepCall
 from services.blockmgr.errors import BlockManagerError, ErrorCode
 from services.blockmgr.types import GrowResult, OpStatus, StepResult
 from services.common.sampling_params import SamplingParams
-from services.executor.engine import Engine
-from services.executor.outputs import SeqOutput
-from services.executor.sequence import FinishReason, RequestKey
+from services.executor.core.engine import Engine
+from services.executor.core.outputs import SeqOutput
+from services.executor.core.sequence import FinishReason, RequestKey
 
 from .fake_runner import reference_tokens
 from .test_scheduler import assert_no_leak, greedy, make_engine, prompt, run, tokens

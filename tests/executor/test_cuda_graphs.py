@@ -12,13 +12,13 @@ import torch
 
 from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
-from services.executor.config import ExecutorConfig
-from services.executor.cuda_graphs import CudaGraphBackend, EagerGraphBackend
-from services.executor.engine import Engine
-from services.executor.forward_batch import SeqChunk
-from services.executor.model_runner import ModelRunner
-from services.executor.sequence import RequestKey
-from services.executor.startup import build_engine
+from services.executor.core.engine import Engine
+from services.executor.core.sequence import RequestKey
+from services.executor.model.cuda_graphs import CudaGraphBackend, EagerGraphBackend
+from services.executor.model.forward_batch import SeqChunk
+from services.executor.model.runner import ModelRunner
+from services.executor.service.config import ExecutorConfig
+from services.executor.service.startup import build_engine
 
 from .conftest import load_runner
 from .greedy import BlockAllocator, shared_prefix_workload

@@ -15,11 +15,11 @@ import torch
 from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
 from services.blockmgr.config import BlockManagerServiceConfig
 from services.common.sampling_params import SamplingParams
-from services.executor.config import ExecutorConfig
-from services.executor.engine import Engine
-from services.executor.model_runner import ModelRunner
-from services.executor.sequence import RequestKey
-from services.executor.startup import build_engine
+from services.executor.core.engine import Engine
+from services.executor.core.sequence import RequestKey
+from services.executor.model.runner import ModelRunner
+from services.executor.service.config import ExecutorConfig
+from services.executor.service.startup import build_engine
 from tests.blockmgr.helpers import ThreadedServer
 
 from .greedy import shared_prefix_workload

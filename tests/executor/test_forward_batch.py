@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.executor.forward_batch import (
+from services.executor.model.forward_batch import (
     BatchBuilder,
     ForwardBatch,
     SeqChunk,

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.executor.forward_batch import BatchBuilder, SeqChunk
-from services.executor.host_block_tables import VERIFY_ENV, HostBlockTables
+from services.executor.model.forward_batch import BatchBuilder, SeqChunk
+from services.executor.model.host_block_tables import VERIFY_ENV, HostBlockTables
 
 
 def _rows(store: HostBlockTables, tables: list[list[int]]) -> list[list[int]]:

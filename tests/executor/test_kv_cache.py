@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.executor.kv_cache import (
+from services.executor.model.config import ModelConfig
+from services.executor.model.kv_cache import (
     allocate_kv_cache,
     bytes_per_block,
     kv_cache_shape,
     num_blocks_for_budget,
 )
-from services.executor.model_config import ModelConfig
 
 from .test_model_config import LLAMA2_7B, LLAMA31_8B
 

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedserve.tools.tiny_model import write_tiny_model
-from services.executor.errors import ModelLoadError, UnsupportedModelError
-from services.executor.forward_batch import SeqChunk
-from services.executor.loader import load_model, load_tokenizer, weight_files
-from services.executor.model_runner import ModelRunner
+from services.executor.model.errors import ModelLoadError, UnsupportedModelError
+from services.executor.model.forward_batch import SeqChunk
+from services.executor.model.loader import load_model, load_tokenizer, weight_files
+from services.executor.model.runner import ModelRunner
 
 from .conftest import CHECKPOINTS, CheckpointFactory, load_runner
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from services.executor.forward_batch import SeqChunk
-from services.executor.model_runner import ModelRunner
+from services.executor.model.forward_batch import SeqChunk
+from services.executor.model.runner import ModelRunner
 
 from .conftest import CHECKPOINTS
 from .greedy import BlockAllocator, greedy_alone, hf_greedy

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from services.executor.errors import ModelLoadError, UnsupportedModelError
-from services.executor.model_config import ModelConfig, RopeConfig
+from services.executor.model.config import ModelConfig, RopeConfig
+from services.executor.model.errors import ModelLoadError, UnsupportedModelError
 
 # Abridged from the published config.json files (the fields we read).
 LLAMA2_7B: dict[str, Any] = {

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from services.executor.model_runner import ModelRunner
+from services.executor.model.runner import ModelRunner
 
 from .greedy import BlockAllocator, GreedySeq, greedy_alone, hf_greedy, run_greedy
 

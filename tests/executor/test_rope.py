@@ -10,8 +10,8 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from services.executor.model import RotaryEmbedding, rope_inv_freq
-from services.executor.model_config import ModelConfig
+from services.executor.model.config import ModelConfig
+from services.executor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
 
 ROPES: dict[str, dict[str, Any]] = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},

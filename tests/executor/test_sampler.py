@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.executor.sampler import Sampler
+from services.executor.core.sampler import Sampler
 
 
 def test_cpu_greedy_picks_the_first_maximum_exactly_as_torch_argmax() -> None:

@@ -12,12 +12,12 @@ from services.blockmgr.client import InProcessClient
 from services.blockmgr.errors import BlockManagerError, ErrorCode
 from services.blockmgr.types import StepResult
 from services.common.sampling_params import SamplingParams
-from services.executor.blockmgr_link import BlockManagerLink, PoolSpec
-from services.executor.engine import Engine
-from services.executor.outputs import EngineError, SeqOutput
-from services.executor.scheduler import SchedulerConfig
-from services.executor.sequence import FinishReason, RequestKey
-from services.executor.settings import EngineSettings
+from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
+from services.executor.core.config import EngineSettings
+from services.executor.core.engine import Engine
+from services.executor.core.outputs import EngineError, SeqOutput
+from services.executor.core.scheduler import SchedulerConfig
+from services.executor.core.sequence import FinishReason, RequestKey
 
 from .fake_runner import VOCAB, FakePagedRunner, PreparingFakeRunner, reference_tokens
 

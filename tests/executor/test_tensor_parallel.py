@@ -24,15 +24,15 @@ import torch
 
 from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
-from services.executor.config import ExecutorConfig
-from services.executor.errors import UnsupportedModelError
-from services.executor.forward_batch import SeqChunk
-from services.executor.loader import read_model_config
-from services.executor.model_runner import ModelRunner
-from services.executor.parallel import ShardPlan, WorkerLost
-from services.executor.sequence import RequestKey
-from services.executor.startup import build_engine
-from services.executor.workers import WorkerGroup
+from services.executor.core.sequence import RequestKey
+from services.executor.model.errors import UnsupportedModelError
+from services.executor.model.forward_batch import SeqChunk
+from services.executor.model.loader import read_model_config
+from services.executor.model.parallel import ShardPlan, WorkerLost
+from services.executor.model.runner import ModelRunner
+from services.executor.model.workers import WorkerGroup
+from services.executor.service.config import ExecutorConfig
+from services.executor.service.startup import build_engine
 from tests.procs import ROOT
 
 from .conftest import load_runner
@@ -300,7 +300,7 @@ def test_a_rank_that_cannot_load_its_shard_fails_startup_with_its_reason(tmp_pat
 def test_a_start_up_failure_on_rank_0_alone_stops_the_workers_at_once(tiny_checkpoint, monkeypatch):
     """Rank 0 fails before a start-up collective the workers already wait in: it must not
     wait for them (nor for --distributed-timeout) but kill them."""
-    from services.executor import model_runner
+    from services.executor.model import runner as model_runner
 
     def fail(model, config):
         raise RuntimeError("rank 0 cannot size its cache")

@@ -11,8 +11,8 @@ import pytest
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.tools.tiny_tokenizer import CHAT_TEMPLATE
 from services import cli
-from services.executor.loader import load_tokenizer, read_model_config
-from services.executor.model_runner import ModelRunner
+from services.executor.model.loader import load_tokenizer, read_model_config
+from services.executor.model.runner import ModelRunner
 
 from .conftest import CheckpointFactory, load_runner
 from .greedy import BlockAllocator, GreedySeq, run_greedy

@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kernels.ops import FORCE_TRITON_ENV
-from services.executor.model_runner import ModelRunner
+from services.executor.model.runner import ModelRunner
 
 from .greedy import BlockAllocator, GreedySeq, hf_greedy, run_greedy
 

@@ -16,149 +16,23 @@ convention and cos/sin cast to the model dtype) so that results match it in fp32
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from kernels import ops
-from services.executor.errors import ModelLoadError
-from services.executor.forward_batch import ForwardBatch
-from services.executor.model_config import ModelConfig, RopeConfig
-from services.executor.parallel import Comm, ShardPlan, SingleComm
+from services.executor.model.config import ModelConfig
+from services.executor.model.errors import ModelLoadError
+from services.executor.model.forward_batch import ForwardBatch
+from services.executor.model.layers.attention import Attention
+from services.executor.model.layers.linear import Placement, VocabParallelEmbedding, tensor_shape
+from services.executor.model.layers.mlp import MLP
+from services.executor.model.layers.norm import RMSNorm
+from services.executor.model.layers.rotary import RotaryEmbedding
+from services.executor.model.parallel import Comm, ShardPlan, SingleComm
 
-__all__ = ["DecoderLM", "rope_inv_freq"]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
-
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:  # [T, H] -> [T, H]
-        """RMSNorm of ``x``, or of ``x + residual`` with the sum stored into ``residual``."""
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-
-
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> Tensor:  # [D/2] float32
-    """Inverse frequencies of the rotary embedding, including its scaling (CPU, fp32)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta**exponents)  # [D/2]
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        assert rope.low_freq_factor is not None and rope.high_freq_factor is not None
-        assert rope.original_max_position_embeddings is not None
-        old_context_len = rope.original_max_position_embeddings
-        low_freq_wavelen = old_context_len / rope.low_freq_factor
-        high_freq_wavelen = old_context_len / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths (low frequencies) are interpolated by `factor`, short ones kept.
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-        # In between: blend the two smoothly.
-        smooth = (old_context_len / wavelen - rope.low_freq_factor) / (
-            rope.high_freq_factor - rope.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    return inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables for positions ``0 .. max_len-1``, gathered by position."""
-
-    def __init__(self, rope: RopeConfig, head_dim: int, max_len: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.rope, self.head_dim, self.max_len, self.dtype = rope, head_dim, max_len, dtype
-        self.register_buffer(
-            "cos", torch.empty(max_len, head_dim // 2, dtype=dtype), persistent=False
-        )
-        self.register_buffer(
-            "sin", torch.empty(max_len, head_dim // 2, dtype=dtype), persistent=False
-        )
-
-    def compute_tables(self) -> None:
-        """(Re)compute the tables in place on their current device (after ``to_empty``)."""
-        inv_freq = rope_inv_freq(self.rope, self.head_dim).to(self.cos.device)  # [D/2]
-        t = torch.arange(self.max_len, device=self.cos.device, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_len, D/2] fp32
-        self.cos.copy_(freqs.cos())
-        self.sin.copy_(freqs.sin())
-
-    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> None:
-        """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] in place by their tokens' positions."""
-        ops.rotary_embedding(positions, q, k, self.cos, self.sin)
-
-
-class Attention(nn.Module):
-    """Self-attention over this rank's heads: ``qkv_proj`` is column-parallel (``config`` is
-    the rank's local config), ``o_proj`` row-parallel, its partial sums all-reduced."""
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, comm: Comm) -> None:
-        super().__init__()
-        self.comm = comm
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
-
-    def forward(
-        self,
-        x: Tensor,  # [T, H]
-        batch: ForwardBatch,
-        rotary_emb: RotaryEmbedding,
-        kv_cache: Tensor,  # [2, NB, BS, Hkv, D], this layer's slice
-    ) -> Tensor:  # [T, H]
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        rotary_emb(batch.positions, q, k)
-
-        key_cache, value_cache = kv_cache[0], kv_cache[1]  # [NB, BS, Hkv, D] each
-        ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
-        out = ops.paged_attention(
-            q,
-            key_cache,
-            value_cache,
-            batch.block_tables,
-            batch.query_start_loc,
-            batch.seq_lens,
-            self.scale,
-            max_query_len=batch.max_query_len,
-            max_seq_len=batch.max_seq_len,
-        )  # [T, Hq, D]
-        return self.comm.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
-
-
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul,
-    column-parallel, and ``down`` row-parallel, its partial sums all-reduced."""
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, comm: Comm) -> None:
-        super().__init__()
-        self.comm = comm
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias, dtype=dtype
-        )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype
-        )
-
-    def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
-        h = ops.silu_and_mul(self.gate_up_proj(x))  # [T, 2I] -> [T, I]
-        return self.comm.all_reduce(self.down_proj(h))
+__all__ = ["DecoderLM"]
 
 
 class DecoderLayer(nn.Module):
@@ -195,42 +69,6 @@ _FUSED_PARTS: dict[str, tuple[str, ...]] = {
 # Row-parallel projections: each rank holds a slice of the input columns; the bias is added
 # once, by rank 0 (the others hold zeros), before the all-reduce.
 _ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
-
-
-class VocabParallelEmbedding(nn.Module):
-    """The embedding table's rows ``[vocab_start, vocab_start + vocab_rows)`` on this rank;
-    tokens outside them look up zeros, and the all-reduce adds the owning rank's row."""
-
-    def __init__(self, shard: ShardPlan, hidden_size: int, dtype: torch.dtype, comm: Comm) -> None:
-        super().__init__()
-        self.start, self.num_rows, self.comm = shard.vocab_start, shard.vocab_rows, comm
-        self.weight = nn.Parameter(torch.empty(shard.vocab_rows, hidden_size, dtype=dtype))
-
-    def forward(self, ids: Tensor) -> Tensor:  # [T] -> [T, H]
-        if self.comm.size == 1:
-            return nn.functional.embedding(ids, self.weight)
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.num_rows)
-        h = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
-        return self.comm.all_reduce(h.masked_fill_(outside[:, None], 0))
-
-
-@dataclass(frozen=True)
-class _Placement:
-    """Where a checkpoint tensor goes on this rank: the parameter region it fills, and the
-    slice of the checkpoint tensor that fills it (along ``dim``, from ``start``; ``total``
-    is that dimension's extent in a valid checkpoint). ``dim=None``: the whole tensor."""
-
-    target: Tensor
-    dim: int | None = None
-    start: int = 0
-    total: int = 0
-    copy: bool = True  # false: shape-checked only (a row-parallel bias off rank 0 stays 0)
-
-
-def _shape(weight: Any) -> tuple[int, ...]:
-    """The shape of a tensor or of a safetensors slice (read without loading it)."""
-    return tuple(weight.shape) if isinstance(weight, Tensor) else tuple(weight.get_shape())
 
 
 class DecoderLM(nn.Module):
@@ -349,9 +187,9 @@ class DecoderLM(nn.Module):
             expected = list(place.target.shape)
             if place.dim is not None:
                 expected[place.dim] = place.total
-            if _shape(weight) != tuple(expected):
+            if tensor_shape(weight) != tuple(expected):
                 raise ModelLoadError(
-                    f"checkpoint tensor {hf_name!r} has shape {_shape(weight)}, "
+                    f"checkpoint tensor {hf_name!r} has shape {tensor_shape(weight)}, "
                     f"expected {tuple(expected)}"
                 )
             if not place.copy:
@@ -365,7 +203,7 @@ class DecoderLM(nn.Module):
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors: {sorted(missing)[:8]}")
 
-    def _place(self, params: dict[str, nn.Parameter], hf_name: str) -> _Placement | None:
+    def _place(self, params: dict[str, nn.Parameter], hf_name: str) -> Placement | None:
         """Where checkpoint tensor ``hf_name`` goes on this rank (None: nowhere, an error)."""
         if hf_name == "lm_head.weight":
             name = hf_name
@@ -378,7 +216,7 @@ class DecoderLM(nn.Module):
             param = params.get(name)
             if param is None:
                 return None
-            return _Placement(param[: s.num_real_vocab], 0, s.vocab_start, c.vocab_size)
+            return Placement(param[: s.num_real_vocab], 0, s.vocab_start, c.vocab_size)
         for fused, parts in _FUSED_PARTS.items():
             for part_index, part in enumerate(parts):
                 if f".{part}." in name:
@@ -386,21 +224,21 @@ class DecoderLM(nn.Module):
                     if param is None:
                         return None
                     offset, rows, start, total = self._fused_part(fused, part_index)
-                    return _Placement(param[offset : offset + rows], 0, start, total)
+                    return Placement(param[offset : offset + rows], 0, start, total)
         for row_parallel in _ROW_PARALLEL:
             if f".{row_parallel}." in name:
                 param = params.get(name)
                 if param is None:
                     return None
                 if name.endswith(".bias"):
-                    return _Placement(param, copy=s.rank == 0)
+                    return Placement(param, copy=s.rank == 0)
                 if row_parallel == "self_attn.o_proj":
                     d = c.head_dim
-                    return _Placement(param, 1, s.q_head_start * d, c.q_size)
+                    return Placement(param, 1, s.q_head_start * d, c.q_size)
                 n = s.num_real_intermediate
-                return _Placement(param[:, :n], 1, s.intermediate_start, c.intermediate_size)
+                return Placement(param[:, :n], 1, s.intermediate_start, c.intermediate_size)
         param = params.get(name)
-        return None if param is None else _Placement(param)
+        return None if param is None else Placement(param)
 
     def _fused_part(self, fused: str, part_index: int) -> tuple[int, int, int, int]:
         """(first row in the fused parameter, rows filled, first checkpoint row, checkpoint

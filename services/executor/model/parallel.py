@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from services.executor.errors import UnsupportedModelError
-from services.executor.model_config import ModelConfig
+from services.executor.model.config import ModelConfig
+from services.executor.model.errors import UnsupportedModelError
 
 __all__ = ["Comm", "DistComm", "ShardPlan", "SingleComm", "WorkerLost"]
 

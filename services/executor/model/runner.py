@@ -15,28 +15,28 @@ import torch
 from torch import Tensor
 
 from kernels import ops
-from services.executor.config import ExecutorConfig
-from services.executor.cuda_graphs import (
+from services.executor.model.config import ModelConfig
+from services.executor.model.cuda_graphs import (
     CudaGraphBackend,
     DecodeGraphs,
     EagerGraphBackend,
     GraphBackend,
     GraphBackendName,
 )
-from services.executor.errors import ModelLoadError
-from services.executor.forward_batch import (
+from services.executor.model.errors import ModelLoadError
+from services.executor.model.forward_batch import (
     BatchBuilder,
     BatchLayout,
     ForwardBatch,
     PreparedForward,
     SeqChunk,
 )
-from services.executor.kv_cache import allocate_kv_cache, size_kv_cache
-from services.executor.loader import load_model, resolve_device
-from services.executor.model import DecoderLM
-from services.executor.model_config import ModelConfig
-from services.executor.parallel import Comm, ShardPlan, SingleComm
-from services.executor.workers import Op, StepChannel, WorkerGroup, rank_device
+from services.executor.model.kv_cache import allocate_kv_cache, size_kv_cache
+from services.executor.model.loader import load_model, resolve_device
+from services.executor.model.models import DecoderLM
+from services.executor.model.parallel import Comm, ShardPlan, SingleComm
+from services.executor.model.workers import Op, StepChannel, WorkerGroup, rank_device
+from services.executor.service.config import ExecutorConfig
 
 __all__ = ["ModelRunner"]
 

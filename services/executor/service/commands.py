@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.sampling_params import SamplingParams
-from services.executor.outputs import RequestError, SeqOutput
+from services.executor.core.outputs import RequestError, SeqOutput
 
 _session_ids = itertools.count(1)
 

@@ -13,10 +13,10 @@ import math
 import structlog
 import torch
 
-from services.executor.config import ExecutorConfig
-from services.executor.forward_batch import SeqChunk, build_forward_batch
-from services.executor.model import DecoderLM
-from services.executor.model_config import ModelConfig
+from services.executor.model.config import ModelConfig
+from services.executor.model.forward_batch import SeqChunk, build_forward_batch
+from services.executor.model.models import DecoderLM
+from services.executor.service.config import ExecutorConfig
 
 __all__ = [
     "allocate_kv_cache",

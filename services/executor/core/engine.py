@@ -26,26 +26,26 @@ from torch import Tensor
 from services.blockmgr.client import StepCall
 from services.blockmgr.errors import BlockManagerError
 from services.common.sampling_params import SamplingParams
-from services.executor.blockmgr_link import RECOVERABLE, BlockManagerLink
-from services.executor.forward_batch import PreparedForward, SeqChunk
-from services.executor.outputs import (
+from services.executor.core.blockmgr_link import RECOVERABLE, BlockManagerLink
+from services.executor.core.config import EngineSettings
+from services.executor.core.outputs import (
     EngineError,
     RequestErrorCode,
     SeqOutput,
     TokenLogprob,
     Usage,
 )
-from services.executor.sampler import Sampler, SeededGenerators, sampling_rows
-from services.executor.scheduler import (
+from services.executor.core.sampler import Sampler, SeededGenerators, sampling_rows
+from services.executor.core.scheduler import (
     BadAnswer,
     ScheduledBatch,
     ScheduledChunk,
     SchedulePlan,
     Scheduler,
 )
-from services.executor.sequence import FinishReason, Request, RequestKey, SeqStatus
-from services.executor.sequence import Sequence as Seq
-from services.executor.settings import EngineSettings
+from services.executor.core.sequence import FinishReason, Request, RequestKey, SeqStatus
+from services.executor.core.sequence import Sequence as Seq
+from services.executor.model.forward_batch import PreparedForward, SeqChunk
 
 log = structlog.get_logger(__name__)
 

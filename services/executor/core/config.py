@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from services.common.limits import FieldError, check_prompt, check_request_id
 from services.common.sampling_params import SamplingParams
-from services.executor.outputs import EngineError, RequestErrorCode
-from services.executor.scheduler import SchedulerConfig
+from services.executor.core.outputs import EngineError, RequestErrorCode
+from services.executor.core.scheduler import SchedulerConfig
 
 
 @dataclass(frozen=True)

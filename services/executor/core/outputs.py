@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from services.executor.sequence import FinishReason, RequestKey
+from services.executor.core.sequence import FinishReason, RequestKey
 
 
 class RequestErrorCode(enum.Enum):

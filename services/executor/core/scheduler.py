@@ -40,7 +40,7 @@ from services.blockmgr.types import (
     RestoredSequence,
     StepResult,
 )
-from services.executor.sequence import FinishReason, SeqStatus, Sequence
+from services.executor.core.sequence import FinishReason, SeqStatus, Sequence
 
 log = structlog.get_logger(__name__)
 

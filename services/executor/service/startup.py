@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
-from services.executor.blockmgr_link import BlockManagerLink, PoolSpec
-from services.executor.config import ExecutorConfig
-from services.executor.engine import Engine
-from services.executor.model_config import ModelConfig
-from services.executor.model_runner import ModelRunner
-from services.executor.scheduler import SchedulerConfig
-from services.executor.settings import EngineSettings
+from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
+from services.executor.core.config import EngineSettings
+from services.executor.core.engine import Engine
+from services.executor.core.scheduler import SchedulerConfig
+from services.executor.model.config import ModelConfig
+from services.executor.model.runner import ModelRunner
+from services.executor.service.config import ExecutorConfig
 
 
 @dataclass(frozen=True)

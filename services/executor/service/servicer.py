@@ -11,7 +11,10 @@ import structlog
 from pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from services.blockmgr.hashing import HASH_ALGORITHM
 from services.common.sampling_params import SamplingParams
-from services.executor.commands import (
+from services.executor.core.outputs import RequestError, RequestErrorCode, SeqOutput
+from services.executor.core.sequence import FinishReason
+from services.executor.model.parallel import WorkerLost
+from services.executor.service.commands import (
     Abort,
     Add,
     Close,
@@ -22,11 +25,8 @@ from services.executor.commands import (
     Refuse,
     Session,
 )
-from services.executor.engine_loop import EngineLoop
-from services.executor.outputs import RequestError, RequestErrorCode, SeqOutput
-from services.executor.parallel import WorkerLost
-from services.executor.sequence import FinishReason
-from services.executor.startup import ServedModel
+from services.executor.service.engine_loop import EngineLoop
+from services.executor.service.startup import ServedModel
 
 log = structlog.get_logger(__name__)
 

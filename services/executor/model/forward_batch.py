@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from services.executor.host_block_tables import HostBlockTables
+from services.executor.model.host_block_tables import HostBlockTables
 
 __all__ = [
     "BatchBuilder",

@@ -18,10 +18,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from services.executor.errors import ModelLoadError
-from services.executor.model import DecoderLM
-from services.executor.model_config import ModelConfig
-from services.executor.parallel import Comm, ShardPlan
+from services.executor.model.config import ModelConfig
+from services.executor.model.errors import ModelLoadError
+from services.executor.model.models import DecoderLM, model_class
+from services.executor.model.parallel import Comm, ShardPlan
 
 __all__ = [
     "iter_checkpoint_slices",
@@ -165,7 +165,7 @@ def load_model(
     dev = resolve_device(device)
     files = weight_files(model_dir)  # fail on missing weights before allocating anything
     plan = shard(config) if shard is not None else None
-    model = DecoderLM.empty(config, torch_dtype, dev, plan, comm)
+    model = model_class(config.architecture).empty(config, torch_dtype, dev, plan, comm)
     model.load_weights(iter_checkpoint_slices(model_dir))
     log.info(
         "model_loaded",

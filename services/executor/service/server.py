@@ -18,9 +18,9 @@ from services.common.grpc_server import (
     set_serving,
     stop_event,
 )
-from services.executor.config import ExecutorConfig
-from services.executor.engine_loop import EngineLoop
-from services.executor.servicer import ExecutorServicer
+from services.executor.service.config import ExecutorConfig
+from services.executor.service.engine_loop import EngineLoop
+from services.executor.service.servicer import ExecutorServicer
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
@@ -61,8 +61,8 @@ async def serve(config: ExecutorConfig) -> int:
         log.info("executor_health", serving=healthy)
         aio_loop.call_soon_threadsafe(lambda: asyncio.ensure_future(set_health(healthy)))
 
-    from services.executor.model_runner import ModelRunner
-    from services.executor.startup import build_engine
+    from services.executor.model.runner import ModelRunner
+    from services.executor.service.startup import build_engine
 
     load = asyncio.ensure_future(asyncio.to_thread(build_engine, config, on_health=on_health))
     done, _ = await asyncio.wait(

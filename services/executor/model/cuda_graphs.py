@@ -25,14 +25,14 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
-from services.executor.forward_batch import (
+from services.executor.model.forward_batch import (
     BatchBuilder,
     BatchLayout,
     ForwardBatch,
     HostBatch,
     SeqChunk,
 )
-from services.executor.model import DecoderLM
+from services.executor.model.models import DecoderLM
 
 __all__ = ["CudaGraphBackend", "DecodeGraphs", "EagerGraphBackend", "GraphBackendName"]
 

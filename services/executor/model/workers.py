@@ -42,11 +42,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from services.executor.cuda_graphs import GraphBackendName
-from services.executor.parallel import DistComm, WorkerLost
+from services.executor.model.cuda_graphs import GraphBackendName
+from services.executor.model.parallel import DistComm, WorkerLost
 
 if TYPE_CHECKING:
-    from services.executor.config import ExecutorConfig
+    from services.executor.service.config import ExecutorConfig
 
 __all__ = ["HEADER_LEN", "Op", "StepChannel", "WorkerGroup", "rank_device", "worker_main"]
 
@@ -330,8 +330,8 @@ def worker_main(
     Exits 0 after SHUTDOWN, 1 after any failure (reported to rank 0 on ``errors``)."""
     from services.common.gc_policy import freeze_startup_heap
     from services.common.logging import configure_logging
-    from services.executor.loader import resolve_device
-    from services.executor.model_runner import ModelRunner
+    from services.executor.model.loader import resolve_device
+    from services.executor.model.runner import ModelRunner
 
     wlog = configure_logging("executor", config.log_level).bind(tp_rank=rank)
     # Rank 0 owns this process's life: a Ctrl-C or a SIGTERM sent to the executor's process

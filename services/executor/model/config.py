@@ -1,6 +1,6 @@
 """The model hyper-parameters the executor needs, parsed from a Hugging Face ``config.json``.
 
-Supported: the Llama family as implemented by ``services.executor.model`` — Llama 2/3
+Supported: the Llama family as implemented by ``services.executor.model.models.llama`` — Llama 2/3
 (``LlamaForCausalLM``), Mistral (``MistralForCausalLM``) and Qwen2 (``Qwen2ForCausalLM``).
 Anything else raises :class:`UnsupportedModelError` with a message saying what and why.
 
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from services.executor.errors import ModelLoadError, UnsupportedModelError
+from services.executor.model.errors import ModelLoadError, UnsupportedModelError
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig"]
 

@@ -15,7 +15,10 @@ import traceback
 
 import structlog
 
-from services.executor.commands import (
+from services.executor.core.engine import Engine
+from services.executor.core.outputs import EngineError, RequestError, RequestErrorCode, SeqOutput
+from services.executor.core.sequence import FinishReason, RequestKey
+from services.executor.service.commands import (
     Abort,
     Add,
     Close,
@@ -28,9 +31,6 @@ from services.executor.commands import (
     Refuse,
     Session,
 )
-from services.executor.engine import Engine
-from services.executor.outputs import EngineError, RequestError, RequestErrorCode, SeqOutput
-from services.executor.sequence import FinishReason, RequestKey
 
 log = structlog.get_logger(__name__)
 

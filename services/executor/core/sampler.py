@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from services.common.sampling_params import SamplingParams
-from services.executor.sequence import Sequence
+from services.executor.core.sequence import Sequence
 
 _NEG_INF = float("-inf")
 _PARAMS = operator.attrgetter("params")

@@ -1,0 +1,61 @@
+"""Paged self-attention over this rank's heads: fused QKV projection, RoPE, the KV write
+into the paged cache and ``kernels.ops.paged_attention``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kernels import ops
+from services.executor.model.config import ModelConfig
+from services.executor.model.forward_batch import ForwardBatch
+from services.executor.model.layers.rotary import RotaryEmbedding
+from services.executor.model.parallel import Comm
+
+__all__ = ["Attention"]
+
+
+class Attention(nn.Module):
+    """Self-attention over this rank's heads: ``qkv_proj`` is column-parallel (``config`` is
+    the rank's local config), ``o_proj`` row-parallel, its partial sums all-reduced."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, comm: Comm) -> None:
+        super().__init__()
+        self.comm = comm
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
+
+    def forward(
+        self,
+        x: Tensor,  # [T, H]
+        batch: ForwardBatch,
+        rotary_emb: RotaryEmbedding,
+        kv_cache: Tensor,  # [2, NB, BS, Hkv, D], this layer's slice
+    ) -> Tensor:  # [T, H]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        rotary_emb(batch.positions, q, k)
+
+        key_cache, value_cache = kv_cache[0], kv_cache[1]  # [NB, BS, Hkv, D] each
+        ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
+        out = ops.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            batch.block_tables,
+            batch.query_start_loc,
+            batch.seq_lens,
+            self.scale,
+            max_query_len=batch.max_query_len,
+            max_seq_len=batch.max_seq_len,
+        )  # [T, Hq, D]
+        return self.comm.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))

@@ -1,0 +1,50 @@
+"""Tensor-parallel pieces: the vocabulary-parallel embedding, and where a checkpoint tensor
+(or the slice of it that this rank holds) goes in a parameter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from services.executor.model.parallel import Comm, ShardPlan
+
+__all__ = ["Placement", "VocabParallelEmbedding", "tensor_shape"]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table's rows ``[vocab_start, vocab_start + vocab_rows)`` on this rank;
+    tokens outside them look up zeros, and the all-reduce adds the owning rank's row."""
+
+    def __init__(self, shard: ShardPlan, hidden_size: int, dtype: torch.dtype, comm: Comm) -> None:
+        super().__init__()
+        self.start, self.num_rows, self.comm = shard.vocab_start, shard.vocab_rows, comm
+        self.weight = nn.Parameter(torch.empty(shard.vocab_rows, hidden_size, dtype=dtype))
+
+    def forward(self, ids: Tensor) -> Tensor:  # [T] -> [T, H]
+        if self.comm.size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_rows)
+        h = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.comm.all_reduce(h.masked_fill_(outside[:, None], 0))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a checkpoint tensor goes on this rank: the parameter region it fills, and the
+    slice of the checkpoint tensor that fills it (along ``dim``, from ``start``; ``total``
+    is that dimension's extent in a valid checkpoint). ``dim=None``: the whole tensor."""
+
+    target: Tensor
+    dim: int | None = None
+    start: int = 0
+    total: int = 0
+    copy: bool = True  # false: shape-checked only (a row-parallel bias off rank 0 stays 0)
+
+
+def tensor_shape(weight: Any) -> tuple[int, ...]:
+    """The shape of a tensor or of a safetensors slice (read without loading it)."""
+    return tuple(weight.shape) if isinstance(weight, Tensor) else tuple(weight.get_shape())

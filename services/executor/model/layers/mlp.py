@@ -1,0 +1,32 @@
+"""The gated MLP (SwiGLU), tensor-parallel: gate and up column-parallel, down row-parallel."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kernels import ops
+from services.executor.model.config import ModelConfig
+from services.executor.model.parallel import Comm
+
+__all__ = ["MLP"]
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul,
+    column-parallel, and ``down`` row-parallel, its partial sums all-reduced."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, comm: Comm) -> None:
+        super().__init__()
+        self.comm = comm
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias, dtype=dtype
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype
+        )
+
+    def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
+        h = ops.silu_and_mul(self.gate_up_proj(x))  # [T, 2I] -> [T, I]
+        return self.comm.all_reduce(self.down_proj(h))
