@@ -73,6 +73,7 @@ from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.executor.core.engine import Engine  # noqa: E402
 from services.executor.core.sequence import RequestKey  # noqa: E402
 from services.executor.model.forward_batch import PreparedForward, SeqChunk  # noqa: E402
+from services.executor.model.launch import build_runner  # noqa: E402
 from services.executor.model.runner import ModelRunner  # noqa: E402
 from services.executor.service.config import ExecutorConfig  # noqa: E402
 from services.executor.service.startup import build_engine  # noqa: E402
@@ -293,7 +294,7 @@ class OurSystem:
             max_model_len=max_model_len,
             **config,
         )
-        self.runner = CountingRunner(ModelRunner.from_config(self.config))
+        self.runner = CountingRunner(build_runner(self.config.runner_config()))
         self.address = blockmgr_address
         self._runs = 0
 

@@ -43,6 +43,7 @@ from services.executor.core.outputs import SeqOutput
 from services.executor.core.sequence import RequestKey
 from services.executor.model.cuda_graphs import EagerGraphBackend
 from services.executor.model.forward_batch import PreparedForward, SeqChunk
+from services.executor.model.launch import build_runner
 from services.executor.model.runner import ModelRunner
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
@@ -211,7 +212,7 @@ def run_engine(
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory=None if device.type == "cuda" else 64 << 20,
     )
-    inner = ModelRunner.from_config(config)
+    inner = build_runner(config.runner_config())
     if device.type != "cuda" and not eager:  # the dry run exercises the graph path too
         inner.capture_decode_graphs(config.capture_sizes, EagerGraphBackend())
     engine, _ = build_engine(config, runner=inner, blockmgr=InProcessClient())

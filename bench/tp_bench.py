@@ -3,7 +3,7 @@ cost per step.
 
 The model is a random Llama whose matmuls dominate the step (by default hidden 1024, MLP
 4096, 16 heads, 4 layers, ~70 M parameters, fp32), written once as a real checkpoint. Each
-TP size builds the production runner (``ModelRunner.from_config``: rank 0 here, the other
+TP size builds the production runner (``build_runner``: rank 0 here, the other
 ranks spawned processes) and times, over ``--repeats`` runs each:
 
 - a prefill step: ``--batch`` sequences of ``--prompt-len`` tokens;
@@ -35,6 +35,7 @@ import torch
 from pagedserve.tools.tiny_model import write_tiny_model
 from services.common.logging import configure_logging
 from services.executor.model.forward_batch import SeqChunk
+from services.executor.model.launch import build_runner
 from services.executor.model.parallel import DistComm
 from services.executor.model.runner import ModelRunner
 from services.executor.service.config import ExecutorConfig
@@ -125,7 +126,7 @@ def main() -> None:
             enforce_eager=True,
             log_level="WARNING",
         )
-        runner = ModelRunner.from_config(config)
+        runner = build_runner(config.runner_config())
         try:
             prefill, decode = _steps(runner, args.batch, args.prompt_len, block_size)
             pf, pf_coll = _time(runner, prefill, max(3, args.repeats // 3))

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from services.blockmgr.cow import needs_cow
 from services.blockmgr.errors import BlockManagerError, ErrorCode, invalid, not_found, precondition
 from services.blockmgr.hashing import HASH_SIZE
 from services.blockmgr.pool import BlockPool
@@ -34,14 +33,11 @@ from services.blockmgr.types import (
     PoolCounters,
     RestoredSequence,
 )
+from services.common.blocks import blocks_for_tokens, blocks_to_grow, full_blocks, needs_cow
 
 MAX_SEQ_ID = 2**64 - 1
 MAX_TOKENS = 2**40
 _RECENTLY_FREED = 65536  # how many freed ids we remember to tell a double free from a typo
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class SeqState:
@@ -160,7 +156,7 @@ class KVBlockManager:
                 _check_hashes(op.block_hashes, f"{where}.commit.block_hashes")
                 if op.start_block < 0:
                     raise invalid(f"{where}.commit.start_block must be >= 0")
-                full = n // self.block_size
+                full = full_blocks(n, self.block_size)
                 if op.start_block + len(op.block_hashes) > full:
                     raise invalid(
                         f"{where}.commit: blocks {op.start_block}.."
@@ -180,10 +176,10 @@ class KVBlockManager:
                     # A chained hash never repeats within one prompt; a repeat would put one
                     # block twice in a table (refcount != tables holding it).
                     raise invalid(f"{where}.admit.block_hashes: a hash is listed twice")
-                if len(op.block_hashes) > op.num_prompt_tokens // self.block_size:
+                if len(op.block_hashes) > full_blocks(op.num_prompt_tokens, self.block_size):
                     raise invalid(
                         f"{where}.admit.block_hashes: {len(op.block_hashes)} hashes for "
-                        f"{op.num_prompt_tokens // self.block_size} full prompt blocks"
+                        f"{full_blocks(op.num_prompt_tokens, self.block_size)} full prompt blocks"
                     )
                 # The hit length is only known at apply time; min(P, M) is the fewest slots a
                 # successful admission holds, so later commits are checked against that.
@@ -209,7 +205,7 @@ class KVBlockManager:
                 hits.append(block_id)
         num_cached = len(hits) * bs
         num_tokens = num_cached + min(op.num_prompt_tokens - num_cached, op.max_new_tokens)
-        need = _cdiv(num_tokens, bs) - len(hits)
+        need = blocks_for_tokens(num_tokens, bs) - len(hits)
         revived = sum(1 for b in hits if pool.refcount[b] == 0)
         if need + op.reserve_blocks > pool.num_free - revived:
             failed.add(op.seq_id)
@@ -240,7 +236,7 @@ class KVBlockManager:
             state = seqs[seq_id]
             table, old = state.block_table, state.num_tokens
             new_total = old + n
-            need = (new_total + bs - 1) // bs - len(table)
+            need = blocks_to_grow(old, n, len(table), bs)
             # Writing into a shared, partially filled last block needs a private copy first.
             cow = needs_cow(old, n, bs, refcount[table[-1]] if table else 0)
             if not need and not cow:  # the common decode case: room left in the last block
@@ -328,10 +324,10 @@ class KVBlockManager:
             seen.add(seq.seq_id)
             if not 0 <= seq.num_tokens <= MAX_TOKENS:
                 raise invalid(f"{where}.num_tokens must be >= 0")
-            if len(seq.block_ids) != _cdiv(seq.num_tokens, bs):
+            if len(seq.block_ids) != blocks_for_tokens(seq.num_tokens, bs):
                 raise invalid(
                     f"{where}.block_ids: {seq.num_tokens} tokens need "
-                    f"{_cdiv(seq.num_tokens, bs)} blocks, got {len(seq.block_ids)}"
+                    f"{blocks_for_tokens(seq.num_tokens, bs)} blocks, got {len(seq.block_ids)}"
                 )
             _check_block_ids(seq.block_ids, nb, f"{where}.block_ids")
             if len(set(seq.block_ids)) != len(seq.block_ids):

@@ -16,6 +16,7 @@ from collections import deque
 
 from services.blockmgr.eviction import make_policy
 from services.blockmgr.types import KVEventKind, PendingEvent
+from services.common.blocks import usable_blocks
 
 
 class BlockPool:
@@ -37,7 +38,7 @@ class BlockPool:
 
     @property
     def num_usable(self) -> int:
-        return self.num_blocks - 1
+        return usable_blocks(self.num_blocks)
 
     @property
     def num_free(self) -> int:

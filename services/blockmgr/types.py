@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from services.common.blocks import usable_blocks
+
 
 class OpStatus(enum.IntEnum):
     """Per-operation outcome inside an accepted Step (values match the proto enum)."""
@@ -169,7 +171,7 @@ class PoolInfo:
 
     @property
     def num_usable_blocks(self) -> int:
-        return self.num_blocks - 1
+        return usable_blocks(self.num_blocks)
 
 
 @dataclass(frozen=True, slots=True)

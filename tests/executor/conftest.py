@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pagedserve.tools.tiny_model import TinyModelSpec, write_tiny_model
+from services.executor.model.launch import build_runner
 from services.executor.model.loader import load_tokenizer
 from services.executor.model.runner import ModelRunner
 from services.executor.service.config import ExecutorConfig
@@ -76,7 +77,7 @@ def load_runner(model_dir: str | Path, **config: Any) -> ModelRunner:
     if config["num_kv_blocks"] is not None:
         capacity = (config["num_kv_blocks"] - 1) * config.get("block_size", 16)
         config.setdefault("max_model_len", min(MAX_POSITIONS, capacity))
-    return ModelRunner.from_config(ExecutorConfig(model=str(model_dir), **config))
+    return build_runner(ExecutorConfig(model=str(model_dir), **config).runner_config())
 
 
 @pytest.fixture

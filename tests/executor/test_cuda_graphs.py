@@ -16,6 +16,7 @@ from services.executor.core.engine import Engine
 from services.executor.core.sequence import RequestKey
 from services.executor.model.cuda_graphs import CudaGraphBackend, EagerGraphBackend
 from services.executor.model.forward_batch import SeqChunk
+from services.executor.model.launch import build_runner
 from services.executor.model.runner import ModelRunner
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
@@ -103,7 +104,7 @@ def test_prefill_and_mixed_steps_stay_eager(make_runner: Callable[..., ModelRunn
 def _graphed_engine(model: str, sizes: tuple[int, ...] = SIZES, **kw: object) -> Engine:
     kw.setdefault("max_model_len", 512)
     config = ExecutorConfig(model=model, dtype="float32", device="cpu", **kw)  # type: ignore[arg-type]
-    runner = ModelRunner.from_config(config)
+    runner = build_runner(config.runner_config())
     runner.capture_decode_graphs(sizes, EagerGraphBackend())
     engine, _ = build_engine(config, runner=runner, blockmgr=InProcessClient())
     return engine

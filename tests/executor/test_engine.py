@@ -17,7 +17,7 @@ from services.blockmgr.config import BlockManagerServiceConfig
 from services.common.sampling_params import SamplingParams
 from services.executor.core.engine import Engine
 from services.executor.core.sequence import RequestKey
-from services.executor.model.runner import ModelRunner
+from services.executor.model.launch import build_runner
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
 from tests.blockmgr.helpers import ThreadedServer
@@ -52,7 +52,7 @@ def _engine(
     on CUDA), so async scheduling plans the next step after the launch."""
     kw.setdefault("max_model_len", 512)
     config = ExecutorConfig(model=model, dtype="float32", device="cpu", **kw)
-    runner = ModelRunner.from_config(config)
+    runner = build_runner(config.runner_config())
     if launch_first:
         runner.launch_returns_early = True  # type: ignore[attr-defined]
     engine, _ = build_engine(config, runner=runner, blockmgr=client or InProcessClient())
@@ -200,7 +200,10 @@ def test_generation_survives_a_block_manager_restart(llama, workload, async_sche
         async_scheduling=async_scheduling,
     )
     engine, _ = build_engine(
-        config_e, runner=ModelRunner.from_config(config_e), blockmgr=client, on_health=health.append
+        config_e,
+        runner=build_runner(config_e.runner_config()),
+        blockmgr=client,
+        on_health=health.append,
     )
     got: dict[str, list[int]] = {}
     for i, (prompt, max_tokens, _) in enumerate(workload):

@@ -27,6 +27,7 @@ from services.common.sampling_params import SamplingParams
 from services.executor.core.sequence import RequestKey
 from services.executor.model.errors import UnsupportedModelError
 from services.executor.model.forward_batch import SeqChunk
+from services.executor.model.launch import build_runner
 from services.executor.model.loader import read_model_config
 from services.executor.model.parallel import ShardPlan, WorkerLost
 from services.executor.model.runner import ModelRunner
@@ -187,7 +188,7 @@ def test_every_rank_replays_its_decode_graphs_in_step(make_runner, tiny_checkpoi
     batches around the bucket edges replay graphs (the workers into their own persistent
     buffers) and decode exactly as one eager rank does."""
     one = make_runner("llama")
-    runner = ModelRunner.from_config(
+    runner = build_runner(
         ExecutorConfig(
             model=str(tiny_checkpoint("llama")),
             device="cpu",
@@ -196,7 +197,7 @@ def test_every_rank_replays_its_decode_graphs_in_step(make_runner, tiny_checkpoi
             max_model_len=MAX_LEN,
             tensor_parallel_size=2,
             cuda_graph_sizes=(1, 2, 4),
-        ),
+        ).runner_config(),
         graph_backend="eager",
     )
     try:
@@ -234,7 +235,7 @@ def test_engine_at_tp2_matches_transformers_under_chunking_prefix_hits_preemptio
         max_num_batched_tokens=24,  # chunked prefill
         async_scheduling=async_scheduling,  # batches built a step early, broadcast patched
     )
-    runner = ModelRunner.from_config(config)
+    runner = build_runner(config.runner_config())
     try:
         engine, _ = build_engine(config, runner=runner, blockmgr=InProcessClient())
         for i, (prompt, max_tokens, _) in enumerate(work):
@@ -291,8 +292,8 @@ def test_a_rank_that_cannot_load_its_shard_fails_startup_with_its_reason(tmp_pat
     model = write_tiny_model(tmp_path / "m", num_heads=4, num_kv_heads=2)
     t0 = time.monotonic()
     with pytest.raises(UnsupportedModelError, match="--tensor-parallel-size=3"):
-        ModelRunner.from_config(
-            ExecutorConfig(model=str(model), device="cpu", tensor_parallel_size=3)
+        build_runner(
+            ExecutorConfig(model=str(model), device="cpu", tensor_parallel_size=3).runner_config()
         )
     assert time.monotonic() - t0 < 30
 
@@ -300,12 +301,12 @@ def test_a_rank_that_cannot_load_its_shard_fails_startup_with_its_reason(tmp_pat
 def test_a_start_up_failure_on_rank_0_alone_stops_the_workers_at_once(tiny_checkpoint, monkeypatch):
     """Rank 0 fails before a start-up collective the workers already wait in: it must not
     wait for them (nor for --distributed-timeout) but kill them."""
-    from services.executor.model import runner as model_runner
+    from services.executor.model import launch as model_launch
 
-    def fail(model, config):
+    def fail(model, config, **kwargs):
         raise RuntimeError("rank 0 cannot size its cache")
 
-    monkeypatch.setattr(model_runner, "size_kv_cache", fail)
+    monkeypatch.setattr(model_launch, "size_kv_cache", fail)
     launched: list[WorkerGroup] = []
     real_launch = WorkerGroup.launch
 
@@ -313,7 +314,7 @@ def test_a_start_up_failure_on_rank_0_alone_stops_the_workers_at_once(tiny_check
         launched.append(real_launch(*args))
         return launched[-1]
 
-    monkeypatch.setattr(model_runner.WorkerGroup, "launch", launch)
+    monkeypatch.setattr(model_launch.WorkerGroup, "launch", launch)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="cannot size"):
         load_runner(tiny_checkpoint("llama"), tensor_parallel_size=2)

@@ -25,7 +25,6 @@ from typing import NamedTuple
 
 import structlog
 
-from services.blockmgr.cow import needs_cow
 from services.blockmgr.types import (
     Admit,
     AdmitResult,
@@ -40,6 +39,7 @@ from services.blockmgr.types import (
     RestoredSequence,
     StepResult,
 )
+from services.common.blocks import blocks_for_tokens, blocks_to_grow, needs_cow
 from services.executor.core.sequence import FinishReason, SeqStatus, Sequence
 
 log = structlog.get_logger(__name__)
@@ -317,7 +317,7 @@ class Scheduler:
             if table and needs_cow(slots, k, bs, refs[table[-1]]):
                 return None  # planned after sampling
             grows.append((seq, k))
-            grow_blocks.append(-(-(slots + k) // bs) - len(table))
+            grow_blocks.append(blocks_to_grow(slots, k, len(table), bs))
             budget -= k
         need = sum(grow_blocks)
         if need > self.num_free_blocks or not (grows or self.waiting):
@@ -358,7 +358,7 @@ class Scheduler:
                 break
             k_max = budget if cfg.enable_chunked_prefill else total
             first = min(total, k_max)
-            upper = -(-first // bs)  # blocks if nothing is cached
+            upper = blocks_for_tokens(first, bs)  # blocks if nothing is cached
             others = num_running + len(admits)
             reserve = cfg.watermark_blocks + others if others else 0
             if upper + reserve > free:
@@ -570,7 +570,7 @@ class Scheduler:
                 or not 0 <= cached < op.num_prompt_tokens
                 or hits > len(op.block_hashes)
                 or res.num_tokens != want
-                or len(ids) != -(-want // bs)
+                or len(ids) != blocks_for_tokens(want, bs)
                 or len(set(ids)) != len(ids)
                 or not all(0 < b < num_blocks for b in ids[:hits])
                 or not fresh(ids[hits:])
@@ -639,7 +639,7 @@ class Scheduler:
 
     def _blocks_needed(self, seq: Sequence, k: int) -> int:
         bs = self.config.block_size
-        need = -(-(seq.num_computed_tokens + k) // bs) - len(seq.block_table)
+        need = blocks_to_grow(seq.num_computed_tokens, k, len(seq.block_table), bs)
         return need + self._cow(seq, k)
 
     def _release(self, table: list[int]) -> int:

@@ -25,6 +25,7 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
+from services.common.blocks import blocks_for_tokens
 from services.executor.model.forward_batch import (
     BatchBuilder,
     BatchLayout,
@@ -108,7 +109,7 @@ class DecodeGraphs:
         self.max_size = self.sizes[-1]
         mc = model.config
         self.max_model_len = mc.max_model_len
-        self.table_width = -(-mc.max_model_len // builder.block_size)
+        self.table_width = blocks_for_tokens(mc.max_model_len, builder.block_size)
         device = kv_cache.device
         largest = self._layout(self.max_size)
         self.buf64 = torch.zeros(sum(largest.sizes64), dtype=torch.int64, device=device)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from services.common.blocks import blocks_for_tokens
 from services.executor.model.host_block_tables import HostBlockTables
 
 __all__ = [
@@ -269,7 +270,7 @@ class BatchBuilder:
         num_real_tokens = int(query_start_loc[num_real])
 
         # Block tables, truncated to the blocks this step touches, padded with block 0.
-        blocks_needed = -(-seq_lens // bs)  # [B]
+        blocks_needed = blocks_for_tokens(seq_lens, bs)  # [B]
         blocks_needed[num_real:] = 0  # padding sequences read block 0 through an empty row
         table_lens = np.fromiter(map(len, table_col), np.int64, num_real)
         short = table_lens < blocks_needed[:num_real]

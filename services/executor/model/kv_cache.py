@@ -13,10 +13,11 @@ import math
 import structlog
 import torch
 
+from services.common.blocks import MIN_NUM_BLOCKS, usable_blocks
 from services.executor.model.config import ModelConfig
 from services.executor.model.forward_batch import SeqChunk, build_forward_batch
 from services.executor.model.models import DecoderLM
-from services.executor.service.config import ExecutorConfig
+from services.executor.model.runner_config import CacheConfig
 
 __all__ = [
     "allocate_kv_cache",
@@ -28,7 +29,6 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-MIN_NUM_BLOCKS = 2  # the reserved block 0 plus one usable block
 CPU_DEFAULT_KV_BYTES = 256 * 2**20
 
 
@@ -78,13 +78,21 @@ def allocate_kv_cache(
     return torch.zeros(kv_cache_shape(config, num_blocks, block_size), dtype=dtype, device=device)
 
 
-def size_kv_cache(model: DecoderLM, config: ExecutorConfig) -> int:
+def size_kv_cache(
+    model: DecoderLM,
+    config: CacheConfig,
+    *,
+    max_num_batched_tokens: int,
+    graph_sizes: tuple[int, ...] = (),
+) -> int:
     """How many blocks (block 0 included) the executor's KV cache gets, the one place that
     decides it: ``--num-kv-blocks`` exactly, else ``--kv-cache-memory`` bytes, else on CUDA
     what ``--gpu-memory-utilization`` of the device leaves after a profiled forward, else the
     CPU default budget. Under tensor parallelism each rank sizes its own shard (its KV heads)
     and the count is the minimum over the ranks, so that one block id means the same slot
-    everywhere. Raises ``ValueError`` when one full-length sequence would not fit."""
+    everywhere. The profile runs a forward of ``max_num_batched_tokens`` tokens and sets
+    aside what the largest of ``graph_sizes`` (the decode CUDA graphs) keeps. Raises
+    ``ValueError`` when one full-length sequence would not fit."""
     mc, bs, device = model.local_config, config.block_size, next(model.parameters()).device
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
@@ -92,13 +100,14 @@ def size_kv_cache(model: DecoderLM, config: ExecutorConfig) -> int:
         budget = config.kv_cache_memory or CPU_DEFAULT_KV_BYTES
         num_blocks = num_blocks_for_budget(mc, bs, model.dtype, budget)
     else:
-        num_blocks = num_blocks_for_budget(mc, bs, model.dtype, _profile_budget(model, config))
+        budget = _profile_budget(model, config, max_num_batched_tokens, graph_sizes)
+        num_blocks = num_blocks_for_budget(mc, bs, model.dtype, budget)
     num_blocks = model.comm.min_int(num_blocks)
-    tokens = (num_blocks - 1) * bs
+    tokens = usable_blocks(num_blocks) * bs
     log.info(
         "kv_cache_sized",
         num_blocks=num_blocks,
-        num_usable_blocks=num_blocks - 1,
+        num_usable_blocks=usable_blocks(num_blocks),
         num_tokens=tokens,
         bytes=num_blocks * bytes_per_block(mc, bs, model.dtype),
         max_model_len=mc.max_model_len,
@@ -114,7 +123,9 @@ def size_kv_cache(model: DecoderLM, config: ExecutorConfig) -> int:
 
 
 @torch.inference_mode()
-def _profile_budget(model: DecoderLM, config: ExecutorConfig) -> int:
+def _profile_budget(
+    model: DecoderLM, config: CacheConfig, max_num_batched_tokens: int, graph_sizes: tuple[int, ...]
+) -> int:
     """CUDA: bytes left for the KV cache in ``gpu_memory_utilization`` of the device after the
     weights and the peak activations of a forward at ``max_num_batched_tokens`` (measured,
     not guessed)."""
@@ -122,7 +133,7 @@ def _profile_budget(model: DecoderLM, config: ExecutorConfig) -> int:
     mc, bs = model.local_config, config.block_size
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    num_tokens = min(config.max_num_batched_tokens, mc.max_model_len)
+    num_tokens = min(max_num_batched_tokens, mc.max_model_len)
     probe_blocks = math.ceil(num_tokens / bs) + 1
     probe = allocate_kv_cache(mc, probe_blocks, bs, model.dtype, device)
     chunk = SeqChunk([0] * num_tokens, 0, list(range(1, probe_blocks)), True)
@@ -138,10 +149,10 @@ def _profile_budget(model: DecoderLM, config: ExecutorConfig) -> int:
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     graph_bytes = 0
-    if not config.enforce_eager:
+    if graph_sizes:
         # The decode graphs keep their largest forward's intermediates for good: measure
         # that forward (every sequence at position 0 of block 1) and set its peak aside.
-        size = max(config.capture_sizes)
+        size = max(graph_sizes)
         decode = [SeqChunk([0], 0, [1], True)] * size
         batch = build_forward_batch(
             decode,

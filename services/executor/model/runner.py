@@ -7,7 +7,6 @@ those block tables, and the block pairs to copy for copy-on-write.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import structlog
@@ -17,13 +16,9 @@ from torch import Tensor
 from kernels import ops
 from services.executor.model.config import ModelConfig
 from services.executor.model.cuda_graphs import (
-    CudaGraphBackend,
     DecodeGraphs,
-    EagerGraphBackend,
     GraphBackend,
-    GraphBackendName,
 )
-from services.executor.model.errors import ModelLoadError
 from services.executor.model.forward_batch import (
     BatchBuilder,
     BatchLayout,
@@ -31,12 +26,8 @@ from services.executor.model.forward_batch import (
     PreparedForward,
     SeqChunk,
 )
-from services.executor.model.kv_cache import allocate_kv_cache, size_kv_cache
-from services.executor.model.loader import load_model, resolve_device
 from services.executor.model.models import DecoderLM
-from services.executor.model.parallel import Comm, ShardPlan, SingleComm
-from services.executor.model.workers import Op, StepChannel, WorkerGroup, rank_device
-from services.executor.service.config import ExecutorConfig
+from services.executor.model.workers import Op, StepChannel, WorkerGroup
 
 __all__ = ["ModelRunner"]
 
@@ -76,91 +67,16 @@ class ModelRunner:
             vocab_size=self.config.vocab_size,
         )
 
-    @classmethod
-    def from_config(
-        cls,
-        config: ExecutorConfig,
-        *,
-        comm: Comm | None = None,
-        graph_backend: GraphBackendName | None = None,
-    ) -> ModelRunner:
-        """The one way to build a runner: load ``config.model`` on its device and dtype, size
-        the KV cache (:func:`~.kv_cache.size_kv_cache`), allocate it, and on CUDA capture
-        the decode graphs (unless ``--enforce-eager``). Loading errors are
-        ``ModelLoadError``; a cache too small for one full sequence is ``ValueError``.
-
-        With ``--tensor-parallel-size`` N > 1 this starts ranks 1..N-1 (which call this with
-        their ``comm``) and builds rank 0's shard; every rank runs the same steps, in step.
-
-        ``graph_backend``: ``"cuda"`` (the default on CUDA) or ``"eager"``, the replay
-        stand-in of :mod:`.cuda_graphs`, which tests use to run the graph path on the CPU (on
-        every rank); neither under ``--enforce-eager``.
-        """
-        device = resolve_device(config.device)
-        size = config.tensor_parallel_size
-        workers = None
-        if comm is None and size > 1:
-            if device.type == "cuda" and torch.cuda.device_count() < size:
-                raise ModelLoadError(
-                    f"--tensor-parallel-size={size} needs {size} GPUs (one per rank), "
-                    f"{torch.cuda.device_count()} visible"
-                )
-            workers = WorkerGroup.launch(config, rank_device(device, 0), graph_backend)
-            comm = workers.comm
-        try:
-            runner = cls._build(config, device, comm or SingleComm(), workers, graph_backend)
-        except BaseException:
-            if workers is not None:
-                workers.close()
-            raise
-        if workers is not None:
-            workers.done()  # every rank finished its start-up collectives
-        return runner
-
-    @classmethod
-    def _build(
-        cls,
-        config: ExecutorConfig,
-        device: torch.device,
-        comm: Comm,
-        workers: WorkerGroup | None,
-        graph_backend: GraphBackendName | None,
-    ) -> ModelRunner:
-        if comm.size > 1:
-            device = rank_device(device, comm.rank)
-            if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-                # The ranks share the host's cores: oversubscribed, every collective waits on
-                # the slowest rank.
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.size))
-        model = load_model(
-            config.model,
-            dtype=config.dtype,
-            device=device,
-            max_model_len=config.max_model_len,
-            shard=lambda mc: ShardPlan.of(mc, comm.rank, comm.size),
-            comm=comm,
-        )
-        num_blocks = size_kv_cache(model, config)
-        kv_cache = allocate_kv_cache(
-            model.local_config, num_blocks, config.block_size, model.dtype, device
-        )
-        runner = cls(model, kv_cache, config.block_size, workers)
-        if graph_backend is None and device.type == "cuda":
-            graph_backend = "cuda"
-        if graph_backend is not None and not config.enforce_eager:
-            backend = CudaGraphBackend() if graph_backend == "cuda" else EagerGraphBackend()
-            runner._capture(config.capture_sizes, backend)  # every rank, in step
-        return runner
-
     def capture_decode_graphs(self, sizes: Sequence[int], backend: GraphBackend) -> None:
         """Capture the decode forward at each of ``sizes``; pure-decode steps of at most
         ``max(sizes)`` sequences replay them from then on. One rank only: under tensor
         parallelism every rank captures its own graphs at start-up, in step."""
         if self.workers is not None:
-            raise RuntimeError("a tensor-parallel runner captures its graphs in from_config")
-        self._capture(sizes, backend)
+            raise RuntimeError("a tensor-parallel runner captures its graphs in build_runner")
+        self.capture(sizes, backend)
 
-    def _capture(self, sizes: Sequence[int], backend: GraphBackend) -> None:
+    def capture(self, sizes: Sequence[int], backend: GraphBackend) -> None:
+        """Capture the decode graphs of ``sizes`` (every rank, in step)."""
         graphs = DecodeGraphs(self.model, self.kv_cache, self.builder, sizes, backend)
         on_cuda = self.device.type == "cuda"
         before = torch.cuda.memory_reserved(self.device) if on_cuda else 0

@@ -26,9 +26,7 @@ while the executor is idle.
 from __future__ import annotations
 
 import multiprocessing.connection
-import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,9 +44,9 @@ from services.executor.model.cuda_graphs import GraphBackendName
 from services.executor.model.parallel import DistComm, WorkerLost
 
 if TYPE_CHECKING:
-    from services.executor.service.config import ExecutorConfig
+    from services.executor.model.runner_config import RunnerConfig
 
-__all__ = ["HEADER_LEN", "Op", "StepChannel", "WorkerGroup", "rank_device", "worker_main"]
+__all__ = ["HEADER_LEN", "Op", "StepChannel", "WorkerGroup", "init_distributed", "rank_device"]
 
 log = structlog.get_logger(__name__)
 
@@ -73,7 +71,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _init_distributed(
+def init_distributed(
     rank: int, size: int, init_method: str, device: torch.device, timeout_s: float
 ) -> Any:
     """Join the default group and the control group; returns the control group."""
@@ -159,13 +157,16 @@ class WorkerGroup:
     @classmethod
     def launch(
         cls,
-        config: ExecutorConfig,
+        config: RunnerConfig,
         device: torch.device,
+        target: Callable[..., None],
         graph_backend: GraphBackendName | None = None,
     ) -> WorkerGroup:
         """Start the workers of ``config.tensor_parallel_size`` ranks and join their groups
         as rank 0 (``device`` is rank 0's; ``graph_backend`` as rank 0's, see
-        ``ModelRunner.from_config``). Raises :class:`WorkerLost` if a worker exits before
+        ``build_runner``). Each worker process runs ``target(config, rank, init_method,
+        errors, graph_backend)``, a module-level function (spawned, so importable).
+        Raises :class:`WorkerLost` if a worker exits before
         joining, or they cannot join within ``--distributed-timeout``."""
         size = config.tensor_parallel_size
         init_method = config.distributed_init_method or f"tcp://127.0.0.1:{_free_port()}"
@@ -173,7 +174,7 @@ class WorkerGroup:
         errors = ctx.SimpleQueue()
         processes = [
             ctx.Process(
-                target=worker_main,
+                target=target,
                 args=(config, rank, init_method, errors, graph_backend),
                 name=f"pagedserve-tp-rank-{rank}",
                 daemon=True,
@@ -208,7 +209,7 @@ class WorkerGroup:
 
         def join() -> None:
             try:
-                result["control"] = _init_distributed(0, self.size, init_method, device, timeout_s)
+                result["control"] = init_distributed(0, self.size, init_method, device, timeout_s)
             except BaseException as exc:  # reported below, in the calling thread
                 result["error"] = exc
             finally:
@@ -303,61 +304,3 @@ class WorkerGroup:
                 p.kill()
         for p in self.processes:
             p.join(2.0)
-
-
-def _exit_with_parent() -> None:
-    """A worker must not outlive its executor (even one killed by SIGKILL, which closes
-    no connection politely): a watcher thread exits the process when the parent is gone."""
-    parent = os.getppid()
-
-    def run() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=run, name="tp-parent-watch", daemon=True).start()
-
-
-def worker_main(
-    config: ExecutorConfig,
-    rank: int,
-    init_method: str,
-    errors: Any,
-    graph_backend: GraphBackendName | None = None,
-) -> None:
-    """Entry point of rank ``rank`` > 0: join the groups, load this rank's shard and size
-    its KV cache in step with the other ranks, then run rank 0's operations until SHUTDOWN.
-    Exits 0 after SHUTDOWN, 1 after any failure (reported to rank 0 on ``errors``)."""
-    from services.common.gc_policy import freeze_startup_heap
-    from services.common.logging import configure_logging
-    from services.executor.model.loader import resolve_device
-    from services.executor.model.runner import ModelRunner
-
-    wlog = configure_logging("executor", config.log_level).bind(tp_rank=rank)
-    # Rank 0 owns this process's life: a Ctrl-C or a SIGTERM sent to the executor's process
-    # group must not kill it under a running step, so it leaves the group; rank 0 stops it
-    # (SHUTDOWN, else SIGKILL), and it exits by itself when rank 0 is gone.
-    os.setsid()
-    _exit_with_parent()
-    code = 0
-    try:
-        device = rank_device(resolve_device(config.device), rank)
-        control = _init_distributed(
-            rank, config.tensor_parallel_size, init_method, device, config.distributed_timeout
-        )
-        runner = ModelRunner.from_config(config, comm=DistComm(device), graph_backend=graph_backend)
-        wlog.info(
-            "tensor_parallel_worker_ready",
-            num_kv_blocks=runner.num_blocks,
-            gc_frozen=freeze_startup_heap(),
-        )
-        runner.serve_rank(StepChannel(control, rank))
-        wlog.info("tensor_parallel_worker_stopped")
-    except BaseException as exc:  # report it to rank 0, then die: rank 0 cannot go on
-        errors.put(f"rank {rank}: {exc!r}")
-        wlog.error("tensor_parallel_worker_failed", error=repr(exc))
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)

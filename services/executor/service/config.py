@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from services.common.auth import InternalSecurity
+from services.executor.model.runner_config import CacheConfig, RunnerConfig
 
 
 def _parse_bytes(text: str) -> int:
@@ -205,6 +206,28 @@ class ExecutorConfig:
         sizes = [1, 2, 4, *range(8, self.max_num_seqs + 8, 8)]
         cover = next(s for s in sizes if s >= self.max_num_seqs)
         return tuple(s for s in sizes if s <= cover)
+
+    def runner_config(self) -> RunnerConfig:
+        """The model side's part of this configuration."""
+        return RunnerConfig(
+            model=self.model,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory=self.kv_cache_memory,
+                num_kv_blocks=self.num_kv_blocks,
+            ),
+            dtype=self.dtype,
+            device=self.device,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enforce_eager=self.enforce_eager,
+            capture_sizes=self.capture_sizes,
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_init_method=self.distributed_init_method,
+            distributed_timeout=self.distributed_timeout,
+            log_level=self.log_level,
+        )
 
     def as_log_dict(self) -> dict[str, object]:
         """The configuration as logged: secrets replaced by whether they are set."""

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
+from services.common.blocks import usable_blocks
 from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
 from services.executor.core.config import EngineSettings
 from services.executor.core.engine import Engine
 from services.executor.core.scheduler import SchedulerConfig
 from services.executor.model.config import ModelConfig
+from services.executor.model.launch import build_runner
 from services.executor.model.runner import ModelRunner
 from services.executor.service.config import ExecutorConfig
 
@@ -84,7 +86,7 @@ def build_engine(
 ) -> tuple[Engine, ServedModel]:
     if runner is not None:
         return _build_engine(config, runner, blockmgr, on_health)
-    runner = ModelRunner.from_config(config)
+    runner = build_runner(config.runner_config())
     try:
         return _build_engine(config, runner, blockmgr, on_health)
     except BaseException:
@@ -100,7 +102,7 @@ def _build_engine(
 ) -> tuple[Engine, ServedModel]:
     mc = runner.config
     bs = runner.block_size
-    usable = runner.num_blocks - 1
+    usable = usable_blocks(runner.num_blocks)
     settings = EngineSettings(
         max_model_len=mc.max_model_len,
         vocab_size=mc.vocab_size,

@@ -1,0 +1,170 @@
+"""Starting the model side: :func:`build_runner` loads the model, sizes and allocates the
+KV cache and captures the decode graphs, on every rank; :func:`worker_main` is the entry
+point of tensor-parallel ranks ``1 .. N-1``, which rank 0 launches through
+:class:`~.workers.WorkerGroup`.
+
+Import order: ``workers`` (processes, channels) <- ``runner`` (the runner) <- this module,
+so a worker process imports the runner without the runner importing it back.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import structlog
+import torch
+
+from services.common.gc_policy import freeze_startup_heap
+from services.common.logging import configure_logging
+from services.executor.model.cuda_graphs import (
+    CudaGraphBackend,
+    EagerGraphBackend,
+    GraphBackendName,
+)
+from services.executor.model.errors import ModelLoadError
+from services.executor.model.kv_cache import allocate_kv_cache, size_kv_cache
+from services.executor.model.loader import load_model, resolve_device
+from services.executor.model.parallel import Comm, DistComm, ShardPlan, SingleComm
+from services.executor.model.runner import ModelRunner
+from services.executor.model.runner_config import RunnerConfig
+from services.executor.model.workers import StepChannel, WorkerGroup, init_distributed, rank_device
+
+__all__ = ["build_runner", "worker_main"]
+
+log = structlog.get_logger(__name__)
+
+
+def build_runner(
+    config: RunnerConfig,
+    *,
+    comm: Comm | None = None,
+    graph_backend: GraphBackendName | None = None,
+) -> ModelRunner:
+    """The one way to build a runner: load ``config.model`` on its device and dtype, size
+    the KV cache (:func:`~.kv_cache.size_kv_cache`), allocate it, and on CUDA capture the
+    decode graphs (unless ``enforce_eager``). Loading errors are ``ModelLoadError``; a cache
+    too small for one full sequence is ``ValueError``.
+
+    With ``tensor_parallel_size`` N > 1 this starts ranks 1..N-1 (which call this with their
+    ``comm``) and builds rank 0's shard; every rank runs the same steps, in step.
+
+    ``graph_backend``: ``"cuda"`` (the default on CUDA) or ``"eager"``, the replay stand-in
+    of :mod:`.cuda_graphs`, which tests use to run the graph path on the CPU (on every
+    rank); neither under ``enforce_eager``.
+    """
+    device = resolve_device(config.device)
+    size = config.tensor_parallel_size
+    workers = None
+    if comm is None and size > 1:
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ModelLoadError(
+                f"--tensor-parallel-size={size} needs {size} GPUs (one per rank), "
+                f"{torch.cuda.device_count()} visible"
+            )
+        workers = WorkerGroup.launch(config, rank_device(device, 0), worker_main, graph_backend)
+        comm = workers.comm
+    try:
+        runner = _build(config, device, comm or SingleComm(), workers, graph_backend)
+    except BaseException:
+        if workers is not None:
+            workers.close()
+        raise
+    if workers is not None:
+        workers.done()  # every rank finished its start-up collectives
+    return runner
+
+
+def _build(
+    config: RunnerConfig,
+    device: torch.device,
+    comm: Comm,
+    workers: WorkerGroup | None,
+    graph_backend: GraphBackendName | None,
+) -> ModelRunner:
+    if comm.size > 1:
+        device = rank_device(device, comm.rank)
+        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # The ranks share the host's cores: oversubscribed, every collective waits on
+            # the slowest rank.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.size))
+    model = load_model(
+        config.model,
+        dtype=config.dtype,
+        device=device,
+        max_model_len=config.max_model_len,
+        shard=lambda mc: ShardPlan.of(mc, comm.rank, comm.size),
+        comm=comm,
+    )
+    num_blocks = size_kv_cache(
+        model,
+        config.cache,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        graph_sizes=config.graph_sizes,
+    )
+    kv_cache = allocate_kv_cache(
+        model.local_config, num_blocks, config.block_size, model.dtype, device
+    )
+    runner = ModelRunner(model, kv_cache, config.block_size, workers)
+    if graph_backend is None and device.type == "cuda":
+        graph_backend = "cuda"
+    if graph_backend is not None and config.graph_sizes:
+        backend = CudaGraphBackend() if graph_backend == "cuda" else EagerGraphBackend()
+        runner.capture(config.graph_sizes, backend)  # every rank, in step
+    return runner
+
+
+def _exit_with_parent() -> None:
+    """A worker must not outlive its executor (even one killed by SIGKILL, which closes
+    no connection politely): a watcher thread exits the process when the parent is gone."""
+    parent = os.getppid()
+
+    def run() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=run, name="tp-parent-watch", daemon=True).start()
+
+
+def worker_main(
+    config: RunnerConfig,
+    rank: int,
+    init_method: str,
+    errors: Any,
+    graph_backend: GraphBackendName | None = None,
+) -> None:
+    """Entry point of rank ``rank`` > 0: join the groups, load this rank's shard and size
+    its KV cache in step with the other ranks, then run rank 0's operations until SHUTDOWN.
+    Exits 0 after SHUTDOWN, 1 after any failure (reported to rank 0 on ``errors``)."""
+    wlog = configure_logging("executor", config.log_level).bind(tp_rank=rank)
+    # Rank 0 owns this process's life: a Ctrl-C or a SIGTERM sent to the executor's process
+    # group must not kill it under a running step, so it leaves the group; rank 0 stops it
+    # (SHUTDOWN, else SIGKILL), and it exits by itself when rank 0 is gone.
+    os.setsid()
+    _exit_with_parent()
+    code = 0
+    try:
+        device = rank_device(resolve_device(config.device), rank)
+        control = init_distributed(
+            rank, config.tensor_parallel_size, init_method, device, config.distributed_timeout
+        )
+        runner = build_runner(config, comm=DistComm(device), graph_backend=graph_backend)
+        wlog.info(
+            "tensor_parallel_worker_ready",
+            num_kv_blocks=runner.num_blocks,
+            gc_frozen=freeze_startup_heap(),
+        )
+        runner.serve_rank(StepChannel(control, rank))
+        wlog.info("tensor_parallel_worker_stopped")
+    except BaseException as exc:  # report it to rank 0, then die: rank 0 cannot go on
+        errors.put(f"rank {rank}: {exc!r}")
+        wlog.error("tensor_parallel_worker_failed", error=repr(exc))
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
