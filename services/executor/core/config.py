@@ -1,4 +1,5 @@
-"""The engine's settings, fixed for its life, and the request rules that depend on them."""
+"""The engine's and the scheduler's settings, fixed for their life, and the request rules
+that depend on them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,20 @@ from dataclasses import dataclass
 from services.common.limits import FieldError, check_prompt, check_request_id
 from services.common.sampling_params import SamplingParams
 from services.executor.core.outputs import EngineError, RequestErrorCode
-from services.executor.core.scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    watermark_blocks: int = 1  # admissions must leave this many blocks free
+    # Hold back an admission whose prompt blocks are being computed by another sequence in
+    # this step (or a running prefill): it hits them, committed, a step later instead of
+    # computing them again.
+    hold_back_shared_prefixes: bool = True
 
 
 @dataclass(frozen=True)

@@ -16,18 +16,15 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import structlog
 import torch
 from torch import Tensor
 
-from services.blockmgr.client import StepCall
-from services.blockmgr.errors import BlockManagerError
 from services.common.sampling_params import SamplingParams
-from services.executor.core.blockmgr_link import RECOVERABLE, BlockManagerLink
+from services.executor.core.blockmgr_link import BlockManagerLink
 from services.executor.core.config import EngineSettings
+from services.executor.core.engine_ahead import AheadEngine, PreparedBatch
 from services.executor.core.outputs import (
     EngineError,
     RequestErrorCode,
@@ -35,59 +32,23 @@ from services.executor.core.outputs import (
     TokenLogprob,
     Usage,
 )
+from services.executor.core.runner import PreparingRunner, Runner, seq_chunks
 from services.executor.core.sampler import Sampler, SeededGenerators, sampling_rows
 from services.executor.core.scheduler import (
     BadAnswer,
     ScheduledBatch,
-    ScheduledChunk,
     SchedulePlan,
     Scheduler,
 )
 from services.executor.core.sequence import FinishReason, Request, RequestKey, SeqStatus
 from services.executor.core.sequence import Sequence as Seq
-from services.executor.model.forward_batch import PreparedForward, SeqChunk
 
 log = structlog.get_logger(__name__)
 
 MAX_BAD_ANSWERS = 2  # a sequence concerned by this many rejected answers fails
 
 
-class Runner(Protocol):
-    """What the engine needs from a model runner (``ModelRunner``, or a fake in tests).
-
-    Optional: ``launch_returns_early`` (default: the device is CUDA), whether a forward
-    returns once launched, before the device is done; async scheduling then plans the next
-    step after the launch, in the device's time, rather than before it."""
-
-    device: torch.device
-    num_blocks: int
-
-    def execute(self, chunks: Sequence[SeqChunk]) -> Tensor: ...
-    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
-
-
-@runtime_checkable
-class PreparingRunner(Protocol):
-    """A runner whose ``execute`` comes in two halves (``ModelRunner``): with async
-    scheduling the next step's host batch is built while the device runs this step."""
-
-    def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedForward: ...
-    def launch(self, prepared: PreparedForward) -> Tensor: ...
-
-
-@dataclass
-class _Prepared:
-    """The next step's batch, built on the host before this step's sampling: the tokens this
-    step samples (``pending`` chunks) are written in before it runs."""
-
-    forward: PreparedForward
-    chunks: list[ScheduledChunk]  # as built; some may have ended by launch
-    pending: list[int]  # chunks whose (one) token is the one sampled in this step
-    # At launch: the logits rows of the chunks still running, None if all are.
-    rows: list[int] | None = None
-
-
-class Engine:
+class Engine(AheadEngine):
     def __init__(self, settings: EngineSettings, runner: Runner, link: BlockManagerLink) -> None:
         self.settings = settings
         self.runner = runner
@@ -112,7 +73,7 @@ class Engine:
         self.num_batches_prepared = 0  # host batches built while the step before ran
         self.scheduler = Scheduler(settings.scheduler, link.counters())
         self._batch_ahead: ScheduledBatch | None = None  # the next step's, already granted
-        self._prepared: _Prepared | None = None  # and its host batch, when the runner can
+        self._prepared: PreparedBatch | None = None  # and its host batch, when the runner can
         # (checked once: a runtime-checkable isinstance costs 15 us)
         preparing = settings.async_scheduling and isinstance(runner, PreparingRunner)
         self._preparing: PreparingRunner | None = runner if preparing else None  # type: ignore[assignment]
@@ -287,83 +248,6 @@ class Engine:
         self.last_step_host_s = (time.perf_counter() - t0) - self.last_step_forward_s
         return outputs
 
-    # ---- async scheduling -----------------------------------------------------------------
-
-    def _take_batch_ahead(self) -> tuple[ScheduledBatch | None, _Prepared | None]:
-        """The batch granted during the previous step, less the sequences that finished since
-        (their slots go back with the next Step), and its host batch if one was prepared,
-        completed: the tokens sampled since written in, the ended sequences' rows made to
-        write nothing. (None, None) when nothing of it is left."""
-        batch, self._batch_ahead = self._batch_ahead, None
-        prepared, self._prepared = self._prepared, None
-        if batch is None:
-            return None, None
-        running = SeqStatus.RUNNING
-        chunks = [c for c in batch.chunks if c.seq.status is running]
-        if not chunks:
-            return None, None
-        self.num_steps_ahead += 1
-        if prepared is not None:
-            host, built = prepared.forward.host, prepared.chunks
-            live = [i for i in prepared.pending if built[i].seq.status is running]
-            host.set_last_tokens(live, [built[i].seq.token_ids[-1] for i in live])
-            if len(chunks) < len(built):
-                prepared.rows, row = [], 0
-                for i, c in enumerate(built):
-                    live = c.seq.status is running
-                    if not live:
-                        host.write_nothing(i)
-                    if c.need_logits:
-                        if live:
-                            prepared.rows.append(row)
-                        row += 1
-        return ScheduledBatch(chunks, batch.copies), prepared
-
-    def _prepare(self, batch: ScheduledBatch) -> _Prepared:
-        """Build ``batch``'s host batch now, before this step's sampling: a chunk of a
-        sequence sampled in this step gets a placeholder for that token."""
-        assert self._preparing is not None
-        seq_chunks, pending = _seq_chunks(batch)
-        return _Prepared(self._preparing.prepare(seq_chunks), batch.chunks, pending)
-
-    def _launch(self, prepared: _Prepared) -> tuple[Tensor, list[int] | None]:
-        """Run a prepared batch: its logits, and the rows of the sequences still running
-        (None: every row), selected only when sampling (an index built now would wait for
-        the device here, before the work meant to overlap it)."""
-        assert self._preparing is not None
-        self.num_batches_prepared += 1
-        return self._preparing.launch(prepared.forward), prepared.rows
-
-    def _send_ahead(self, batch: ScheduledBatch) -> tuple[SchedulePlan, StepCall] | None:
-        """Plan the next step now and send its Step, if that is safe."""
-        if not self.settings.async_scheduling or not self.link.can_send_ahead:
-            return None
-        plan = self.scheduler.plan_ahead(batch)
-        if plan is None:
-            return None
-        return plan, self.link.send_ahead(plan.ops())
-
-    def _receive_ahead(
-        self, plan: SchedulePlan, call: StepCall
-    ) -> tuple[SchedulePlan, BadAnswer] | None:
-        """Apply the answer to the Step sent ahead: the next step's batch. A call that failed
-        with a recoverable error abandons the plan: the pool is rebuilt before the next Step,
-        which is then planned after sampling (other errors are raised, as a Step's are). A
-        contradicting answer is returned, for :meth:`_distrust` after sampling."""
-        try:
-            self._batch_ahead = self.scheduler.apply_ahead(plan, call.result())
-        except BlockManagerError as exc:
-            if exc.code not in RECOVERABLE:
-                raise
-            log.warning("blockmgr_step_ahead_failed", code=exc.code.name, error=exc.message)
-            self.num_ahead_failures += 1
-            self.scheduler.abandon(plan)
-            self.link.invalidate()
-        except BadAnswer as exc:
-            self.num_ahead_failures += 1
-            return plan, exc
-        return None
-
     def _distrust(self, plan: SchedulePlan, exc: BadAnswer) -> None:
         """The block manager answered something our plan contradicts: nothing of the answer
         is applied, the pool is rebuilt from our state before the next Step, and the step is
@@ -384,9 +268,9 @@ class Engine:
         return pending
 
     def _forward(self, batch: ScheduledBatch) -> Tensor:
-        seq_chunks, pending = _seq_chunks(batch)
+        chunks, pending = seq_chunks(batch)
         assert not pending  # planned after sampling: every token is known
-        return self.runner.execute(seq_chunks)
+        return self.runner.execute(chunks)
 
     def _sample_and_update(
         self, logits: Tensor, seqs: list[Seq], rows: list[int] | None = None
@@ -478,23 +362,6 @@ class Engine:
         )
         self.generators.rename((parent.seq_id, index), child.seq_id)
         return child
-
-
-def _seq_chunks(batch: ScheduledBatch) -> tuple[list[SeqChunk], list[int]]:
-    """What the runner computes for ``batch``, and the chunks whose token is not known yet
-    (a batch built ahead: the one token its sequence samples in this step), which get a
-    placeholder."""
-    seq_chunks: list[SeqChunk] = []
-    pending: list[int] = []
-    append, new = seq_chunks.append, tuple.__new__  # hot: 256 decode chunks per step
-    for i, (seq, k, need_logits) in enumerate(batch.chunks):
-        start = seq.num_computed_tokens
-        tokens = seq.token_ids[start : start + k]
-        if len(tokens) < k:  # k == 1
-            pending.append(i)
-            tokens = [0]
-        append(new(SeqChunk, (tokens, start, seq.block_table, need_logits)))
-    return seq_chunks, pending
 
 
 def _usage(seq: Seq) -> Usage:

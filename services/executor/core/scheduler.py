@@ -20,122 +20,45 @@ import bisect
 import itertools
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import structlog
 
 from services.blockmgr.types import (
-    Admit,
     AdmitResult,
     Commit,
     Fork,
-    Free,
-    Grow,
     GrowResult,
-    Operation,
     OpStatus,
     PoolCounters,
     RestoredSequence,
     StepResult,
 )
-from services.common.blocks import blocks_for_tokens, blocks_to_grow, needs_cow
+from services.common.blocks import blocks_to_grow, needs_cow
+from services.executor.core.admission import plan_admissions
+from services.executor.core.ahead import AheadScheduling
+from services.executor.core.config import SchedulerConfig
+from services.executor.core.plan import (
+    BadAnswer,
+    ScheduledBatch,
+    ScheduledChunk,
+    SchedulePlan,
+    check_answer,
+)
 from services.executor.core.sequence import FinishReason, SeqStatus, Sequence
+
+__all__ = [
+    "BadAnswer",
+    "SchedulePlan",
+    "ScheduledBatch",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerConfig",
+]
 
 log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    watermark_blocks: int = 1  # admissions must leave this many blocks free
-    # Hold back an admission whose prompt blocks are being computed by another sequence in
-    # this step (or a running prefill): it hits them, committed, a step later instead of
-    # computing them again.
-    hold_back_shared_prefixes: bool = True
-
-
-class ScheduledChunk(NamedTuple):
-    seq: Sequence
-    num_new_tokens: int  # tokens computed for ``seq`` in this step
-    need_logits: bool  # the chunk reaches the last known token: its logits are sampled
-
-
-class BadAnswer(Exception):
-    """The block manager's answer contradicts the plan it answers (wrong block counts, ids out
-    of range or already held, a copy-on-write nobody asked for, ...). ``seq_ids``: the
-    sequences concerned."""
-
-    def __init__(self, message: str, seq_ids: set[int]) -> None:
-        super().__init__(f"{message} (sequences {sorted(seq_ids)[:8]})")
-        self.seq_ids = seq_ids
-
-
-@dataclass
-class SchedulePlan:
-    """Phase one of a step: the operations to send, by part, and what they stand for.
-
-    :meth:`ops` lays the parts out as one Step and :meth:`answers` reads the block manager's
-    per-op results back by the same layout; nothing else knows op positions."""
-
-    commits: list[Commit] = field(default_factory=list)
-    forks: list[Fork] = field(default_factory=list)
-    free_seq_ids: list[int] = field(default_factory=list)
-    grows: list[tuple[Sequence, int]] = field(default_factory=list)  # decodes, then prefills
-    grow_blocks: list[int] = field(default_factory=list)  # new blocks each grow must get
-    admits: list[tuple[Sequence, Admit]] = field(default_factory=list)
-    released: list[RestoredSequence] = field(default_factory=list)  # freed by this plan
-    fork_ids: set[int] = field(default_factory=set)  # children forked by this plan
-    cow_ids: set[int] = field(default_factory=set)  # grows the mirror counted as COW
-
-    def ops(self) -> list[Operation]:
-        """The Step's operations: commits, forks (before frees: a parent finished in the last
-        step still lends its blocks), frees, one grow, admissions."""
-        ops: list[Operation] = [*self.commits, *self.forks]
-        if self.free_seq_ids:
-            ops.append(Free(tuple(self.free_seq_ids)))
-        if self.grows:
-            ops.append(
-                Grow(tuple(s.seq_id for s, _ in self.grows), tuple(k for _, k in self.grows))
-            )
-        ops.extend(admit for _, admit in self.admits)
-        return ops
-
-    def answers(self, result: StepResult) -> tuple[GrowResult | None, list[AdmitResult]]:
-        """This plan's grow and admission results out of the answer to :meth:`ops`."""
-        first = len(self.commits) + len(self.forks) + bool(self.free_seq_ids)
-        expected = first + bool(self.grows) + len(self.admits)
-        grow = result.results[first] if self.grows and len(result.results) > first else None
-        admits = list(result.results[first + bool(self.grows) :])
-        if (
-            len(result.results) != expected
-            or (self.grows and not isinstance(grow, GrowResult))
-            or not all(isinstance(r, AdmitResult) for r in admits)
-            or (
-                grow is not None
-                and not len(grow.statuses) == len(grow.new_block_ids) == len(self.grows)
-            )
-        ):
-            raise BadAnswer(
-                f"{len(result.results)} results for {expected} operations, or of the wrong kinds",
-                {s.seq_id for s, _ in self.grows} | {s.seq_id for s, _ in self.admits},
-            )
-        return grow, admits  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class ScheduledBatch:
-    """What the model computes in this step, and the block copies to make before it."""
-
-    chunks: list[ScheduledChunk]  # decodes first, then prefill chunks
-    copies: list[tuple[int, int]]  # copy-on-write (src, dst) block pairs
-
-
-class Scheduler:
+class Scheduler(AheadScheduling):
     def __init__(self, config: SchedulerConfig, counters: PoolCounters) -> None:
         self.config = config
         self.waiting: list[Sequence] = []  # sorted by sort_key
@@ -268,121 +191,20 @@ class Scheduler:
         self._to_free, self._commits = [], []
         return plan, free
 
-    def plan_ahead(self, batch: ScheduledBatch) -> SchedulePlan | None:
-        """Phase one of the *next* step, made before this step's forward (async scheduling),
-        so that its Step round trip overlaps the forward.
-
-        The running sequences are planned as :meth:`plan` would plan them once ``batch`` has
-        run and been sampled: a sequence that samples a token now grows by that token's slot,
-        whatever the token turns out to be (one that finishes gives the slot back in the step
-        after; one whose token is its last by ``max_tokens`` is left out), then prefill chunks
-        go on within the token budget, then waiting sequences are admitted. None (nothing
-        changed) when the next step must be planned after sampling: samples about to fork, a
-        copy-on-write, or too few free blocks without a preemption. Admissions that only the
-        blocks freed by this step's finished sequences would make fit wait one step."""
-        if not batch.chunks or self._forks:
-            return None
-        scheduled = {c.seq.seq_id: c for c in batch.chunks}
-        decodes: list[tuple[Sequence, int]] = []  # (seq, slots it holds after this forward)
-        prefills: list[tuple[Sequence, int, int]] = []  # (seq, slots, tokens left)
-        for seq in self.running:
-            chunk = scheduled.get(seq.seq_id)
-            slots = seq.num_computed_tokens
-            if chunk is None:
-                left = len(seq.token_ids) - slots
-            elif chunk.need_logits:  # samples a token now
-                slots += chunk.num_new_tokens
-                num_output = slots + 1 - seq.prompt_len
-                if num_output == 1 and seq.params.n > 1:
-                    return None  # its other samples fork from this token
-                if num_output >= seq.params.max_tokens:
-                    continue  # this token is its last: nothing to grow
-                left = 1
-            else:
-                slots += chunk.num_new_tokens
-                left = len(seq.token_ids) - slots
-            if left == 1:
-                decodes.append((seq, slots))
-            else:
-                prefills.append((seq, slots, left))
-        bs, refs = self.config.block_size, self.refs
-        budget = self.config.max_num_batched_tokens
-        grows: list[tuple[Sequence, int]] = []
-        grow_blocks: list[int] = []
-        for seq, slots, left in itertools.chain(((s, n, 1) for s, n in decodes), prefills):
-            if budget <= 0:
-                break
-            k = min(left, budget)
-            table = seq.block_table
-            if table and needs_cow(slots, k, bs, refs[table[-1]]):
-                return None  # planned after sampling
-            grows.append((seq, k))
-            grow_blocks.append(blocks_to_grow(slots, k, len(table), bs))
-            budget -= k
-        need = sum(grow_blocks)
-        if need > self.num_free_blocks or not (grows or self.waiting):
-            return None  # (this step's frees are not counted: conservative)
-        plan, free = self._open_plan()
-        plan.grows, plan.grow_blocks = grows, grow_blocks
-        self._plan_admissions(plan, free - need, budget)
-        return plan
-
     def _plan_admissions(self, plan: SchedulePlan, free: int, budget: int) -> None:
-        """Admit waiting sequences in priority order (FCFS within a priority).
+        plan_admissions(plan, self.waiting, self.running, self.config, free, budget)
 
-        An admission must leave ``watermark_blocks`` plus one block per sequence that will be
-        running free: each running sequence needs at most one new block in the next
-        ``block_size`` steps, so this headroom keeps growth from preempting what was just
-        admitted (admitting on prompt blocks alone makes the newest sequences thrash:
-        admitted, preempted, recomputed, again). With nothing running no headroom is needed.
-        """
-        if not self.waiting:
-            return
-        cfg = self.config
-        bs = cfg.block_size
-        num_running = len(self.running)
-        speculative = False
-        admits = plan.admits
-        hold_back = cfg.enable_prefix_caching and cfg.hold_back_shared_prefixes
-        computing = self._uncommitted_prompt_blocks() if hold_back else set()
-        for seq in self.waiting:
-            if budget <= 0 or num_running + len(admits) >= cfg.max_num_seqs:
-                break
-            total = seq.num_tokens
-            hashes = (
-                tuple(seq.full_block_hashes(bs)[: total // bs]) if cfg.enable_prefix_caching else ()
-            )
-            if hold_back and hashes and not computing.isdisjoint(hashes):
-                continue  # its prefix is being computed: it hits it, committed, next step
-            if not cfg.enable_chunked_prefill and total > budget:
-                break
-            k_max = budget if cfg.enable_chunked_prefill else total
-            first = min(total, k_max)
-            upper = blocks_for_tokens(first, bs)  # blocks if nothing is cached
-            others = num_running + len(admits)
-            reserve = cfg.watermark_blocks + others if others else 0
-            if upper + reserve > free:
-                # A prefix hit may still make it fit: send it, but nothing after it (FCFS).
-                if not cfg.enable_prefix_caching or speculative:
-                    break
-                speculative = True
-            admits.append((seq, Admit(seq.seq_id, total, k_max, hashes, reserve)))
-            computing.update(hashes)
-            free -= min(upper, free)
-            budget -= first
-            if speculative:
-                break
-
-    def _uncommitted_prompt_blocks(self) -> set[bytes]:
-        """Hashes of the full prompt blocks running sequences are computing but have not
-        committed yet (a prefill in progress)."""
-        bs = self.config.block_size
-        blocks: set[bytes] = set()
-        for seq in self.running:
-            full = seq.prompt_len // bs
-            if seq.num_committed_blocks < full:
-                blocks.update(seq.full_block_hashes(bs)[seq.num_committed_blocks : full])
-        return blocks
+    def _check_answer(
+        self, plan: SchedulePlan, grow: GrowResult | None, admitted: list[AdmitResult]
+    ) -> None:
+        check_answer(
+            plan,
+            grow,
+            admitted,
+            block_size=self.config.block_size,
+            num_blocks=self.num_usable_blocks + 1,
+            refs=self.refs,
+        )
 
     # ---- phase two: apply the block manager's answer ---------------------------------------
 
@@ -407,32 +229,6 @@ class Scheduler:
             for s, k in itertools.chain(grows, new_prefills)
         ]
         return ScheduledBatch(chunks, copies)
-
-    def apply_ahead(self, plan: SchedulePlan, result: StepResult) -> ScheduledBatch:
-        """Take the answer to a :meth:`plan_ahead` plan, after this step's forward and
-        :meth:`after_forward` but before sampling: the next step's batch (the grown
-        sequences' chunks, then the first chunks of the admitted ones). Until that batch
-        runs, ``num_ahead_slots`` counts the slots granted ahead. A grow the pool refused
-        preempts its sequence, as in :meth:`apply` (it is still sampled in this step: its
-        token joins what it recomputes). An answer that contradicts the plan raises
-        :class:`BadAnswer` with nothing applied."""
-        grow, admitted = plan.answers(result)
-        self._check_answer(plan, grow, admitted)  # no copy-on-write either: one is rejected
-        failed = self._apply_grow(plan, grow, []) if grow is not None else set()
-        chunks: list[ScheduledChunk] = []
-        append, new = chunks.append, tuple.__new__  # hot: every sequence, every step
-        for seq, k in plan.grows:
-            if failed and seq.seq_id in failed:
-                continue
-            seq.num_ahead_slots = k
-            # A sequence sampled in this step lacks its token yet: its chunk samples too.
-            end = seq.num_computed_tokens + k
-            append(new(ScheduledChunk, (seq, k, end >= len(seq.token_ids))))
-        for seq, k in self._apply_admissions(plan, admitted):
-            seq.num_ahead_slots = k
-            append(ScheduledChunk(seq, k, seq.num_computed_tokens + k == len(seq.token_ids)))
-        self.num_free_blocks = result.counters.num_free_blocks
-        return ScheduledBatch(chunks, [])
 
     def _apply_admissions(
         self, plan: SchedulePlan, admitted: list[AdmitResult]
@@ -502,82 +298,6 @@ class Scheduler:
             for b in new_ids:
                 self.refs[b] += 1
         return failed
-
-    def _check_answer(
-        self, plan: SchedulePlan, grow: GrowResult | None, admitted: list[AdmitResult]
-    ) -> None:
-        """Raise :class:`BadAnswer` unless every entry got exactly what it asked for: the
-        expected number of blocks, each new one in range and held by none of our tables, a
-        copy-on-write exactly where our mirror expects one, and admissions whose cached prefix
-        and slots add up."""
-        bs, num_blocks, refs, ok = (
-            self.config.block_size,
-            self.num_usable_blocks + 1,
-            self.refs,
-            OpStatus.OK,
-        )
-        bad: set[int] = set()
-        taken: set[int] = set()
-
-        def fresh(ids: Iterable[int]) -> bool:
-            for b in ids:
-                if not 0 < b < num_blocks or refs[b] or b in taken:
-                    return False
-                taken.add(b)
-            return True
-
-        if grow is not None:
-            counts = [len(ids) for ids in grow.new_block_ids]
-            all_ok = grow.statuses.count(ok) == len(plan.grows)
-            if counts != plan.grow_blocks or grow.copies or plan.cow_ids or not all_ok:
-                copied: set[int] = set()
-                for c in grow.copies:
-                    if not 0 <= c.entry < len(plan.grows):
-                        raise BadAnswer(
-                            f"copy for grow entry {c.entry}", {s.seq_id for s, _ in plan.grows}
-                        )
-                    seq = plan.grows[c.entry][0]
-                    table = seq.block_table
-                    if (
-                        seq.seq_id not in plan.cow_ids
-                        or c.entry in copied
-                        or not table
-                        or c.block_index != len(table) - 1
-                        or c.src != table[-1]
-                        or not fresh((c.dst,))
-                    ):
-                        bad.add(seq.seq_id)
-                    copied.add(c.entry)
-                for i, ((seq, _), status, got, want) in enumerate(
-                    zip(plan.grows, grow.statuses, counts, plan.grow_blocks, strict=True)
-                ):
-                    if status is ok:
-                        if got != want or (seq.seq_id in plan.cow_ids) != (i in copied):
-                            bad.add(seq.seq_id)
-                    elif got or i in copied:
-                        bad.add(seq.seq_id)
-            for (seq, _), ids in zip(plan.grows, grow.new_block_ids, strict=True):
-                if ids and not fresh(ids):
-                    bad.add(seq.seq_id)
-        for (seq, op), res in zip(plan.admits, admitted, strict=True):
-            if res.status is not ok:
-                continue
-            cached, ids = res.num_cached_tokens, res.block_ids
-            want = cached + min(op.num_prompt_tokens - cached, op.max_new_tokens)
-            hits = cached // bs
-            if (
-                cached % bs
-                or not 0 <= cached < op.num_prompt_tokens
-                or hits > len(op.block_hashes)
-                or res.num_tokens != want
-                or len(ids) != blocks_for_tokens(want, bs)
-                or len(set(ids)) != len(ids)
-                or not all(0 < b < num_blocks for b in ids[:hits])
-                or not fresh(ids[hits:])
-            ):
-                bad.add(seq.seq_id)
-        if bad:
-            raise BadAnswer("the block manager's answer contradicts the plan", bad)
 
     def abandon(self, plan: SchedulePlan) -> None:
         """Forget the answer to ``plan`` (it contradicted the plan): grows and admissions did

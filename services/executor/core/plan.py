@@ -1,0 +1,183 @@
+"""A step's plan and its outcome: what the scheduler asks the block manager for
+(:class:`SchedulePlan`), the check of the answer against it (:func:`check_answer`), and what
+the model then computes (:class:`ScheduledBatch`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from services.blockmgr.types import (
+    Admit,
+    AdmitResult,
+    Commit,
+    Fork,
+    Free,
+    Grow,
+    GrowResult,
+    Operation,
+    OpStatus,
+    RestoredSequence,
+    StepResult,
+)
+from services.common.blocks import blocks_for_tokens
+from services.executor.core.sequence import Sequence
+
+__all__ = ["BadAnswer", "SchedulePlan", "ScheduledBatch", "ScheduledChunk", "check_answer"]
+
+
+class ScheduledChunk(NamedTuple):
+    seq: Sequence
+    num_new_tokens: int  # tokens computed for ``seq`` in this step
+    need_logits: bool  # the chunk reaches the last known token: its logits are sampled
+
+
+class BadAnswer(Exception):
+    """The block manager's answer contradicts the plan it answers (wrong block counts, ids out
+    of range or already held, a copy-on-write nobody asked for, ...). ``seq_ids``: the
+    sequences concerned."""
+
+    def __init__(self, message: str, seq_ids: set[int]) -> None:
+        super().__init__(f"{message} (sequences {sorted(seq_ids)[:8]})")
+        self.seq_ids = seq_ids
+
+
+@dataclass
+class SchedulePlan:
+    """Phase one of a step: the operations to send, by part, and what they stand for.
+
+    :meth:`ops` lays the parts out as one Step and :meth:`answers` reads the block manager's
+    per-op results back by the same layout; nothing else knows op positions."""
+
+    commits: list[Commit] = field(default_factory=list)
+    forks: list[Fork] = field(default_factory=list)
+    free_seq_ids: list[int] = field(default_factory=list)
+    grows: list[tuple[Sequence, int]] = field(default_factory=list)  # decodes, then prefills
+    grow_blocks: list[int] = field(default_factory=list)  # new blocks each grow must get
+    admits: list[tuple[Sequence, Admit]] = field(default_factory=list)
+    released: list[RestoredSequence] = field(default_factory=list)  # freed by this plan
+    fork_ids: set[int] = field(default_factory=set)  # children forked by this plan
+    cow_ids: set[int] = field(default_factory=set)  # grows the mirror counted as COW
+
+    def ops(self) -> list[Operation]:
+        """The Step's operations: commits, forks (before frees: a parent finished in the last
+        step still lends its blocks), frees, one grow, admissions."""
+        ops: list[Operation] = [*self.commits, *self.forks]
+        if self.free_seq_ids:
+            ops.append(Free(tuple(self.free_seq_ids)))
+        if self.grows:
+            ops.append(
+                Grow(tuple(s.seq_id for s, _ in self.grows), tuple(k for _, k in self.grows))
+            )
+        ops.extend(admit for _, admit in self.admits)
+        return ops
+
+    def answers(self, result: StepResult) -> tuple[GrowResult | None, list[AdmitResult]]:
+        """This plan's grow and admission results out of the answer to :meth:`ops`."""
+        first = len(self.commits) + len(self.forks) + bool(self.free_seq_ids)
+        expected = first + bool(self.grows) + len(self.admits)
+        grow = result.results[first] if self.grows and len(result.results) > first else None
+        admits = list(result.results[first + bool(self.grows) :])
+        if (
+            len(result.results) != expected
+            or (self.grows and not isinstance(grow, GrowResult))
+            or not all(isinstance(r, AdmitResult) for r in admits)
+            or (
+                grow is not None
+                and not len(grow.statuses) == len(grow.new_block_ids) == len(self.grows)
+            )
+        ):
+            raise BadAnswer(
+                f"{len(result.results)} results for {expected} operations, or of the wrong kinds",
+                {s.seq_id for s, _ in self.grows} | {s.seq_id for s, _ in self.admits},
+            )
+        return grow, admits  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """What the model computes in this step, and the block copies to make before it."""
+
+    chunks: list[ScheduledChunk]  # decodes first, then prefill chunks
+    copies: list[tuple[int, int]]  # copy-on-write (src, dst) block pairs
+
+
+def check_answer(
+    plan: SchedulePlan,
+    grow: GrowResult | None,
+    admitted: list[AdmitResult],
+    *,
+    block_size: int,
+    num_blocks: int,
+    refs: Counter[int],
+) -> None:
+    """Raise :class:`BadAnswer` unless every entry got exactly what it asked for: the
+    expected number of blocks, each new one in range and held by none of our tables, a
+    copy-on-write exactly where our mirror expects one, and admissions whose cached prefix
+    and slots add up. ``refs``: the scheduler's refcount mirror (blocks its tables hold);
+    ``num_blocks``: the pool's size, the null block included."""
+    bs, ok = block_size, OpStatus.OK
+    bad: set[int] = set()
+    taken: set[int] = set()
+
+    def fresh(ids: Iterable[int]) -> bool:
+        for b in ids:
+            if not 0 < b < num_blocks or refs[b] or b in taken:
+                return False
+            taken.add(b)
+        return True
+
+    if grow is not None:
+        counts = [len(ids) for ids in grow.new_block_ids]
+        all_ok = grow.statuses.count(ok) == len(plan.grows)
+        if counts != plan.grow_blocks or grow.copies or plan.cow_ids or not all_ok:
+            copied: set[int] = set()
+            for c in grow.copies:
+                if not 0 <= c.entry < len(plan.grows):
+                    raise BadAnswer(
+                        f"copy for grow entry {c.entry}", {s.seq_id for s, _ in plan.grows}
+                    )
+                seq = plan.grows[c.entry][0]
+                table = seq.block_table
+                if (
+                    seq.seq_id not in plan.cow_ids
+                    or c.entry in copied
+                    or not table
+                    or c.block_index != len(table) - 1
+                    or c.src != table[-1]
+                    or not fresh((c.dst,))
+                ):
+                    bad.add(seq.seq_id)
+                copied.add(c.entry)
+            for i, ((seq, _), status, got, want) in enumerate(
+                zip(plan.grows, grow.statuses, counts, plan.grow_blocks, strict=True)
+            ):
+                if status is ok:
+                    if got != want or (seq.seq_id in plan.cow_ids) != (i in copied):
+                        bad.add(seq.seq_id)
+                elif got or i in copied:
+                    bad.add(seq.seq_id)
+        for (seq, _), ids in zip(plan.grows, grow.new_block_ids, strict=True):
+            if ids and not fresh(ids):
+                bad.add(seq.seq_id)
+    for (seq, op), res in zip(plan.admits, admitted, strict=True):
+        if res.status is not ok:
+            continue
+        cached, ids = res.num_cached_tokens, res.block_ids
+        want = cached + min(op.num_prompt_tokens - cached, op.max_new_tokens)
+        hits = cached // bs
+        if (
+            cached % bs
+            or not 0 <= cached < op.num_prompt_tokens
+            or hits > len(op.block_hashes)
+            or res.num_tokens != want
+            or len(ids) != blocks_for_tokens(want, bs)
+            or len(set(ids)) != len(ids)
+            or not all(0 < b < num_blocks for b in ids[:hits])
+            or not fresh(ids[hits:])
+        ):
+            bad.add(seq.seq_id)
+    if bad:
+        raise BadAnswer("the block manager's answer contradicts the plan", bad)

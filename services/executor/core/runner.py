@@ -1,0 +1,55 @@
+"""What the engine needs from the model side: the runner's contract (``ModelRunner``
+satisfies it; tests use fakes), and the chunks it computes for a scheduled batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from services.executor.core.plan import ScheduledBatch
+from services.executor.model.forward_batch import PreparedForward, SeqChunk
+
+__all__ = ["PreparingRunner", "Runner", "seq_chunks"]
+
+
+class Runner(Protocol):
+    """What the engine needs from a model runner (``ModelRunner``, or a fake in tests).
+
+    Optional: ``launch_returns_early`` (default: the device is CUDA), whether a forward
+    returns once launched, before the device is done; async scheduling then plans the next
+    step after the launch, in the device's time, rather than before it."""
+
+    device: torch.device
+    num_blocks: int
+
+    def execute(self, chunks: Sequence[SeqChunk]) -> Tensor: ...
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
+
+
+@runtime_checkable
+class PreparingRunner(Protocol):
+    """A runner whose ``execute`` comes in two halves (``ModelRunner``): with async
+    scheduling the next step's host batch is built while the device runs this step."""
+
+    def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedForward: ...
+    def launch(self, prepared: PreparedForward) -> Tensor: ...
+
+
+def seq_chunks(batch: ScheduledBatch) -> tuple[list[SeqChunk], list[int]]:
+    """What the runner computes for ``batch``, and the chunks whose token is not known yet
+    (a batch built ahead: the one token its sequence samples in this step), which get a
+    placeholder."""
+    seq_chunks: list[SeqChunk] = []
+    pending: list[int] = []
+    append, new = seq_chunks.append, tuple.__new__  # hot: 256 decode chunks per step
+    for i, (seq, k, need_logits) in enumerate(batch.chunks):
+        start = seq.num_computed_tokens
+        tokens = seq.token_ids[start : start + k]
+        if len(tokens) < k:  # k == 1
+            pending.append(i)
+            tokens = [0]
+        append(new(SeqChunk, (tokens, start, seq.block_table, need_logits)))
+    return seq_chunks, pending
