@@ -1,0 +1,27 @@
+"""Model families: one file each, a configuration of the shared ``layers/`` plus the map from
+its checkpoint's weight names. A new family is a new file here and a line in
+:data:`MODEL_CLASSES`."""
+
+from __future__ import annotations
+
+from services.executor.model.errors import UnsupportedModelError
+from services.executor.model.models.llama import DecoderLM
+
+__all__ = ["MODEL_CLASSES", "DecoderLM", "model_class"]
+
+#: HF architecture class name -> the class that implements it.
+MODEL_CLASSES: dict[str, type[DecoderLM]] = {
+    "LlamaForCausalLM": DecoderLM,
+    "MistralForCausalLM": DecoderLM,
+    "Qwen2ForCausalLM": DecoderLM,
+}
+
+
+def model_class(architecture: str) -> type[DecoderLM]:
+    """The implementation of ``architecture``; :class:`UnsupportedModelError` if none."""
+    try:
+        return MODEL_CLASSES[architecture]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_CLASSES)}"
+        ) from None
