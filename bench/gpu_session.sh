@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# Everything to check on a lent GPU, in one call (see ../shared/GPU.md for the machine):
+# Everything to check on a GPU host, in one call:
 #   1. the kernel checks and bandwidth tables (bench/gpu_check.py),
 #   2. every `gpu` test (fused kernels in bf16, CUDA graphs vs eager, no recapture),
 #   3. the engine benchmark with and without CUDA graphs (bench/gpu_engine.py),
 #   4. on a host with several GPUs, tensor parallelism over NCCL (bench/tp_bench.py).
-# Usage on the device: carry .whl, then `bash bench/gpu_session.sh` (logs go to $OUT when set).
+# Usage: `bash bench/gpu_session.sh` from anywhere; logs go to $OUT when set, else /tmp.
+# A GPU host without network access gets the Python packages it lacks as wheel files: put
+# them in $WHEELS_DIR (default .whl; a relative path is taken from the repository root) and
+# they are installed into .site, put first on PYTHONPATH, before anything runs. Without that
+# directory nothing is installed and the host's own packages are used.
 # Each part has its own time limit, so one that hangs cannot take the others' results with it
 # (a device call is cut at 600 s; the logs written so far still come back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 out="${OUT:-/tmp}"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl || exit 1
+wheels="${WHEELS_DIR:-.whl}"
+if [ -d "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target .site "$wheels"/*.whl \
+    || exit 1
   export PYTHONPATH="$PWD/.site"
 fi
 python3 -m pagedserve._protogen || exit 1
