@@ -27,7 +27,13 @@ from services.executor.model.forward_batch import (
     SeqChunk,
 )
 from services.executor.model.models import DecoderLM
-from services.executor.model.workers import Op, StepChannel, WorkerGroup
+from services.executor.model.workers import (
+    CopyBlocksHeader,
+    ForwardHeader,
+    Op,
+    StepChannel,
+    WorkerGroup,
+)
 
 __all__ = ["ModelRunner"]
 
@@ -122,10 +128,17 @@ class ModelRunner:
             assert graphs is not None
             d64, d32 = self.builder.upload_packed(host, into=graphs.buffers)
         if self.workers is not None:
-            layout = host.layout
-            fields = (layout.num_tokens, layout.num_seqs, layout.table_width, layout.num_logits)
-            fields += (host.max_query_len, host.max_seq_len, size or 0)
-            self.workers.send(Op.FORWARD, fields, (d64, d32))
+            lay = host.layout
+            header = ForwardHeader(
+                lay.num_tokens,
+                lay.num_seqs,
+                lay.table_width,
+                lay.num_logits,
+                host.max_query_len,
+                host.max_seq_len,
+                size or 0,
+            )
+            self.workers.send(Op.FORWARD, header, (d64, d32))
         logits = self._forward(
             host.layout.views(d64, d32, host.max_query_len, host.max_seq_len), size
         )
@@ -151,7 +164,7 @@ class ModelRunner:
             raise ValueError(f"block ids must lie in [1, {self.num_blocks}), got {list(pairs)}")
         ids = ids.to(self.device)
         if self.workers is not None:
-            self.workers.send(Op.COPY_BLOCKS, (ids.shape[1],), (ids,))
+            self.workers.send(Op.COPY_BLOCKS, CopyBlocksHeader(ids.shape[1]), (ids,))
         ops.copy_blocks(self.kv_cache, ids[0], ids[1])
         if self.workers is not None:
             self.workers.done()
@@ -165,16 +178,23 @@ class ModelRunner:
     def serve_rank(self, channel: StepChannel) -> None:
         """Ranks > 0: run rank 0's operations, in order, until SHUTDOWN."""
         while True:
-            op, fields = channel.recv_header()
+            op, header = channel.recv_header()
             if op is Op.SHUTDOWN:
                 return
-            if op is Op.COPY_BLOCKS:
-                ids = torch.empty(2, fields[0], dtype=torch.int64, device=self.device)
+            if isinstance(header, CopyBlocksHeader):
+                ids = torch.empty(2, header.num_pairs, dtype=torch.int64, device=self.device)
                 channel.recv_payload((ids,))
                 ops.copy_blocks(self.kv_cache, ids[0], ids[1])
                 continue
-            num_tokens, num_seqs, width, num_logits, max_query_len, max_seq_len, size = fields
-            layout = BatchLayout(num_tokens, num_seqs, width, num_logits)
+            assert isinstance(header, ForwardHeader)
+            size, max_query_len, max_seq_len = (
+                header.graph_size,
+                header.max_query_len,
+                header.max_seq_len,
+            )
+            layout = BatchLayout(
+                header.num_tokens, header.num_seqs, header.table_width, header.num_logits
+            )
             n64, n32 = sum(layout.sizes64), sum(layout.sizes32)
             if size and self.graphs is not None:
                 d64, d32 = self.graphs.buffers[0][:n64], self.graphs.buffers[1][:n32]

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import structlog
 import torch
@@ -46,7 +46,17 @@ from services.executor.model.parallel import DistComm, WorkerLost
 if TYPE_CHECKING:
     from services.executor.model.runner_config import RunnerConfig
 
-__all__ = ["HEADER_LEN", "Op", "StepChannel", "WorkerGroup", "init_distributed", "rank_device"]
+__all__ = [
+    "HEADER_LEN",
+    "CopyBlocksHeader",
+    "ForwardHeader",
+    "Op",
+    "OpHeader",
+    "StepChannel",
+    "WorkerGroup",
+    "init_distributed",
+    "rank_device",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -58,6 +68,35 @@ class Op(IntEnum):
     FORWARD = 1
     COPY_BLOCKS = 2
     SHUTDOWN = 3
+
+
+class ForwardHeader(NamedTuple):
+    """The fields of a ``FORWARD`` header: the packed batch's layout (see
+    :class:`~.forward_batch.BatchLayout`), its longest query and context, and the CUDA-graph
+    size it replays (0: eager)."""
+
+    num_tokens: int
+    num_seqs: int
+    table_width: int
+    num_logits: int
+    max_query_len: int
+    max_seq_len: int
+    graph_size: int
+
+
+class CopyBlocksHeader(NamedTuple):
+    """The field of a ``COPY_BLOCKS`` header: how many (src, dst) pairs follow."""
+
+    num_pairs: int
+
+
+OpHeader = ForwardHeader | CopyBlocksHeader | None
+_HEADER_TYPES: dict[Op, type[ForwardHeader] | type[CopyBlocksHeader] | None] = {
+    Op.FORWARD: ForwardHeader,
+    Op.COPY_BLOCKS: CopyBlocksHeader,
+    Op.SHUTDOWN: None,
+}
+assert max(len(t._fields) for t in _HEADER_TYPES.values() if t) < HEADER_LEN
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -95,11 +134,17 @@ class StepChannel:
         self.control = control
         self.rank = rank
 
-    def send(self, op: Op, fields: Sequence[int], payload: Sequence[Tensor] = ()) -> None:
+    def send(self, op: Op, fields: OpHeader = None, payload: Sequence[Tensor] = ()) -> None:
         """Rank 0: broadcast one operation. Raises :class:`WorkerLost` when a rank is gone."""
+        expected = _HEADER_TYPES[op]
+        if (fields is None) != (expected is None) or (
+            expected is not None and not isinstance(fields, expected)
+        ):
+            raise TypeError(f"{op.name} takes a {expected and expected.__name__} header")
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         header[0] = int(op)
-        header[1 : 1 + len(fields)] = torch.tensor(list(fields), dtype=torch.int64)
+        if fields is not None:
+            header[1 : 1 + len(fields)] = torch.tensor(list(fields), dtype=torch.int64)
         try:
             dist.broadcast(header, 0, group=self.control)
             for tensor in payload:
@@ -107,15 +152,17 @@ class StepChannel:
         except RuntimeError as exc:
             raise WorkerLost(f"broadcast of {op.name} failed: {exc}") from exc
 
-    def recv_header(self) -> tuple[Op, list[int]]:
-        """Ranks > 0: wait for the next operation; returns it and its fields."""
+    def recv_header(self) -> tuple[Op, OpHeader]:
+        """Ranks > 0: wait for the next operation; returns it and its header."""
         header = torch.empty(HEADER_LEN, dtype=torch.int64)
         try:
             dist.broadcast(header, 0, group=self.control)
         except RuntimeError as exc:
             raise WorkerLost(f"rank {self.rank} lost rank 0: {exc}") from exc
         values = header.tolist()
-        return Op(values[0]), values[1:]
+        op = Op(values[0])
+        kind = _HEADER_TYPES[op]
+        return op, None if kind is None else kind(*values[1 : 1 + len(kind._fields)])
 
     def recv_payload(self, tensors: Sequence[Tensor]) -> None:
         """Ranks > 0: receive the operation's tensors into ``tensors`` (shapes from the
@@ -224,7 +271,7 @@ class WorkerGroup:
             ) from result["error"]
         return result["control"]
 
-    def send(self, op: Op, fields: Sequence[int], payload: Sequence[Tensor] = ()) -> None:
+    def send(self, op: Op, fields: OpHeader = None, payload: Sequence[Tensor] = ()) -> None:
         """Broadcast one operation to the workers; :class:`WorkerLost` if one is gone. The
         caller runs rank 0's part of the operation, then calls :meth:`done`; until then the
         workers are not idle (an operation that raised leaves them so for good)."""
@@ -285,7 +332,7 @@ class WorkerGroup:
         clean = self.idle and self.lost is None
         if clean:
             try:
-                self.send(Op.SHUTDOWN, ())
+                self.send(Op.SHUTDOWN)
             except WorkerLost:
                 clean = False
         deadline = time.monotonic() + (timeout_s if clean else 0.0)
