@@ -1,4 +1,8 @@
-"""``python -m services.blockmgr`` / ``pagedserve blockmgr``."""
+"""``python -m services.blockmgr`` / ``pagedserve blockmgr``.
+
+Exits 0 after SIGTERM / SIGINT, and 2 (:data:`~services.common.logging.CONFIG_ERROR_STATUS`)
+when its configuration cannot work: a bad flag (argparse), an mTLS file that cannot be read.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,27 @@ import asyncio
 import sys
 
 from services.blockmgr.config import BlockManagerServiceConfig
-from services.common.logging import configure_logging
+from services.common.logging import (
+    FILE_CONFIG_ERRORS,
+    config_error,
+    configure_logging,
+    loggable,
+)
+
+# What the start-up raises on a configuration that cannot work.
+CONFIG_ERRORS: tuple[type[Exception], ...] = (*FILE_CONFIG_ERRORS, ValueError)
 
 
 def main(argv: list[str] | None = None) -> int:
     config = BlockManagerServiceConfig.from_args(sys.argv[1:] if argv is None else argv)
-    log = configure_logging("blockmgr", config.log_level)
-    log.info("blockmgr_starting", config=config.__dict__)
+    log = configure_logging("blockmgr", config.log_level, secrets=[config.security.token])
+    log.info("blockmgr_starting", config=loggable(config))
     from services.blockmgr.server import serve
 
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except CONFIG_ERRORS as exc:
+        return config_error(log, exc)
     return 0
 
 

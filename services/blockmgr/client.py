@@ -22,6 +22,7 @@ from services.blockmgr import convert
 from services.blockmgr.core import BlockManagerCore
 from services.blockmgr.errors import BlockManagerError, ErrorCode
 from services.blockmgr.types import (
+    EvictionPolicyName,
     KVEvent,
     Operation,
     PoolInfo,
@@ -59,7 +60,7 @@ class BlockManagerClient(Protocol):
         block_size: int,
         *,
         enable_prefix_caching: bool = True,
-        eviction_policy: str = "lru",
+        eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
         owner_token: str | None = None,
     ) -> PoolInfo: ...
 
@@ -143,7 +144,7 @@ class InProcessClient:
         block_size: int,
         *,
         enable_prefix_caching: bool = True,
-        eviction_policy: str = "lru",
+        eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
         owner_token: str | None = None,
     ) -> PoolInfo:
         """``owner_token``: the token to own the pool with; by default the one of our last
@@ -279,15 +280,13 @@ class GrpcClient:
         block_size: int,
         *,
         enable_prefix_caching: bool = True,
-        eviction_policy: str = "lru",
+        eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
         owner_token: str | None = None,
     ) -> PoolInfo:
-        policy = convert.POLICY_TO_PB.get(eviction_policy)
-        if policy is None:
-            raise BlockManagerError(
-                ErrorCode.INVALID_ARGUMENT,
-                f"eviction_policy {eviction_policy!r} is not one of {sorted(convert.POLICY_TO_PB)}",
-            )
+        try:
+            policy = convert.POLICY_TO_PB[EvictionPolicyName.parse(eviction_policy)]
+        except ValueError as exc:
+            raise BlockManagerError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
         resp = self._call(
             self._stub.Register,
             pb.RegisterPoolRequest(

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedserve.v1 import blockmgr_pb2 as pb
+from services.blockmgr.errors import BlockManagerError, ErrorCode
 from services.blockmgr.types import (
     Admit,
     AdmitResult,
     BlockCopy,
     Commit,
     CommitResult,
+    EvictionPolicyName,
     Fork,
     ForkResult,
     Free,
@@ -31,16 +33,27 @@ from services.blockmgr.types import (
     StepResult,
 )
 
-POLICY_TO_PB = {"lru": pb.EVICTION_POLICY_LRU, "lfu": pb.EVICTION_POLICY_LFU}
+POLICY_TO_PB: dict[EvictionPolicyName, int] = {
+    EvictionPolicyName.LRU: pb.EVICTION_POLICY_LRU,
+    EvictionPolicyName.LFU: pb.EVICTION_POLICY_LFU,
+}
 PB_TO_POLICY = {v: k for k, v in POLICY_TO_PB.items()}
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = EvictionPolicyName.LRU
 
 
-def policy_from_pb(value: int) -> str:
-    """Unknown enum values map to an unknown name, which the core rejects (INVALID_ARGUMENT)."""
+def policy_from_pb(value: int, field: str = "eviction_policy") -> EvictionPolicyName:
+    """The policy of an enum value (UNSPECIFIED: the default); INVALID_ARGUMENT naming
+    ``field`` for a value this implementation does not know."""
     if value == pb.EVICTION_POLICY_UNSPECIFIED:
         return DEFAULT_POLICY
-    return PB_TO_POLICY.get(value, f"<enum {value}>")
+    try:
+        return PB_TO_POLICY[value]
+    except KeyError:
+        raise BlockManagerError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"{field}: unknown eviction policy {value}; known: "
+            f"{sorted(pb.EvictionPolicy.Name(v) for v in PB_TO_POLICY)}",
+        ) from None
 
 
 # ---- requests ----------------------------------------------------------------------------
@@ -84,8 +97,8 @@ def ops_to_pb(ops: Sequence[Operation]) -> list[pb.Operation]:
     return out
 
 
-def ops_from_pb(ops: Sequence[pb.Operation]) -> list[Operation] | str:
-    """Domain ops, or the name of the first operation with no oneof set."""
+def ops_from_pb(ops: Sequence[pb.Operation]) -> list[Operation]:
+    """Domain ops; INVALID_ARGUMENT naming the first operation with no oneof set."""
     out: list[Operation] = []
     for i, op in enumerate(ops):
         kind = op.WhichOneof("op")
@@ -110,7 +123,7 @@ def ops_from_pb(ops: Sequence[pb.Operation]) -> list[Operation] | str:
         elif kind == "fork":
             out.append(Fork(op.fork.parent_seq_id, op.fork.child_seq_id))
         else:
-            return f"ops[{i}]"
+            raise BlockManagerError(ErrorCode.INVALID_ARGUMENT, f"ops[{i}]: no operation set")
     return out
 
 
@@ -300,7 +313,7 @@ def info_from_pb(i: pb.BlockManagerInfo) -> ServiceInfo:
         i.version,
         i.hash_algorithm,
         i.hash_size_bytes,
-        tuple(policy_from_pb(p) for p in i.eviction_policies),
+        tuple(PB_TO_POLICY[p] for p in i.eviction_policies if p in PB_TO_POLICY),
         tuple(pool_info_from_pb(p) for p in i.pools),
     )
 

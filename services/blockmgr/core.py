@@ -30,6 +30,7 @@ from services.blockmgr.eviction import POLICIES
 from services.blockmgr.hashing import HASH_ALGORITHM, HASH_SIZE
 from services.blockmgr.kv_manager import KVBlockManager
 from services.blockmgr.types import (
+    EvictionPolicyName,
     KVEvent,
     KVEventKind,
     Operation,
@@ -124,7 +125,7 @@ class BlockManagerCore:
         block_size: int,
         *,
         enable_prefix_caching: bool = True,
-        eviction_policy: str = "lru",
+        eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
         owner_token: str = "",
     ) -> PoolInfo:
         """Create a pool, or replace one's own (``owner_token`` from its registration). A new
@@ -141,8 +142,10 @@ class BlockManagerCore:
             )
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise invalid(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
-        if eviction_policy not in POLICIES:
-            raise invalid(f"eviction_policy {eviction_policy!r} is not one of {sorted(POLICIES)}")
+        try:
+            eviction_policy = EvictionPolicyName.parse(eviction_policy)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
         if owner_token and not MIN_OWNER_TOKEN_LEN <= len(owner_token) <= MAX_OWNER_TOKEN_LEN:
             raise invalid(
                 f"owner_token must be {MIN_OWNER_TOKEN_LEN}..{MAX_OWNER_TOKEN_LEN} characters"

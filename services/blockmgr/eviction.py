@@ -15,6 +15,8 @@ import itertools
 from collections import OrderedDict
 from typing import Protocol
 
+from services.blockmgr.types import EvictionPolicyName
+
 
 class EvictionPolicy(Protocol):
     name: str
@@ -108,12 +110,12 @@ class LFUPolicy:
         return block_id in self._entry
 
 
-POLICIES: dict[str, type[LRUPolicy] | type[LFUPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+POLICIES: dict[EvictionPolicyName, type[LRUPolicy] | type[LFUPolicy]] = {
+    EvictionPolicyName.LRU: LRUPolicy,
+    EvictionPolicyName.LFU: LFUPolicy,
+}
 
 
-def make_policy(name: str) -> EvictionPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        choices = sorted(POLICIES)
-        raise ValueError(f"unknown eviction policy {name!r}; choose from {choices}") from None
+def make_policy(name: EvictionPolicyName | str) -> EvictionPolicy:
+    """A new policy of ``name``; ``ValueError`` naming the choices for an unknown one."""
+    return POLICIES[EvictionPolicyName.parse(name)]()

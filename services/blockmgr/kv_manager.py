@@ -21,6 +21,7 @@ from services.blockmgr.types import (
     BlockCopy,
     Commit,
     CommitResult,
+    EvictionPolicyName,
     Fork,
     ForkResult,
     Free,
@@ -57,7 +58,7 @@ class KVBlockManager:
         block_size: int,
         *,
         enable_prefix_caching: bool = True,
-        eviction_policy: str = "lru",
+        eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

@@ -15,12 +15,14 @@ from __future__ import annotations
 from collections import deque
 
 from services.blockmgr.eviction import make_policy
-from services.blockmgr.types import KVEventKind, PendingEvent
+from services.blockmgr.types import EvictionPolicyName, KVEventKind, PendingEvent
 from services.common.blocks import usable_blocks
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, eviction_policy: str = "lru") -> None:
+    def __init__(
+        self, num_blocks: int, eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
+    ) -> None:
         self.num_blocks = num_blocks
         self.refcount = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks

@@ -92,8 +92,6 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     @_maps_errors
     async def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         ops = convert.ops_from_pb(request.ops)
-        if isinstance(ops, str):
-            raise BlockManagerError(ErrorCode.INVALID_ARGUMENT, f"{ops}: no operation set")
         return convert.step_to_pb(
             self.core.step(request.pool_id, request.epoch, ops, request.owner_token)
         )

@@ -12,6 +12,23 @@ from dataclasses import dataclass, field
 from services.common.blocks import usable_blocks
 
 
+class EvictionPolicyName(enum.StrEnum):
+    """The eviction policies of the contract (the proto's ``EvictionPolicy``)."""
+
+    LRU = "lru"
+    LFU = "lfu"
+
+    @classmethod
+    def parse(cls, value: str) -> EvictionPolicyName:
+        """``value`` as a policy; ``ValueError`` naming the choices if it is none."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"eviction_policy {value!r} is not one of {[p.value for p in cls]}"
+            ) from None
+
+
 class OpStatus(enum.IntEnum):
     """Per-operation outcome inside an accepted Step (values match the proto enum)."""
 
@@ -162,7 +179,7 @@ class PoolInfo:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool
-    eviction_policy: str
+    eviction_policy: EvictionPolicyName
     # Set only in Register's answer, for the registering owner: the token every later Step,
     # Restore, Unregister and re-Register of the pool must carry, and how long the pool lives
     # without a call from its owner (0: forever).
@@ -180,7 +197,7 @@ class ServiceInfo:
     version: str
     hash_algorithm: str
     hash_size: int
-    eviction_policies: tuple[str, ...]
+    eviction_policies: tuple[EvictionPolicyName, ...]
     pools: tuple[PoolInfo, ...] = ()
 
 

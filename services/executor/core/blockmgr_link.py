@@ -19,6 +19,7 @@ import structlog
 from services.blockmgr.client import BlockManagerClient, StepCall
 from services.blockmgr.errors import BlockManagerError, ErrorCode
 from services.blockmgr.types import (
+    EvictionPolicyName,
     Operation,
     PoolCounters,
     PoolInfo,
@@ -43,7 +44,7 @@ class PoolSpec:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool
-    eviction_policy: str = "lru"
+    eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
     owner_token: str | None = None  # a stable one lets a restarted executor take its pool back
     retry_s: float = 0.05
     max_backoff_s: float = 0.5  # serving again within a second of the block manager coming back

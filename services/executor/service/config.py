@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import enum
 import os
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
+from services.blockmgr.types import EvictionPolicyName
 from services.common.auth import InternalSecurity
 from services.executor.model.runner_config import CacheConfig, RunnerConfig
 
@@ -25,6 +28,23 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(sorted({int(t) for t in text.replace(" ", "").split(",") if t}))
 
 
+class BlockManagerMode(enum.StrEnum):
+    """Where the executor's block manager runs."""
+
+    INPROC = "inproc"  # inside the executor process
+    GRPC = "grpc"  # a block manager service, at --blockmgr-address
+
+
+_E = TypeVar("_E", bound=enum.StrEnum)
+
+
+def _enum(kind: type[_E], value: str) -> _E:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not one of {[v.value for v in kind]}") from None
+
+
 @dataclass(frozen=True)
 class ExecutorConfig:
     model: str
@@ -39,8 +59,8 @@ class ExecutorConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # bytes of KV cache (CPU default 256 MiB)
     num_kv_blocks: int | None = None  # exact block count override (tests, experiments)
-    eviction_policy: str = "lru"
-    blockmgr: str = "inproc"  # "inproc" or "grpc" (with blockmgr_address)
+    eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
+    blockmgr: BlockManagerMode = BlockManagerMode.INPROC  # grpc: at blockmgr_address
     blockmgr_address: str | None = None
     pool_id: str | None = None  # default: derived from host and port
     watermark: float = 0.01  # share of blocks admissions keep free
@@ -83,8 +103,20 @@ class ExecutorConfig:
             help="KV-cache bytes (e.g. 512MiB); the CPU default is 256MiB",
         )
         a("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
-        a("--eviction-policy", default=cls.eviction_policy, choices=["lru", "lfu"])
-        a("--blockmgr", default=cls.blockmgr, choices=["inproc", "grpc"])
+        a(
+            "--eviction-policy",
+            type=EvictionPolicyName,
+            default=cls.eviction_policy,
+            choices=list(EvictionPolicyName),
+        )
+        a(
+            "--blockmgr",
+            type=BlockManagerMode,
+            default=cls.blockmgr,
+            choices=list(BlockManagerMode),
+            help="inproc: the block manager runs inside the executor; grpc: a block manager "
+            "service at --blockmgr-address",
+        )
         a(
             "--blockmgr-address",
             default=os.environ.get("PAGEDSERVE_BLOCKMGR_ADDRESS"),
@@ -154,7 +186,7 @@ class ExecutorConfig:
         values = {k.replace("-", "_"): v for k, v in vars(ns).items()}
         values["security"] = InternalSecurity.from_namespace(values)
         if values["blockmgr_address"]:
-            values["blockmgr"] = "grpc"
+            values["blockmgr"] = BlockManagerMode.GRPC
         try:
             config = cls(**values)
         except ValueError as exc:
@@ -162,6 +194,9 @@ class ExecutorConfig:
         return config
 
     def __post_init__(self) -> None:
+        # Strings are accepted where the enums are expected (Python callers, tests).
+        object.__setattr__(self, "eviction_policy", _enum(EvictionPolicyName, self.eviction_policy))
+        object.__setattr__(self, "blockmgr", _enum(BlockManagerMode, self.blockmgr))
         self.validate()
 
     def validate(self) -> None:
@@ -178,7 +213,7 @@ class ExecutorConfig:
             raise ValueError("--num-kv-blocks and --kv-cache-memory are exclusive: give one")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
-        if self.blockmgr == "grpc" and not self.blockmgr_address:
+        if self.blockmgr is BlockManagerMode.GRPC and not self.blockmgr_address:
             raise ValueError("--blockmgr grpc needs --blockmgr-address")
         if self.cuda_graph_sizes is not None and (
             not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1

@@ -20,7 +20,7 @@ from services.executor.core.scheduler import SchedulerConfig
 from services.executor.model.config import ModelConfig
 from services.executor.model.launch import build_runner
 from services.executor.model.runner import ModelRunner
-from services.executor.service.config import ExecutorConfig
+from services.executor.service.config import BlockManagerMode, ExecutorConfig
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def eos_token_ids(model_dir: str | Path, config: ModelConfig) -> tuple[int, ...]
 
 
 def connect_blockmgr(config: ExecutorConfig) -> BlockManagerClient:
-    if config.blockmgr == "grpc":
+    if config.blockmgr is BlockManagerMode.GRPC:
         assert config.blockmgr_address
         return GrpcClient(
             config.blockmgr_address,
