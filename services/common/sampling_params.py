@@ -2,13 +2,20 @@
 
 The gateway builds a :class:`SamplingParams` from a public request (applying defaults) and the
 executor builds one from its proto; both call :meth:`SamplingParams.validate`, so a range is
-written once. Stop strings and detokenization are the gateway's alone and live there.
+written once. Both protos are read and written by walking the dataclass's fields
+(:func:`params_from_message`, :func:`params_to_message`), so a field and its default are
+written once too; a test checks that each proto carries every field. Stop strings and
+detokenization are the gateway's alone and live there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf.message import Message
 
 from services.common.limits import MAX_LOGPROBS, MAX_N, FieldError, check_token_ids
 
@@ -80,3 +87,45 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise FieldError("seed", f"must be in [0, 2^63), got {self.seed}")
         check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+
+
+#: The fields a request sets, in declaration order (the derived ones are left out).
+PARAM_FIELDS: tuple[dataclasses.Field[Any], ...] = tuple(
+    f for f in dataclasses.fields(SamplingParams) if f.init
+)
+
+
+def params_from_message(msg: Message, **defaults: Any) -> SamplingParams:
+    """The :class:`SamplingParams` a proto message carries. The message must have a field of
+    the same name for each of :data:`PARAM_FIELDS`. A field with presence (proto3
+    ``optional``) that is unset takes ``defaults[name]`` if given, else the dataclass's
+    default; a repeated field becomes a tuple."""
+    values = dict(defaults)
+    by_name = msg.DESCRIPTOR.fields_by_name
+    for f in PARAM_FIELDS:
+        desc = by_name[f.name]
+        if _is_repeated(desc):
+            values[f.name] = tuple(getattr(msg, f.name))
+        elif not desc.has_presence or msg.HasField(f.name):
+            values[f.name] = getattr(msg, f.name)
+    return SamplingParams(**values)
+
+
+def params_to_message(params: SamplingParams, msg: Message) -> Message:
+    """Write ``params`` into ``msg`` (returned): every field, a None leaving an optional one
+    unset."""
+    for f in PARAM_FIELDS:
+        value = getattr(params, f.name)
+        if value is None:
+            msg.ClearField(f.name)
+        elif isinstance(value, tuple):
+            getattr(msg, f.name)[:] = value
+        else:
+            setattr(msg, f.name, value)
+    return msg
+
+
+def _is_repeated(desc: Any) -> bool:
+    # protobuf >= 5.28 has ``is_repeated``; ``label`` is gone from newer upb builds.
+    flag = getattr(desc, "is_repeated", None)
+    return bool(flag) if flag is not None else desc.label == desc.LABEL_REPEATED

@@ -14,7 +14,11 @@ from typing import Any
 
 from pagedserve.v1 import executor_pb2, generation_pb2
 from services.common.limits import MAX_CACHE_SALT_LEN, MAX_STOP_STRINGS, FieldError
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import (
+    SamplingParams,
+    params_from_message,
+    params_to_message,
+)
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 DEFAULT_MAX_TOKENS = 16
@@ -90,27 +94,9 @@ def sampling_to_executor(
         """A proto3 ``optional`` field, or ``default`` when unset."""
         return getattr(sp, name) if sp.HasField(name) else default
 
-    params = SamplingParams(
-        n=opt("n", 1),
-        temperature=opt("temperature", 1.0),
-        top_p=opt("top_p", 1.0),
-        top_k=opt("top_k", -1),
-        min_p=opt("min_p", 0.0),
-        seed=opt("seed", None),
-        max_tokens=opt(
-            "max_tokens",
-            default_max_tokens
-            if default_max_tokens is not None
-            else max(1, limits.max_model_len - num_prompt_tokens),
-        ),
-        min_tokens=opt("min_tokens", 0),
-        stop_token_ids=tuple(sp.stop_token_ids),
-        ignore_eos=opt("ignore_eos", False),
-        repetition_penalty=opt("repetition_penalty", 1.0),
-        presence_penalty=opt("presence_penalty", 0.0),
-        frequency_penalty=opt("frequency_penalty", 0.0),
-        logprobs=opt("logprobs", None),
-    )
+    if default_max_tokens is None:
+        default_max_tokens = max(1, limits.max_model_len - num_prompt_tokens)
+    params = params_from_message(sp, max_tokens=default_max_tokens)
     try:
         params.validate(limits.vocab_size, limits.max_n)
     except FieldError as exc:
@@ -138,22 +124,6 @@ def sampling_to_executor(
 
 
 def params_to_pb(p: SamplingParams) -> executor_pb2.ExecutorSamplingParams:
-    msg = executor_pb2.ExecutorSamplingParams(
-        n=p.n,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        max_tokens=p.max_tokens,
-        min_tokens=p.min_tokens,
-        stop_token_ids=p.stop_token_ids,
-        ignore_eos=p.ignore_eos,
-        repetition_penalty=p.repetition_penalty,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-    )
-    if p.seed is not None:
-        msg.seed = p.seed
-    if p.logprobs is not None:
-        msg.logprobs = p.logprobs
+    msg = executor_pb2.ExecutorSamplingParams()
+    params_to_message(p, msg)
     return msg

@@ -10,7 +10,7 @@ import structlog
 
 from pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from services.blockmgr.hashing import HASH_ALGORITHM
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams, params_from_message
 from services.executor.core.outputs import RequestError, RequestErrorCode, SeqOutput
 from services.executor.core.sequence import FinishReason
 from services.executor.model.parallel import WorkerLost
@@ -45,22 +45,7 @@ ERROR_CODE_TO_PB = {
 
 
 def params_from_pb(p: executor_pb2.ExecutorSamplingParams) -> SamplingParams:
-    return SamplingParams(
-        n=p.n,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        seed=p.seed if p.HasField("seed") else None,
-        max_tokens=p.max_tokens,
-        min_tokens=p.min_tokens,
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        repetition_penalty=p.repetition_penalty,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
-    )
+    return params_from_message(p)
 
 
 def update_to_pb(out: SeqOutput) -> executor_pb2.SequenceUpdate:
