@@ -17,9 +17,14 @@ $(STAMP): pyproject.toml
 protos: $(STAMP)
 	$(PY) -m pagedserve._protogen
 
-lint: $(STAMP)
+# Lint keeps the house: style, the import contract (pyproject's [tool.importlinter]), no file
+# over 500 lines in services/ or kernels/, and mypy on services/.
+lint: protos
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(PY) -m pagedserve.tools.check_file_sizes
+	$(VENV)/bin/mypy
 
 test: protos lint
 	$(PY) -m pytest -q

@@ -78,7 +78,11 @@ def write_tiny_model(
     model_dir.mkdir(parents=True, exist_ok=True)
 
     tokenizer = build_tokenizer(spec.tokenizer_vocab_size)
-    special_ids = {tok: tokenizer.token_to_id(tok) for tok in (BOS, EOS, PAD)}
+    special_ids: dict[str, int] = {}
+    for tok in (BOS, EOS, PAD):
+        token_id = tokenizer.token_to_id(tok)
+        assert token_id is not None, f"the tokenizer lacks {tok}"
+        special_ids[tok] = token_id
     config = _hf_config(spec, tokenizer.get_vocab_size() + spec.extra_vocab, special_ids)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, spec)

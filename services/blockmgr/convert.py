@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from pagedserve.v1 import blockmgr_pb2 as pb
 from services.blockmgr.errors import BlockManagerError, ErrorCode
@@ -33,11 +34,11 @@ from services.blockmgr.types import (
     StepResult,
 )
 
-POLICY_TO_PB: dict[EvictionPolicyName, int] = {
+POLICY_TO_PB: dict[EvictionPolicyName, pb.EvictionPolicy] = {
     EvictionPolicyName.LRU: pb.EVICTION_POLICY_LRU,
     EvictionPolicyName.LFU: pb.EVICTION_POLICY_LFU,
 }
-PB_TO_POLICY = {v: k for k, v in POLICY_TO_PB.items()}
+PB_TO_POLICY: dict[int, EvictionPolicyName] = {v: k for k, v in POLICY_TO_PB.items()}
 DEFAULT_POLICY = EvictionPolicyName.LRU
 
 
@@ -54,6 +55,16 @@ def policy_from_pb(value: int, field: str = "eviction_policy") -> EvictionPolicy
             f"{field}: unknown eviction policy {value}; known: "
             f"{sorted(pb.EvictionPolicy.Name(v) for v in PB_TO_POLICY)}",
         ) from None
+
+
+# The domain enums (IntEnum) carry the proto's values (checked in tests/test_protos.py):
+# handing them over needs no mapping, only a type.
+def _pb_status(status: OpStatus) -> pb.OpStatus:
+    return cast(pb.OpStatus, status)
+
+
+def _pb_statuses(statuses: Sequence[OpStatus]) -> Sequence[pb.OpStatus]:
+    return cast(Sequence[pb.OpStatus], statuses)
 
 
 # ---- requests ----------------------------------------------------------------------------
@@ -173,7 +184,7 @@ def result_to_pb(r: OpResult) -> pb.OpResult:
     if isinstance(r, GrowResult):
         return pb.OpResult(
             grow=pb.GrowResult(
-                statuses=r.statuses,
+                statuses=_pb_statuses(r.statuses),
                 num_new_blocks=[len(ids) for ids in r.new_block_ids],
                 new_block_ids=[b for ids in r.new_block_ids for b in ids],
                 copies=[
@@ -191,18 +202,22 @@ def result_to_pb(r: OpResult) -> pb.OpResult:
         return pb.OpResult(free=pb.FreeResult(num_freed_blocks=r.num_freed_blocks))
     if isinstance(r, CommitResult):
         return pb.OpResult(
-            commit=pb.CommitResult(status=r.status, num_stored_blocks=r.num_stored_blocks)
+            commit=pb.CommitResult(
+                status=_pb_status(r.status), num_stored_blocks=r.num_stored_blocks
+            )
         )
     if isinstance(r, AdmitResult):
         return pb.OpResult(
             admit=pb.AdmitResult(
-                status=r.status,
+                status=_pb_status(r.status),
                 block_ids=r.block_ids,
                 num_cached_tokens=r.num_cached_tokens,
                 num_tokens=r.num_tokens,
             )
         )
-    return pb.OpResult(fork=pb.ForkResult(status=r.status, num_shared_blocks=r.num_shared_blocks))
+    return pb.OpResult(
+        fork=pb.ForkResult(status=_pb_status(r.status), num_shared_blocks=r.num_shared_blocks)
+    )
 
 
 _STATUSES = (None, OpStatus.OK, OpStatus.RESOURCE_EXHAUSTED, OpStatus.SKIPPED)
@@ -348,7 +363,12 @@ def events_to_pb(pool_id: str, events: Sequence[KVEvent]) -> pb.KVEventBatch:
     return pb.KVEventBatch(
         pool_id=pool_id,
         events=[
-            pb.KVEvent(seq=e.seq, epoch=e.epoch, kind=e.kind, block_hashes=e.block_hashes)
+            pb.KVEvent(
+                seq=e.seq,
+                epoch=e.epoch,
+                kind=cast(pb.KVEventKind, e.kind),
+                block_hashes=e.block_hashes,
+            )
             for e in events
         ],
     )

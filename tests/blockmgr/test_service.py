@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pagedserve.v1 import blockmgr_pb2 as pb
 from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
 from services.blockmgr.client import GrpcClient
-from services.blockmgr.types import EVENTS_LIVE_HEADER, Admit, OpStatus
+from services.blockmgr.types import EVENTS_LIVE_HEADER, Admit, KVEventKind, OpStatus
 from tests.blockmgr.helpers import ThreadedServer
 from tests.procs import ServiceProcess
 
@@ -162,3 +162,14 @@ def test_cli_rejects_a_bad_port_with_usage_error():
         timeout=60,
     )
     assert proc.returncode == 2 and "--port" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("domain", "proto", "prefix"),
+    [(OpStatus, pb.OpStatus, "OP_STATUS_"), (KVEventKind, pb.KVEventKind, "KV_EVENT_KIND_")],
+)
+def test_domain_enums_carry_the_proto_values(domain, proto, prefix):
+    """The conversion hands domain enum values to the proto unmapped: they must agree."""
+    for member in domain:
+        assert proto.Value(prefix + member.name) == member.value
+    assert len(proto.keys()) == len(domain) + 1  # + UNSPECIFIED

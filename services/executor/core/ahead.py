@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from services.blockmgr.types import AdmitResult, GrowResult, StepResult
+from services.blockmgr.types import AdmitResult, Fork, GrowResult, StepResult
 from services.common.blocks import blocks_to_grow, needs_cow
 from services.executor.core.plan import ScheduledBatch, ScheduledChunk, SchedulePlan
 from services.executor.core.sequence import Sequence
@@ -29,7 +29,7 @@ class AheadScheduling:
         running: list[Sequence]
         refs: Counter[int]
         num_free_blocks: int
-        _forks: dict[int, object]
+        _forks: dict[int, Fork]
 
         def _open_plan(self) -> tuple[SchedulePlan, int]: ...
         def _plan_admissions(self, plan: SchedulePlan, free: int, budget: int) -> None: ...

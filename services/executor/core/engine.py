@@ -214,6 +214,7 @@ class Engine(AheadEngine):
         ahead = None if launch_first else self._send_ahead(batch)
         t1 = time.perf_counter()
         rows: list[int] | None = None  # logits rows of ``sampled``, when not all rows are
+        logits: Tensor | None
         try:
             if prepared is not None:
                 logits, rows = self._launch(prepared)

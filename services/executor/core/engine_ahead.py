@@ -76,11 +76,11 @@ class AheadEngine:
             if len(chunks) < len(built):
                 prepared.rows, row = [], 0
                 for i, c in enumerate(built):
-                    live = c.seq.status is running
-                    if not live:
+                    alive = c.seq.status is running
+                    if not alive:
                         host.write_nothing(i)
                     if c.need_logits:
-                        if live:
+                        if alive:
                             prepared.rows.append(row)
                         row += 1
         return ScheduledBatch(chunks, batch.copies), prepared

@@ -78,11 +78,12 @@ class SchedulePlan:
         """This plan's grow and admission results out of the answer to :meth:`ops`."""
         first = len(self.commits) + len(self.forks) + bool(self.free_seq_ids)
         expected = first + bool(self.grows) + len(self.admits)
-        grow = result.results[first] if self.grows and len(result.results) > first else None
+        found = result.results[first] if self.grows and len(result.results) > first else None
+        grow = found if isinstance(found, GrowResult) else None
         admits = list(result.results[first + bool(self.grows) :])
         if (
             len(result.results) != expected
-            or (self.grows and not isinstance(grow, GrowResult))
+            or (self.grows and grow is None)
             or not all(isinstance(r, AdmitResult) for r in admits)
             or (
                 grow is not None

@@ -362,7 +362,7 @@ class Scheduler(AheadScheduling):
         need = blocks_to_grow(seq.num_computed_tokens, k, len(seq.block_table), bs)
         return need + self._cow(seq, k)
 
-    def _release(self, table: list[int]) -> int:
+    def _release(self, table: Iterable[int]) -> int:
         """Drop one reference to each block of ``table``; return how many became free."""
         freed = 0
         refs = self.refs

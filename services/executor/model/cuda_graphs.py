@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -51,7 +51,9 @@ class GraphBackend(Protocol):
 
 
 class _CudaGraph:
-    def __init__(self, fn: Callable[[], Tensor], pool: object, stream: torch.cuda.Stream) -> None:
+    def __init__(
+        self, fn: Callable[[], Tensor], pool: Any, stream: torch.cuda.Stream
+    ) -> None:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.output = fn()

@@ -48,7 +48,7 @@ class Session:
     """One gateway stream. ``deliver`` is called from the engine thread and must only
     enqueue; ``None`` means the stream is done (half-closed and nothing left running)."""
 
-    deliver: Callable[[Delivery | None], None]
+    deliver: Callable[[Delivery | None], object]
     session_id: int = field(default_factory=lambda: next(_session_ids))
     live: dict[str, int] = field(default_factory=dict)  # request id (its own) -> sequences (n)
     half_closed: bool = False

@@ -42,6 +42,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> Tensor:  # [D/2] float32
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables for positions ``0 .. max_len-1``, gathered by position."""
 
+    cos: Tensor  # [max_len, D/2], a buffer
+    sin: Tensor
+
     def __init__(self, rope: RopeConfig, head_dim: int, max_len: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.rope, self.head_dim, self.max_len, self.dtype = rope, head_dim, max_len, dtype
