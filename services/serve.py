@@ -5,27 +5,50 @@ authenticated by an internal token made up here. A child that dies is restarted 
 a back-off that doubles (0.5 s up to 8 s) while it keeps dying; the others heal by themselves
 (the executor restores a restarted block manager, the gateway reconnects to a restarted
 executor). When a child has used up ``--max-restarts`` within ``--restart-window-s``, the
-supervisor says so, stops the others and exits 1. The children die with the supervisor, even
-when it is killed (Linux: ``PR_SET_PDEATHSIG``). SIGTERM / Ctrl-C stops all three gracefully.
+supervisor says so, stops the others and exits 1. A child that exits 2
+(:data:`~services.common.logging.CONFIG_ERROR_STATUS`: its configuration cannot work, e.g. a
+model whose attention heads ``--tensor-parallel-size`` does not divide) is not restarted:
+the supervisor logs its reason, stops the others and exits 2.
+
+The children copy their stderr through the supervisor's (which keeps their last lines to tell
+why one exited) and run in their own process groups, so a Ctrl-C in the terminal reaches only
+the supervisor, which stops them front to back, each after the one before has exited: the
+gateway (its streams drain), the executor (it gives its pool back to the block manager), the
+block manager. A second SIGTERM / Ctrl-C kills what is left. The children die with the
+supervisor, even when it is killed (Linux: ``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
+import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
-from services.common.auth import INTERNAL_TOKEN_ENV
-from services.common.logging import configure_logging
+import structlog
+
+from services.common.auth import API_KEY_ENV, INTERNAL_TOKEN_ENV
+from services.common.logging import CONFIG_ERROR_STATUS, configure_logging
 
 DEFAULT_MODEL = Path("models/tiny-llama")
 PR_SET_PDEATHSIG = 1
+STOP_ORDER = ("gateway", "executor", "blockmgr")  # front to back: each one's clients first
+# How long each child may take to stop after SIGTERM before it is killed: the gateway drains
+# its streams (--drain-timeout-s, 30 s by default), the executor has a 5 s grace period and
+# then stops its engine, the block manager has a 5 s grace period.
+STOP_TIMEOUT_S = {"gateway": 40.0, "executor": 20.0, "blockmgr": 10.0}
+TAIL_LINES = 50  # stderr lines kept per child to find why it exited
+_stderr_lock = threading.Lock()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; -1 disables"
     )
-    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV))
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
         "--max-restarts",
@@ -64,19 +87,189 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class Child:
+    """One supervised service process. Its stderr is copied, line by line, to the
+    supervisor's; the last :data:`TAIL_LINES` lines are kept for :meth:`reason`."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.tail: collections.deque[bytes] = collections.deque(maxlen=TAIL_LINES)
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            stderr=subprocess.PIPE,
+            preexec_fn=_die_with_parent,
+            process_group=0,  # terminal signals (Ctrl-C) reach the supervisor alone
+        )
+        assert self.proc.stderr is not None
+        self._copier = threading.Thread(
+            target=self._copy, args=(self.proc.stderr,), name=f"{name}-stderr", daemon=True
+        )
+        self._copier.start()
+
+    def _copy(self, stream: IO[bytes]) -> None:
+        for line in stream:
+            self.tail.append(line)
+            with _stderr_lock:  # whole lines: the children's never interleave
+                out = getattr(sys.stderr, "buffer", None)
+                if out is not None:
+                    out.write(line)
+                else:  # a text-only stderr (an embedding test harness)
+                    sys.stderr.write(line.decode(errors="replace"))
+                sys.stderr.flush()
+
+    def finish_output(self, timeout: float = 2.0) -> None:
+        """Wait (briefly) until everything the exited child wrote has been copied."""
+        self._copier.join(timeout)
+
+    def reason(self) -> str:
+        """Why the exited child stopped, in its own words: the ``reason`` of its last
+        ``config_error`` log line, else its last line of output (argparse's error)."""
+        self.finish_output()
+        last = ""
+        for raw in reversed(self.tail):
+            line = raw.decode(errors="replace").strip()
+            if not line:
+                continue
+            last = last or line
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("event") == "config_error":
+                return str(record.get("reason", line))
+        return last
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    log = configure_logging("serve", args.log_level)
+    parser = _parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    env = _child_env(args)
+    try:
+        log = configure_logging(
+            "serve", args.log_level, secrets=[env[INTERNAL_TOKEN_ENV], args.api_key]
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     model = Path(args.model) if args.model else DEFAULT_MODEL
     if args.model is None and not (model / "config.json").is_file():
         from pagedserve.tools.tiny_model import write_tiny_model
 
         log.info("writing_default_model", path=str(model))
         write_tiny_model(model)
+    supervisor = Supervisor(_specs(args, model), env, log, args)
+    signal.signal(signal.SIGTERM, supervisor.request_stop)
+    signal.signal(signal.SIGINT, supervisor.request_stop)
+    supervisor.start_all()
+    log.info("stack_starting", gateway=f"{args.host}:{args.port}", model=str(model))
+    code = supervisor.run()
+    supervisor.stop_all()
+    log.info("stack_stopped", status=code)
+    return code
+
+
+class Supervisor:
+    """Starts the children, restarts those that die (with back-off, within the restart
+    budget), and stops them all, front to back."""
+
+    def __init__(
+        self,
+        specs: dict[str, list[str]],
+        env: dict[str, str],
+        log: structlog.stdlib.BoundLogger,
+        args: argparse.Namespace,
+    ) -> None:
+        self.specs = specs
+        self.env = env
+        self.log = log
+        self.max_restarts: int = args.max_restarts
+        self.restart_window_s: float = args.restart_window_s
+        self.children: dict[str, Child] = {}
+        self.restarts: dict[str, list[float]] = {name: [] for name in specs}
+        self.due: dict[str, float] = {}  # dead service -> when to restart it
+        self.stop_requests = 0
+
+    def request_stop(self, _signum: int, _frame: object) -> None:
+        """Signal handler: the first request stops the stack, a second kills what is left."""
+        self.stop_requests += 1
+
+    def start(self, name: str) -> None:
+        self.children[name] = Child(name, self.specs[name], self.env)
+        self.log.info("service_started", name=name, pid=self.children[name].proc.pid)
+
+    def start_all(self) -> None:
+        for name in self.specs:  # blockmgr, executor, gateway: each heals when the one
+            self.start(name)  # before it is up
+
+    def run(self) -> int:
+        """Supervise until a stop is requested (0), a child's configuration cannot work
+        (:data:`CONFIG_ERROR_STATUS`) or a child used up its restarts (1)."""
+        while not self.stop_requests:
+            now = time.monotonic()
+            for name, child in self.children.items():
+                status = child.proc.poll()
+                if name not in self.due and status is not None:
+                    code = self._on_exit(name, status, now)
+                    if code:
+                        return code
+            for name, when in list(self.due.items()):
+                if now >= when and not self.stop_requests:
+                    del self.due[name]
+                    self.restarts[name].append(now)
+                    self.start(name)
+                    self.log.info("service_restarted", name=name, restarts=len(self.restarts[name]))
+            time.sleep(0.1)
+        return 0
+
+    def _on_exit(self, name: str, status: int, now: float) -> int:
+        """Schedule the restart of the child that exited with ``status``; or, when it must not
+        be restarted, the status the supervisor exits with."""
+        if status == CONFIG_ERROR_STATUS:  # restarting cannot help
+            reason = self.children[name].reason()
+            self.log.error("service_misconfigured", name=name, status=status, reason=reason)
+            return CONFIG_ERROR_STATUS
+        recent = [t for t in self.restarts[name] if now - t < self.restart_window_s]
+        self.restarts[name] = recent
+        if len(recent) >= self.max_restarts:
+            self.log.error(
+                "service_gave_up",
+                name=name,
+                status=status,
+                restarts=len(recent),
+                window_s=self.restart_window_s,
+            )
+            return 1
+        delay = min(0.5 * 2 ** len(recent), 8.0)
+        self.log.error("service_died", name=name, status=status, restart_in_s=delay)
+        self.due[name] = now + delay
+        return 0
+
+    def stop_all(self) -> None:
+        """Stop the children front to back (:data:`STOP_ORDER`), each waited for."""
+        for name in STOP_ORDER:
+            if name in self.children:
+                _stop(self.children[name], self.log, lambda: self.stop_requests > 1)
+
+
+def _child_env(args: argparse.Namespace) -> dict[str, str]:
+    """The children's environment. One internal token for the three services, unless the
+    caller set one: no other local process can then drive the executor or the block manager
+    through their ports. Secrets travel here, never on a command line (which other local
+    users can read)."""
+    env = dict(os.environ)
+    env.setdefault(INTERNAL_TOKEN_ENV, secrets.token_urlsafe(32))
+    env.pop(API_KEY_ENV, None)
+    if args.api_key:
+        env[API_KEY_ENV] = args.api_key
+    return env
+
+
+def _specs(args: argparse.Namespace, model: Path) -> dict[str, list[str]]:
+    """The command line of each child, in start order."""
     extra = [a for a in args.executor_args if a != "--"]
     py = [sys.executable, "-m", "services.cli"]
     common = ["--log-level", args.log_level]
-    specs = {
+    return {
         "blockmgr": [*py, "blockmgr", "--port", str(args.blockmgr_port), *common],
         "executor": [
             *py,
@@ -106,76 +299,24 @@ def main(argv: list[str] | None = None) -> int:
             "--executor",
             f"127.0.0.1:{args.executor_port}",
             *common,
-            *(["--api-key", args.api_key] if args.api_key else []),
         ],
     }
-    # One internal token for the three services, unless the caller set one: no other local
-    # process can then drive the executor or the block manager through their ports.
-    env = dict(os.environ)
-    env.setdefault(INTERNAL_TOKEN_ENV, secrets.token_urlsafe(32))
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    stopping = False
 
-    def request_stop(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-
-    def start(name: str) -> None:
-        procs[name] = subprocess.Popen(specs[name], env=env, preexec_fn=_die_with_parent)
-        log.info("service_started", name=name, pid=procs[name].pid)
-
-    for name in specs:  # blockmgr, executor, gateway: each heals when the one before it is up
-        start(name)
-    log.info("stack_starting", gateway=f"{args.host}:{args.port}", model=str(model))
-
-    restarts: dict[str, list[float]] = {name: [] for name in specs}
-    due: dict[str, float] = {}  # dead service -> when to restart it
-    code = 0
-    while not stopping:
-        now = time.monotonic()
-        for name, p in procs.items():
-            if name in due or p.poll() is None:
-                continue
-            recent = [t for t in restarts[name] if now - t < args.restart_window_s]
-            restarts[name] = recent
-            if len(recent) >= args.max_restarts:
-                log.error(
-                    "service_gave_up",
-                    name=name,
-                    status=p.returncode,
-                    restarts=len(recent),
-                    window_s=args.restart_window_s,
-                )
-                code = 1
-                stopping = True
-                break
-            delay = min(0.5 * 2 ** len(recent), 8.0)
-            log.error("service_died", name=name, status=p.returncode, restart_in_s=delay)
-            due[name] = now + delay
-        for name, when in list(due.items()):
-            if now >= when and not stopping:
-                del due[name]
-                restarts[name].append(now)
-                start(name)
-                log.info("service_restarted", name=name, restarts=len(restarts[name]))
-        time.sleep(0.1)
-    for name in ("gateway", "executor", "blockmgr"):  # front to back
-        p = procs[name]
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    for name, p in procs.items():
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("service_killed", name=name)
-            p.kill()
-            p.wait()
-    log.info("stack_stopped", status=code)
-    return code
+def _stop(child: Child, log: structlog.stdlib.BoundLogger, forced: Callable[[], bool]) -> None:
+    """SIGTERM ``child`` and wait until it has exited: at most its :data:`STOP_TIMEOUT_S`,
+    or until ``forced()`` (a second stop request); then kill it."""
+    proc = child.proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S[child.name]
+        while proc.poll() is None and time.monotonic() < deadline and not forced():
+            time.sleep(0.05)
+        if proc.poll() is None:
+            log.warning("service_killed", name=child.name)
+            proc.kill()
+            proc.wait()
+    child.finish_output()
 
 
 def _die_with_parent() -> None:

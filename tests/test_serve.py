@@ -10,9 +10,16 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+import httpx
+import pytest
+
 from pagedserve.tools.tiny_model import write_tiny_model
+from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from tests.procs import wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -208,3 +215,137 @@ def test_a_second_instance_on_the_same_port_fails_fast(tmp_path):
         assert "could not bind" in second.stderr or "address" in second.stderr.lower()
     finally:
         first.stop()
+
+
+# ---- a clean stop, and what the services log -------------------------------------------------
+
+INTERNAL_TOKEN = "internal-token-0123456789abcdef"
+API_KEY = "api-key-fedcba9876543210"
+
+
+@dataclass
+class ServeRun:
+    """One finished ``pagedserve serve``: its exit status and everything it and its children
+    wrote on stdout and stderr."""
+
+    status: int
+    stdout: str
+    stderr: str
+
+    def records(self) -> list[dict]:
+        out = []
+        for line in self.stderr.splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+        return out
+
+    def events(self, service: str) -> list[str]:
+        return [r["event"] for r in self.records() if r.get("service") == service]
+
+
+@pytest.fixture(scope="module")
+def ctrl_c_run(tmp_path_factory: pytest.TempPathFactory) -> ServeRun:
+    """``pagedserve serve`` with a known internal token (environment) and API key (flag),
+    serving one gRPC and one HTTP request with the key, then stopped the way a terminal's
+    Ctrl-C stops it: SIGINT to its whole process group."""
+    tmp = tmp_path_factory.mktemp("serve_run")
+    model = write_tiny_model(tmp / "model")
+    port, exec_port, bm_port, http_port = _free_ports(4)
+    out, err = tmp / "stdout", tmp / "stderr"
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "serve",
+                "--model",
+                str(model),
+                "--port",
+                str(port),
+                "--executor-port",
+                str(exec_port),
+                "--blockmgr-port",
+                str(bm_port),
+                "--metrics-port",
+                "-1",
+                "--http-port",
+                str(http_port),
+                "--api-key",
+                API_KEY,
+                "--",
+                "--num-kv-blocks",
+                "64",
+                "--max-model-len",
+                "256",
+            ],
+            cwd=ROOT,
+            stdout=stdout,
+            stderr=stderr,
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+                "PAGEDSERVE_INTERNAL_TOKEN": INTERNAL_TOKEN,
+            },
+            start_new_session=True,  # its own process group, as in a terminal
+        )
+        try:
+            wait_serving(f"127.0.0.1:{port}", timeout=60)
+            _generate_with_key(f"127.0.0.1:{port}")
+            r = httpx.post(
+                f"http://127.0.0.1:{http_port}/v1/completions",
+                json={"model": "model", "prompt": "Hi", "max_tokens": 2},
+                headers={"authorization": f"Bearer {API_KEY}"},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+            os.killpg(proc.pid, signal.SIGINT)
+            status = proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return ServeRun(status, out.read_text(errors="replace"), err.read_text(errors="replace"))
+
+
+def _generate_with_key(address: str) -> None:
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = generation_pb2.GenerateRequest(
+            prompt="Hello", sampling_params=generation_pb2.SamplingParams(max_tokens=2)
+        )
+        metadata = (("authorization", f"Bearer {API_KEY}"),)
+        responses = list(stub.Generate(request, metadata=metadata, timeout=30))
+    assert responses and responses[-1].finish_reason
+
+
+def test_ctrl_c_stops_gateway_then_executor_then_blockmgr_without_errors(ctrl_c_run) -> None:
+    run = ctrl_c_run
+    assert run.status == 0, run.stderr[-3000:]
+    records = run.records()
+    stopped = [r["service"] for r in records if r.get("event", "").endswith("_stopped")]
+    assert stopped == ["gateway", "executor", "blockmgr", "serve"]
+    # The executor gave its pool back while the block manager was still up.
+    assert "pool_unregistered" in run.events("executor")
+    assert "pool_unregister_failed" not in run.stderr
+    assert [r for r in records if r.get("level") in ("error", "critical")] == []
+
+
+def test_no_secret_reaches_any_service_log(ctrl_c_run) -> None:
+    run = ctrl_c_run
+    services = {r.get("service") for r in run.records()}
+    assert {"serve", "blockmgr", "executor", "gateway"} <= services  # every log was read
+    for secret in (INTERNAL_TOKEN, API_KEY):
+        assert secret not in run.stdout
+        assert secret not in run.stderr
+    # The configurations are logged, with the secrets redacted field by field.
+    configs = {r["service"]: r["config"] for r in run.records() if "config" in r}
+    assert set(configs) == {"blockmgr", "executor", "gateway"}
+    for config in configs.values():
+        assert config["security"] == {"internal_token": True, "mtls": False}
+    assert configs["gateway"]["api_key"] == "***"

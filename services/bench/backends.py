@@ -69,26 +69,40 @@ class GrpcBackend:
         await self._channel.close()
 
 
-class OpenAIBackend:
-    """``POST /v1/completions`` streamed, with ``stream_options.include_usage``: the usage
-    chunk gives the exact output token count; each text chunk counts as one token message
-    (the server sends one per step), the last one taking any remainder."""
+class ModelListError(RuntimeError):
+    """The OpenAI API did not say which model it serves (and ``--model`` did not either)."""
 
-    def __init__(self, base_url: str, model: str | None, api_key: str | None) -> None:
+
+class OpenAIBackend:
+    """``POST api_url`` (a completions API, ``.../v1/completions``) streamed, with
+    ``stream_options.include_usage``: the usage chunk gives the exact output token count;
+    each text chunk counts as one token message (the server sends one per step), the last
+    one taking any remainder. ``models_url`` (``.../v1/models``) names the model when
+    ``model`` is None."""
+
+    def __init__(
+        self, api_url: str, models_url: str, model: str | None, api_key: str | None
+    ) -> None:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
             headers=headers,
             timeout=httpx.Timeout(None, connect=30),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
         )
+        self.api_url = api_url
+        self.models_url = models_url
         self.model = model
 
     async def resolve_model(self) -> str:
+        """The model to ask for: ``model``, else the first one ``models_url`` lists; raises
+        :class:`ModelListError` naming the URL and the server's answer."""
         if self.model is None:
-            r = await self._client.get("/models")
-            r.raise_for_status()
-            self.model = r.json()["data"][0]["id"]
+            try:
+                r = await self._client.get(self.models_url)
+                r.raise_for_status()
+                self.model = str(r.json()["data"][0]["id"])
+            except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+                raise ModelListError(f"cannot list the models at {self.models_url}: {exc}") from exc
         return self.model
 
     async def send(self, req: BenchRequest, ignore_eos: bool) -> RequestOutput:
@@ -105,7 +119,7 @@ class OpenAIBackend:
         last = out.start
         chunks = 0
         try:
-            async with self._client.stream("POST", "/completions", json=body) as r:
+            async with self._client.stream("POST", self.api_url, json=body) as r:
                 if r.status_code != 200:
                     await r.aread()
                     out.error = f"HTTP {r.status_code}: {r.text[:200]}"

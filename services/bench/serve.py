@@ -6,6 +6,12 @@ flight, over gRPC or the OpenAI HTTP API. While it runs a progress bar counts fi
 requests; then vLLM's summary table is printed. ``--save-result`` writes every figure and
 every request's timings as JSON; ``--plot`` writes PNGs (TTFT / ITL CDFs, output tok/s and
 requests in flight over time, and with ``--sweep-request-rate`` the latency-throughput curve).
+
+As in vLLM, ``--backend openai`` sends to ``--base-url`` (the server root, e.g.
+``http://127.0.0.1:8000``; default ``http://--host:--port``) plus ``--endpoint`` (default
+``/v1/completions``), resolves the model from ``/v1/models`` unless ``--model`` names it, and
+sends ``OPENAI_API_KEY`` from the environment as ``Authorization: Bearer`` (``--api-key``
+overrides it; the gRPC backend sends the same key).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import time
 from datetime import datetime
@@ -22,7 +29,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from services.bench.backends import GrpcBackend, OpenAIBackend, RequestOutput
+from services.bench.backends import GrpcBackend, ModelListError, OpenAIBackend, RequestOutput
 from services.bench.datasets import (
     BenchRequest,
     prefix_repetition_requests,
@@ -32,6 +39,9 @@ from services.bench.datasets import (
 from services.bench.results import METRICS, parse_goodput, summarize, timeline
 
 Backend = GrpcBackend | OpenAIBackend
+API_KEY_ENV = "OPENAI_API_KEY"  # what vLLM's benchmark sends as the bearer token
+DEFAULT_ENDPOINT = "/v1/completions"
+MODELS_PATH = "/v1/models"  # where vLLM's benchmark finds the model to use
 
 
 def parser() -> argparse.ArgumentParser:
@@ -39,10 +49,28 @@ def parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--backend", choices=["grpc", "openai"], default="grpc")
     a("--address", default="127.0.0.1:50051", help="gateway gRPC host:port (--backend grpc)")
-    a("--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI base URL (--backend openai)")
+    a(
+        "--base-url",
+        default=None,
+        help="server root of the OpenAI-compatible API, e.g. http://127.0.0.1:8000, as in "
+        "vllm bench serve: --endpoint is appended (--backend openai; default "
+        "http://HOST:PORT from --host and --port)",
+    )
+    a("--host", default="127.0.0.1", help="OpenAI API host when no --base-url is given")
+    a("--port", type=int, default=8000, help="OpenAI API port when no --base-url is given")
+    a(
+        "--endpoint",
+        default=DEFAULT_ENDPOINT,
+        help="path of the completions API under the base URL (default %(default)s)",
+    )
     a("--model", default=None, help="model name for the OpenAI API (default: /v1/models)")
     a("--tokenizer", default=None, help="checkpoint dir: vocabulary, and ShareGPT lengths")
-    a("--api-key", default=None)
+    a(
+        "--api-key",
+        default=None,
+        help=f"sent as `authorization: Bearer` (default: the {API_KEY_ENV} environment "
+        "variable, as in vllm bench serve)",
+    )
     a("--dataset-name", choices=["random", "prefix-repetition", "sharegpt"], default="random")
     a("--dataset-path", default=None, help="ShareGPT JSON file")
     a("--random-input-len", type=int, default=1024)
@@ -83,6 +111,29 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--max-concurrency must be >= 1")
     if args.dataset_name == "sharegpt" and not (args.dataset_path and args.tokenizer):
         raise ValueError("--dataset-name sharegpt needs --dataset-path and --tokenizer")
+    if args.backend == "openai":
+        openai_urls(args)
+
+
+def openai_urls(args: argparse.Namespace) -> tuple[str, str]:
+    """``(completions URL, models URL)`` as ``vllm bench serve`` builds them: ``--base-url``
+    (else ``http://--host:--port``) followed by ``--endpoint``, and by ``/v1/models``.
+    Raises ``ValueError`` for an endpoint that is not a completions API, or a base URL ending
+    in ``/v1`` (the old convention here) in front of an endpoint that starts with it."""
+    root = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    endpoint = args.endpoint
+    if not root.startswith(("http://", "https://")):
+        raise ValueError(f"--base-url must be an http(s) URL, got {args.base_url!r}")
+    if not endpoint.startswith("/") or not endpoint.endswith("completions"):
+        raise ValueError(f"--endpoint must be a path such as {DEFAULT_ENDPOINT}, got {endpoint!r}")
+    if endpoint.endswith("chat/completions"):
+        raise ValueError("--backend openai benchmarks the completions API, not chat completions")
+    if root.endswith("/v1") and endpoint.startswith("/v1/"):
+        raise ValueError(
+            f"--base-url is the server root, as in vllm bench serve: {root[: -len('/v1')]} "
+            f"(--endpoint adds {endpoint}), not {args.base_url}"
+        )
+    return root + endpoint, root + MODELS_PATH
 
 
 async def _dataset(args: argparse.Namespace, backend: Backend) -> list[BenchRequest]:
@@ -292,9 +343,11 @@ async def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.backend == "grpc":
         backend = GrpcBackend(args.address, args.api_key)
     else:
-        backend = OpenAIBackend(args.base_url, args.model, args.api_key)
-        await backend.resolve_model()
+        api_url, models_url = openai_urls(args)
+        backend = OpenAIBackend(api_url, models_url, args.model, args.api_key)
     try:
+        if isinstance(backend, OpenAIBackend):
+            await backend.resolve_model()
         requests = await _dataset(args, backend)
         rates = (
             [float(r) for r in args.sweep_request_rate.split(",")]
@@ -315,11 +368,16 @@ async def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main(argv: list[str]) -> int:
     p = parser()
     args = p.parse_args(argv)
+    # Read here, not as the flag's default: the generated flag reference must not show it.
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV)
     try:
         _check(args)
     except ValueError as exc:
         p.error(str(exc))
-    records = asyncio.run(_main(args))
+    try:
+        records = asyncio.run(_main(args))
+    except ModelListError as exc:
+        p.exit(1, f"{p.prog}: error: {exc}\n")
     out_dir = Path(args.result_dir)
     if args.save_result or args.plot:
         out_dir.mkdir(parents=True, exist_ok=True)

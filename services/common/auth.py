@@ -14,13 +14,14 @@ import argparse
 import hmac
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 INTERNAL_TOKEN_HEADER = "x-pagedserve-internal-token"
 INTERNAL_TOKEN_ENV = "PAGEDSERVE_INTERNAL_TOKEN"
+API_KEY_ENV = "PAGEDSERVE_API_KEY"  # the gateway's public API key
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."
 
@@ -49,9 +50,11 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 
 @dataclass(frozen=True)
 class InternalSecurity:
-    """The internal token and the optional mTLS files of one service."""
+    """The internal token and the optional mTLS files of one service. The token is a secret:
+    it is not part of the repr (so a config printed by accident does not show it), and logs
+    show :meth:`redacted`."""
 
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     tls_cert: str | None = None  # this service's certificate chain (PEM)
     tls_key: str | None = None  # its private key (PEM)
     tls_ca: str | None = None  # the CA that signs every internal certificate (PEM)

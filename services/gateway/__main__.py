@@ -1,21 +1,39 @@
-"""``python -m services.gateway`` / ``pagedserve gateway --model DIR --executor HOST:PORT``."""
+"""``python -m services.gateway`` / ``pagedserve gateway --model DIR --executor HOST:PORT``.
+
+Exits 0 after SIGTERM / SIGINT, and 2 (:data:`~services.common.logging.CONFIG_ERROR_STATUS`)
+when its configuration cannot work: a bad flag (argparse), a model directory that is not
+there or holds no usable tokenizer, a TLS file that cannot be read.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import sys
 
-from services.common.logging import configure_logging
+from services.common.logging import (
+    FILE_CONFIG_ERRORS,
+    config_error,
+    configure_logging,
+    loggable,
+)
 from services.gateway.config import GatewayConfig
+
+# What the start-up raises on a configuration that cannot work (transformers raises
+# ValueError for a directory without a usable tokenizer).
+CONFIG_ERRORS: tuple[type[Exception], ...] = (*FILE_CONFIG_ERRORS, ValueError)
 
 
 def main(argv: list[str] | None = None) -> int:
     config = GatewayConfig.from_args(sys.argv[1:] if argv is None else argv)
-    log = configure_logging("gateway", config.log_level)
-    log.info("gateway_starting", config=config.as_log_dict())
+    secrets = [config.api_key, config.security.token]
+    log = configure_logging("gateway", config.log_level, secrets=secrets)
+    log.info("gateway_starting", config=loggable(config))
     from services.gateway.server import serve
 
-    return asyncio.run(serve(config))
+    try:
+        return asyncio.run(serve(config))
+    except CONFIG_ERRORS as exc:
+        return config_error(log, exc)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ from PIL import Image
 from services.bench.results import parse_goodput
 from services.bench.serve import main
 from tests.gateway.conftest import Stack
+from tests.procs import wait_serving
+
+API_KEY = "bench-key-0123456789"
 
 SUMMARY_FIELDS = [
     "duration",
@@ -30,10 +33,11 @@ SUMMARY_FIELDS = [
 
 
 def _run(stack: Stack, tmp_path: Path, backend: str, *extra: str) -> dict:
+    """A small benchmark of ``stack`` over ``backend`` that must succeed; its JSON result."""
     target = (
         ["--address", stack.gateway.address]
         if backend == "grpc"
-        else ["--base-url", f"http://127.0.0.1:{stack.http_port}/v1"]
+        else ["--base-url", f"http://127.0.0.1:{stack.http_port}"]  # the root, as in vLLM
     )
     argv = [
         "--backend",
@@ -102,3 +106,66 @@ def test_goodput_slos_are_parsed_and_checked() -> None:
     assert parse_goodput(["ttft:200", "tpot:50"]) == {"ttft": 200.0, "tpot": 50.0}
     with pytest.raises(ValueError, match="--goodput"):
         parse_goodput(["itl:5"])
+
+
+def _small_openai_run(tmp_path: Path, *target: str) -> int:
+    """Four requests over ``--backend openai`` at ``target``; main's exit status."""
+    return main(
+        [
+            "--backend",
+            "openai",
+            *target,
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "2",
+            "--num-prompts",
+            "4",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "out.json",
+            "--disable-tqdm",
+        ]
+    )
+
+
+def test_openai_backend_takes_host_port_and_endpoint_and_sends_openai_api_key(
+    stack, tmp_path, monkeypatch, capsys
+) -> None:
+    """As ``vllm bench serve``: no --base-url means http://--host:--port, --endpoint
+    defaults to /v1/completions, the model comes from /v1/models, and OPENAI_API_KEY is the
+    bearer token."""
+    gateway = stack.start_gateway("--api-key", API_KEY)
+    try:
+        wait_serving(gateway.address)
+        port = gateway.wait_for_event("http_listening")["http_port"]
+        target = ["--host", "127.0.0.1", "--port", str(port), "--tokenizer", str(stack.model_dir)]
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        with pytest.raises(SystemExit) as refused:  # without the key: no model list
+            _small_openai_run(tmp_path, *target)
+        assert refused.value.code == 1
+        assert "401" in capsys.readouterr().err
+        monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+        assert _small_openai_run(tmp_path, *target) == 0
+        result = json.loads((tmp_path / "out.json").read_text())
+        assert result["completed"] == 4 and not any(result["errors"])
+    finally:
+        gateway.stop()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--base-url", "http://127.0.0.1:8000/v1"], "--base-url is the server root"),
+        (["--endpoint", "/v1/chat/completions"], "not chat completions"),
+        (["--endpoint", "/v1/models"], "--endpoint must be a path such as /v1/completions"),
+    ],
+    ids=["base-url-ending-in-v1", "chat-endpoint", "not-a-completions-endpoint"],
+)
+def test_openai_urls_that_cannot_work_are_refused_before_sending(flags, message, capsys) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main(["--backend", "openai", "--model", "m", *flags])
+    assert refused.value.code == 2
+    assert message in capsys.readouterr().err
