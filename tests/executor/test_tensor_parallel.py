@@ -322,9 +322,12 @@ def test_a_start_up_failure_on_rank_0_alone_stops_the_workers_at_once(tiny_check
     assert all(p.exitcode is not None for p in launched[0].processes)
 
 
-def test_an_executor_that_fails_after_loading_exits_1_and_leaves_no_rank(tmp_path: Path):
-    """A start-up failure after the ranks are up (here a malformed generation_config.json)
-    ends the executor with status 1 and its worker with it: no hang at exit."""
+def test_a_checkpoint_error_found_after_the_ranks_are_up_exits_2_and_leaves_no_rank(
+    tmp_path: Path,
+):
+    """A start-up failure after the ranks are up (here a malformed generation_config.json, a
+    configuration error: status 2, never restarted) ends the executor and its worker with
+    it: no hang at exit."""
     from pagedserve.tools.tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path / "m")
@@ -339,10 +342,12 @@ def test_an_executor_that_fails_after_loading_exits_1_and_leaves_no_rank(tmp_pat
         timeout=90,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     records = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
     events = [r.get("event") for r in records]
-    assert "executor_failed" in events and "tensor_parallel_stopped" in events
+    assert "config_error" in events and "tensor_parallel_stopped" in events
+    (error,) = [r for r in records if r.get("event") == "config_error"]
+    assert "generation_config.json" in json.dumps(error)
     (started,) = [r for r in records if r.get("event") == "tensor_parallel_started"]
     for pid in started["worker_pids"]:
         with pytest.raises(ProcessLookupError):

@@ -51,9 +51,7 @@ class GraphBackend(Protocol):
 
 
 class _CudaGraph:
-    def __init__(
-        self, fn: Callable[[], Tensor], pool: Any, stream: torch.cuda.Stream
-    ) -> None:
+    def __init__(self, fn: Callable[[], Tensor], pool: Any, stream: torch.cuda.Stream) -> None:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.output = fn()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import enum
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from services.blockmgr.types import EvictionPolicyName
@@ -263,9 +263,3 @@ class ExecutorConfig:
             distributed_timeout=self.distributed_timeout,
             log_level=self.log_level,
         )
-
-    def as_log_dict(self) -> dict[str, object]:
-        """The configuration as logged: secrets replaced by whether they are set."""
-        d = asdict(self)
-        d["security"] = self.security.redacted()
-        return d

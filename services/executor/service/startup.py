@@ -18,6 +18,7 @@ from services.executor.core.config import EngineSettings
 from services.executor.core.engine import Engine
 from services.executor.core.scheduler import SchedulerConfig
 from services.executor.model.config import ModelConfig
+from services.executor.model.errors import ModelLoadError
 from services.executor.model.launch import build_runner
 from services.executor.model.runner import ModelRunner
 from services.executor.service.config import BlockManagerMode, ExecutorConfig
@@ -44,7 +45,10 @@ def eos_token_ids(model_dir: str | Path, config: ModelConfig) -> tuple[int, ...]
     ids = list(config.eos_token_ids)
     gen = Path(model_dir) / "generation_config.json"
     if gen.is_file():
-        value = json.loads(gen.read_text()).get("eos_token_id")
+        try:
+            value = json.loads(gen.read_text()).get("eos_token_id")
+        except (ValueError, AttributeError) as exc:
+            raise ModelLoadError(f"{gen}: not a JSON object ({exc})") from None
         for t in value if isinstance(value, list) else [value]:
             if isinstance(t, int) and t not in ids:
                 ids.append(t)
