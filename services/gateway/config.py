@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from services.common.auth import InternalSecurity
 from services.gateway.routing import DEFAULT_LOAD_WEIGHT, RoutingPolicy
@@ -22,13 +22,14 @@ class GatewayConfig:
     routing_load_weight: float = DEFAULT_LOAD_WEIGHT
     host: str = "0.0.0.0"
     port: int = 50051
-    max_concurrent_requests: int = 256
+    max_concurrent_requests: int = 1024  # sent to the executors at once (they queue too)
+    max_queued_requests: int = 4096  # then wait in the gateway; beyond both: refused
     max_n: int = 16
     max_prompt_bytes: int | None = None  # default: PROMPT_BYTES_PER_TOKEN x max_model_len
     tokenizer_workers: int = 2  # threads that tokenize and apply chat templates
     executor_wait_s: float = 30.0  # streams wait this long for a non-serving executor
     drain_timeout_s: float = 30.0  # on SIGTERM, running streams get this long to finish
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     tls_cert: str | None = None
     tls_key: str | None = None
     metrics_port: int | None = 9090  # None: no metrics endpoint
@@ -82,7 +83,26 @@ class GatewayConfig:
         )
         a("--host", default=cls.host)
         a("--port", type=int, default=cls.port)
-        a("--max-concurrent-requests", type=int, default=cls.max_concurrent_requests)
+        a(
+            "--max-concurrent-requests",
+            type=int,
+            default=cls.max_concurrent_requests,
+            help="requests sent to the executors at once, all executors together; each runs "
+            "up to its --max-num-seqs of them and queues the rest in priority order (keep "
+            "this within the executors' --max-seqs-per-session, or they refuse the excess "
+            "with 429 / RESOURCE_EXHAUSTED). Requests beyond it wait in the gateway, first "
+            "come first served: see --max-queued-requests (default %(default)s)",
+        )
+        a(
+            "--max-queued-requests",
+            type=int,
+            default=cls.max_queued_requests,
+            help="requests that may wait in the gateway for one of --max-concurrent-requests "
+            "to end; a request arriving when both are full is refused at once (HTTP 429, "
+            "gRPC RESOURCE_EXHAUSTED); 0 refuses as soon as --max-concurrent-requests are "
+            "open. A waiting request whose client leaves gives up its place "
+            "(default %(default)s)",
+        )
         a("--max-n", type=int, default=cls.max_n, help="largest n (parallel samples) accepted")
         a(
             "--max-prompt-bytes",
@@ -171,6 +191,8 @@ class GatewayConfig:
             raise ValueError("--routing-load-weight must be >= 0")
         if self.max_concurrent_requests < 1:
             raise ValueError("--max-concurrent-requests must be >= 1")
+        if self.max_queued_requests < 0:
+            raise ValueError("--max-queued-requests must be >= 0")
         if self.max_n < 1:
             raise ValueError("--max-n must be >= 1")
         if self.max_prompt_bytes is not None and self.max_prompt_bytes < 1:
@@ -186,9 +208,3 @@ class GatewayConfig:
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
         self.security.validate()
-
-    def as_log_dict(self) -> dict[str, object]:
-        d = asdict(self)
-        d["api_key"] = "***" if self.api_key else None
-        d["security"] = self.security.redacted()
-        return d

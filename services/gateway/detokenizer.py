@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -95,10 +96,13 @@ def _make_decode(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:  # fast tokenizer: skip the Python wrapper, same result
         return lambda ids: backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(
-        list(ids),
-        skip_special_tokens=skip_special_tokens,
-        clean_up_tokenization_spaces=False,
+    return lambda ids: cast(  # a list of ids decodes to one string
+        str,
+        tokenizer.decode(
+            list(ids),
+            skip_special_tokens=skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        ),
     )
 
 

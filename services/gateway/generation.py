@@ -1,28 +1,33 @@
 """The gateway's one generation core, behind both public fronts (gRPC and OpenAI HTTP).
 
-It owns admission (``--max-concurrent-requests``), validation, tokenization and the chat
-template (off the event loop), routing to an executor, and turning each sample's token updates
-into text (incremental detokenization, stop strings, finish reasons, usage, metrics). A front
-translates its request into a ``GenerateRequest``, iterates :meth:`GenerationCore.generate`,
-and maps a :class:`GenerationError` to its own status (gRPC code, HTTP status + OpenAI error
-JSON). Closing the iteration early (client gone, deadline) aborts the request on its executor.
+It owns admission (``--max-concurrent-requests`` sent to executors, up to
+``--max-queued-requests`` more waiting here, then refusal; see ``admission``), validation,
+tokenization and the chat template (off the event loop), routing to an executor, and turning
+each sample's token updates into text (incremental detokenization, stop strings, finish
+reasons, usage, metrics). A front translates its request into a ``GenerateRequest``, iterates
+:meth:`GenerationCore.generate`, and maps a :class:`GenerationError` to its own status (gRPC
+code, HTTP status + OpenAI error JSON). Cancelling the iteration or closing it early (client
+gone, deadline) aborts the request on its executor and frees its slot at once; a front must
+close the generator (``contextlib.aclosing``) rather than leave it to the garbage collector.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import structlog
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.v1 import common_pb2, executor_pb2, generation_pb2
 from services.common.limits import FieldError, check_prompt, check_request_id, check_token_ids
+from services.gateway.admission import Admission
 from services.gateway.config import PROMPT_BYTES_PER_TOKEN, GatewayConfig
 from services.gateway.executor_client import ExecutorPool, ExecutorUnavailable
 from services.gateway.metrics import GatewayMetrics
@@ -93,7 +98,8 @@ class GenerationCore:
         self.pool = pool
         self.metrics = metrics
         self.model_name = config.served_model_name or config.model.rstrip("/").split("/")[-1]
-        self.num_inflight = 0
+        self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
+        metrics.queued.set_function(lambda: self.admission.num_queued)
         self._tokenizer_threads = ThreadPoolExecutor(
             config.tokenizer_workers, thread_name_prefix="tokenizer"
         )
@@ -101,31 +107,43 @@ class GenerationCore:
 
     # ---- generation ---------------------------------------------------------------------------
 
+    @property
+    def num_inflight(self) -> int:
+        """Requests open on this gateway: being prepared, queued, or on an executor."""
+        return self.admission.num_open
+
     async def generate(
         self,
         request: generation_pb2.GenerateRequest,
         *,
         default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        on_prompt_tokens: Callable[[int], None] | None = None,
+    ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         """Every response of the request's samples, in arrival order; each sample ends with
         one final message (finish reason and usage set). Raises :class:`GenerationError`.
-        ``default_max_tokens`` None: an unset max_tokens fills the model's context."""
-        if self.num_inflight >= self.config.max_concurrent_requests:
+        ``default_max_tokens`` None: an unset max_tokens fills the model's context.
+        ``on_prompt_tokens`` is called once with the prompt's length, before the first
+        response. Close the generator (``contextlib.aclosing``) when leaving it early."""
+        if not self.admission.try_enter():
             self.metrics.requests.labels("rejected_full").inc()
             raise GenerationError(
                 ErrorKind.RESOURCE_EXHAUSTED,
                 f"the gateway is at max_concurrent_requests="
-                f"{self.config.max_concurrent_requests}; retry later",
+                f"{self.config.max_concurrent_requests} running and max_queued_requests="
+                f"{self.config.max_queued_requests} waiting; retry later",
             )
-        self.num_inflight += 1
         self.metrics.inflight.inc()
         request_id = request.request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
-            async for response in self._generate(request, request_id, default_max_tokens):
-                yield response
+            # Closed here, not by the garbage collector: its `finally` aborts on the executor.
+            async with contextlib.aclosing(
+                self._generate(request, request_id, default_max_tokens, on_prompt_tokens)
+            ) as responses:
+                async for response in responses:
+                    yield response
         finally:
-            self.num_inflight -= 1
+            self.admission.leave()
             self.metrics.inflight.dec()
             structlog.contextvars.unbind_contextvars("request_id")
 
@@ -134,7 +152,8 @@ class GenerationCore:
         request: generation_pb2.GenerateRequest,
         request_id: str,
         default_max_tokens: int | None,
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        on_prompt_tokens: Callable[[int], None] | None,
+    ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         start = time.monotonic()
         info = self.pool.info
         if info is None:
@@ -156,10 +175,40 @@ class GenerationCore:
             self.metrics.requests.labels("invalid").inc()
             log.info("request_invalid", error=str(exc))
             raise GenerationError.invalid(exc) from None
+        if on_prompt_tokens is not None:
+            on_prompt_tokens(len(prompt_ids))
         samples = [
             SampleStream(request_id, i, self.tokenizer, prompt_ids, options)
             for i in range(params.n)
         ]
+        dispatched = False
+        try:
+            async with (
+                self.admission.running(),  # waits here while the executors are full
+                contextlib.aclosing(
+                    self._run(request, request_id, prompt_ids, params, samples, start)
+                ) as responses,
+            ):
+                dispatched = True
+                async for response in responses:
+                    yield response
+        except asyncio.CancelledError:
+            if not dispatched:  # gone while queued (once dispatched, _run counts it)
+                log.info("request_cancelled", after_s=round(time.monotonic() - start, 4))
+                self.metrics.requests.labels("cancelled").inc()
+            raise
+
+    async def _run(
+        self,
+        request: generation_pb2.GenerateRequest,
+        request_id: str,
+        prompt_ids: list[int],
+        params: executor_pb2.ExecutorSamplingParams,
+        samples: list[SampleStream],
+        start: float,
+    ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
+        """The request on an executor, from routing to its last sample's final message
+        (``start``: when it arrived, for the latency metrics)."""
         try:
             cache_salt = request.cache_salt.encode()
             conn, decision = self.pool.pick(prompt_ids, cache_salt)
@@ -335,7 +384,7 @@ class GenerationCore:
             raise GenerationError.invalid(exc) from None
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = self.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
-        return generation_pb2.DetokenizeResponse(text=text)
+        return generation_pb2.DetokenizeResponse(text=cast(str, text))
 
     def model_info(self) -> generation_pb2.ModelInfo:
         ready = self.pool.ready

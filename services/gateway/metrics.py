@@ -14,6 +14,7 @@ index's state (event stream live, confirmed blocks).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -145,7 +146,12 @@ class GatewayMetrics:
         )
         self.inflight = Gauge(
             "pagedserve_gateway_requests_inflight",
-            "Generate streams open on this gateway",
+            "Generate streams open on this gateway (queued here or sent to an executor)",
+            registry=r,
+        )
+        self.queued = Gauge(
+            "pagedserve_gateway_requests_queued",
+            "Requests waiting in the gateway for one of --max-concurrent-requests to end",
             registry=r,
         )
         self.ttft = Histogram(
@@ -167,7 +173,7 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
         )
         self.port: int | None = None
-        self._server = None
+        self._server: Any = None  # the prometheus-client WSGI server, once serving
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         server, _thread = start_http_server(port, addr=host, registry=self.registry)

@@ -5,11 +5,21 @@ Server-Sent Events ending with ``data: [DONE]``), vLLM's ``POST /tokenize`` and
 ``POST /detokenize``, ``GET /health`` and ``GET /metrics`` (the gateway's registry).
 
 Errors are OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}`` with 400
-(invalid request, ``param`` naming the field), 401 (API key), 404 (unknown model), 429 (at
-``--max-concurrent-requests``, or the executor refused it for capacity) and 503 (no executor
-serving). An error before the first token is the response's status; one after the stream has
-started is sent as a last ``data: {"error": ...}`` event, then ``[DONE]``. A client that
-disconnects aborts its request on the executor, as a gRPC cancel does.
+(invalid request, ``param`` naming the field), 401 (API key), 404 (unknown model), 429 (with
+``--max-concurrent-requests`` running and ``--max-queued-requests`` waiting, or the executor
+refused it for capacity) and 503 (no executor serving). An error before the first token is the
+response's status; one after the stream has started is sent as a last ``data: {"error": ...}``
+event, then ``[DONE]``.
+
+A client that disconnects aborts its request on the executor at once, as a gRPC cancel does:
+while it is queued, waiting for its first token, streaming, or waiting for a whole completion.
+A generation response runs its request inside its own ASGI call, watching ``receive`` for
+``http.disconnect``, and closes the core's generator before returning (never leaving it to the
+garbage collector). Hence no ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware hides
+the disconnect from the endpoint; the API key is checked by a pure ASGI middleware.
+
+The JSON objects themselves (errors, completions, chunks, usage) are built by
+``openai_format``.
 """
 
 from __future__ import annotations
@@ -17,26 +27,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Coroutine, Iterator
+from typing import Any
 
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedserve.v1 import common_pb2, generation_pb2
+from pagedserve.v1 import generation_pb2
 from services.common.limits import FieldError
-from services.gateway.generation import (
-    FINISH_NAMES,
-    ErrorKind,
-    GenerationCore,
-    GenerationError,
-)
+from services.gateway.generation import GenerationCore, GenerationError
+from services.gateway.openai_format import Formatter, HttpError
 from services.gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,80 +52,38 @@ from services.gateway.openai_protocol import (
 from services.gateway.validation import DEFAULT_MAX_TOKENS
 
 log = structlog.get_logger(__name__)
-T = TypeVar("T")
+Responses = AsyncGenerator[generation_pb2.GenerateResponse, None]
 
-_HTTP_STATUS = {
-    ErrorKind.INVALID_ARGUMENT: 400,
-    ErrorKind.ALREADY_EXISTS: 400,
-    ErrorKind.RESOURCE_EXHAUSTED: 429,
-    ErrorKind.UNAVAILABLE: 503,
-    ErrorKind.INTERNAL: 500,
-}
-_ERROR_TYPE = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "internal_error",
-    503: "service_unavailable",
-}
 _OPEN_PATHS = ("/health", "/metrics")
 
 
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str = ""):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+class _ApiKeyAuth:
+    """Pure ASGI middleware: every path but ``/health`` and ``/metrics`` needs
+    ``Authorization: Bearer <key>``; anything else is a 401 before the app sees it."""
 
-    @classmethod
-    def of(cls, exc: GenerationError) -> HttpError:
-        param = _param(exc.field) if exc.field else None
-        message = exc.message
-        if exc.field and param and message.startswith(exc.field):
-            message = param + message[len(exc.field) :]
-        return cls(_HTTP_STATUS[exc.kind], message, param, exc.kind.value)
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
 
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": _ERROR_TYPE.get(self.status, "error"),
-                "param": self.param,
-                "code": self.code or None,
-            }
-        }
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-def _param(field: str) -> str:
-    """A core field path as the OpenAI request names it."""
-    for prefix, name in (
-        ("sampling_params.", ""),
-        ("prompt_token_ids.ids", "prompt"),
-        ("messages.messages", "messages"),
-    ):
-        if field.startswith(prefix):
-            return name + field[len(prefix) :] if name else field[len(prefix) :]
-    return field
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = Headers(scope=scope).get("authorization", "")
+            if not hmac.compare_digest(given.encode(), self._expected):
+                error = HttpError(
+                    401,
+                    "invalid or missing API key (send `Authorization: Bearer <key>`)",
+                    code="invalid_api_key",
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def build_app(core: GenerationCore, *, api_key: str | None, registry: Any) -> FastAPI:
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Callable[..., Awaitable[Response]]):  # type: ignore[no-untyped-def]
-        if api_key and request.url.path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return HttpError(
-                    401,
-                    "invalid or missing API key (send `Authorization: Bearer <key>`)",
-                    code="invalid_api_key",
-                ).response()
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_ApiKeyAuth, api_key=api_key)
 
     @app.exception_handler(HttpError)
     async def on_http_error(request: Request, exc: HttpError) -> JSONResponse:
@@ -183,20 +147,21 @@ def build_app(core: GenerationCore, *, api_key: str | None, registry: Any) -> Fa
     # ---- completions --------------------------------------------------------------------------
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(body: CompletionRequest) -> Response:
         check_model(body.model)
         with _as_http():
             gen = body.to_generate()
-        stream = _Formatter(core, "completions", body.include_usage, body.logprobs is not None)
-        return await _respond(core, gen, DEFAULT_MAX_TOKENS, body.stream, stream, request)
+        logprobs = body.logprobs is not None
+        fmt = Formatter(core, "completions", body.include_usage, logprobs, body.continuous_usage)
+        return _respond(core, gen, DEFAULT_MAX_TOKENS, body.stream, fmt)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat(body: ChatCompletionRequest) -> Response:
         check_model(body.model)
         with _as_http():
             gen = body.to_generate()
-        stream = _Formatter(core, "chat", body.include_usage, body.logprobs)
-        return await _respond(core, gen, None, body.stream, stream, request)
+        fmt = Formatter(core, "chat", body.include_usage, body.logprobs, body.continuous_usage)
+        return _respond(core, gen, None, body.stream, fmt)
 
     return app
 
@@ -224,236 +189,101 @@ def _validation_error(errors: Any) -> HttpError:
 # ---- responses -------------------------------------------------------------------------------
 
 
-async def _respond(
+def _respond(
     core: GenerationCore,
     request: generation_pb2.GenerateRequest,
     default_max_tokens: int | None,
     stream: bool,
-    fmt: _Formatter,
-    http_request: Request,
+    fmt: Formatter,
 ) -> Response:
-    responses = core.generate(request, default_max_tokens=default_max_tokens)
-    if not stream:
-        return JSONResponse(await _until_disconnect(http_request, fmt.collect(responses)))
-    # The first response before the headers: an error up to there is the HTTP status.
-    try:
-        with _as_http():
-            first = await anext(responses)
-    except StopAsyncIteration:
-        first = None
-    return StreamingResponse(
-        fmt.events(first, responses),
-        media_type="text/event-stream",
-        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+    """The response that will run ``request`` (nothing runs before the ASGI server calls it)."""
+    responses = core.generate(
+        request, default_max_tokens=default_max_tokens, on_prompt_tokens=fmt.set_prompt_tokens
     )
+    return _EventStream(responses, fmt) if stream else _Completion(responses, fmt)
 
 
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; cancel it (aborting the request on its executor) if the client goes."""
-    task = asyncio.ensure_future(work)
+class _GenerationResponse(Response):
+    """A response that runs its request inside its ASGI call, where the client's ``receive``
+    is at hand: the request is cancelled (and aborted on its executor) the moment the client
+    disconnects, and the core's generator is closed before the call returns."""
 
-    async def watch() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.1)
-        task.cancel()
+    media_type = "application/json"
+    extra_headers: dict[str, str] | None = None
 
-    watcher = asyncio.ensure_future(watch())
-    try:
-        with _as_http():
-            return await task
-    finally:
-        watcher.cancel()
+    def __init__(self, responses: Responses, fmt: Formatter) -> None:
+        # No Response.__init__: there is no body to render yet.
+        self.responses = responses
+        self.fmt = fmt
+        self.status_code = 200
+        self.background = None
+        self.init_headers(self.extra_headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with contextlib.aclosing(self.responses):
+            await _until_disconnect(receive, self._send(scope, receive, send))
+
+    async def _send(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
 
 
-class _Formatter:
-    """Turns the core's per-sample responses into OpenAI objects (one request)."""
+class _Completion(_GenerationResponse):
+    """A whole (non-streaming) completion: one JSON object, or the error's status."""
 
-    def __init__(self, core: GenerationCore, kind: str, include_usage: bool, logprobs: bool):
-        self.core = core
-        self.kind = kind
-        self.include_usage = include_usage
-        self.logprobs = logprobs
-        prefix = "cmpl" if kind == "completions" else "chatcmpl"
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.object = "text_completion" if kind == "completions" else "chat.completion"
-        self._offsets: dict[int, int] = {}  # completions logprobs: text offset per choice
-        self._usage: dict[int, common_pb2.Usage] = {}
-
-    # -- non-streaming --
-
-    async def collect(self, responses: AsyncIterator[generation_pb2.GenerateResponse]) -> Any:
-        texts: dict[int, list[str]] = {}
-        logprobs: dict[int, list[common_pb2.TokenLogprob]] = {}
-        finish: dict[int, str] = {}
-        async for r in responses:
-            texts.setdefault(r.index, []).append(r.text)
-            logprobs.setdefault(r.index, []).extend(r.logprobs)
-            if r.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                finish[r.index] = FINISH_NAMES.get(r.finish_reason, "stop")
-                self._usage[r.index] = r.usage
-        choices = []
-        for i in sorted(texts):
-            text = "".join(texts[i])
-            lp = self._logprobs(logprobs[i], 0, i) if self.logprobs else None
-            if self.kind == "completions":
-                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish.get(i)}
-            else:
-                choice = {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": lp,
-                    "finish_reason": finish.get(i),
-                }
-            choices.append(choice)
-        return {
-            "id": self.id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.core.model_name,
-            "choices": choices,
-            "usage": self._usage_body(),
-        }
-
-    # -- streaming --
-
-    async def events(
-        self,
-        first: generation_pb2.GenerateResponse | None,
-        responses: AsyncIterator[generation_pb2.GenerateResponse],
-    ) -> AsyncIterator[bytes]:
-        started: set[int] = set()
+    async def _send(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            pending = [first] if first is not None else []
-            while True:
-                for r in pending:
-                    for chunk in self._chunks(r, started):
-                        yield _sse(chunk)
-                try:
-                    pending = [await anext(responses)]
-                except StopAsyncIteration:
-                    break
-            if self.include_usage:
-                yield _sse(self._chunk([], usage=self._usage_body()))
+            response: Response = JSONResponse(await self.fmt.collect(self.responses))
         except GenerationError as exc:
-            yield _sse(HttpError.of(exc).body())
-        finally:
-            await responses.aclose()  # the client left early: abort on the executor
-        yield b"data: [DONE]\n\n"
-
-    def _chunks(self, r: generation_pb2.GenerateResponse, started: set[int]) -> list[dict]:
-        final = r.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-        if final:
-            self._usage[r.index] = r.usage
-        finish = FINISH_NAMES.get(r.finish_reason, "stop") if final else None
-        offset = self._offsets.get(r.index, 0)
-        lp = self._logprobs(list(r.logprobs), offset, r.index) if self.logprobs else None
-        self._offsets[r.index] = offset + len(r.text)
-        if self.kind == "completions":
-            return [
-                self._chunk(
-                    [{"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": finish}]
-                )
-            ]
-        out = []
-        if r.index not in started:
-            started.add(r.index)
-            out.append(
-                self._chunk(
-                    [
-                        {
-                            "index": r.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
-            )
-        if r.text or lp:
-            out.append(
-                self._chunk(
-                    [
-                        {
-                            "index": r.index,
-                            "delta": {"content": r.text},
-                            "logprobs": lp,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
-            )
-        if final:
-            out.append(
-                self._chunk(
-                    [{"index": r.index, "delta": {}, "logprobs": None, "finish_reason": finish}]
-                )
-            )
-        return out
-
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
-        obj = "text_completion" if self.kind == "completions" else "chat.completion.chunk"
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.core.model_name,
-            "choices": choices,
-        }
-        if self.include_usage:
-            chunk["usage"] = usage
-        return chunk
-
-    # -- shared --
-
-    def _usage_body(self) -> dict[str, Any]:
-        prompt = next(iter(self._usage.values())).prompt_tokens if self._usage else 0
-        cached = next(iter(self._usage.values())).cached_prompt_tokens if self._usage else 0
-        completion = sum(u.completion_tokens for u in self._usage.values())
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    def _logprobs(
-        self, logprobs: list[common_pb2.TokenLogprob], offset: int, index: int
-    ) -> dict[str, Any] | None:
-        decode = self.core.tokenizer.decode
-        if self.kind == "chat":
-            return {
-                "content": [
-                    {
-                        "token": (t := decode([lp.token_id])),
-                        "logprob": lp.logprob,
-                        "bytes": list(t.encode()),
-                        "top_logprobs": [
-                            {
-                                "token": (a := decode([top.token_id])),
-                                "logprob": top.logprob,
-                                "bytes": list(a.encode()),
-                            }
-                            for top in lp.top_logprobs
-                        ],
-                    }
-                    for lp in logprobs
-                ]
-            }
-        tokens = [decode([lp.token_id]) for lp in logprobs]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [
-                {decode([top.token_id]): top.logprob for top in lp.top_logprobs} for lp in logprobs
-            ],
-            "text_offset": offsets,
-        }
+            response = HttpError.of(exc).response()
+        await response(scope, receive, send)
 
 
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+class _EventStream(_GenerationResponse):
+    """Server-Sent Events. The headers wait for the first response, so that an error up to
+    there (refused, invalid, no executor) is the HTTP status."""
+
+    media_type = "text/event-stream"
+    extra_headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+    async def _send(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            first = await anext(self.responses, None)
+        except GenerationError as exc:
+            await HttpError.of(exc).response()(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async with contextlib.aclosing(self.fmt.events(first, self.responses)) as events:
+            async for event in events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _until_disconnect(receive: Receive, work: Coroutine[Any, Any, None]) -> bool:
+    """Run ``work`` (producing a response) until it ends or the client disconnects, whichever
+    comes first; True if it ran to its end. On a disconnect ``work`` is cancelled, and the
+    cancellation unwinds through the core's generator: the request leaves the gateway's queue,
+    or is aborted on its executor. A send to a client that has gone (an ``OSError`` from the
+    server) counts as a disconnect."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()
+        gone.cancel()
+        await asyncio.wait((task, gone))  # both unwound before the generator is closed
+    if task.cancelled():
+        return False
+    exc = task.exception()
+    if isinstance(exc, OSError):
+        return False
+    if exc is not None:
+        raise exc
+    return True
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return when the client disconnects. The request body has been read by then: the
+    server's next message is ``http.disconnect``, sent the moment the connection drops."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

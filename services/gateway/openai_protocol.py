@@ -19,6 +19,8 @@ from services.common.limits import FieldError
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(BaseModel):
@@ -98,6 +100,14 @@ class _Sampling(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk: vLLM's ``continuous_usage_stats``, which (as there)
+        needs ``include_usage``."""
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
 
 
 class CompletionRequest(_Sampling):

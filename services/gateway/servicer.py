@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -31,8 +32,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         try:
-            async for response in self.core.generate(request):
-                yield response
+            # Closed as soon as the call ends (cancelled, deadline): aborted on the executor.
+            async with contextlib.aclosing(self.core.generate(request)) as responses:
+                async for response in responses:
+                    yield response
         except GenerationError as exc:
             await _abort(context, exc)
 

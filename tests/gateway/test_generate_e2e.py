@@ -356,7 +356,7 @@ def test_api_key_is_required_when_configured(stack):
 
 
 def test_admission_limit_refuses_at_once_beyond_max_concurrent_requests(stack):
-    gw = stack.start_gateway("--max-concurrent-requests", "2")
+    gw = stack.start_gateway("--max-concurrent-requests", "2", "--max-queued-requests", "0")
     try:
         wait_serving(gw.address)
         stub = stack.stub(gw.address)

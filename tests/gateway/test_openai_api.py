@@ -86,6 +86,77 @@ def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(client, mo
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_streamed_completions_send_no_empty_text_for_tokens_ending_mid_character(
+    client, model, stack
+) -> None:
+    # The tiny model's greedy output here has byte tokens ending inside a UTF-8 character:
+    # the gRPC API streams those as messages with token ids and no text yet.
+    n = 24
+    grpc = stack.stub().Generate(
+        G.GenerateRequest(
+            prompt=PROMPT,
+            sampling_params=G.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+        ),
+        timeout=60,
+    )
+    assert any(r.token_ids and not r.text and not r.finish_reason for r in grpc)
+    kw = dict(model=model, prompt=PROMPT, max_tokens=n, temperature=0, logprobs=0)
+    kw["extra_body"] = {"ignore_eos": True}
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True)]
+    assert all(c.text or c.finish_reason for c in chunks), [c.text for c in chunks]
+    assert "".join(c.text for c in chunks) == whole.text
+    # The held tokens' logprobs come with the text that completes them: none is lost.
+    streamed = [t for c in chunks for t in c.logprobs.tokens]
+    assert streamed == whole.logprobs.tokens and len(streamed) == n
+
+
+def _usage_stream(client, model: str, kind: str, stream_options: dict) -> list:
+    kw = dict(
+        model=model,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options=stream_options,
+        extra_body={"ignore_eos": True},
+    )
+    if kind == "completions":
+        return list(client.completions.create(prompt=PROMPT, logprobs=0, **kw))
+    return list(client.chat.completions.create(messages=MESSAGES, logprobs=True, **kw))
+
+
+def _tokens_in(chunk, kind: str) -> int:
+    if not chunk.choices or chunk.choices[0].logprobs is None:
+        return 0
+    lp = chunk.choices[0].logprobs
+    return len(lp.tokens if kind == "completions" else lp.content or [])
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, model, kind) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = _usage_stream(client, model, kind, options)
+    assert all(c.usage is not None for c in chunks)
+    prompt = chunks[-1].usage.prompt_tokens
+    assert prompt > 0 and not chunks[-1].choices and chunks[-1].usage.completion_tokens == 8
+    so_far = 0
+    for c in chunks[:-1]:
+        so_far += _tokens_in(c, kind)
+        assert c.usage.prompt_tokens == prompt
+        assert c.usage.completion_tokens == so_far  # each token's logprob counted once
+        assert c.usage.total_tokens == prompt + so_far
+    assert so_far == 8
+    if kind == "chat":
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[0].usage.completion_tokens == 0
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_continuous_usage_stats_need_include_usage_as_in_vllm(client, model, kind) -> None:
+    chunks = _usage_stream(client, model, kind, {"continuous_usage_stats": True})
+    assert chunks and all(c.usage is None for c in chunks)
+
+
 def test_prompt_as_token_ids_matches_the_text_prompt(client, model, stack) -> None:
     ids = list(stack.stub().Tokenize(G.TokenizeRequest(text=PROMPT)).token_ids)
     by_text = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
@@ -253,8 +324,17 @@ def test_the_api_key_is_required_when_set(stack) -> None:
         gw.stop()
 
 
-def test_the_admission_limit_is_429_and_loses_nothing(stack: Stack) -> None:
-    gw = stack.start_gateway("--max-concurrent-requests", "1")
+def _gauge(port: int, name: str) -> float:
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name}")
+
+
+def test_beyond_max_concurrent_requests_requests_queue_then_are_429_and_lose_nothing(
+    stack: Stack,
+) -> None:
+    gw = stack.start_gateway("--max-concurrent-requests", "1", "--max-queued-requests", "1")
     try:
         wait_serving(gw.address)
         port = int(gw.wait_for_event("http_listening")["http_port"])
@@ -262,12 +342,14 @@ def test_the_admission_limit_is_429_and_loses_nothing(stack: Stack) -> None:
         model = stack.model_dir.name
         started = threading.Event()
         done: list[str] = []
+        queued: list[str | None] = []
 
-        def hold() -> None:
+        def hold() -> None:  # about a second of decoding
             stream = c.completions.create(
                 model=model,
                 prompt=PROMPT,
-                max_tokens=400,
+                max_tokens=500,
+                n=4,
                 temperature=0,
                 stream=True,
                 extra_body={"ignore_eos": True},
@@ -278,15 +360,29 @@ def test_the_admission_limit_is_429_and_loses_nothing(stack: Stack) -> None:
                 text += chunk.choices[0].text if chunk.choices else ""
             done.append(text)
 
-        t = threading.Thread(target=hold)
-        t.start()
+        def wait_in_queue() -> None:
+            out = c.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+            queued.append(out.choices[0].finish_reason)
+
+        running = threading.Thread(target=hold)
+        running.start()
         assert started.wait(30)
-        with pytest.raises(openai.RateLimitError) as info:
+        waiting = threading.Thread(target=wait_in_queue)
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while _gauge(port, "pagedserve_gateway_requests_queued") < 1:
+            assert time.monotonic() < deadline, "the second request did not queue"
+            time.sleep(0.01)
+        with pytest.raises(openai.RateLimitError) as info:  # both full: refused at once
             c.completions.create(model=model, prompt=PROMPT, max_tokens=2)
         assert info.value.status_code == 429
-        assert "max_concurrent_requests" in info.value.body["message"]
-        t.join(120)
+        message = info.value.body["message"]
+        assert "max_concurrent_requests=1" in message and "max_queued_requests=1" in message
+        running.join(120)
+        waiting.join(120)
         assert done and done[0]  # the admitted stream was not disturbed
+        assert queued and queued[0] is not None  # the queued one ran once a slot was free
+        assert _gauge(port, "pagedserve_gateway_requests_queued") == 0
     finally:
         gw.stop()
 

@@ -1,0 +1,304 @@
+"""OpenAI's JSON objects, built from the core's responses: errors, whole completions, and
+the chunks of a stream (one :class:`Formatter` per request).
+
+Streaming: no chunk has empty text (a token that ends inside a UTF-8 character is held, with
+its logprobs, until the character is complete) unless it carries a finish reason.
+``stream_options.include_usage`` adds a last chunk with the usage (``"usage": null`` on the
+others); with vLLM's ``continuous_usage_stats`` as well, every chunk carries the usage so far
+(prompt tokens, the tokens of the chunk's choice so far, their total), as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
+
+from fastapi.responses import JSONResponse
+
+from pagedserve.v1 import common_pb2, generation_pb2
+from services.gateway.generation import FINISH_NAMES, ErrorKind, GenerationCore, GenerationError
+
+_HTTP_STATUS = {
+    ErrorKind.INVALID_ARGUMENT: 400,
+    ErrorKind.ALREADY_EXISTS: 400,
+    ErrorKind.RESOURCE_EXHAUSTED: 429,
+    ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.INTERNAL: 500,
+}
+_ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @classmethod
+    def of(cls, exc: GenerationError) -> HttpError:
+        param = _param(exc.field) if exc.field else None
+        message = exc.message
+        if exc.field and param and message.startswith(exc.field):
+            message = param + message[len(exc.field) :]
+        return cls(_HTTP_STATUS[exc.kind], message, param, exc.kind.value)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": _ERROR_TYPE.get(self.status, "error"),
+                "param": self.param,
+                "code": self.code or None,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _param(field: str) -> str:
+    """A core field path as the OpenAI request names it."""
+    for prefix, name in (
+        ("sampling_params.", ""),
+        ("prompt_token_ids.ids", "prompt"),
+        ("messages.messages", "messages"),
+    ):
+        if field.startswith(prefix):
+            return name + field[len(prefix) :] if name else field[len(prefix) :]
+    return field
+
+
+class Formatter:
+    """Turns the core's per-sample responses into OpenAI objects (one request)."""
+
+    def __init__(
+        self,
+        core: GenerationCore,
+        kind: str,
+        include_usage: bool,
+        logprobs: bool,
+        continuous_usage: bool = False,
+    ) -> None:
+        self.core = core
+        self.kind = kind
+        self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # usage on every chunk (needs include_usage)
+        self.logprobs = logprobs
+        prefix = "cmpl" if kind == "completions" else "chatcmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.object = "text_completion" if kind == "completions" else "chat.completion"
+        self.prompt_tokens = 0  # known once the core has tokenized the prompt
+        self._offsets: dict[int, int] = {}  # completions logprobs: text offset per choice
+        self._usage: dict[int, common_pb2.Usage] = {}
+        self._tokens: dict[int, int] = {}  # streamed tokens per choice
+        # Logprobs of tokens whose text is not out yet (they end inside a UTF-8 character).
+        self._held_logprobs: dict[int, list[common_pb2.TokenLogprob]] = {}
+
+    def set_prompt_tokens(self, n: int) -> None:
+        self.prompt_tokens = n
+
+    # -- non-streaming --
+
+    async def collect(self, responses: AsyncIterator[generation_pb2.GenerateResponse]) -> Any:
+        texts: dict[int, list[str]] = {}
+        logprobs: dict[int, list[common_pb2.TokenLogprob]] = {}
+        finish: dict[int, str] = {}
+        async for r in responses:
+            texts.setdefault(r.index, []).append(r.text)
+            logprobs.setdefault(r.index, []).extend(r.logprobs)
+            if r.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                finish[r.index] = FINISH_NAMES.get(r.finish_reason, "stop")
+                self._usage[r.index] = r.usage
+        choices = []
+        for i in sorted(texts):
+            text = "".join(texts[i])
+            lp = self._logprobs(logprobs[i], 0, i) if self.logprobs else None
+            if self.kind == "completions":
+                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish.get(i)}
+            else:
+                choice = {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": lp,
+                    "finish_reason": finish.get(i),
+                }
+            choices.append(choice)
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.core.model_name,
+            "choices": choices,
+            "usage": self._usage_body(),
+        }
+
+    # -- streaming --
+
+    async def events(
+        self,
+        first: generation_pb2.GenerateResponse | None,
+        responses: AsyncIterator[generation_pb2.GenerateResponse],
+    ) -> AsyncGenerator[bytes, None]:
+        """The stream's events, ``[DONE]`` last; an error mid-stream is an error event. The
+        caller owns (and closes) ``responses``."""
+        started: set[int] = set()
+        try:
+            pending = [first] if first is not None else []
+            while True:
+                for r in pending:
+                    for chunk in self._chunks(r, started):
+                        yield sse(chunk)
+                try:
+                    pending = [await anext(responses)]
+                except StopAsyncIteration:
+                    break
+            if self.include_usage:
+                yield sse(self._chunk([], usage=self._usage_body()))
+        except GenerationError as exc:
+            yield sse(HttpError.of(exc).body())
+        yield b"data: [DONE]\n\n"
+
+    def _chunks(self, r: generation_pb2.GenerateResponse, started: set[int]) -> list[dict]:
+        """The chunks for one response: none when it has no text yet (its tokens end inside
+        a UTF-8 character; their logprobs wait for the text) and does not finish."""
+        final = r.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        if final:
+            self._usage[r.index] = r.usage
+        tokens_before = self._tokens.get(r.index, 0)
+        self._tokens[r.index] = tokens = tokens_before + len(r.token_ids)
+        held = self._held_logprobs.setdefault(r.index, [])
+        held.extend(r.logprobs)
+        if not r.text and not final:
+            return [self._role_chunk(r.index, tokens_before)] if self._start(r, started) else []
+        finish = FINISH_NAMES.get(r.finish_reason, "stop") if final else None
+        offset = self._offsets.get(r.index, 0)
+        lp = self._logprobs(held, offset, r.index) if self.logprobs else None
+        has_logprobs = bool(held)
+        held.clear()
+        self._offsets[r.index] = offset + len(r.text)
+        usage = self._usage_so_far(tokens)
+        if self.kind == "completions":
+            choice = {"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": finish}
+            return [self._chunk([choice], usage)]
+        out = [self._role_chunk(r.index, tokens_before)] if self._start(r, started) else []
+        if r.text or has_logprobs:
+            delta = {"content": r.text}
+            out.append(
+                self._chunk(
+                    [{"index": r.index, "delta": delta, "logprobs": lp, "finish_reason": None}],
+                    usage,
+                )
+            )
+        if final:
+            out.append(
+                self._chunk(
+                    [{"index": r.index, "delta": {}, "logprobs": None, "finish_reason": finish}],
+                    usage,
+                )
+            )
+        return out
+
+    def _start(self, r: generation_pb2.GenerateResponse, started: set[int]) -> bool:
+        """Whether ``r`` is the first of a chat choice (which opens with the role)."""
+        if self.kind != "chat" or r.index in started:
+            return False
+        started.add(r.index)
+        return True
+
+    def _role_chunk(self, index: int, tokens: int) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return self._chunk([choice], self._usage_so_far(tokens))
+
+    def _usage_so_far(self, completion_tokens: int) -> dict[str, Any] | None:
+        """A chunk's usage with ``continuous_usage_stats`` (as vLLM: the prompt, and the tokens
+        of the chunk's choice so far); None otherwise."""
+        if not self.continuous_usage:
+            return None
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
+        obj = "text_completion" if self.kind == "completions" else "chat.completion.chunk"
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.core.model_name,
+            "choices": choices,
+        }
+        if self.include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+    # -- shared --
+
+    def _usage_body(self) -> dict[str, Any]:
+        prompt = next(iter(self._usage.values())).prompt_tokens if self._usage else 0
+        cached = next(iter(self._usage.values())).cached_prompt_tokens if self._usage else 0
+        completion = sum(u.completion_tokens for u in self._usage.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def _logprobs(
+        self, logprobs: list[common_pb2.TokenLogprob], offset: int, index: int
+    ) -> dict[str, Any] | None:
+        tokenizer = self.core.tokenizer
+
+        def decode(ids: list[int]) -> str:
+            return cast(str, tokenizer.decode(ids))
+
+        if self.kind == "chat":
+            return {
+                "content": [
+                    {
+                        "token": (t := decode([lp.token_id])),
+                        "logprob": lp.logprob,
+                        "bytes": list(t.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": (a := decode([top.token_id])),
+                                "logprob": top.logprob,
+                                "bytes": list(a.encode()),
+                            }
+                            for top in lp.top_logprobs
+                        ],
+                    }
+                    for lp in logprobs
+                ]
+            }
+        tokens = [decode([lp.token_id]) for lp in logprobs]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [
+                {decode([top.token_id]): top.logprob for top in lp.top_logprobs} for lp in logprobs
+            ],
+            "text_offset": offsets,
+        }
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One Server-Sent Event carrying ``obj`` as compact JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
