@@ -6,15 +6,62 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from services.common.healthcheck import check
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free right now."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def serve_command(
+    model: Path,
+    ports: Sequence[int],
+    *serve_args: str,
+    http_port: int = -1,
+    executor_args: Sequence[str] = ("--num-kv-blocks", "64", "--max-model-len", "256"),
+) -> list[str]:
+    """The ``pagedserve serve`` command line of the tests: the tiny ``model``, gRPC, executor
+    and block-manager ``ports``, no metrics port, HTTP on ``http_port`` (-1: off), then
+    ``serve_args`` and, after ``--``, ``executor_args``."""
+    port, exec_port, bm_port = ports
+    return [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--executor-port",
+        str(exec_port),
+        "--blockmgr-port",
+        str(bm_port),
+        "--metrics-port",
+        "-1",
+        "--http-port",
+        str(http_port),
+        *serve_args,
+        "--",
+        *executor_args,
+    ]
 
 
 def wait_serving(address: str, timeout: float = 30.0) -> None:

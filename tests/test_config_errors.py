@@ -15,7 +15,7 @@ import pytest
 
 from pagedserve.tools.tiny_model import write_tiny_model
 from services.common.logging import CONFIG_ERROR_STATUS
-from tests.test_serve import ROOT, _free_ports
+from tests.procs import ROOT, free_ports, serve_command
 
 
 def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -42,29 +42,13 @@ def _records(stderr: str) -> list[dict]:
 
 
 def _serve(model: Path, *executor_args: str) -> tuple[subprocess.CompletedProcess[str], float]:
-    port, exec_port, bm_port = _free_ports(3)
-    t0 = time.monotonic()
-    done = _run(
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-        "--executor-port",
-        str(exec_port),
-        "--blockmgr-port",
-        str(bm_port),
-        "--metrics-port",
-        "-1",
-        "--http-port",
-        "-1",
-        "--",
-        "--num-kv-blocks",
-        "64",
-        "--max-model-len",
-        "256",
-        *executor_args,
+    command = serve_command(
+        model,
+        free_ports(3),
+        executor_args=("--num-kv-blocks", "64", "--max-model-len", "256", *executor_args),
     )
+    t0 = time.monotonic()
+    done = _run(*command[3:])  # after ``python -m services.cli``
     return done, time.monotonic() - t0
 
 

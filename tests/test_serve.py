@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,19 +18,9 @@ import pytest
 
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
-from tests.procs import wait_serving
+from tests.procs import free_ports, serve_command, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -47,33 +36,11 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 class Stack:
     def __init__(self, model: Path, *serve_args: str) -> None:
-        self.port, self.exec_port, self.bm_port = _free_ports(3)
+        ports = free_ports(3)
+        self.port, self.exec_port, self.bm_port = ports
         self.lines: list[dict] = []
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.cli",
-                "serve",
-                "--model",
-                str(model),
-                "--port",
-                str(self.port),
-                "--executor-port",
-                str(self.exec_port),
-                "--blockmgr-port",
-                str(self.bm_port),
-                *serve_args,
-                "--metrics-port",
-                "-1",
-                "--http-port",
-                "0",
-                "--",
-                "--num-kv-blocks",
-                "64",
-                "--max-model-len",
-                "256",
-            ],
+            serve_command(model, ports, *serve_args, http_port=0),
             cwd=ROOT,
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
@@ -254,35 +221,13 @@ def ctrl_c_run(tmp_path_factory: pytest.TempPathFactory) -> ServeRun:
     Ctrl-C stops it: SIGINT to its whole process group."""
     tmp = tmp_path_factory.mktemp("serve_run")
     model = write_tiny_model(tmp / "model")
-    port, exec_port, bm_port, http_port = _free_ports(4)
+    port, exec_port, bm_port, http_port = free_ports(4)
     out, err = tmp / "stdout", tmp / "stderr"
     with out.open("wb") as stdout, err.open("wb") as stderr:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.cli",
-                "serve",
-                "--model",
-                str(model),
-                "--port",
-                str(port),
-                "--executor-port",
-                str(exec_port),
-                "--blockmgr-port",
-                str(bm_port),
-                "--metrics-port",
-                "-1",
-                "--http-port",
-                str(http_port),
-                "--api-key",
-                API_KEY,
-                "--",
-                "--num-kv-blocks",
-                "64",
-                "--max-model-len",
-                "256",
-            ],
+            serve_command(
+                model, (port, exec_port, bm_port), "--api-key", API_KEY, http_port=http_port
+            ),
             cwd=ROOT,
             stdout=stdout,
             stderr=stderr,

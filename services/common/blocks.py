@@ -46,8 +46,10 @@ def full_blocks(num_tokens: int, block_size: int) -> int:
 
 def blocks_to_grow(num_tokens: int, num_new_tokens: int, num_held: int, block_size: int) -> int:
     """New blocks a sequence holding ``num_held`` blocks for ``num_tokens`` tokens needs to
-    take ``num_new_tokens`` more (0 when its last block has room)."""
-    return max(blocks_for_tokens(num_tokens + num_new_tokens, block_size) - num_held, 0)
+    take ``num_new_tokens`` more (0 when its last block has room). Called per sequence per
+    step by the block manager: one expression, no nested call."""
+    need = -(-(num_tokens + num_new_tokens) // block_size) - num_held
+    return need if need > 0 else 0
 
 
 def usable_blocks(num_blocks: int) -> int:
