@@ -283,11 +283,12 @@ class OurSystem:
         num_kv_blocks: int,
         max_num_seqs: int,
         blockmgr_address: str | None = None,
+        dtype: str = "float32",
         **config: Any,
     ) -> None:
         self.config = ExecutorConfig(
             model=model_dir,
-            dtype="float32",
+            dtype=dtype,
             device="cpu",
             num_kv_blocks=num_kv_blocks,
             max_num_seqs=max_num_seqs,

@@ -1,7 +1,9 @@
 """Dispatch for the KV-cache ops used by the model.
 
 Each op has the signature of its reference in :mod:`kernels.reference`. CUDA tensors go
-to the Triton kernels; CPU tensors go to the torch reference, unless the environment
+to the Triton kernels; CPU tensors go to torch: attention to the fast CPU path
+(:mod:`kernels.cpu_attention`; ``PAGEDSERVE_CPU_ATTENTION=reference`` selects the
+reference instead), the other ops to their reference, unless the environment
 variable ``PAGEDSERVE_FORCE_TRITON=1`` is set (tests use it to run the Triton kernels
 under the interpreter, ``TRITON_INTERPRET=1``). Triton is imported lazily, on first use,
 so a CPU-only process never needs it and a test can set ``TRITON_INTERPRET`` first.
@@ -22,10 +24,13 @@ import torch
 from torch import Tensor
 
 from kernels import reference
+from kernels.cpu_attention import paged_attention_cpu
 
 __all__ = [
+    "CPU_ATTENTION_ENV",
     "FORCE_TRITON_ENV",
     "copy_blocks",
+    "cpu_attention_impl",
     "fused_add_rms_norm",
     "paged_attention",
     "reshape_and_cache",
@@ -35,6 +40,17 @@ __all__ = [
 ]
 
 FORCE_TRITON_ENV = "PAGEDSERVE_FORCE_TRITON"
+CPU_ATTENTION_ENV = "PAGEDSERVE_CPU_ATTENTION"
+_CPU_ATTENTION = {"fast": paged_attention_cpu, "reference": reference.paged_attention}
+
+
+def cpu_attention_impl() -> str:
+    """The attention serving CPU tensors: ``fast`` (default) or ``reference``."""
+    name = os.environ.get(CPU_ATTENTION_ENV, "fast") or "fast"
+    if name not in _CPU_ATTENTION:
+        raise ValueError(f"{CPU_ATTENTION_ENV}={name!r}: choose one of {sorted(_CPU_ATTENTION)}")
+    return name
+
 
 # split_kv_heuristic tuning. See its docstring for the reasoning.
 _PROGRAMS_PER_SM = 2  # target resident programs per SM for a memory-bound decode
@@ -125,7 +141,7 @@ def paged_attention(
     when the batch is built) to avoid a device sync; without them they are read back.
     """
     if not _use_triton(query):
-        return reference.paged_attention(
+        return _CPU_ATTENTION[cpu_attention_impl()](
             query,
             key_cache,
             value_cache,

@@ -8,6 +8,8 @@ cached prefix, lengths off block boundaries, batch padding rows), plus targeted 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -155,21 +157,38 @@ def test_random_batches_unified_and_split_kv_match_reference(
 # ---------------------------------------------------------------- dispatch and heuristic
 
 
-def test_ops_dispatches_cpu_tensors_to_reference_by_default(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(("env", "expected"), [(None, "fast"), ("reference", "reference")])
+def test_ops_dispatches_cpu_tensors_to_the_fast_path_or_the_reference_on_request(
+    monkeypatch: pytest.MonkeyPatch, env: str | None, expected: str
 ) -> None:
     monkeypatch.delenv("PAGEDSERVE_FORCE_TRITON", raising=False)
+    if env is None:
+        monkeypatch.delenv(ops.CPU_ATTENTION_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ops.CPU_ATTENTION_ENV, env)
     batch = make_paged_batch(MIXED_BATCH, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
     calls: list[str] = []
-    real = reference.paged_attention
 
-    def spy(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append("reference")
-        return real(*args, **kwargs)  # type: ignore[arg-type]
+    def spy(name: str) -> Any:
+        real = ops._CPU_ATTENTION[name]
 
-    monkeypatch.setattr(reference, "paged_attention", spy)
+        def call(*args: Any, **kwargs: Any) -> torch.Tensor:
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(ops, "_CPU_ATTENTION", {n: spy(n) for n in ops._CPU_ATTENTION})
     ops.paged_attention(*batch.args())
-    assert calls == ["reference"]
+    assert calls == [expected]
+
+
+def test_an_unknown_cpu_attention_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(ops.CPU_ATTENTION_ENV, "turbo")
+    with pytest.raises(ValueError, match=ops.CPU_ATTENTION_ENV):
+        ops.cpu_attention_impl()
 
 
 @pytest.mark.usefixtures("force_triton")

@@ -20,6 +20,7 @@ import torch
 
 from services.common.gc_policy import freeze_startup_heap
 from services.common.logging import configure_logging
+from services.common.malloc_policy import keep_large_blocks
 from services.executor.model.cuda_graphs import (
     CudaGraphBackend,
     EagerGraphBackend,
@@ -87,10 +88,13 @@ def _build(
 ) -> ModelRunner:
     if comm.size > 1:
         device = rank_device(device, comm.rank)
-        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # The ranks share the host's cores: oversubscribed, every collective waits on
-            # the slowest rank.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.size))
+    if device.type == "cpu":
+        keep_large_blocks()  # the forward's large temporaries reuse heap memory
+        # The ranks share the host's cores: oversubscribed, every collective waits on the
+        # slowest rank.
+        threads = config.torch_threads(comm.size)
+        if threads is not None:
+            torch.set_num_threads(threads)
     model = load_model(
         config.model,
         dtype=config.dtype,

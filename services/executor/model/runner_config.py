@@ -4,9 +4,18 @@ service; nothing in ``model/`` sees the CLI."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-__all__ = ["CacheConfig", "RunnerConfig"]
+__all__ = ["CacheConfig", "RunnerConfig", "available_cores"]
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -35,10 +44,19 @@ class RunnerConfig:
     distributed_init_method: str | None = None  # default: a free loopback TCP port
     distributed_timeout: float = 600.0
     log_level: str = "INFO"  # of the rank worker processes
+    cpu_threads: int | None = None  # torch intra-op threads on the CPU, all ranks together
 
     @property
     def block_size(self) -> int:
         return self.cache.block_size
+
+    def torch_threads(self, num_ranks: int) -> int | None:
+        """Intra-op threads of each of ``num_ranks`` CPU ranks: ``cpu_threads``, else the
+        available cores, split between the ranks. None (leave torch's own choice) when
+        ``OMP_NUM_THREADS`` is set and ``cpu_threads`` is not: the environment rules."""
+        if self.cpu_threads is None and "OMP_NUM_THREADS" in os.environ:
+            return None
+        return max(1, (self.cpu_threads or available_cores()) // num_ranks)
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:

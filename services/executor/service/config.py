@@ -77,6 +77,7 @@ class ExecutorConfig:
     distributed_init_method: str | None = None  # default: a free loopback TCP port
     distributed_timeout: float = 600.0  # seconds a collective (or the join) may take
     log_level: str = "INFO"
+    cpu_threads: int | None = None  # torch intra-op threads on the CPU (default: all cores)
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -144,6 +145,13 @@ class ExecutorConfig:
             default=None,
             help="decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8,16 (default: 1, 2, "
             "4, then multiples of 8 up to --max-num-seqs)",
+        )
+        a(
+            "--cpu-threads",
+            type=int,
+            default=None,
+            help="torch intra-op threads on the CPU, shared by the tensor-parallel ranks "
+            "(default: OMP_NUM_THREADS if set, else every core this process may use)",
         )
         a(
             "--tensor-parallel-size",
@@ -219,6 +227,8 @@ class ExecutorConfig:
             not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1
         ):
             raise ValueError("--cuda-graph-sizes must be positive integers")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError("--cpu-threads must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be >= 1")
         if self.distributed_timeout <= 0:
@@ -262,4 +272,5 @@ class ExecutorConfig:
             distributed_init_method=self.distributed_init_method,
             distributed_timeout=self.distributed_timeout,
             log_level=self.log_level,
+            cpu_threads=self.cpu_threads,
         )

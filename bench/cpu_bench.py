@@ -1,0 +1,294 @@
+"""CPU benchmark: our engine against Hugging Face transformers on the same work, in one run.
+
+A random Llama (hidden 512, 4 layers, 8 query / 2 KV heads, MLP 1024, the tiny tokenizer's
+621-token vocabulary: 9.55 M parameters, fp32), 64 requests arriving at once with prompts of
+35-254 tokens, greedy with ``ignore_eos``, two workloads:
+
+- ``fixed``: every request asks for 64 tokens;
+- ``variable``: 16-128 tokens each.
+
+Systems, each on ``--threads`` torch threads (default: every core this process may use):
+
+- ``ours``: the in-process engine (continuous batching, paged KV cache, the fast CPU
+  attention of ``kernels/cpu_attention.py``);
+- ``ours-reference-attention``: the same with the reference attention
+  (``PAGEDSERVE_CPU_ATTENTION=reference``), the CPU path before the fast one;
+- ``hf-static``: ``model.generate()`` on one left-padded batch of all 64 (sdpa attention),
+  running to the longest request (tokens past a request's ``max_tokens`` are not counted);
+- ``hf-continuous``: transformers' own continuous batching (``model.generate_batch``, paged),
+  where the installed transformers has it; ``fixed`` only (it takes one ``max_new_tokens``).
+
+Output tok/s counts the tokens requested, over the wall clock of the whole set; medians of
+``--repeats`` interleaved repeats. In fp32 the greedy tokens of ``ours`` must equal
+``hf-static``'s; ``--dtype bfloat16`` runs every system in bf16 and reports the mismatches
+(rounding makes near-ties go either way). Then a
+decode step at 64 sequences is broken down: attention, linear layers (matmuls), the rest of
+the forward, and the engine's host work.
+
+Usage: ``python bench/cpu_bench.py [--repeats 2] [--threads N]``. Not a test: prints
+markdown; exit status 1 if any greedy output differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from engine_bench import (  # noqa: E402
+    OurSystem,
+    Req,
+    hf_generate,
+    make_requests,
+    mismatches,
+    run_ours,
+)
+from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
+
+from kernels import ops  # noqa: E402
+from pagedserve.tools.tiny_model import write_tiny_model  # noqa: E402
+from services.common.logging import configure_logging  # noqa: E402
+from services.executor.model.runner_config import available_cores  # noqa: E402
+
+WORKLOADS = {"fixed": (64, 64), "variable": (16, 128)}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--hidden-size", type=int, default=512)
+    a("--num-layers", type=int, default=4)
+    a("--num-heads", type=int, default=8)
+    a("--num-kv-heads", type=int, default=2)
+    a("--intermediate-size", type=int, default=1024)
+    a("--num-requests", type=int, default=64)
+    a("--min-prompt", type=int, default=35)
+    a("--max-prompt", type=int, default=254)
+    a("--seed", type=int, default=0)
+    a("--model-seed", type=int, default=0)
+    a("--repeats", type=int, default=2)
+    a("--threads", type=int, default=available_cores(), help="torch threads, every system")
+    a("--workloads", default="fixed,variable")
+    a(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights, activations and KV cache of every system",
+    )
+    return p.parse_args(argv)
+
+
+def _requests(args: argparse.Namespace, workload: str, vocab: int) -> list[Req]:
+    lo, hi = WORKLOADS[workload]
+    ns = argparse.Namespace(**{**vars(args), "min_output": lo, "max_output": hi})
+    return make_requests(ns, vocab)
+
+
+@contextmanager
+def _cpu_attention(name: str) -> Iterator[None]:
+    old = os.environ.get(ops.CPU_ATTENTION_ENV)
+    os.environ[ops.CPU_ATTENTION_ENV] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[ops.CPU_ATTENTION_ENV]
+        else:
+            os.environ[ops.CPU_ATTENTION_ENV] = old
+
+
+def _timed(fn: Callable[[], dict[str, list[int]]]) -> tuple[float, dict[str, list[int]]]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def run_hf_static(model: Any, reqs: list[Req], pad_id: int) -> dict[str, list[int]]:
+    return {r.req_id: t for r, t in zip(reqs, hf_generate(model, reqs, pad_id), strict=True)}
+
+
+def run_hf_continuous(model: Any, reqs: list[Req]) -> dict[str, list[int]]:
+    n = reqs[0].max_tokens
+    config = GenerationConfig(
+        max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0, use_cuda_graph=False
+    )
+    out = model.generate_batch(
+        [r.prompt for r in reqs], generation_config=config, progress_bar=False, warmup=False
+    )
+    # Results come keyed by request id in submission order.
+    return {
+        r.req_id: list(o.generated_tokens)[: r.max_tokens]
+        for r, o in zip(reqs, out.values(), strict=True)
+    }
+
+
+class _Timers:
+    """Wall time in the attention op and in linear layers while installed (the CPU runs
+    each op synchronously, so wall time is the op's time)."""
+
+    def __init__(self) -> None:
+        self.attention = self.linear = 0.0
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        attention, linear = ops.paged_attention, torch.nn.functional.linear
+
+        def timed_attention(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return attention(*a, **k)
+            finally:
+                self.attention += time.perf_counter() - t0
+
+        def timed_linear(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return linear(*a, **k)
+            finally:
+                self.linear += time.perf_counter() - t0
+
+        ops.paged_attention, torch.nn.functional.linear = timed_attention, timed_linear
+        try:
+            yield
+        finally:
+            ops.paged_attention, torch.nn.functional.linear = attention, linear
+
+
+def decode_breakdown(system: OurSystem, reqs: list[Req], num_seqs: int) -> dict[str, float]:
+    """Mean ms per pure-decode step of ``num_seqs`` sequences: forward, attention, linear,
+    the rest of the forward, and the engine's host work."""
+    timers = _Timers()
+    inner = system.runner.runner
+    launch = inner.launch
+    steps: list[tuple[float, float, float]] = []  # forward, attention, linear
+
+    def measured_launch(prepared: Any) -> Any:
+        layout = prepared.host.layout
+        decode = layout.num_tokens == layout.num_seqs == num_seqs
+        a0, l0, t0 = timers.attention, timers.linear, time.perf_counter()
+        out = launch(prepared)
+        if decode:
+            steps.append((time.perf_counter() - t0, timers.attention - a0, timers.linear - l0))
+        return out
+
+    inner.launch = measured_launch
+    try:
+        with timers.installed():
+            res = run_ours(system, [reqs], pad_to_batch_max=False)
+    finally:
+        del inner.launch
+    if not steps:
+        raise RuntimeError(f"no pure-decode step of {num_seqs} sequences")
+    fwd, att, lin = (1e3 * statistics.fmean(x) for x in zip(*steps, strict=True))
+    return {
+        "steps": len(steps),
+        "forward": fwd,
+        "attention": att,
+        "linear": lin,
+        "rest": fwd - att - lin,
+        "host": 1e3 * statistics.fmean(res.host_s),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    configure_logging("cpu_bench", "ERROR")
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore")
+    max_len = args.max_prompt + max(hi for _, hi in WORKLOADS.values())
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="cpu_bench_") as tmp:
+        model_dir = str(
+            write_tiny_model(
+                Path(tmp) / "model",
+                seed=args.model_seed,
+                hidden_size=args.hidden_size,
+                num_layers=args.num_layers,
+                num_heads=args.num_heads,
+                num_kv_heads=args.num_kv_heads,
+                intermediate_size=args.intermediate_size,
+                max_position_embeddings=max(2048, max_len),
+            )
+        )
+        dtype = getattr(torch, args.dtype)
+        hf = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation="sdpa"
+        ).eval()
+        hf.generation_config.eos_token_id = None  # ignore_eos, as ours
+        pad_id = int(hf.config.pad_token_id)
+        vocab = hf.config.vocab_size
+        n_params = sum(p.numel() for p in hf.parameters())
+        has_cb = hasattr(hf, "generate_batch")
+        ours = OurSystem(
+            model_dir, max_len, 4096, 256, None, dtype=args.dtype, cpu_threads=args.threads
+        )
+        torch.set_num_threads(args.threads)
+        print(
+            f"# CPU bench: {n_params / 1e6:.2f} M parameters, {args.dtype}, {args.num_requests} "
+            f"requests at t=0, prompts {args.min_prompt}-{args.max_prompt}, greedy, "
+            f"ignore_eos; {args.threads} torch threads; medians of {args.repeats} repeats\n"
+        )
+        print("| workload | system | output tok/s | ours / this | greedy mismatches vs HF |")
+        print("|---|---|---:|---:|---:|")
+        for workload in args.workloads.split(","):
+            reqs = _requests(args, workload, vocab)
+            total = sum(r.max_tokens for r in reqs)
+            systems: dict[str, Callable[[], dict[str, list[int]]]] = {
+                "ours": lambda reqs=reqs: run_ours(ours, [reqs], pad_to_batch_max=False).outputs,
+                "hf-static": lambda reqs=reqs: run_hf_static(hf, reqs, pad_id),
+            }
+
+            def ours_reference(reqs: list[Req] = reqs) -> dict[str, list[int]]:
+                with _cpu_attention("reference"):
+                    return run_ours(ours, [reqs], pad_to_batch_max=False).outputs
+
+            systems["ours-reference-attention"] = ours_reference
+            if has_cb and len({r.max_tokens for r in reqs}) == 1:
+                systems["hf-continuous"] = lambda reqs=reqs: run_hf_continuous(hf, reqs)
+            walls: dict[str, list[float]] = {name: [] for name in systems}
+            outs: dict[str, dict[str, list[int]]] = {}
+            for fn in systems.values():  # warm-up, outside the timing
+                fn()
+            for _ in range(args.repeats):
+                for name, fn in systems.items():
+                    wall, outs[name] = _timed(fn)
+                    walls[name].append(wall)
+            ids = [r.req_id for r in reqs]
+            rate = {n: total / statistics.median(w) for n, w in walls.items()}
+            for name in systems:
+                bad = mismatches(outs[name], outs["hf-static"], ids)
+                failed |= bad > 0 and name == "ours" and args.dtype == "float32"
+                ratio = "-" if name == "ours" else f"{rate['ours'] / rate[name]:.2f}x"
+                print(f"| {workload} | {name} | {rate[name]:.0f} | {ratio} | {bad} |")
+        print()
+        reqs = _requests(args, "fixed", vocab)
+        for attention in ("fast", "reference"):
+            with _cpu_attention(attention):
+                b = decode_breakdown(ours, reqs, args.num_requests)
+            print(
+                f"- decode step at {args.num_requests} sequences, {attention} attention "
+                f"(mean of {b['steps']:.0f} steps): forward {b['forward']:.2f} ms = attention "
+                f"{b['attention']:.2f} + linear {b['linear']:.2f} + rest {b['rest']:.2f}; "
+                f"host {b['host']:.2f} ms a step (mean over the run)"
+            )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
