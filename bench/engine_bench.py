@@ -555,7 +555,11 @@ def main(argv: list[str] | None = None) -> None:
         }
         kv_blocks = {"a": budget // bs + 1, "b": (args.batch_size + 1) * -(-max_len // bs) + 1}
         max_seqs = {"a": 1024, "b": args.batch_size}
-        knobs = {"watermark": args.watermark, "max_num_batched_tokens": args.max_num_batched_tokens}
+        knobs = {
+            "watermark": args.watermark,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "cpu_threads": 1,  # as torch.set_num_threads(1) above: the runner sets its own
+        }
         ours = {
             k: OurSystem(model_dir, max_len, kv_blocks[k], max_seqs[k], None, **knobs) for k in "ab"
         }

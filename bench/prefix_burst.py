@@ -40,6 +40,7 @@ def run(model: str, prompts: list[list[int]], max_tokens: int, hold_back: bool) 
         num_kv_blocks=2048,
         max_num_batched_tokens=8192,
         max_model_len=1024,
+        cpu_threads=1,  # one torch thread, as set in main (the runner sets its own)
     )
     engine, _ = build_engine(config, blockmgr=InProcessClient())
     engine.scheduler.config = replace(engine.scheduler.config, hold_back_shared_prefixes=hold_back)
