@@ -56,11 +56,11 @@ from engine_bench import (  # noqa: E402
     make_requests,
     mismatches,
     run_ours,
+    write_bench_model,
 )
 from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
 from kernels import ops  # noqa: E402
-from pagedserve.tools.tiny_model import write_tiny_model  # noqa: E402
 from services.common.logging import configure_logging  # noqa: E402
 from services.executor.model.runner_config import available_cores  # noqa: E402
 
@@ -214,18 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     max_len = args.max_prompt + max(hi for _, hi in WORKLOADS.values())
     failed = False
     with tempfile.TemporaryDirectory(prefix="cpu_bench_") as tmp:
-        model_dir = str(
-            write_tiny_model(
-                Path(tmp) / "model",
-                seed=args.model_seed,
-                hidden_size=args.hidden_size,
-                num_layers=args.num_layers,
-                num_heads=args.num_heads,
-                num_kv_heads=args.num_kv_heads,
-                intermediate_size=args.intermediate_size,
-                max_position_embeddings=max(2048, max_len),
-            )
-        )
+        model_dir = write_bench_model(Path(tmp) / "model", args, max_len)
         dtype = getattr(torch, args.dtype)
         hf = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, attn_implementation="sdpa"

@@ -92,6 +92,22 @@ class Req:
     max_tokens: int
 
 
+def write_bench_model(directory: Path, args: argparse.Namespace, max_len: int) -> str:
+    """The benchmark's random Llama, of the sizes in ``args``, written to ``directory``."""
+    return str(
+        write_tiny_model(
+            directory,
+            seed=args.model_seed,
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            intermediate_size=args.intermediate_size,
+            max_position_embeddings=max(2048, max_len),
+        )
+    )
+
+
 def make_requests(args: argparse.Namespace, vocab_size: int) -> list[Req]:
     """A fixed, seeded set: prompt and output lengths uniform in their ranges."""
     rng = random.Random(args.seed)
@@ -524,18 +540,7 @@ def main(argv: list[str] | None = None) -> None:
     budget = int(args.budget_seqs * max_len) // bs * bs
 
     with tempfile.TemporaryDirectory(prefix="engine_bench_") as tmp:
-        model_dir = str(
-            write_tiny_model(
-                Path(tmp) / "model",
-                seed=args.model_seed,
-                hidden_size=args.hidden_size,
-                num_layers=args.num_layers,
-                num_heads=args.num_heads,
-                num_kv_heads=args.num_kv_heads,
-                intermediate_size=args.intermediate_size,
-                max_position_embeddings=max(2048, max_len),
-            )
-        )
+        model_dir = write_bench_model(Path(tmp) / "model", args, max_len)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         # ignore_eos on our side makes EOS an ordinary token; HF must neither stop at it nor
         # ban it (min_new_tokens does, when the config has an EOS id), or greedy tokens differ.

@@ -19,6 +19,18 @@ from services.common.healthcheck import check
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``pagedserve ARGS`` run to its end (one torch thread), its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct loopback ports free right now."""
     socks = [socket.socket() for _ in range(n)]

@@ -5,9 +5,7 @@ and exits 2 instead of restarting the service."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,18 +13,7 @@ import pytest
 
 from pagedserve.tools.tiny_model import write_tiny_model
 from services.common.logging import CONFIG_ERROR_STATUS
-from tests.procs import ROOT, free_ports, serve_command
-
-
-def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+from tests.procs import free_ports, run_cli, serve_command
 
 
 def _records(stderr: str) -> list[dict]:
@@ -48,7 +35,7 @@ def _serve(model: Path, *executor_args: str) -> tuple[subprocess.CompletedProces
         executor_args=("--num-kv-blocks", "64", "--max-model-len", "256", *executor_args),
     )
     t0 = time.monotonic()
-    done = _run(*command[3:])  # after ``python -m services.cli``
+    done = run_cli(*command[3:])  # after ``python -m services.cli``
     return done, time.monotonic() - t0
 
 
@@ -97,7 +84,7 @@ def test_a_service_whose_config_names_a_missing_path_exits_2_and_says_why(
     tmp_path, service
 ) -> None:
     missing = tmp_path / "not-there"
-    done = _run(*_service_args(service, missing))
+    done = run_cli(*_service_args(service, missing))
     assert done.returncode == CONFIG_ERROR_STATUS, done.stderr[-3000:]
     errors = [r for r in _records(done.stderr) if r.get("event") == "config_error"]
     assert len(errors) == 1 and str(missing) in errors[0]["reason"], done.stderr[-3000:]

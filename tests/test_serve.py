@@ -18,20 +18,9 @@ import pytest
 
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
-from tests.procs import free_ports, serve_command, wait_serving
+from tests.procs import free_ports, run_cli, serve_command, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
-        cwd=ROOT,
-        text=True,
-        capture_output=True,
-        timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
 
 
 class Stack:
@@ -61,7 +50,7 @@ class Stack:
     def wait_generate(self, *args: str) -> subprocess.CompletedProcess[str]:
         deadline = time.monotonic() + 60
         while True:
-            r = _cli(*args, "--address", f"127.0.0.1:{self.port}")
+            r = run_cli(*args, "--address", f"127.0.0.1:{self.port}")
             if r.returncode == 0 or time.monotonic() > deadline:
                 return r
             time.sleep(0.3)
@@ -80,7 +69,7 @@ def test_serve_runs_three_processes_and_generate_streams_text(tmp_path):
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip()  # some text was streamed
         assert "completion=" in r.stderr
-        r = _cli("chat", "Hi there", "--max-tokens", "4", "--address", f"127.0.0.1:{stack.port}")
+        r = run_cli("chat", "Hi there", "--max-tokens", "4", "--address", f"127.0.0.1:{stack.port}")
         assert r.returncode == 0, r.stderr
         assert set(stack.pids()) == {"blockmgr", "executor", "gateway"}
         stack.proc.send_signal(signal.SIGTERM)
