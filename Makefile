@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint protos serve bench-blockmgr bench-engine bench-host bench-async clean
+.PHONY: test lint protos serve bench-blockmgr bench-engine bench-cpu bench-host bench-async clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,6 +39,9 @@ bench-blockmgr: protos
 
 bench-engine: protos
 	$(PY) bench/engine_bench.py --grpc
+
+bench-cpu: protos
+	$(PY) bench/cpu_bench.py
 
 bench-host: protos
 	$(PY) bench/host_bench.py
