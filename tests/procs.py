@@ -31,6 +31,19 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
     )
 
 
+def json_records(text: str) -> list[dict]:
+    """The JSON log records among ``text``'s lines (other lines skipped)."""
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct loopback ports free right now."""
     socks = [socket.socket() for _ in range(n)]

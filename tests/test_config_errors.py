@@ -4,7 +4,6 @@ and exits 2 instead of restarting the service."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from pathlib import Path
@@ -13,19 +12,7 @@ import pytest
 
 from pagedserve.tools.tiny_model import write_tiny_model
 from services.common.logging import CONFIG_ERROR_STATUS
-from tests.procs import free_ports, run_cli, serve_command
-
-
-def _records(stderr: str) -> list[dict]:
-    out = []
-    for line in stderr.splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
+from tests.procs import free_ports, json_records, run_cli, serve_command
 
 
 def _serve(model: Path, *executor_args: str) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -40,7 +27,7 @@ def _serve(model: Path, *executor_args: str) -> tuple[subprocess.CompletedProces
 
 
 def _assert_stopped_without_restart(done: subprocess.CompletedProcess[str], reason: str) -> None:
-    records = _records(done.stderr)
+    records = json_records(done.stderr)
     events = [r.get("event") for r in records if r.get("service") == "serve"]
     assert done.returncode == CONFIG_ERROR_STATUS, done.stderr[-3000:]
     misconfigured = [r for r in records if r.get("event") == "service_misconfigured"]
@@ -86,5 +73,5 @@ def test_a_service_whose_config_names_a_missing_path_exits_2_and_says_why(
     missing = tmp_path / "not-there"
     done = run_cli(*_service_args(service, missing))
     assert done.returncode == CONFIG_ERROR_STATUS, done.stderr[-3000:]
-    errors = [r for r in _records(done.stderr) if r.get("event") == "config_error"]
+    errors = [r for r in json_records(done.stderr) if r.get("event") == "config_error"]
     assert len(errors) == 1 and str(missing) in errors[0]["reason"], done.stderr[-3000:]

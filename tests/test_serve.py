@@ -18,7 +18,7 @@ import pytest
 
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
-from tests.procs import free_ports, run_cli, serve_command, wait_serving
+from tests.procs import free_ports, json_records, run_cli, serve_command, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -189,15 +189,7 @@ class ServeRun:
     stderr: str
 
     def records(self) -> list[dict]:
-        out = []
-        for line in self.stderr.splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict):
-                out.append(record)
-        return out
+        return json_records(self.stderr)
 
     def events(self, service: str) -> list[str]:
         return [r["event"] for r in self.records() if r.get("service") == service]
