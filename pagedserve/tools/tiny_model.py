@@ -25,6 +25,7 @@ from transformers import (
     MistralConfig,
     PretrainedConfig,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from pagedserve.tools.tiny_tokenizer import (
@@ -38,9 +39,9 @@ from pagedserve.tools.tiny_tokenizer import (
 
 __all__ = ["TinyModelSpec", "main", "write_tiny_model"]
 
-Arch = Literal["llama", "qwen2", "mistral"]
+Arch = Literal["llama", "qwen2", "qwen3", "mistral"]
 RopeScaling = Literal["none", "linear", "llama3"]
-ARCHS: tuple[Arch, ...] = ("llama", "qwen2", "mistral")
+ARCHS: tuple[Arch, ...] = ("llama", "qwen2", "qwen3", "mistral")
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,8 @@ def _hf_config(
         return LlamaConfig(**common)
     if spec.arch == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
+    if spec.arch == "qwen3":
+        return Qwen3Config(**common, use_sliding_window=False)
     # A window at least as long as the context: full attention, as our executor requires.
     return MistralConfig(**common, sliding_window=2 * spec.max_position_embeddings)
 

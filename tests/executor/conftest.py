@@ -30,6 +30,9 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "qwen2": {"arch": "qwen2", "seed": 6},
     "qwen2_tied": {"arch": "qwen2", "seed": 7, "tie_word_embeddings": True},
     "mistral": {"arch": "mistral", "seed": 8},
+    # Qwen3: QK-norm, and an explicit head_dim with q_size != hidden_size; tied embeddings.
+    "qwen3": {"arch": "qwen3", "seed": 11, "head_dim": 32},
+    "qwen3_tied": {"arch": "qwen3", "seed": 12, "tie_word_embeddings": True},
     # For tensor parallelism: as many KV heads as query heads (4), so they split over 4 ranks;
     # and a vocabulary and an MLP width that 4 ranks do not divide.
     "llama_mha": {"arch": "llama", "seed": 9, "num_kv_heads": 4},

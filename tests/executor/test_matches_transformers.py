@@ -40,7 +40,7 @@ def test_greedy_generation_token_identical_and_logits_within_1e4_of_transformers
             assert _max_abs(ours, ref) < ATOL, f"prompt of {len(prompt)} tokens, step {step}"
 
 
-@pytest.mark.parametrize("name", ["llama", "llama3_rope", "qwen2", "llama_head_dim"])
+@pytest.mark.parametrize("name", ["llama", "llama3_rope", "qwen2", "llama_head_dim", "qwen3"])
 def test_prefill_token_by_token_logits_match_transformers_forward_at_every_position(
     name: str,
     make_runner: Callable[..., ModelRunner],

@@ -209,3 +209,46 @@ def test_config_is_frozen() -> None:
     c = ModelConfig.from_hf_config(LLAMA2_7B)
     with pytest.raises(AttributeError):
         c.vocab_size = 1  # type: ignore[misc]
+
+
+# Abridged from Qwen3-0.6B's config.json.
+QWEN3_0_6B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+
+def test_qwen3_has_qk_norm_its_own_head_dim_and_no_biases() -> None:
+    c = ModelConfig.from_hf_config(QWEN3_0_6B)
+    assert (c.architecture, c.model_type, c.qk_norm) == ("Qwen3ForCausalLM", "qwen3", True)
+    assert (c.head_dim, c.q_size, c.kv_size) == (128, 2048, 1024)  # q_size != hidden_size
+    assert not (c.qkv_bias or c.o_bias or c.mlp_bias)
+    assert c.tie_word_embeddings and c.rope.theta == 1_000_000
+    assert not ModelConfig.from_hf_config(LLAMA2_7B).qk_norm
+
+
+def test_qwen3_with_sliding_window_layers_is_refused_as_qwen2_is() -> None:
+    hf = {**QWEN3_0_6B, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 4}
+    with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):
+        ModelConfig.from_hf_config(hf, max_model_len=8192)
+    assert ModelConfig.from_hf_config(hf, max_model_len=4096).max_model_len == 4096

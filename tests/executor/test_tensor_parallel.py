@@ -45,6 +45,7 @@ PARITY_MODELS = {
     "one_kv_head_replicated": "llama_head_dim",
     "vocab_and_mlp_not_divisible": "llama_odd_sizes",
     "qwen2_qkv_bias": "qwen2",
+    "qwen3_qk_norm": "qwen3",
     "tied_embeddings": "llama_tied",
 }
 

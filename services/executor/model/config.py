@@ -1,14 +1,15 @@
 """The model hyper-parameters the executor needs, parsed from a Hugging Face ``config.json``.
 
 Supported: the Llama family as implemented by ``services.executor.model.models.llama`` — Llama 2/3
-(``LlamaForCausalLM``), Mistral (``MistralForCausalLM``) and Qwen2 (``Qwen2ForCausalLM``).
+(``LlamaForCausalLM``), Mistral (``MistralForCausalLM``), Qwen2 (``Qwen2ForCausalLM``) and
+Qwen3 (``Qwen3ForCausalLM``: per-head RMSNorm of q and k, an explicit ``head_dim``).
 Anything else raises :class:`UnsupportedModelError` with a message saying what and why.
 
 Both serialisations of RoPE settings are accepted: the legacy one (top-level ``rope_theta``
 plus an optional ``rope_scaling`` dict keyed by ``type`` or ``rope_type``) and the one written
 by transformers >= 5 (a ``rope_parameters`` dict holding ``rope_theta`` and ``rope_type``).
 
-Sliding-window attention (Mistral, Qwen2 with ``use_sliding_window``) is not implemented. A
+Sliding-window attention (Mistral, Qwen2/3 with ``use_sliding_window``) is not implemented. A
 window only changes the result for sequences longer than the window, so such a model is
 accepted exactly when ``max_model_len <= sliding_window``: every sequence then fits in the
 window and full causal attention is the same computation. Otherwise loading fails and the
@@ -30,6 +31,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 _ARCH_BY_MODEL_TYPE = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
 
@@ -61,7 +63,7 @@ class ModelConfig:
     """Everything the model, the KV cache and the scheduler need to know about a checkpoint."""
 
     architecture: str  # HF class name, e.g. "LlamaForCausalLM"
-    model_type: str  # "llama" | "mistral" | "qwen2"
+    model_type: str  # "llama" | "mistral" | "qwen2" | "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -80,6 +82,7 @@ class ModelConfig:
     torch_dtype: str | None  # the checkpoint's declared dtype, e.g. "bfloat16"
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
 
     @property
     def q_size(self) -> int:
@@ -131,7 +134,7 @@ class ModelConfig:
 
         if model_type == "qwen2":
             qkv_bias, o_bias, mlp_bias = True, False, False
-        elif model_type == "llama":
+        elif model_type in ("llama", "qwen3"):
             attention_bias = bool(hf.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias = attention_bias, attention_bias, bool(hf.get("mlp_bias"))
         else:  # mistral
@@ -161,6 +164,7 @@ class ModelConfig:
             torch_dtype=str(torch_dtype) if torch_dtype is not None else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
+            qk_norm=model_type == "qwen3",
         )
 
 
@@ -187,8 +191,8 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_model_len:
     # transformers' Mistral and Qwen2 configs default to a 4096-token window when the key is
     # absent; an explicit null means no window.
     window = hf.get("sliding_window", _HF_DEFAULT_SLIDING_WINDOW)
-    if model_type == "qwen2":
-        # Qwen2 windows layers >= max_window_layers, or those that layer_types marks.
+    if model_type in ("qwen2", "qwen3"):
+        # Qwen2/3 window layers >= max_window_layers, or those that layer_types marks.
         layer_types = hf.get("layer_types")
         if layer_types:
             has_window_layers = "sliding_attention" in layer_types

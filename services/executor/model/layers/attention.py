@@ -1,5 +1,6 @@
-"""Paged self-attention over this rank's heads: fused QKV projection, RoPE, the KV write
-into the paged cache and ``kernels.ops.paged_attention``."""
+"""Paged self-attention over this rank's heads: fused QKV projection, optional per-head
+RMSNorm of q and k (QK-norm, Qwen3), RoPE, the KV write into the paged cache and
+``kernels.ops.paged_attention``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import Tensor, nn
 from kernels import ops
 from services.executor.model.config import ModelConfig
 from services.executor.model.forward_batch import ForwardBatch
+from services.executor.model.layers.norm import RMSNorm
 from services.executor.model.layers.rotary import RotaryEmbedding
 from services.executor.model.parallel import Comm
 
@@ -30,6 +32,9 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
+        # QK-norm: one RMSNorm over head_dim shared by every head (replicated across ranks).
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
 
     def forward(
         self,
@@ -43,6 +48,9 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)  # per head, pre-RoPE
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         rotary_emb(batch.positions, q, k)
 
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [NB, BS, Hkv, D] each

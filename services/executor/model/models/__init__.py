@@ -14,6 +14,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "LlamaForCausalLM": DecoderLM,
     "MistralForCausalLM": DecoderLM,
     "Qwen2ForCausalLM": DecoderLM,
+    "Qwen3ForCausalLM": DecoderLM,  # QK-norm: a layer option (ModelConfig.qk_norm)
 }
 
 

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 One implementation for the family; the members differ only in configuration (biases, RoPE
 scaling, tied embeddings), all read from :class:`ModelConfig`. The forward pass runs on a
