@@ -23,9 +23,11 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from pagedserve.tools.tiny_tokenizer import (
@@ -39,9 +41,9 @@ from pagedserve.tools.tiny_tokenizer import (
 
 __all__ = ["TinyModelSpec", "main", "write_tiny_model"]
 
-Arch = Literal["llama", "qwen2", "qwen3", "mistral"]
+Arch = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"]
 RopeScaling = Literal["none", "linear", "llama3"]
-ARCHS: tuple[Arch, ...] = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS: tuple[Arch, ...] = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,21 @@ def _hf_config(
         return Qwen2Config(**common, use_sliding_window=False)
     if spec.arch == "qwen3":
         return Qwen3Config(**common, use_sliding_window=False)
+    if spec.arch == "mixtral":  # 4 experts, 2 per token, no window
+        return MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+        )
+    if spec.arch == "qwen3_moe":  # 4 experts, 2 per token; layer 0 dense, the others sparse
+        return Qwen3MoeConfig(
+            **common,
+            use_sliding_window=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=spec.intermediate_size // 2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+        )
     # A window at least as long as the context: full attention, as our executor requires.
     return MistralConfig(**common, sliding_window=2 * spec.max_position_embeddings)
 

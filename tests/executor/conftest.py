@@ -33,6 +33,9 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     # Qwen3: QK-norm, and an explicit head_dim with q_size != hidden_size; tied embeddings.
     "qwen3": {"arch": "qwen3", "seed": 11, "head_dim": 32},
     "qwen3_tied": {"arch": "qwen3", "seed": 12, "tie_word_embeddings": True},
+    # Mixtures of experts: 4 experts, top-2; Qwen3-MoE with a dense first layer.
+    "mixtral": {"arch": "mixtral", "seed": 13},
+    "qwen3_moe": {"arch": "qwen3_moe", "seed": 14},
     # For tensor parallelism: as many KV heads as query heads (4), so they split over 4 ranks;
     # and a vocabulary and an MLP width that 4 ranks do not divide.
     "llama_mha": {"arch": "llama", "seed": 9, "num_kv_heads": 4},

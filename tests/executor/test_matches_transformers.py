@@ -13,7 +13,7 @@ from services.executor.model.forward_batch import SeqChunk
 from services.executor.model.runner import ModelRunner
 
 from .conftest import CHECKPOINTS
-from .greedy import BlockAllocator, greedy_alone, hf_greedy
+from .greedy import BlockAllocator, GreedySeq, greedy_alone, hf_greedy, run_greedy
 
 MAX_NEW_TOKENS = 12
 ATOL = 1e-4
@@ -40,7 +40,9 @@ def test_greedy_generation_token_identical_and_logits_within_1e4_of_transformers
             assert _max_abs(ours, ref) < ATOL, f"prompt of {len(prompt)} tokens, step {step}"
 
 
-@pytest.mark.parametrize("name", ["llama", "llama3_rope", "qwen2", "llama_head_dim", "qwen3"])
+@pytest.mark.parametrize(
+    "name", ["llama", "llama3_rope", "qwen2", "llama_head_dim", "qwen3", "mixtral", "qwen3_moe"]
+)
 def test_prefill_token_by_token_logits_match_transformers_forward_at_every_position(
     name: str,
     make_runner: Callable[..., ModelRunner],
@@ -76,3 +78,19 @@ def test_logits_are_returned_only_for_chunks_that_need_them_in_chunk_order(
         for row, prompt in zip(logits, wanted, strict=True):
             ref = hf_model("llama")(torch.tensor([prompt])).logits[0, -1]
             assert _max_abs(row, ref) < ATOL
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_batched_with_chunked_prefill_gives_transformers_tokens(
+    name: str,
+    make_runner: Callable[..., ModelRunner],
+    hf_model: Callable[[str], PreTrainedModel],
+    prompt_ids: list[list[int]],
+) -> None:
+    """Tokens of several sequences, prefill chunks and decodes, share each forward: every
+    token is still routed to its own experts."""
+    runner = make_runner(name)
+    seqs = [GreedySeq(p, MAX_NEW_TOKENS) for p in prompt_ids]
+    run_greedy(runner, seqs, allocator=BlockAllocator(runner.num_blocks), chunk_size=5)
+    for seq, prompt in zip(seqs, prompt_ids, strict=True):
+        assert seq.output == hf_greedy(hf_model(name), prompt, MAX_NEW_TOKENS)[0]

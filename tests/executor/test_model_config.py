@@ -252,3 +252,63 @@ def test_qwen3_with_sliding_window_layers_is_refused_as_qwen2_is() -> None:
     with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):
         ModelConfig.from_hf_config(hf, max_model_len=8192)
     assert ModelConfig.from_hf_config(hf, max_model_len=4096).max_model_len == 4096
+
+
+# Abridged from Mixtral-8x7B-v0.1's and Qwen3-30B-A3B's config.json.
+MIXTRAL_8X7B: dict[str, Any] = {
+    **LLAMA2_7B,
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "intermediate_size": 14336,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 32768,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "sliding_window": None,
+    "rope_theta": 1e6,
+}
+QWEN3_30B_A3B: dict[str, Any] = {
+    **QWEN3_0_6B,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 48,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+}
+
+
+def test_mixtral_is_a_top2_mixture_of_experts_in_every_layer_under_its_checkpoint_names():
+    moe = ModelConfig.from_hf_config(MIXTRAL_8X7B).moe
+    assert moe is not None
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize) == (
+        8,
+        2,
+        14336,
+        True,
+    )
+    assert moe.layers == tuple(range(32))
+    assert (moe.hf_prefix, moe.hf_parts) == ("block_sparse_moe", ("w1", "w3", "w2"))
+
+
+def test_qwen3_moe_takes_its_sparse_layers_from_the_step_and_the_dense_list():
+    c = ModelConfig.from_hf_config(QWEN3_30B_A3B)
+    assert c.qk_norm and c.moe is not None
+    assert (c.moe.num_experts, c.moe.top_k, c.moe.intermediate_size) == (128, 8, 768)
+    assert c.moe.layers == tuple(range(48))
+    sparse = {**QWEN3_30B_A3B, "decoder_sparse_step": 2, "mlp_only_layers": [1, 3]}
+    layers = ModelConfig.from_hf_config(sparse).moe.layers  # type: ignore[union-attr]
+    assert layers[:4] == (5, 7, 9, 11)  # odd layers (step 2), less layers 1 and 3
+    assert (
+        ModelConfig.from_hf_config({**QWEN3_30B_A3B, "norm_topk_prob": False}).moe.renormalize
+        is False
+    )  # type: ignore[union-attr]
+    assert ModelConfig.from_hf_config(LLAMA2_7B).moe is None

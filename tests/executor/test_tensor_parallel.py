@@ -386,3 +386,10 @@ def test_nccl_tp2_with_cuda_graphs_decodes_as_one_rank(tiny_checkpoint, case):
     finally:
         for r in runners:
             r.close()
+
+
+def test_a_mixture_of_experts_is_refused_under_tensor_parallelism_naming_why(tiny_checkpoint):
+    config = read_model_config(tiny_checkpoint("mixtral"))
+    with pytest.raises(UnsupportedModelError, match="mixture of experts"):
+        ShardPlan.of(config, 0, 2)
+    assert ShardPlan.of(config, 0, 1).size == 1

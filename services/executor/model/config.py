@@ -2,7 +2,9 @@
 
 Supported: the Llama family as implemented by ``services.executor.model.models.llama`` — Llama 2/3
 (``LlamaForCausalLM``), Mistral (``MistralForCausalLM``), Qwen2 (``Qwen2ForCausalLM``) and
-Qwen3 (``Qwen3ForCausalLM``: per-head RMSNorm of q and k, an explicit ``head_dim``).
+Qwen3 (``Qwen3ForCausalLM``: per-head RMSNorm of q and k, an explicit ``head_dim``), and
+the mixtures of experts Mixtral (``MixtralForCausalLM``) and Qwen3-MoE
+(``Qwen3MoeForCausalLM``), described by :class:`MoEConfig`.
 Anything else raises :class:`UnsupportedModelError` with a message saying what and why.
 
 Both serialisations of RoPE settings are accepted: the legacy one (top-level ``rope_theta``
@@ -24,7 +26,7 @@ from typing import Any, Literal
 
 from services.executor.model.errors import ModelLoadError, UnsupportedModelError
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "MoEConfig", "ModelConfig", "RopeConfig"]
 
 #: HF architecture class name -> HF ``model_type``.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -32,6 +34,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 _ARCH_BY_MODEL_TYPE = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
 
@@ -59,6 +63,23 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A sparse mixture of experts: ``top_k`` of ``num_experts`` SwiGLU experts of width
+    ``intermediate_size`` per token, in the decoder layers ``layers`` (the others are dense).
+    ``hf_prefix`` and ``hf_parts`` name the checkpoint's tensors:
+    ``model.layers.{i}.{hf_prefix}.experts.{e}.{part}.weight`` for the gate, up and down
+    projections, and ``model.layers.{i}.{hf_prefix}.gate.weight`` for the router."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool  # top-k weights divided by their sum
+    layers: tuple[int, ...]
+    hf_prefix: str = "mlp"
+    hf_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything the model, the KV cache and the scheduler need to know about a checkpoint."""
 
@@ -83,6 +104,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    moe: MoEConfig | None = None  # a sparse mixture of experts (Mixtral, Qwen3-MoE)
 
     @property
     def q_size(self) -> int:
@@ -134,7 +156,7 @@ class ModelConfig:
 
         if model_type == "qwen2":
             qkv_bias, o_bias, mlp_bias = True, False, False
-        elif model_type in ("llama", "qwen3"):
+        elif model_type in ("llama", "qwen3", "qwen3_moe"):
             attention_bias = bool(hf.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias = attention_bias, attention_bias, bool(hf.get("mlp_bias"))
         else:  # mistral
@@ -164,7 +186,8 @@ class ModelConfig:
             torch_dtype=str(torch_dtype) if torch_dtype is not None else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            moe=_moe_config(hf, model_type),
         )
 
 
@@ -191,7 +214,7 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_model_len:
     # transformers' Mistral and Qwen2 configs default to a 4096-token window when the key is
     # absent; an explicit null means no window.
     window = hf.get("sliding_window", _HF_DEFAULT_SLIDING_WINDOW)
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         # Qwen2/3 window layers >= max_window_layers, or those that layer_types marks.
         layer_types = hf.get("layer_types")
         if layer_types:
@@ -200,13 +223,44 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_model_len:
             has_window_layers = hf.get("max_window_layers", 28) < hf.get("num_hidden_layers", 0)
         uses_window = bool(hf.get("use_sliding_window")) and has_window_layers
     else:
-        uses_window = model_type == "mistral"
+        uses_window = model_type in ("mistral", "mixtral")
     if uses_window and window is not None and window < max_model_len:
         raise UnsupportedModelError(
             f"config.json: sliding_window={window} < max_model_len={max_model_len}; "
             "sliding-window attention is not implemented. Pass max_model_len <= "
             f"{window} to serve this model with (then identical) full attention."
         )
+
+
+def _moe_config(hf: Mapping[str, Any], model_type: str) -> MoEConfig | None:
+    num_layers = _int(hf, "num_hidden_layers")
+    if model_type == "mixtral":
+        return MoEConfig(
+            num_experts=_int(hf, "num_local_experts"),
+            top_k=_int(hf, "num_experts_per_tok"),
+            intermediate_size=_int(hf, "intermediate_size"),
+            renormalize=True,
+            layers=tuple(range(num_layers)),
+            hf_prefix="block_sparse_moe",
+            hf_parts=("w1", "w3", "w2"),
+        )
+    if model_type != "qwen3_moe":
+        return None
+    # Hub checkpoints say num_experts; transformers >= 5 writes num_local_experts.
+    key = "num_experts" if "num_experts" in hf else "num_local_experts"
+    num_experts = _int(hf, key)
+    step = _int(hf, "decoder_sparse_step", default=1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    layers = tuple(
+        i for i in range(num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0
+    )
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=_int(hf, "num_experts_per_tok"),
+        intermediate_size=_int(hf, "moe_intermediate_size"),
+        renormalize=bool(hf.get("norm_topk_prob", False)),
+        layers=layers,
+    )
 
 
 def _rope_config(hf: Mapping[str, Any], max_position_embeddings: int) -> RopeConfig:

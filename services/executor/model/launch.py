@@ -115,6 +115,10 @@ def _build(
     runner = ModelRunner(model, kv_cache, config.block_size, workers)
     if graph_backend is None and device.type == "cuda":
         graph_backend = "cuda"
+    if model.config.moe is not None and config.graph_sizes and graph_backend is not None:
+        # The experts a step hits are read on the host: not capturable.
+        log.info("cuda_graphs_disabled", reason="mixture of experts")
+        graph_backend = None
     if graph_backend is not None and config.graph_sizes:
         backend = CudaGraphBackend() if graph_backend == "cuda" else EagerGraphBackend()
         runner.capture(config.graph_sizes, backend)  # every rank, in step

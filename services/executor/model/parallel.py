@@ -66,6 +66,11 @@ class ShardPlan:
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"rank {rank} of {size}: need 0 <= rank < size")
         nh, nkv = config.num_heads, config.num_kv_heads
+        if config.moe is not None and size > 1:
+            raise UnsupportedModelError(
+                f"{config.architecture}: tensor parallelism of a mixture of experts is not "
+                "implemented; serve it with --tensor-parallel-size 1"
+            )
         if nh % size:
             raise UnsupportedModelError(
                 f"num_attention_heads={nh} is not divisible by --tensor-parallel-size={size}"

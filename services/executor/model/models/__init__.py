@@ -15,6 +15,9 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "MistralForCausalLM": DecoderLM,
     "Qwen2ForCausalLM": DecoderLM,
     "Qwen3ForCausalLM": DecoderLM,  # QK-norm: a layer option (ModelConfig.qk_norm)
+    # A sparse mixture of experts in place of the MLP (ModelConfig.moe, layers/moe.py):
+    "MixtralForCausalLM": DecoderLM,
+    "Qwen3MoeForCausalLM": DecoderLM,
 }
 
 

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and with a sparse mixture of
+experts in place of the MLP, Mixtral and Qwen3-MoE) over a paged KV cache.
 
 One implementation for the family; the members differ only in configuration (biases, RoPE
 scaling, tied embeddings), all read from :class:`ModelConfig`. The forward pass runs on a
@@ -16,18 +17,20 @@ convention and cos/sin cast to the model dtype) so that results match it in fp32
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from services.executor.model.config import ModelConfig
+from services.executor.model.config import ModelConfig, MoEConfig
 from services.executor.model.errors import ModelLoadError
 from services.executor.model.forward_batch import ForwardBatch
 from services.executor.model.layers.attention import Attention
 from services.executor.model.layers.linear import Placement, VocabParallelEmbedding, tensor_shape
 from services.executor.model.layers.mlp import MLP
+from services.executor.model.layers.moe import SparseMoE
 from services.executor.model.layers.norm import RMSNorm
 from services.executor.model.layers.rotary import RotaryEmbedding
 from services.executor.model.parallel import Comm, ShardPlan, SingleComm
@@ -36,12 +39,19 @@ __all__ = ["DecoderLM"]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, comm: Comm) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, comm: Comm, layer_idx: int = 0
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, dtype, comm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype, comm)
+        moe = config.moe
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config.hidden_size, moe, dtype)
+            if moe is not None and layer_idx in moe.layers
+            else MLP(config, dtype, comm)
+        )
 
     def forward(
         self,
@@ -66,6 +76,8 @@ _FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+# Our mixture-of-experts parameters: layers.{i}.mlp.{gate.weight | w13 | w2}.
+_MOE_PARAM = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate\.weight|w13|w2)")
 # Row-parallel projections: each rank holds a slice of the input columns; the bias is added
 # once, by rank 0 (the others hold zeros), before the all-reduce.
 _ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
@@ -92,7 +104,7 @@ class DecoderLM(nn.Module):
         self.local_config = lc = self.shard.local_config(config)
         self.embed_tokens = VocabParallelEmbedding(self.shard, config.hidden_size, dtype, self.comm)
         self.layers = nn.ModuleList(
-            DecoderLayer(lc, dtype, self.comm) for _ in range(lc.num_layers)
+            DecoderLayer(lc, dtype, self.comm, i) for i in range(lc.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(config.hidden_size, self.shard.vocab_rows, bias=False, dtype=dtype)
@@ -153,6 +165,10 @@ class DecoderLM(nn.Module):
         names: set[str] = set()
         for name, _ in self.named_parameters():  # a tied lm_head is listed once, as embed
             hf_name = name if name == "lm_head.weight" else f"model.{name}"
+            expert_names = self._expert_hf_names(hf_name)
+            if expert_names is not None:
+                names |= expert_names
+                continue
             for fused, parts in _FUSED_PARTS.items():
                 if f".{fused}." in hf_name:
                     names |= {hf_name.replace(fused, part) for part in parts}
@@ -212,6 +228,10 @@ class DecoderLM(nn.Module):
         else:
             return None
         s, c = self.shard, self.config
+        if c.moe is not None:
+            expert = self._place_expert(params, name, c.moe)
+            if expert is not None:
+                return expert
         if name in ("embed_tokens.weight", "lm_head.weight"):
             param = params.get(name)
             if param is None:
@@ -239,6 +259,43 @@ class DecoderLM(nn.Module):
                 return Placement(param[:, :n], 1, s.intermediate_start, c.intermediate_size)
         param = params.get(name)
         return None if param is None else Placement(param)
+
+    def _expert_hf_names(self, hf_name: str) -> set[str] | None:
+        """The checkpoint names behind a mixture-of-experts parameter (None: not one)."""
+        moe = self.config.moe
+        match = _MOE_PARAM.fullmatch(hf_name)
+        if moe is None or match is None:
+            return None
+        layer, param = match.group(1), match.group(2)
+        base = f"model.layers.{layer}.{moe.hf_prefix}"
+        if param == "gate.weight":
+            return {f"{base}.gate.weight"}
+        parts = moe.hf_parts[:2] if param == "w13" else moe.hf_parts[2:]
+        return {
+            f"{base}.experts.{e}.{part}.weight" for e in range(moe.num_experts) for part in parts
+        }
+
+    def _place_expert(
+        self, params: dict[str, nn.Parameter], name: str, moe: MoEConfig
+    ) -> Placement | None:
+        """Where a mixture-of-experts checkpoint tensor goes (None: it is not one)."""
+        prefix = re.escape(moe.hf_prefix)
+        router = re.fullmatch(rf"layers\.(\d+)\.{prefix}\.gate\.weight", name)
+        if router is not None:
+            param = params.get(f"layers.{router.group(1)}.mlp.gate.weight")
+            return None if param is None else Placement(param)
+        match = re.fullmatch(rf"layers\.(\d+)\.{prefix}\.experts\.(\d+)\.(\w+)\.weight", name)
+        if match is None or match.group(3) not in moe.hf_parts:
+            return None
+        layer, expert, part = match.group(1), int(match.group(2)), match.group(3)
+        which = moe.hf_parts.index(part)  # 0 gate, 1 up, 2 down
+        param = params.get(f"layers.{layer}.mlp.{'w2' if which == 2 else 'w13'}")
+        if param is None or expert >= moe.num_experts:
+            return None
+        if which == 2:
+            return Placement(param[expert])
+        inter = moe.intermediate_size
+        return Placement(param[expert, which * inter : (which + 1) * inter])
 
     def _fused_part(self, fused: str, part_index: int) -> tuple[int, int, int, int]:
         """(first row in the fused parameter, rows filled, first checkpoint row, checkpoint
