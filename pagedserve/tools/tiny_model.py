@@ -24,6 +24,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
@@ -41,9 +42,9 @@ from pagedserve.tools.tiny_tokenizer import (
 
 __all__ = ["TinyModelSpec", "main", "write_tiny_model"]
 
-Arch = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"]
+Arch = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "phi3"]
 RopeScaling = Literal["none", "linear", "llama3"]
-ARCHS: tuple[Arch, ...] = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
+ARCHS: tuple[Arch, ...] = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "phi3")
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,8 @@ def _hf_config(
         return Qwen2Config(**common, use_sliding_window=False)
     if spec.arch == "qwen3":
         return Qwen3Config(**common, use_sliding_window=False)
+    if spec.arch == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint, no window
+        return Phi3Config(**common, sliding_window=None)
     if spec.arch == "mixtral":  # 4 experts, 2 per token, no window
         return MixtralConfig(
             **common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None

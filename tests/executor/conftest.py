@@ -36,6 +36,7 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     # Mixtures of experts: 4 experts, top-2; Qwen3-MoE with a dense first layer.
     "mixtral": {"arch": "mixtral", "seed": 13},
     "qwen3_moe": {"arch": "qwen3_moe", "seed": 14},
+    "phi3": {"arch": "phi3", "seed": 15},
     # For tensor parallelism: as many KV heads as query heads (4), so they split over 4 ranks;
     # and a vocabulary and an MLP width that 4 ranks do not divide.
     "llama_mha": {"arch": "llama", "seed": 9, "num_kv_heads": 4},

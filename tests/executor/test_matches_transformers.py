@@ -41,7 +41,8 @@ def test_greedy_generation_token_identical_and_logits_within_1e4_of_transformers
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", "llama3_rope", "qwen2", "llama_head_dim", "qwen3", "mixtral", "qwen3_moe"]
+    "name",
+    ["llama", "llama3_rope", "qwen2", "llama_head_dim", "qwen3", "mixtral", "qwen3_moe", "phi3"],
 )
 def test_prefill_token_by_token_logits_match_transformers_forward_at_every_position(
     name: str,

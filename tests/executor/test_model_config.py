@@ -312,3 +312,36 @@ def test_qwen3_moe_takes_its_sparse_layers_from_the_step_and_the_dense_list():
         is False
     )  # type: ignore[union-attr]
     assert ModelConfig.from_hf_config(LLAMA2_7B).moe is None
+
+
+# Abridged from Phi-3-mini-4k-instruct's config.json.
+PHI3_MINI_4K: dict[str, Any] = {
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",
+    "hidden_act": "silu",
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 4096,
+    "original_max_position_embeddings": 4096,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "sliding_window": 2047,
+    "tie_word_embeddings": False,
+    "vocab_size": 32064,
+    "bos_token_id": 1,
+    "eos_token_id": 32000,
+}
+
+
+def test_phi3_has_no_biases_and_its_window_bounds_the_context_served():
+    c = ModelConfig.from_hf_config(PHI3_MINI_4K, max_model_len=2047)
+    assert (c.model_type, c.head_dim) == ("phi3", 96)
+    assert not (c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm) and c.moe is None
+    with pytest.raises(UnsupportedModelError, match="sliding_window=2047"):
+        ModelConfig.from_hf_config(PHI3_MINI_4K)
+    no_window = {k: v for k, v in PHI3_MINI_4K.items() if k != "sliding_window"}
+    assert ModelConfig.from_hf_config(no_window).max_model_len == 4096  # absent: none

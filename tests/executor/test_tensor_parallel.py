@@ -46,6 +46,7 @@ PARITY_MODELS = {
     "vocab_and_mlp_not_divisible": "llama_odd_sizes",
     "qwen2_qkv_bias": "qwen2",
     "qwen3_qk_norm": "qwen3",
+    "phi3_fused_checkpoint": "phi3",
     "tied_embeddings": "llama_tied",
 }
 

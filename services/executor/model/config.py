@@ -3,6 +3,7 @@
 Supported: the Llama family as implemented by ``services.executor.model.models.llama`` — Llama 2/3
 (``LlamaForCausalLM``), Mistral (``MistralForCausalLM``), Qwen2 (``Qwen2ForCausalLM``) and
 Qwen3 (``Qwen3ForCausalLM``: per-head RMSNorm of q and k, an explicit ``head_dim``), and
+Phi-3 (``Phi3ForCausalLM``, no biases, its fused checkpoint tensors cut at load), and
 the mixtures of experts Mixtral (``MixtralForCausalLM``) and Qwen3-MoE
 (``Qwen3MoeForCausalLM``), described by :class:`MoEConfig`.
 Anything else raises :class:`UnsupportedModelError` with a message saying what and why.
@@ -36,6 +37,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Phi3ForCausalLM": "phi3",
 }
 _ARCH_BY_MODEL_TYPE = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
 
@@ -159,7 +161,7 @@ class ModelConfig:
         elif model_type in ("llama", "qwen3", "qwen3_moe"):
             attention_bias = bool(hf.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias = attention_bias, attention_bias, bool(hf.get("mlp_bias"))
-        else:  # mistral
+        else:  # mistral, mixtral, phi3: no biases
             qkv_bias, o_bias, mlp_bias = False, False, False
 
         eos = hf.get("eos_token_id")
@@ -213,7 +215,9 @@ def _architecture(hf: Mapping[str, Any]) -> str:
 def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_model_len: int) -> None:
     # transformers' Mistral and Qwen2 configs default to a 4096-token window when the key is
     # absent; an explicit null means no window.
-    window = hf.get("sliding_window", _HF_DEFAULT_SLIDING_WINDOW)
+    # (Phi-3's config defaults to no window.)
+    default = None if model_type == "phi3" else _HF_DEFAULT_SLIDING_WINDOW
+    window = hf.get("sliding_window", default)
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         # Qwen2/3 window layers >= max_window_layers, or those that layer_types marks.
         layer_types = hf.get("layer_types")
@@ -223,7 +227,7 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_model_len:
             has_window_layers = hf.get("max_window_layers", 28) < hf.get("num_hidden_layers", 0)
         uses_window = bool(hf.get("use_sliding_window")) and has_window_layers
     else:
-        uses_window = model_type in ("mistral", "mixtral")
+        uses_window = model_type in ("mistral", "mixtral", "phi3")
     if uses_window and window is not None and window < max_model_len:
         raise UnsupportedModelError(
             f"config.json: sliding_window={window} < max_model_len={max_model_len}; "

@@ -18,6 +18,7 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     # A sparse mixture of experts in place of the MLP (ModelConfig.moe, layers/moe.py):
     "MixtralForCausalLM": DecoderLM,
     "Qwen3MoeForCausalLM": DecoderLM,
+    "Phi3ForCausalLM": DecoderLM,  # its checkpoints store qkv_proj and gate_up_proj fused
 }
 
 

@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and with a sparse mixture of
-experts in place of the MLP, Mixtral and Qwen3-MoE) over a paged KV cache.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, and with a sparse mixture
+of experts in place of the MLP, Mixtral and Qwen3-MoE) over a paged KV cache.
 
 One implementation for the family; the members differ only in configuration (biases, RoPE
 scaling, tied embeddings), all read from :class:`ModelConfig`. The forward pass runs on a
@@ -18,7 +18,7 @@ convention and cos/sin cast to the model dtype) so that results match it in fp32
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -189,7 +189,7 @@ class DecoderLM(nn.Module):
         """
         params = dict(self.named_parameters())
         missing = self.hf_weight_names()
-        for hf_name, weight in weights:
+        for hf_name, weight in self._unfused(weights):
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # some old checkpoints store the (recomputed) RoPE frequencies
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -218,6 +218,31 @@ class DecoderLM(nn.Module):
                 place.target.copy_(weight[index])
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors: {sorted(missing)[:8]}")
+
+    def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """``weights`` with checkpoints' own fused projections (Phi-3 stores ``qkv_proj`` and
+        ``gate_up_proj``) cut into the parts the other families store, so that one path
+        places every part on its rank. Slicing a safetensors slice reads only that part."""
+        c = self.config
+        for hf_name, weight in weights:
+            for fused, parts in _FUSED_PARTS.items():
+                if f".{fused}." not in hf_name:
+                    continue
+                bounds: tuple[int, ...]
+                if fused == "self_attn.qkv_proj":
+                    bounds = (0, c.q_size, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)
+                else:
+                    bounds = (0, c.intermediate_size, 2 * c.intermediate_size)
+                if tensor_shape(weight)[0] != bounds[-1]:
+                    raise ModelLoadError(
+                        f"checkpoint tensor {hf_name!r} has shape {tensor_shape(weight)}, "
+                        f"expected {bounds[-1]} rows"
+                    )
+                for part, start, end in zip(parts, bounds[:-1], bounds[1:], strict=True):
+                    yield hf_name.replace(fused, part), weight[start:end]
+                break
+            else:
+                yield hf_name, weight
 
     def _place(self, params: dict[str, nn.Parameter], hf_name: str) -> Placement | None:
         """Where checkpoint tensor ``hf_name`` goes on this rank (None: nowhere, an error)."""
