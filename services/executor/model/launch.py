@@ -103,11 +103,17 @@ def _build(
         shard=lambda mc: ShardPlan.of(mc, comm.rank, comm.size),
         comm=comm,
     )
+    graph_sizes = config.graph_sizes if graph_backend is not None or device.type == "cuda" else ()
+    if model.config.moe is not None and graph_sizes:
+        # The experts a step hits are read on the host: not capturable, so no graphs, and
+        # no memory set aside for them when the cache is sized.
+        log.info("cuda_graphs_disabled", reason="mixture of experts")
+        graph_sizes = ()
     num_blocks = size_kv_cache(
         model,
         config.cache,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        graph_sizes=config.graph_sizes,
+        graph_sizes=graph_sizes,
     )
     kv_cache = allocate_kv_cache(
         model.local_config, num_blocks, config.block_size, model.dtype, device
@@ -115,13 +121,9 @@ def _build(
     runner = ModelRunner(model, kv_cache, config.block_size, workers)
     if graph_backend is None and device.type == "cuda":
         graph_backend = "cuda"
-    if model.config.moe is not None and config.graph_sizes and graph_backend is not None:
-        # The experts a step hits are read on the host: not capturable.
-        log.info("cuda_graphs_disabled", reason="mixture of experts")
-        graph_backend = None
-    if graph_backend is not None and config.graph_sizes:
+    if graph_backend is not None and graph_sizes:
         backend = CudaGraphBackend() if graph_backend == "cuda" else EagerGraphBackend()
-        runner.capture(config.graph_sizes, backend)  # every rank, in step
+        runner.capture(graph_sizes, backend)  # every rank, in step
     return runner
 
 
