@@ -7,6 +7,12 @@ A random Llama (hidden 512, 4 layers, 8 query / 2 KV heads, MLP 1024, the tiny t
 - ``fixed``: every request asks for 64 tokens;
 - ``variable``: 16-128 tokens each.
 
+``--family`` picks the random checkpoint (same sizes and init scale, written by
+``pagedserve.tools.tiny_model``): ``llama`` (default, above); ``qwen3_moe`` (QK-norm, layer 0
+a dense MLP of 1024, the others 4 experts of 512 with 2 per token, so the same active MLP
+width: 14.3 M parameters); ``gemma3`` (QK-norm, GELU, sandwich norms, one global layer in
+two, the others a ``--sliding-window`` of 128 that the prompts cross: 9.56 M parameters).
+
 Systems, each on ``--threads`` torch threads (default: every core this process may use):
 
 - ``ours``: the in-process engine (continuous batching, paged KV cache, the fast CPU
@@ -16,7 +22,8 @@ Systems, each on ``--threads`` torch threads (default: every core this process m
 - ``hf-static``: ``model.generate()`` on one left-padded batch of all 64 (sdpa attention),
   running to the longest request (tokens past a request's ``max_tokens`` are not counted);
 - ``hf-continuous``: transformers' own continuous batching (``model.generate_batch``, paged),
-  where the installed transformers has it; ``fixed`` only (it takes one ``max_new_tokens``).
+  where the installed transformers has it; ``fixed`` only (it takes one ``max_new_tokens``);
+  reported as "n/a (the error)" where it raises for the family.
 
 Output tok/s counts the tokens requested, over the wall clock of the whole set; medians of
 ``--repeats`` interleaved repeats. In fp32 the greedy tokens of ``ours`` must equal
@@ -25,8 +32,10 @@ Output tok/s counts the tokens requested, over the wall clock of the whole set; 
 decode step at 64 sequences is broken down: attention, linear layers (matmuls), the rest of
 the forward, and the engine's host work.
 
-Usage: ``python bench/cpu_bench.py [--repeats 2] [--threads N]``. Not a test: prints
-markdown; exit status 1 if any greedy output differs.
+Usage: ``python bench/cpu_bench.py [--family llama] [--workloads fixed,variable]
+[--repeats 2] [--threads N]`` (``--num-requests 16`` for a quick smoke run). Not a test:
+prints markdown; exit status 1 if, in fp32, a greedy output of ``ours`` differs from
+``hf-static``'s.
 """
 
 from __future__ import annotations
@@ -61,15 +70,19 @@ from engine_bench import (  # noqa: E402
 from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
 from kernels import ops  # noqa: E402
+from pagedserve.tools.tiny_model import write_tiny_model  # noqa: E402
 from services.common.logging import configure_logging  # noqa: E402
 from services.executor.model.runner_config import available_cores  # noqa: E402
 
 WORKLOADS = {"fixed": (64, 64), "variable": (16, 128)}
+FAMILIES = ("llama", "qwen3_moe", "gemma3")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a = p.add_argument
+    a("--family", choices=FAMILIES, default="llama", help="the random checkpoint's family")
+    a("--sliding-window", type=int, default=128, help="gemma3: its sliding layers' window")
     a("--hidden-size", type=int, default=512)
     a("--num-layers", type=int, default=4)
     a("--num-heads", type=int, default=8)
@@ -82,14 +95,64 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--model-seed", type=int, default=0)
     a("--repeats", type=int, default=2)
     a("--threads", type=int, default=available_cores(), help="torch threads, every system")
-    a("--workloads", default="fixed,variable")
+    a("--workloads", default="fixed,variable", help=f"comma-separated, of {sorted(WORKLOADS)}")
     a(
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16"],
         help="weights, activations and KV cache of every system",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = set(args.workloads.split(",")) - WORKLOADS.keys()
+    if unknown:
+        p.error(f"unknown workloads {sorted(unknown)}; choose from {sorted(WORKLOADS)}")
+    return args
+
+
+def write_model(directory: Path, args: argparse.Namespace, max_len: int) -> str:
+    """The random checkpoint of ``args.family``: the Llama of ``write_bench_model``, or a
+    Qwen3-MoE / Gemma 3 of the same sizes, seed and init scale (``write_tiny_model``'s)."""
+    if args.family == "llama":
+        return write_bench_model(directory, args, max_len)
+    extra = {"sliding_window": args.sliding_window} if args.family == "gemma3" else {}
+    return str(
+        write_tiny_model(
+            directory,
+            arch=args.family,
+            seed=args.model_seed,
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            intermediate_size=args.intermediate_size,
+            max_position_embeddings=max(2048, max_len),
+            **extra,
+        )
+    )
+
+
+def describe_model(args: argparse.Namespace, model: Any) -> str:
+    """The family and sizes of the checkpoint, read back from the loaded HF model."""
+    c = model.config
+    parts = [
+        f"hidden {c.hidden_size}",
+        f"{c.num_hidden_layers} layers",
+        f"{c.num_attention_heads} q / {c.num_key_value_heads} kv heads",
+        f"MLP {c.intermediate_size}",
+    ]
+    if args.family == "qwen3_moe":
+        parts.append(
+            f"{c.num_experts} experts of {c.moe_intermediate_size}, top-{c.num_experts_per_tok}"
+            f", dense layers {list(c.mlp_only_layers)}"
+        )
+    if args.family == "gemma3":
+        full = sum(t == "full_attention" for t in c.layer_types)
+        parts.append(
+            f"sliding window {c.sliding_window} on {c.num_hidden_layers - full} of "
+            f"{c.num_hidden_layers} layers"
+        )
+    parts.append(f"vocab {c.vocab_size}")
+    return f"random {args.family} `{type(model).__name__}` ({', '.join(parts)})"
 
 
 def _requests(args: argparse.Namespace, workload: str, vocab: int) -> list[Req]:
@@ -115,6 +178,21 @@ def _timed(fn: Callable[[], dict[str, list[int]]]) -> tuple[float, dict[str, lis
     t0 = time.perf_counter()
     out = fn()
     return time.perf_counter() - t0, out
+
+
+OPTIONAL_SYSTEMS = frozenset({"hf-continuous"})
+
+
+def _attempt(name: str, fn: Callable[[], Any], unsupported: dict[str, str]) -> Any:
+    """``fn()``; for an optional system (HF's continuous batching, which not every family
+    supports) an exception is recorded in ``unsupported`` (and None returned) instead."""
+    if name not in OPTIONAL_SYSTEMS:
+        return fn()
+    try:
+        return fn()
+    except Exception as e:
+        unsupported[name] = f"{type(e).__name__}: {e}".splitlines()[0][:120].replace("|", "/")
+        return None
 
 
 def run_hf_static(model: Any, reqs: list[Req], pad_id: int) -> dict[str, list[int]]:
@@ -214,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     max_len = args.max_prompt + max(hi for _, hi in WORKLOADS.values())
     failed = False
     with tempfile.TemporaryDirectory(prefix="cpu_bench_") as tmp:
-        model_dir = write_bench_model(Path(tmp) / "model", args, max_len)
+        model_dir = write_model(Path(tmp) / "model", args, max_len)
         dtype = getattr(torch, args.dtype)
         hf = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, attn_implementation="sdpa"
@@ -229,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         torch.set_num_threads(args.threads)
         print(
-            f"# CPU bench: {n_params / 1e6:.2f} M parameters, {args.dtype}, {args.num_requests} "
+            f"# CPU bench: {describe_model(args, hf)}, {n_params / 1e6:.2f} M parameters, "
+            f"{args.dtype}, {args.num_requests} "
             f"requests at t=0, prompts {args.min_prompt}-{args.max_prompt}, greedy, "
             f"ignore_eos; {args.threads} torch threads; medians of {args.repeats} repeats\n"
         )
@@ -252,15 +331,22 @@ def main(argv: list[str] | None = None) -> int:
                 systems["hf-continuous"] = lambda reqs=reqs: run_hf_continuous(hf, reqs)
             walls: dict[str, list[float]] = {name: [] for name in systems}
             outs: dict[str, dict[str, list[int]]] = {}
-            for fn in systems.values():  # warm-up, outside the timing
-                fn()
+            unsupported: dict[str, str] = {}  # optional systems that raised: why
+            for name, fn in systems.items():  # warm-up, outside the timing
+                _attempt(name, fn, unsupported)
             for _ in range(args.repeats):
                 for name, fn in systems.items():
-                    wall, outs[name] = _timed(fn)
-                    walls[name].append(wall)
+                    if name not in unsupported:
+                        res = _attempt(name, lambda fn=fn: _timed(fn), unsupported)
+                        if res is not None:
+                            wall, outs[name] = res
+                            walls[name].append(wall)
             ids = [r.req_id for r in reqs]
-            rate = {n: total / statistics.median(w) for n, w in walls.items()}
+            rate = {n: total / statistics.median(w) for n, w in walls.items() if w}
             for name in systems:
+                if name in unsupported:
+                    print(f"| {workload} | {name} | n/a ({unsupported[name]}) | - | - |")
+                    continue
                 bad = mismatches(outs[name], outs["hf-static"], ids)
                 failed |= bad > 0 and name == "ours" and args.dtype == "float32"
                 ratio = "-" if name == "ours" else f"{rate['ours'] / rate[name]:.2f}x"

@@ -20,6 +20,14 @@ to ``pos < kv_end`` and causally to ``pos <= row position``, and an online softm
 log2 domain (``exp2``, scale pre-multiplied by log2(e)) accumulates in fp32. A row that
 saw no key ends with ``l == 0`` and is written as zeros, never NaN.
 
+Sliding window and soft-cap are compile-time options (``SLIDING_WINDOW``, ``SOFT_CAP``;
+0 = off, which compiles to exactly the full-attention code). With a window ``W`` the
+key loop starts at the ``TILE_N``-aligned tile holding the first key of the tile's first
+query's window (:func:`window_kv_start`): KV blocks wholly before every row's window
+are never read; inside, scores are also masked to ``pos > row position - W`` and loads
+below the tile's first window position are masked off. With a cap ``c`` the scores
+become ``c * tanh(score / c)`` before the mask (:func:`soft_cap_log2`).
+
 Head dims: any ``head_dim`` works; tiles are padded to the next power of two (>= 16, the
 minimum ``tl.dot`` size) and the padding lanes are masked, so 64/128/256 run unpadded and
 e.g. 80 or 96 run with masked lanes.
@@ -185,6 +193,36 @@ def dot_precision(dtype: torch.dtype) -> str | None:
 
 # ----------------------------------------------------------------------------- device code
 
+_LOG2E_LITERAL: tl.constexpr = tl.constexpr(LOG2E)
+
+
+@triton.jit
+def window_kv_start(first_q_pos, SLIDING_WINDOW: tl.constexpr, TILE_N: tl.constexpr):
+    """First context position a query tile's key loop visits (a multiple of ``TILE_N``).
+
+    0 without a window; with one, the start of the key tile that holds the first key in
+    the window of the tile's first (lowest-position) query, ``first_q_pos - W + 1``:
+    every earlier key is outside every row's window.
+    """
+    if SLIDING_WINDOW > 0:
+        return (tl.maximum(first_q_pos - SLIDING_WINDOW + 1, 0) // TILE_N) * TILE_N
+    else:
+        return 0
+
+
+@triton.jit
+def soft_cap_log2(s, SOFT_CAP: tl.constexpr):
+    """Gemma 2's ``c * tanh(score / c)`` on log2-domain scores ``s = score * log2(e)``.
+
+    ``tanh(x) = sign(x) * (1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` in (0, 1]: no
+    overflow for any ``x``, and exp2 is a fast hardware op (the interpreter has no tanh).
+    """
+    cap_log2: tl.constexpr = SOFT_CAP * _LOG2E_LITERAL
+    x = s * (1.0 / cap_log2)  # score / c
+    e = tl.math.exp2(tl.abs(x) * (-2.0 * _LOG2E_LITERAL))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t) * cap_log2
+
 
 @triton.jit
 def find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
@@ -214,6 +252,7 @@ def attend_range(
     kv_head,  # int64
     kv_start,  # first context position to visit (a multiple of TILE_N)
     kv_end,  # one past the last context position to visit
+    first_q_pos,  # context position of the tile's first row (read with a window only)
     qk_scale,  # softmax scale * log2(e)
     stride_k_blk,
     stride_k_tok,
@@ -226,13 +265,25 @@ def attend_range(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # 0: full causal attention
+    SOFT_CAP: tl.constexpr,  # 0.0: no capping
 ):
-    """Online-softmax attention of a query tile over context positions [kv_start, kv_end)."""
+    """Online-softmax attention of a query tile over context positions [kv_start, kv_end).
+
+    Each row sees positions ``<=`` its own ``q_pos`` and, with ``SLIDING_WINDOW = W``,
+    ``> q_pos - W``; scores are soft-capped first when ``SOFT_CAP > 0``.
+    """
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
+    if SLIDING_WINDOW > 0:
+        # Keys before the first row's window are seen by no row: never loaded (the first
+        # key tile may reach back into blocks the sequence no longer needs).
+        kv_min = first_q_pos - SLIDING_WINDOW + 1
     for start in range(kv_start, kv_end, TILE_N):
         pos = start + tl.arange(0, TILE_N)  # [TILE_N] context positions
         n_mask = pos < kv_end
+        if SLIDING_WINDOW > 0:
+            n_mask = n_mask & (pos >= kv_min)
         phys = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         tok = (pos % BLOCK_SIZE).to(tl.int64)
         k_off = phys * stride_k_blk + tok * stride_k_tok + kv_head * stride_k_head  # [TILE_N]
@@ -246,7 +297,11 @@ def attend_range(
         # K loaded transposed: [HEAD_DIM_PAD, TILE_N].
         k_t = tl.load(key_cache_ptr + k_off[None, :] + offs_d[:, None], mask=kt_mask, other=0.0)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N] fp32
+        if SOFT_CAP > 0:
+            s = soft_cap_log2(s, SOFT_CAP)
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # Rows that have seen no key keep m = -inf; subtract 0 instead so exp2 gives 0, not NaN.

@@ -4,11 +4,14 @@ Same contract as :func:`kernels.reference.paged_attention`. The batch is split b
 length:
 
 - **decode rows** (one query token): all of them in one batched computation per KV-head
-  group: one gather of their blocks (the batch's longest context, block-aligned), a length
-  mask, two batched matmuls and a softmax; grouped-query attention by viewing the query heads
-  as ``[Hkv, group]``, never by repeating K/V;
+  group: one gather of their blocks (the batch's longest context, block-aligned; with a
+  sliding window, each row's own window: the few blocks that can hold it), a position
+  mask, two batched matmuls and a softmax; grouped-query attention by viewing the query
+  heads as ``[Hkv, group]``, never by repeating K/V;
 - **prefill chunks** (several query tokens, possibly after cached context): one call each,
-  with a bottom-right causal mask; a step holds few of them (the token budget bounds them).
+  with a bottom-right causal (and sliding-window) mask, gathering only the blocks from the
+  first one in the chunk's windows; SDPA, or explicit scores when soft-capping (SDPA
+  cannot cap); a step holds few of them (the token budget bounds them).
 
 Math is in fp32, as in the reference; the result is cast to the query's dtype.
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kernels.reference import check_window_and_soft_cap
 
 __all__ = ["paged_attention_cpu"]
 
@@ -33,9 +38,12 @@ def paged_attention_cpu(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> Tensor:  # [T, Hq, D]
     """See :func:`kernels.reference.paged_attention`."""
     del max_seq_len
+    window, soft_cap = check_window_and_soft_cap(sliding_window, logits_soft_cap)
     num_q_heads = query.shape[1]
     num_kv_heads = key_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
@@ -51,13 +59,27 @@ def paged_attention_cpu(
     num_decode = decode.numel()
     if num_decode == query.shape[0]:  # a pure decode step, no padding rows: no scatter
         return _decode(
-            query, key_cache, value_cache, block_tables[decode], seq_lens[decode], scale
+            query,
+            key_cache,
+            value_cache,
+            block_tables[decode],
+            seq_lens[decode],
+            scale,
+            window,
+            soft_cap,
         ).to(query.dtype)
     out = torch.zeros_like(query)
     if num_decode:
         rows = qsl[decode]  # the decode tokens' rows of ``query``
         out[rows] = _decode(
-            query[rows], key_cache, value_cache, block_tables[decode], seq_lens[decode], scale
+            query[rows],
+            key_cache,
+            value_cache,
+            block_tables[decode],
+            seq_lens[decode],
+            scale,
+            window,
+            soft_cap,
         ).to(query.dtype)
     prefill = [] if max_query_len == 1 else torch.nonzero(q_lens > 1).flatten().tolist()
     if prefill:
@@ -65,7 +87,14 @@ def paged_attention_cpu(
         for b in prefill:
             q_start, q_end = starts[b], starts[b + 1]
             out[q_start:q_end] = _prefill(
-                query[q_start:q_end], key_cache, value_cache, block_tables[b], lens[b], scale
+                query[q_start:q_end],
+                key_cache,
+                value_cache,
+                block_tables[b],
+                lens[b],
+                scale,
+                window,
+                soft_cap,
             ).to(query.dtype)
     return out
 
@@ -77,28 +106,47 @@ def _decode(
     block_tables: Tensor,  # [n, max_blocks]
     seq_lens: Tensor,  # [n]
     scale: float,
+    window: int,  # 0: full context
+    soft_cap: float,  # 0.0: no capping
 ) -> Tensor:  # [n, Hq, D] fp32
     n, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_q_heads // num_kv_heads
+    seq_lens = seq_lens.long()
     num_blocks = -(-int(seq_lens.max()) // block_size)
-    ids = block_tables[:, :num_blocks].reshape(-1).long()  # [n * nb]
-    ctx = num_blocks * block_size  # L: the longest context, block-aligned
+    # Row r sees positions [first_r, seq_len_r): first_r = seq_len_r - W with a window.
+    first_pos = (seq_lens - window).clamp_(min=0) if window else torch.zeros_like(seq_lens)
+    if window:
+        # A window of W positions spans at most this many blocks: gather each row's own
+        # blocks from the one holding its first visible position (fewer when all fit).
+        num_blocks = min(num_blocks, (window + block_size - 2) // block_size + 1)
+    first_block = first_pos // block_size  # [n]
+    cols = first_block[:, None] + torch.arange(num_blocks)  # [n, nb] block-table columns
+    cols.clamp_(max=block_tables.shape[1] - 1)  # past a row's end: any block, masked below
+    ids = block_tables.long().gather(1, cols).view(-1)  # [n * nb]
+    ctx = num_blocks * block_size  # L: gathered positions per row
     # One gather of every row's blocks, token-major as in the cache: [n, L, Hkv, D].
     k = key_cache.index_select(0, ids).view(n, ctx, num_kv_heads, head_dim).float()
     v = value_cache.index_select(0, ids).view(n, ctx, num_kv_heads, head_dim).float()
     q = query.float().view(n, num_kv_heads, group, head_dim)  # [n, Hkv, G, D]
-    past_end = torch.arange(ctx)[None, None, :] >= seq_lens[:, None, None]  # [n, 1, L]
-    # Slots past a row's context may hold anything, NaN included (unwritten or recycled
-    # blocks, the padding block 0): their weight is 0, but 0 * NaN is NaN, so zero them.
-    invalid = torch.nonzero(past_end.view(-1)).flatten()  # index_fill: 3x masked_fill's speed
+    pos = (first_block * block_size)[:, None] + torch.arange(ctx)  # [n, L] positions
+    hidden = pos >= seq_lens[:, None]  # [n, L]: past the row's context ...
+    if window:
+        hidden |= pos < first_pos[:, None]  # ... or before its window
+    # Slots outside a row's visible range may hold anything, NaN included (unwritten or
+    # recycled blocks, the padding block 0): their weight is 0, but 0 * NaN is NaN, so
+    # zero them.
+    invalid = torch.nonzero(hidden.view(-1)).flatten()  # index_fill: 3x masked_fill's speed
     v.view(n * ctx, -1).index_fill_(0, invalid, 0.0)  # v is this call's own gathered copy
+    hidden = hidden[:, None, :]  # [n, 1, L]
     # Per KV head, two batched matmuls over every row: K and V are read in place (a
     # head's slice is a strided matrix BLAS takes as it is), never transposed or repeated.
     outs = []
     for h in range(num_kv_heads):
         scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)).mul_(scale)  # [n, G, L]
-        scores.masked_fill_(past_end, float("-inf"))
+        if soft_cap:
+            scores = scores.div_(soft_cap).tanh_().mul_(soft_cap)
+        scores.masked_fill_(hidden, float("-inf"))
         outs.append(torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h]))  # [n, G, D]
     return torch.stack(outs, dim=1).view(n, num_q_heads, head_dim)
 
@@ -110,19 +158,38 @@ def _prefill(
     block_table: Tensor,  # [max_blocks]
     seq_len: int,
     scale: float,
+    window: int,  # 0: full context
+    soft_cap: float,  # 0.0: no capping
 ) -> Tensor:  # [q_len, Hq, D] fp32
-    q_len, _, head_dim = query.shape
+    q_len, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    # Query i sits at position seq_len - q_len + i and sees keys j <= it (bottom-right),
+    # and with a window W only j > its position - W: keys before the first query's
+    # window are never seen, so the gather starts at the block holding that key.
+    first_block = max(0, seq_len - q_len - window + 1) // block_size if window else 0
+    kv_start = first_block * block_size
     num_blocks = -(-seq_len // block_size)
-    ids = block_table[:num_blocks].long()
-    k = key_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-    v = value_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-    k, v = k.transpose(0, 1).float(), v.transpose(0, 1).float()  # [Hkv, S, D]
+    ids = block_table[first_block:num_blocks].long()
+    k = key_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[: seq_len - kv_start]
+    v = value_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[: seq_len - kv_start]
+    k, v = k.transpose(0, 1).float(), v.transpose(0, 1).float()  # [Hkv, S', D]
     q = query.transpose(0, 1).float()  # [Hq, q_len, D]
-    # Query i sits at position seq_len - q_len + i and sees keys j <= it (bottom-right).
-    q_pos = torch.arange(seq_len - q_len, seq_len)
-    mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [q_len, S]
-    o = F.scaled_dot_product_attention(
-        q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
-    )  # [1, Hq, q_len, D]
-    return o[0].transpose(0, 1)
+    q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]  # [q_len, 1]
+    k_pos = torch.arange(kv_start, seq_len)[None, :]  # [1, S']
+    mask = k_pos <= q_pos  # [q_len, S'] bool, True = attend
+    if window:
+        mask &= k_pos > q_pos - window
+    if not soft_cap:
+        o = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+        )  # [1, Hq, q_len, D]
+        return o[0].transpose(0, 1)
+    # Soft-capping happens between the product and the mask: scores made explicitly, per
+    # KV head for its whole group ([Hkv, G * q_len, D] x [Hkv, D, S']), K/V not repeated.
+    group = num_q_heads // num_kv_heads
+    q = q.reshape(num_kv_heads, group * q_len, head_dim)
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale).div_(soft_cap).tanh_().mul_(soft_cap)
+    scores = scores.view(num_kv_heads, group, q_len, -1).masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * q_len, -1)
+    o = torch.bmm(probs, v).view(num_q_heads, q_len, head_dim)
+    return o.transpose(0, 1)

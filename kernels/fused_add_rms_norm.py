@@ -2,7 +2,8 @@
 
 Grid ``(T,)``: one program per token row. With a residual, ``r = x + residual`` is rounded to
 the model dtype and written to ``residual`` in place (the next layer's residual), then
-normalised: ``out = weight * to_dtype(r * rsqrt(mean(r^2) + eps))``, all arithmetic in fp32
+normalised: ``out = weight * to_dtype(r * rsqrt(mean(r^2) + eps))`` (Gemma's ``unit_offset``:
+``to_dtype(r * rsqrt(mean(r^2) + eps) * (1 + weight))``), all arithmetic in fp32
 and each rounding where HF's two-op form rounds, so only the order of the mean's sum
 differs from :func:`kernels.reference.fused_add_rms_norm`.
 """
@@ -28,6 +29,7 @@ def _add_rms_norm_kernel(
     stride_o,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -40,9 +42,12 @@ def _add_rms_norm_kernel(
         tl.store(residual_ptr + row * stride_r + offs, x, mask=mask)
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
-    normed = (x32 * rstd).to(x.dtype).to(tl.float32)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(x.dtype), mask=mask)
+    if UNIT_OFFSET:  # Gemma: the (1 + w) gain in fp32, one rounding
+        out = (x32 * rstd * (1.0 + w)).to(x.dtype)
+    else:  # Llama: normalised, rounded, then scaled
+        out = ((x32 * rstd).to(x.dtype).to(tl.float32) * w).to(x.dtype)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
 
 
 def fused_add_rms_norm_triton(
@@ -50,6 +55,7 @@ def fused_add_rms_norm_triton(
     residual: Tensor | None,  # [T, H], updated in place to x + residual
     weight: Tensor,  # [H]
     eps: float,
+    unit_offset: bool = False,
 ) -> Tensor:  # [T, H]
     """Triton ``fused_add_rms_norm``; contract of :func:`kernels.reference.fused_add_rms_norm`."""
     if x.dim() != 2 or x.stride(-1) != 1:
@@ -80,6 +86,7 @@ def fused_add_rms_norm_triton(
         out.stride(0),
         eps,
         HAS_RESIDUAL=residual is not None,
+        UNIT_OFFSET=unit_offset,
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 16),
     )

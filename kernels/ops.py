@@ -32,6 +32,8 @@ __all__ = [
     "copy_blocks",
     "cpu_attention_impl",
     "fused_add_rms_norm",
+    "fused_moe",
+    "gelu_tanh_and_mul",
     "paged_attention",
     "reshape_and_cache",
     "rotary_embedding",
@@ -134,11 +136,21 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> Tensor:  # [T, Hq, D]
     """See :func:`kernels.reference.paged_attention`.
 
+    ``sliding_window = W`` limits each query to the ``W`` latest keys up to its own
+    position, ``logits_soft_cap = c`` caps scores to ``c * tanh(score / c)`` (``None``
+    or 0: off); every path (fast CPU, reference, both Triton kernels) honours both.
+
     On the Triton path, pass ``max_query_len`` and ``max_seq_len`` (known on the host
     when the batch is built) to avoid a device sync; without them they are read back.
+    With a window, :func:`split_kv_heuristic` is given the effective context
+    ``min(max_seq_len, W)``: that, not the full context, is what each decode row reads
+    (the split-KV kernel splits only the window's span), so a short window over a long
+    context is not split into idle programs.
     """
     if not _use_triton(query):
         return _CPU_ATTENTION[cpu_attention_impl()](
@@ -151,6 +163,8 @@ def paged_attention(
             scale,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
     num_seqs = seq_lens.shape[0]
     if max_query_len is None:
@@ -160,8 +174,9 @@ def paged_attention(
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max().item())
         num_sms = _num_sms(query.device.index or 0) if query.is_cuda else _DEFAULT_NUM_SMS
+        context = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
         num_splits = split_kv_heuristic(
-            num_seqs, key_cache.shape[2], max_query_len, max_seq_len, num_sms
+            num_seqs, key_cache.shape[2], max_query_len, context, num_sms
         )
     if num_splits > 1:
         from kernels.paged_attention_split_kv import paged_attention_split_kv_triton
@@ -177,6 +192,8 @@ def paged_attention(
             num_splits=num_splits,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
     from kernels.paged_attention import paged_attention_triton
 
@@ -190,6 +207,8 @@ def paged_attention(
         scale,
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
     )
 
 
@@ -208,14 +227,14 @@ def copy_blocks(
 
 
 def fused_add_rms_norm(
-    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, unit_offset: bool = False
 ) -> Tensor:  # [T, H]
     """See :func:`kernels.reference.fused_add_rms_norm`."""
     if _use_triton(x):
         from kernels.fused_add_rms_norm import fused_add_rms_norm_triton
 
-        return fused_add_rms_norm_triton(x, residual, weight, eps)
-    return reference.fused_add_rms_norm(x, residual, weight, eps)
+        return fused_add_rms_norm_triton(x, residual, weight, eps, unit_offset)
+    return reference.fused_add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
 def rotary_embedding(
@@ -237,3 +256,36 @@ def silu_and_mul(x: Tensor) -> Tensor:  # [T, 2I] -> [T, I]
 
         return silu_and_mul_triton(x)
     return reference.silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:  # [T, 2I] -> [T, I]
+    """See :func:`kernels.reference.gelu_tanh_and_mul`."""
+    if _use_triton(x):
+        from kernels.silu_and_mul import gelu_tanh_and_mul_triton
+
+        return gelu_tanh_and_mul_triton(x)
+    return reference.gelu_tanh_and_mul(x)
+
+
+def fused_moe(
+    x: Tensor,  # [T, H]
+    topk_weights: Tensor,  # [T, k] float
+    topk_ids: Tensor,  # [T, k] integer, in [0, E)
+    w13: Tensor,  # [E, 2I, H]
+    w2: Tensor,  # [E, H, I]
+) -> Tensor:  # [T, H]
+    """A sparse mixture of SwiGLU experts over routing already chosen (softmax, top-k and
+    any renormalisation are the model's); contract of
+    :func:`kernels.moe_reference.fused_moe_reference`.
+
+    Triton (:mod:`kernels.fused_moe`): grouped GEMMs over the rows sorted by expert, with
+    no host sync. CPU (:mod:`kernels.cpu_moe`): a loop over the experts hit, bit-identical
+    to the reference and to transformers' expert loop.
+    """
+    if _use_triton(x):
+        from kernels.fused_moe import fused_moe_triton
+
+        return fused_moe_triton(x, topk_weights, topk_ids, w13, w2)
+    from kernels.cpu_moe import fused_moe_cpu
+
+    return fused_moe_cpu(x, topk_weights, topk_ids, w13, w2)

@@ -3,8 +3,9 @@
 One launch serves decode tokens, prefill chunks and prefills after a prefix-cache hit.
 Grid ``(T // BLOCK_Q + B, Hkv)``: a program takes one query tile (up to ``BLOCK_Q``
 tokens of one sequence) and one KV head with its whole GQA group, streams the
-sequence's context once through the block table up to the tile's causal bound, and
-writes the normalised output. Tiling and masking are described in
+sequence's context once through the block table up to the tile's causal bound (from
+the tile's first window position with a sliding window), and writes the normalised
+output. Tiling, masking, window and soft-cap are described in
 :mod:`kernels._attention_common`.
 """
 
@@ -23,7 +24,9 @@ from kernels._attention_common import (
     load_q_tile,
     locate_tile,
     tile_config,
+    window_kv_start,
 )
+from kernels.reference import check_window_and_soft_cap
 
 __all__ = ["paged_attention_triton"]
 
@@ -59,6 +62,8 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # 0: full causal attention
+    SOFT_CAP: tl.constexpr,  # 0.0: no capping
 ):
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -82,8 +87,12 @@ def _paged_attention_kernel(
         HEAD_DIM,
         HEAD_DIM_PAD,
     )
-    # The tile's last token sees context positions < context_len + min(tile end, q_len).
+    # The tile's last token sees context positions < context_len + min(tile end, q_len);
+    # with a window, none sees a key before its first token's window (nothing before
+    # kv_start is read).
     kv_end = context_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    first_q_pos = context_len + q_tile_start
+    kv_start = window_kv_start(first_q_pos, SLIDING_WINDOW, TILE_N)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -98,8 +107,9 @@ def _paged_attention_kernel(
         value_cache_ptr,
         block_table_ptr,
         kv_head,
-        0,
+        kv_start,
         kv_end,
+        first_q_pos,
         qk_scale,
         stride_k_blk,
         stride_k_tok,
@@ -112,6 +122,8 @@ def _paged_attention_kernel(
         HEAD_DIM,
         HEAD_DIM_PAD,
         DOT_PRECISION,
+        SLIDING_WINDOW,
+        SOFT_CAP,
     )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows that saw no key -> 0
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -131,17 +143,23 @@ def paged_attention_triton(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> Tensor:  # [T, Hq, D]
     """Unified paged attention; contract of :func:`kernels.reference.paged_attention`.
 
     ``max_query_len`` picks decode tiles when it is 1 (``None``: prefill tiles, correct
     for any batch). ``max_seq_len`` is unused: each program reads its own ``seq_lens``.
     The output is zero-initialised, so rows past ``qsl[B]`` are zeros.
+    ``sliding_window`` and ``logits_soft_cap`` (``None`` / 0: off) are compile-time
+    constants of the kernel: each distinct value compiles its own variant, and off
+    compiles the full-attention kernel unchanged.
     """
     del max_seq_len
     dims = check_attention_inputs(
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens
     )
+    window, soft_cap = check_window_and_soft_cap(sliding_window, logits_soft_cap)
     out = torch.zeros_like(query, memory_format=torch.contiguous_format)
     if dims.num_tokens == 0 or dims.num_seqs == 0:
         return out
@@ -177,6 +195,8 @@ def paged_attention_triton(
         HEAD_DIM=dims.head_dim,
         HEAD_DIM_PAD=dims.head_dim_pad,
         DOT_PRECISION=dot_precision(query.dtype),
+        SLIDING_WINDOW=window,
+        SOFT_CAP=soft_cap,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

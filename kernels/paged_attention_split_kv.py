@@ -3,7 +3,7 @@
 A decode batch of ``B`` sequences gives the unified kernel only ``B * Hkv`` programs,
 too few to fill the GPU when ``B`` is small. Here the context of each sequence is also
 cut into ``num_splits`` contiguous ranges of ``split_len`` positions (a multiple of
-``TILE_N``):
+``TILE_N``; with a sliding window, only the span of each query tile's window is cut):
 
 1. ``_split_kv_kernel``, grid ``(T // BLOCK_Q + B, Hkv, num_splits)``: same query tiles
    as the unified kernel, but each program attends only to its range and writes an fp32
@@ -33,7 +33,9 @@ from kernels._attention_common import (
     load_q_tile,
     locate_tile,
     tile_config,
+    window_kv_start,
 )
+from kernels.reference import check_window_and_soft_cap
 
 __all__ = ["paged_attention_split_kv_triton"]
 
@@ -76,6 +78,8 @@ def _split_kv_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # 0: full causal attention
+    SOFT_CAP: tl.constexpr,  # 0.0: no capping
 ):
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -101,7 +105,11 @@ def _split_kv_kernel(
         HEAD_DIM_PAD,
     )
     kv_end = context_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
-    kv_lo = split * split_len
+    # The splits cut [kv_first, kv_end): the whole context, or with a window only the
+    # span from the tile's first window tile, so every split can hold visible keys.
+    first_q_pos = context_len + q_tile_start
+    kv_first = window_kv_start(first_q_pos, SLIDING_WINDOW, TILE_N)
+    kv_lo = kv_first + split * split_len
     kv_hi = tl.minimum(kv_lo + split_len, kv_end)  # empty range when kv_lo >= kv_end
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -119,6 +127,7 @@ def _split_kv_kernel(
         kv_head,
         kv_lo,
         kv_hi,
+        first_q_pos,
         qk_scale,
         stride_k_blk,
         stride_k_tok,
@@ -131,6 +140,8 @@ def _split_kv_kernel(
         HEAD_DIM,
         HEAD_DIM_PAD,
         DOT_PRECISION,
+        SLIDING_WINDOW,
+        SOFT_CAP,
     )
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -214,16 +225,28 @@ def paged_attention_split_kv_triton(
     num_splits: int = 8,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> Tensor:  # [T, Hq, D]
     """Split-KV paged attention; contract of :func:`kernels.reference.paged_attention`.
 
     The context is cut into ``num_splits`` ranges of ``split_len = ceil(max_seq_len /
     num_splits)`` positions rounded up to the key tile; without the ``max_seq_len`` hint
     the block-table width ``max_blocks * block_size`` bounds it (no device sync).
+
+    With ``sliding_window = W`` the splits cut only each query tile's window span,
+    starting at its key-aligned window start: ``split_len = ceil(min(max_seq_len, W +
+    BLOCK_Q + TILE_N - 2) / num_splits)`` rounded up to the key tile, so a long context
+    does not leave most splits idle. A split that holds no key a row can see (past the
+    context, or outside that row's window) gives that row the neutral partial
+    ``lse = -inf`` with a zero output, which the merge weighs by 0.
+    ``logits_soft_cap`` soft-caps the scores; both options are compile-time constants
+    (``None`` / 0: off, the full-attention kernel unchanged).
     """
     dims = check_attention_inputs(
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens
     )
+    window, soft_cap = check_window_and_soft_cap(sliding_window, logits_soft_cap)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"paged_attention: num_splits={num_splits} not in [1, {MAX_SPLITS}]")
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -231,6 +254,10 @@ def paged_attention_split_kv_triton(
         return out.zero_()
     cfg = tile_config(dims, max_query_len, query.dtype)
     kv_bound = max_seq_len if max_seq_len is not None else dims.max_blocks_per_seq * dims.block_size
+    if window:
+        # A tile's keys lie in [window_kv_start, kv_end): at most the window, the tile's
+        # other tokens and the key-tile alignment (see the kernel).
+        kv_bound = min(kv_bound, window + cfg.block_q + cfg.tile_n - 2)
     split_len = triton.cdiv(triton.cdiv(max(kv_bound, 1), num_splits), cfg.tile_n) * cfg.tile_n
     partial_out = torch.empty(
         (num_splits, dims.num_tokens, dims.num_q_heads, dims.head_dim),
@@ -276,6 +303,8 @@ def paged_attention_split_kv_triton(
         HEAD_DIM=dims.head_dim,
         HEAD_DIM_PAD=dims.head_dim_pad,
         DOT_PRECISION=dot_precision(query.dtype),
+        SLIDING_WINDOW=window,
+        SOFT_CAP=soft_cap,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -2,9 +2,9 @@
 
 These are the test oracle for the Triton kernels AND the CPU serving path, so they are
 written for clarity first but avoid per-token Python loops: attention gathers each
-sequence's context through its block table and runs one
-``torch.nn.functional.scaled_dot_product_attention`` per sequence (a loop over the batch,
-not over tokens).
+sequence's context through its block table and computes its scores, mask (causal, and
+sliding-window when asked), soft-cap and softmax explicitly, one sequence at a time (a
+loop over the batch, not over tokens).
 
 Cache layout (one allocation per executor, made elsewhere)::
 
@@ -18,11 +18,14 @@ and may appear in block tables as padding.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "check_window_and_soft_cap",
     "copy_blocks",
     "fused_add_rms_norm",
     "paged_attention",
@@ -65,6 +68,8 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> Tensor:  # [T, Hq, D], query's dtype
     """Causal grouped-query attention over a flattened, paged batch.
 
@@ -77,10 +82,17 @@ def paged_attention(
     ``h // (Hq // Hkv)``. Math is in fp32; the result is cast to ``query.dtype``.
     Rows past ``qsl[B]`` (batch padding) are zeros.
 
+    ``sliding_window = W`` (``None`` or 0: full causal attention) restricts the query at
+    position ``p`` to keys at positions ``p - W < j <= p`` (transformers' sliding-window
+    causal mask, Mistral / Gemma): it always sees at least itself.
+    ``logits_soft_cap = c`` (``None`` or 0: no capping) caps the scores before the mask
+    and the softmax as Gemma 2 does: ``s = c * tanh((q . k) * scale / c)``.
+
     ``max_query_len`` / ``max_seq_len`` are host-side hints for device kernels; this
     implementation reads the (host) metadata directly and ignores them.
     """
     del max_query_len, max_seq_len  # hints for device implementations
+    window, soft_cap = check_window_and_soft_cap(sliding_window, logits_soft_cap)
     _, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
@@ -106,16 +118,36 @@ def paged_attention(
         q = query[q_start:q_end].transpose(0, 1).float()  # [Hq, q_len, D]
         k = k.transpose(0, 1).float().repeat_interleave(group, dim=0)  # [Hq, S, D]
         v = v.transpose(0, 1).float().repeat_interleave(group, dim=0)  # [Hq, S, D]
-        # Query i is at position seq_len - q_len + i; it sees keys j <= that position.
-        # A lone decode token sees the whole context: no mask needed.
-        mask = None
-        if q_len > 1:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
-            k_pos = torch.arange(seq_len, device=query.device)  # [S]
-            mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, S] bool, True = attend
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        scores = (q @ k.transpose(1, 2)) * scale  # [Hq, q_len, S]
+        if soft_cap:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        # Query i is at position seq_len - q_len + i; it sees keys j <= that position,
+        # and with a window W only those with j > position - W.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]  # [q_len, 1]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]  # [1, S]
+        visible = k_pos <= q_pos  # [q_len, S] bool
+        if window:
+            visible &= k_pos > q_pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        o = torch.softmax(scores, dim=-1) @ v  # [Hq, q_len, D]
         out[q_start:q_end] = o.transpose(0, 1).to(query.dtype)
     return out
+
+
+def check_window_and_soft_cap(
+    sliding_window: int | None, logits_soft_cap: float | None
+) -> tuple[int, float]:
+    """Normalise the attention options: ``(window, cap)`` with 0 meaning "off".
+
+    Raises ``ValueError`` for a negative window or cap (or a non-finite cap).
+    """
+    window = int(sliding_window or 0)
+    soft_cap = float(logits_soft_cap or 0.0)
+    if window < 0:
+        raise ValueError(f"paged_attention: sliding_window={sliding_window} must be >= 0")
+    if soft_cap < 0 or not math.isfinite(soft_cap):
+        raise ValueError(f"paged_attention: logits_soft_cap={logits_soft_cap} must be >= 0")
+    return window, soft_cap
 
 
 def copy_blocks(
@@ -141,15 +173,20 @@ def fused_add_rms_norm(
     residual: Tensor | None,  # [T, H]; updated in place to x + residual
     weight: Tensor,  # [H]
     eps: float,
+    unit_offset: bool = False,
 ) -> Tensor:  # [T, H]
     """RMSNorm of ``x + residual`` (of ``x`` alone without a residual), as HF computes it:
     the sum rounded to the model dtype and stored into ``residual``, then
-    ``weight * to_dtype(r * rsqrt(mean(r^2) + eps))`` with the statistics in fp32."""
+    ``weight * to_dtype(r * rsqrt(mean(r^2) + eps))`` with the statistics in fp32 (Llama).
+    With ``unit_offset`` (Gemma): ``to_dtype(r * rsqrt(mean(r^2) + eps) * (1 + weight))``,
+    the gain applied in fp32 before the one rounding."""
     if residual is not None:
         residual.add_(x)
         x = residual
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
     return weight * x32.to(x.dtype)
 
 
@@ -173,3 +210,10 @@ def silu_and_mul(x: Tensor) -> Tensor:  # [T, 2I] -> [T, I]
     """SwiGLU's activation over the fused projection ``x = [gate | up]``."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:  # [T, 2I] -> [T, I]
+    """GeGLU (Gemma) over the fused projection ``x = [gate | up]``: ``gelu_tanh(gate) * up``
+    with transformers' ``gelu_pytorch_tanh`` (``F.gelu(approximate="tanh")``)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -205,3 +205,61 @@ def gateway_args(model: str | Path, executor_address: str, *extra: str) -> list[
         executor_address,
         *extra,
     ]
+
+
+class ServeStack:
+    """``pagedserve serve`` of ``model`` on free ports (HTTP on a free port too), its JSON log
+    lines collected; ``executor_args`` as :func:`serve_command` takes them."""
+
+    def __init__(
+        self,
+        model: Path,
+        *serve_args: str,
+        executor_args: Sequence[str] = ("--num-kv-blocks", "64", "--max-model-len", "256"),
+    ) -> None:
+        ports = free_ports(3)
+        self.port, self.exec_port, self.bm_port = ports
+        self.lines: list[dict] = []
+        self.proc = subprocess.Popen(
+            serve_command(model, ports, *serve_args, http_port=0, executor_args=executor_args),
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        )
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            try:
+                self.lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                self.lines.append({"event": "raw", "line": line})
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_generate(self, *args: str) -> subprocess.CompletedProcess[str]:
+        deadline = time.monotonic() + 60
+        while True:
+            r = run_cli(*args, "--address", self.address)
+            if r.returncode == 0 or time.monotonic() > deadline:
+                return r
+            time.sleep(0.3)
+
+    def pids(self) -> dict[str, int]:
+        return {r["name"]: r["pid"] for r in self.lines if r.get("event") == "service_started"}
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it has not stopped within 30 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,50 +16,14 @@ import pytest
 
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
-from tests.procs import free_ports, json_records, run_cli, serve_command, wait_serving
+from tests.procs import ServeStack, free_ports, json_records, run_cli, serve_command, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Stack:
-    def __init__(self, model: Path, *serve_args: str) -> None:
-        ports = free_ports(3)
-        self.port, self.exec_port, self.bm_port = ports
-        self.lines: list[dict] = []
-        self.proc = subprocess.Popen(
-            serve_command(model, ports, *serve_args, http_port=0),
-            cwd=ROOT,
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-        )
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            try:
-                self.lines.append(json.loads(line))
-            except json.JSONDecodeError:
-                self.lines.append({"event": "raw", "line": line})
-
-    def wait_generate(self, *args: str) -> subprocess.CompletedProcess[str]:
-        deadline = time.monotonic() + 60
-        while True:
-            r = run_cli(*args, "--address", f"127.0.0.1:{self.port}")
-            if r.returncode == 0 or time.monotonic() > deadline:
-                return r
-            time.sleep(0.3)
-
-    def pids(self) -> dict[str, int]:
-        return {r["name"]: r["pid"] for r in self.lines if r.get("event") == "service_started"}
-
-
 def test_serve_runs_three_processes_and_generate_streams_text(tmp_path):
     model = write_tiny_model(tmp_path / "model")
-    stack = Stack(model)
+    stack = ServeStack(model)
     try:
         r = stack.wait_generate(
             "generate", "Hello", "--max-tokens", "8", "--temperature", "0", "--usage"
@@ -98,13 +60,13 @@ def _wait_gone(pids: list[int], timeout: float = 15) -> None:
         time.sleep(0.1)
 
 
-def _events(stack: Stack, event: str) -> list[dict]:
+def _events(stack: ServeStack, event: str) -> list[dict]:
     return [r for r in stack.lines if r.get("event") == event]
 
 
 def test_serve_restarts_a_dead_service_and_serves_again(tmp_path):
     model = write_tiny_model(tmp_path / "model")
-    stack = Stack(model)
+    stack = ServeStack(model)
     try:
         assert stack.wait_generate("generate", "Hi", "--max-tokens", "2").returncode == 0
         old = stack.pids()["executor"]
@@ -126,7 +88,7 @@ def test_serve_restarts_a_dead_service_and_serves_again(tmp_path):
 
 def test_serve_gives_up_when_the_restart_budget_is_spent(tmp_path):
     model = write_tiny_model(tmp_path / "model")
-    stack = Stack(model, "--max-restarts", "0")
+    stack = ServeStack(model, "--max-restarts", "0")
     try:
         assert stack.wait_generate("generate", "Hi", "--max-tokens", "2").returncode == 0
         pids = stack.pids()
@@ -143,7 +105,7 @@ def test_serve_gives_up_when_the_restart_budget_is_spent(tmp_path):
 
 def test_children_die_with_a_killed_supervisor(tmp_path):
     model = write_tiny_model(tmp_path / "model")
-    stack = Stack(model)
+    stack = ServeStack(model)
     try:
         assert stack.wait_generate("generate", "Hi", "--max-tokens", "2").returncode == 0
         pids = list(stack.pids().values())

@@ -1,8 +1,10 @@
 """``pagedserve make-tiny-model DIR``: a tiny, random, real Hugging Face checkpoint.
 
 The checkpoint is an ordinary HF directory (``config.json``, ``model.safetensors`` written by
-``save_pretrained``, ``generation_config.json``, tokenizer files with a chat template) of a
-Llama-family model (``llama``, ``qwen2`` or ``mistral``) small enough for CPU tests. Weights
+``save_pretrained``, ``generation_config.json``, tokenizer files with a chat template) of one
+of the families the executor serves (:data:`ARCHS`), small enough for CPU tests. Sliding
+windows, when asked for, are short (``sliding_window``, e.g. 16) so that short prompts cross
+them. Weights
 are drawn from a seeded generator in a fixed order, so a given seed and size always give
 the same files. Norm weights and biases are random too (not ones/zeros), so a loader that
 forgot to load them would be caught, and the init scale is large enough for logits that
@@ -20,6 +22,9 @@ from typing import Any, Literal
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3Config,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
@@ -29,12 +34,14 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
+    SiglipVisionConfig,
 )
 
 from pagedserve.tools.tiny_tokenizer import (
     BOS,
     DEFAULT_VOCAB_SIZE,
     EOS,
+    FAMILY_TEMPLATES,
     PAD,
     build_tokenizer,
     save_tokenizer,
@@ -42,9 +49,32 @@ from pagedserve.tools.tiny_tokenizer import (
 
 __all__ = ["TinyModelSpec", "main", "write_tiny_model"]
 
-Arch = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "phi3"]
-RopeScaling = Literal["none", "linear", "llama3"]
-ARCHS: tuple[Arch, ...] = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "phi3")
+Arch = Literal[
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "mixtral",
+    "qwen3_moe",
+    "phi3",
+    "gemma2",
+    "gemma3",
+    "gemma3_mm",
+]
+RopeScaling = Literal["none", "linear", "llama3", "longrope"]
+ARCHS: tuple[Arch, ...] = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "mixtral",
+    "qwen3_moe",
+    "phi3",
+    "gemma2",
+    "gemma3",
+    "gemma3_mm",  # Gemma3ForConditionalGeneration: a tiny vision tower around the text model
+)
+_GEMMA_ARCHS = ("gemma2", "gemma3", "gemma3_mm")
 
 
 @dataclass(frozen=True)
@@ -64,6 +94,8 @@ class TinyModelSpec:
     extra_vocab: int = 0  # model rows past the tokenizer's (as real checkpoints often pad)
     tie_word_embeddings: bool = False
     rope_scaling: RopeScaling = "none"
+    partial_rotary_factor: float = 1.0  # phi3 only (Phi-4-mini rotates 3/4 of each head)
+    sliding_window: int | None = None  # None: no window (archs that can have one)
     init_std: float = 0.25
     max_shard_size: str | None = None  # e.g. "100KB" for a sharded checkpoint
 
@@ -95,7 +127,12 @@ def write_tiny_model(
     )
     save_kwargs = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}
     model.save_pretrained(str(model_dir), **save_kwargs)
-    save_tokenizer(tokenizer, model_dir, model_max_length=spec.max_position_embeddings)
+    save_tokenizer(
+        tokenizer,
+        model_dir,
+        model_max_length=spec.max_position_embeddings,
+        chat_template=FAMILY_TEMPLATES[spec.arch],
+    )
     return model_dir
 
 
@@ -105,6 +142,20 @@ def _hf_config(
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
     if spec.rope_scaling == "linear":
         rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    elif spec.rope_scaling == "longrope":
+        # Phi-3 128k / Phi-4-mini style: per-frequency short and long factors, and an original
+        # context of 64 so that short tests use one set or the other (see max_model_len).
+        half = (
+            int((spec.head_dim or spec.hidden_size // spec.num_heads) * spec.partial_rotary_factor)
+            // 2
+        )
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.25 * i for i in range(half)],
+            "long_factor": [1.5 + 0.5 * i for i in range(half)],
+            "original_max_position_embeddings": 64,
+        }
     elif spec.rope_scaling == "llama3":
         # Llama 3.1's settings with the original context cut down so that, at head_dim 16,
         # some frequencies are scaled, some kept and some smoothed.
@@ -133,18 +184,31 @@ def _hf_config(
         "eos_token_id": special_ids[EOS],
         "pad_token_id": special_ids[PAD],
     }
+    window = spec.sliding_window
+    # Qwen: the window, when set, on the layers from the second one on.
+    qwen_window: dict[str, Any] = {
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+    }
+    if window is not None:
+        qwen_window["max_window_layers"] = 1
     if spec.arch == "llama":
         return LlamaConfig(**common)
     if spec.arch == "qwen2":
-        return Qwen2Config(**common, use_sliding_window=False)
+        return Qwen2Config(**common, **qwen_window)
     if spec.arch == "qwen3":
-        return Qwen3Config(**common, use_sliding_window=False)
-    if spec.arch == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint, no window
-        return Phi3Config(**common, sliding_window=None)
-    if spec.arch == "mixtral":  # 4 experts, 2 per token, no window
+        return Qwen3Config(**common, **qwen_window)
+    if spec.arch == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint
+        phi: dict[str, Any] = {"partial_rotary_factor": spec.partial_rotary_factor}
+        if spec.rope_scaling == "longrope":
+            phi["original_max_position_embeddings"] = 64
+        return Phi3Config(**common, **phi, sliding_window=window)
+    if spec.arch == "mixtral":  # 4 experts, 2 per token
         return MixtralConfig(
-            **common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+            **common, num_local_experts=4, num_experts_per_tok=2, sliding_window=window
         )
+    if spec.arch in _GEMMA_ARCHS:
+        return _gemma_config(spec, common)
     if spec.arch == "qwen3_moe":  # 4 experts, 2 per token; layer 0 dense, the others sparse
         return Qwen3MoeConfig(
             **common,
@@ -156,8 +220,48 @@ def _hf_config(
             decoder_sparse_step=1,
             mlp_only_layers=[0],
         )
-    # A window at least as long as the context: full attention, as our executor requires.
-    return MistralConfig(**common, sliding_window=2 * spec.max_position_embeddings)
+    return MistralConfig(**common, sliding_window=window)
+
+
+def _gemma_config(spec: TinyModelSpec, common: dict[str, Any]) -> PretrainedConfig:
+    """Gemma 2 (soft-capping, alternating sliding and global layers) or Gemma 3 (QK-norm, one
+    global layer in every two here, the sliding layers with their own RoPE base), with
+    query_pre_attn_scalar != head_dim so that the attention scale is exercised."""
+    window = spec.sliding_window or 16
+    gemma = {
+        **common,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 24,
+        "sliding_window": window,
+        "attention_bias": False,
+    }
+    if spec.arch == "gemma2":
+        return Gemma2Config(**gemma, final_logit_softcapping=3.0, attn_logit_softcapping=5.0)
+    full = {**gemma.pop("rope_parameters"), "rope_theta": 100_000.0}
+    gemma["rope_parameters"] = {
+        "full_attention": full,
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    gemma["sliding_window_pattern"] = 2  # a global layer after each sliding one
+    text = Gemma3TextConfig(**gemma)
+    if spec.arch == "gemma3":
+        return text
+    vision = SiglipVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    ids = {k: common[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        **ids,
+    )
 
 
 @torch.no_grad()
@@ -180,7 +284,7 @@ def main(argv: list[str]) -> int:
         description="Write a tiny random Llama-family checkpoint with a real BPE tokenizer.",
     )
     parser.add_argument("dir", type=Path, help="output directory (created if needed)")
-    parser.add_argument("--arch", choices=ARCHS, default=defaults.arch)
+    parser.add_argument("--arch", "--family", choices=ARCHS, default=defaults.arch)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
     parser.add_argument("--num-layers", type=int, default=defaults.num_layers)
@@ -193,7 +297,18 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--tokenizer-vocab-size", type=int, default=defaults.tokenizer_vocab_size)
     parser.add_argument("--tie-word-embeddings", action="store_true")
-    parser.add_argument("--rope-scaling", choices=("none", "linear", "llama3"), default="none")
+    parser.add_argument(
+        "--rope-scaling", choices=("none", "linear", "llama3", "longrope"), default="none"
+    )
+    parser.add_argument(
+        "--partial-rotary-factor", type=float, default=1.0, help="phi3: rotate part of each head"
+    )
+    parser.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="a sliding window (mistral, mixtral, phi3, qwen2/3 from layer 1; gemma: default 16)",
+    )
     parser.add_argument("--init-std", type=float, default=defaults.init_std)
     parser.add_argument("--max-shard-size", default=None, help='e.g. "100KB" to shard the weights')
     parser.add_argument("--force", action="store_true", help="write into a non-empty directory")
@@ -219,6 +334,8 @@ def main(argv: list[str]) -> int:
         tokenizer_vocab_size=args.tokenizer_vocab_size,
         tie_word_embeddings=args.tie_word_embeddings,
         rope_scaling=args.rope_scaling,
+        partial_rotary_factor=args.partial_rotary_factor,
+        sliding_window=args.sliding_window,
         init_std=args.init_std,
         max_shard_size=args.max_shard_size,
     )

@@ -5,6 +5,11 @@ trainer breaks ties by pair, and the corpus and settings are fixed). Byte-level,
 string, any UTF-8 included, round-trips. Special tokens: ``<s>`` (BOS, prepended by the
 post-processor like Llama's tokenizer), ``</s>`` (EOS), ``<pad>``, and the chat role markers
 used by :data:`CHAT_TEMPLATE`.
+
+Each family's checkpoint carries a copy of its real chat template (:data:`FAMILY_TEMPLATES`,
+reduced to string contents: no tool calls, images or reasoning switches), so the gateway's
+chat path renders the conversation format of the model it serves; their markers are plain
+text to this tokenizer.
 """
 
 from __future__ import annotations
@@ -14,7 +19,16 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-__all__ = ["BOS", "CHAT_TEMPLATE", "EOS", "PAD", "ROLE_TOKENS", "build_tokenizer", "save_tokenizer"]
+__all__ = [
+    "BOS",
+    "CHAT_TEMPLATE",
+    "EOS",
+    "FAMILY_TEMPLATES",
+    "PAD",
+    "ROLE_TOKENS",
+    "build_tokenizer",
+    "save_tokenizer",
+]
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -27,6 +41,67 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
+
+# Gemma 2/3: a system message is folded into the first user turn; "assistant" is "model".
+_GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+# Qwen2/Qwen3 (ChatML).
+_CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+# Phi-3 / Phi-4-mini.
+_PHI3_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+# Mistral / Mixtral (v0.1 instruct): [INST] turns, a system message prefixed to the first.
+_MISTRAL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set system = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set system = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message['role'] == 'user' -%}"
+    "{{ '[INST] ' + (system if loop.first else '') + message['content'] + ' [/INST]' }}"
+    "{%- else -%}{{ message['content'] + eos_token }}{%- endif -%}"
+    "{%- endfor -%}"
+)
+#: Tiny-model family (``make-tiny-model --arch``) -> the chat template its checkpoint carries.
+FAMILY_TEMPLATES: dict[str, str] = {
+    "llama": CHAT_TEMPLATE,
+    "qwen2": _CHATML_TEMPLATE,
+    "qwen3": _CHATML_TEMPLATE,
+    "qwen3_moe": _CHATML_TEMPLATE,
+    "mistral": _MISTRAL_TEMPLATE,
+    "mixtral": _MISTRAL_TEMPLATE,
+    "phi3": _PHI3_TEMPLATE,
+    "gemma2": _GEMMA_TEMPLATE,
+    "gemma3": _GEMMA_TEMPLATE,
+    "gemma3_mm": _GEMMA_TEMPLATE,
+}
 
 DEFAULT_VOCAB_SIZE = 768
 
@@ -110,7 +185,13 @@ def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
     return tokenizer
 
 
-def save_tokenizer(tokenizer: Tokenizer, model_dir: str | Path, *, model_max_length: int) -> None:
+def save_tokenizer(
+    tokenizer: Tokenizer,
+    model_dir: str | Path,
+    *,
+    model_max_length: int,
+    chat_template: str = CHAT_TEMPLATE,
+) -> None:
     """Write the tokenizer files (``tokenizer.json``, ``tokenizer_config.json`` with the chat
     template, ...) so that ``AutoTokenizer.from_pretrained(model_dir)`` loads it.
     """
@@ -121,7 +202,7 @@ def save_tokenizer(tokenizer: Tokenizer, model_dir: str | Path, *, model_max_len
         pad_token=PAD,
         additional_special_tokens=list(ROLE_TOKENS),
         model_max_length=model_max_length,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         clean_up_tokenization_spaces=False,
     )
     hf_tokenizer.save_pretrained(str(model_dir))

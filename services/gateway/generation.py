@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
+import jinja2
 import structlog
 from transformers import PreTrainedTokenizerBase
 
@@ -344,11 +345,14 @@ class GenerationCore:
         add_prompt = (
             messages.add_generation_prompt if messages.HasField("add_generation_prompt") else True
         )
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages.messages],
-            add_generation_prompt=add_prompt,
-            tokenize=False,
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in messages.messages],
+                add_generation_prompt=add_prompt,
+                tokenize=False,
+            )
+        except jinja2.TemplateError as e:  # the model's template refuses this conversation
+            raise FieldError(field, f"the chat template refused the messages: {e}") from None
         # The template writes its own special tokens (BOS): tokenize without adding more.
         return self.tokenizer(text, add_special_tokens=False).input_ids
 

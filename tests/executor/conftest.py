@@ -37,11 +37,35 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "mixtral": {"arch": "mixtral", "seed": 13},
     "qwen3_moe": {"arch": "qwen3_moe", "seed": 14},
     "phi3": {"arch": "phi3", "seed": 15},
+    # Sliding windows of 16 tokens, which the longer prompts cross: on every layer (Mistral,
+    # Phi-3), from layer 1 on (Qwen2), or on alternate layers with global ones between (Gemma).
+    "mistral_window": {"arch": "mistral", "seed": 16, "sliding_window": 16},
+    "qwen2_window": {"arch": "qwen2", "seed": 17, "sliding_window": 16},
+    "phi3_window": {"arch": "phi3", "seed": 18, "sliding_window": 16},
+    # Gemma 2: soft-capped attention and logits; Gemma 3: QK-norm, a RoPE base per layer
+    # type; both (1 + w) norms, four per layer, GeGLU, scaled embeddings.
+    "gemma2": {"arch": "gemma2", "seed": 19},
+    "gemma3": {"arch": "gemma3", "seed": 20, "head_dim": 32},
+    "gemma3_tied": {"arch": "gemma3", "seed": 21, "tie_word_embeddings": True},
+    "gemma3_mm": {"arch": "gemma3_mm", "seed": 22, "tie_word_embeddings": True},
+    # Phi-4-mini's rotary: LongRoPE (original context 64) over 3/4 of each head.
+    "phi4_mini": {
+        "arch": "phi3",
+        "seed": 23,
+        "rope_scaling": "longrope",
+        "partial_rotary_factor": 0.75,
+        "tie_word_embeddings": True,
+    },
     # For tensor parallelism: as many KV heads as query heads (4), so they split over 4 ranks;
     # and a vocabulary and an MLP width that 4 ranks do not divide.
     "llama_mha": {"arch": "llama", "seed": 9, "num_kv_heads": 4},
     "llama_odd_sizes": {"arch": "llama", "seed": 10, "extra_vocab": 2, "intermediate_size": 126},
 }
+
+#: Checkpoints whose LongRoPE factors depend on max_model_len (tested on their own).
+LONGROPE = ("phi4_mini",)
+#: The families added for sliding windows and Gemma, tested batched with chunked prefill.
+WINDOWED = ("mistral_window", "qwen2_window", "phi3_window", "gemma2", "gemma3", "gemma3_mm")
 
 CheckpointFactory = Callable[[str], Path]
 

@@ -176,7 +176,9 @@ def test_parallel_samples_copy_on_write_under_graphs_match_one_sample(llama) -> 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    "name", ["llama", "qwen2", "qwen3", "phi4_mini", "mistral_window", "gemma2", "gemma3"]
+)
 def test_cuda_graphs_and_eager_give_identical_greedy_tokens_in_fp32(tiny_checkpoint, name):
     model = str(tiny_checkpoint(name))
     outputs = []

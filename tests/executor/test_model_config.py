@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -114,7 +115,7 @@ def test_legacy_rope_scaling_type_key_linear_is_parsed() -> None:
     assert ModelConfig.from_hf_config(hf).rope == RopeConfig(10000.0, "linear", factor=4.0)
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "yarn", "longrope", "su"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "yarn", "mrope"])
 def test_unsupported_rope_type_is_a_clear_error(rope_type: str) -> None:
     hf = {**LLAMA2_7B, "rope_scaling": {"rope_type": rope_type, "factor": 2.0}}
     with pytest.raises(UnsupportedModelError, match=f"rope type '{rope_type}'"):
@@ -135,17 +136,17 @@ def test_explicit_head_dim_wins_over_hidden_over_heads() -> None:
     assert c.head_dim == 64 and c.q_size == 32 * 64 and c.kv_size == 32 * 64
 
 
-def test_mistral_sliding_window_shorter_than_context_is_refused_unless_context_capped() -> None:
-    with pytest.raises(UnsupportedModelError, match=r"sliding_window=4096 < max_model_len=32768"):
-        ModelConfig.from_hf_config(MISTRAL_7B_V01)
+def test_mistral_slides_every_layer_and_an_absent_window_is_transformers_4096() -> None:
+    c = ModelConfig.from_hf_config(MISTRAL_7B_V01)
+    assert c.sliding_layers == tuple(range(32)) and c.sliding_window == 4096
+    assert c.window(0) == c.window(31) == 4096
+    # A window as long as the served context is full attention: recorded as none.
     capped = ModelConfig.from_hf_config(MISTRAL_7B_V01, max_model_len=4096)
-    assert capped.max_model_len == 4096 and capped.model_type == "mistral"
+    assert capped.sliding_window is None and capped.window(0) is None
     no_window = ModelConfig.from_hf_config({**MISTRAL_7B_V01, "sliding_window": None})
-    assert no_window.max_model_len == 32768
-    # An absent key means transformers' default window of 4096, not "no window".
+    assert no_window.sliding_window is None and no_window.max_model_len == 32768
     absent = {k: v for k, v in MISTRAL_7B_V01.items() if k != "sliding_window"}
-    with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):
-        ModelConfig.from_hf_config(absent)
+    assert ModelConfig.from_hf_config(absent).sliding_window == 4096
 
 
 def test_qwen2_has_qkv_bias_only_and_ignores_disabled_sliding_window() -> None:
@@ -154,12 +155,17 @@ def test_qwen2_has_qkv_bias_only_and_ignores_disabled_sliding_window() -> None:
     assert (c.head_dim, c.num_kv_heads, c.rope.theta) == (128, 4, 1000000.0)
 
 
-def test_qwen2_enabled_sliding_window_is_refused() -> None:
+def test_qwen2_enabled_sliding_window_applies_from_max_window_layers_on() -> None:
     hf = {**QWEN2_7B, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 4}
-    with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):
-        ModelConfig.from_hf_config(hf)
-    # Enabled, but max_window_layers covers every layer: no layer actually uses the window.
-    assert ModelConfig.from_hf_config({**hf, "max_window_layers": 28}).qkv_bias
+    c = ModelConfig.from_hf_config(hf)
+    assert c.sliding_layers == tuple(range(4, 28)) and c.sliding_window == 4096
+    assert c.window(3) is None and c.window(4) == 4096
+    # Enabled, but max_window_layers covers every layer: no layer uses the window.
+    assert ModelConfig.from_hf_config({**hf, "max_window_layers": 28}).sliding_window is None
+    # layer_types, where given, decide.
+    types = ["sliding_attention" if i % 2 else "full_attention" for i in range(28)]
+    alternating = ModelConfig.from_hf_config({**hf, "layer_types": types})
+    assert alternating.sliding_layers == tuple(range(1, 28, 2))
 
 
 def test_llama_attention_bias_puts_bias_on_all_four_projections() -> None:
@@ -247,11 +253,10 @@ def test_qwen3_has_qk_norm_its_own_head_dim_and_no_biases() -> None:
     assert not ModelConfig.from_hf_config(LLAMA2_7B).qk_norm
 
 
-def test_qwen3_with_sliding_window_layers_is_refused_as_qwen2_is() -> None:
+def test_qwen3_with_sliding_window_layers_slides_them_as_qwen2_does() -> None:
     hf = {**QWEN3_0_6B, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 4}
-    with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):
-        ModelConfig.from_hf_config(hf, max_model_len=8192)
-    assert ModelConfig.from_hf_config(hf, max_model_len=4096).max_model_len == 4096
+    assert ModelConfig.from_hf_config(hf, max_model_len=8192).window(4) == 4096
+    assert ModelConfig.from_hf_config(hf, max_model_len=4096).sliding_window is None
 
 
 # Abridged from Mixtral-8x7B-v0.1's and Qwen3-30B-A3B's config.json.
@@ -337,11 +342,137 @@ PHI3_MINI_4K: dict[str, Any] = {
 }
 
 
-def test_phi3_has_no_biases_and_its_window_bounds_the_context_served():
-    c = ModelConfig.from_hf_config(PHI3_MINI_4K, max_model_len=2047)
+def test_phi3_has_no_biases_and_slides_every_layer():
+    c = ModelConfig.from_hf_config(PHI3_MINI_4K)
     assert (c.model_type, c.head_dim) == ("phi3", 96)
     assert not (c.qkv_bias or c.o_bias or c.mlp_bias or c.qk_norm) and c.moe is None
-    with pytest.raises(UnsupportedModelError, match="sliding_window=2047"):
-        ModelConfig.from_hf_config(PHI3_MINI_4K)
+    assert c.sliding_window == 2047 and c.sliding_layers == tuple(range(32))
     no_window = {k: v for k, v in PHI3_MINI_4K.items() if k != "sliding_window"}
-    assert ModelConfig.from_hf_config(no_window).max_model_len == 4096  # absent: none
+    assert ModelConfig.from_hf_config(no_window).sliding_window is None  # absent: none
+
+
+# Abridged from Phi-4-mini-instruct's config.json (48 factors each, invented values).
+PHI4_MINI: dict[str, Any] = {
+    **PHI3_MINI_4K,
+    "hidden_size": 3072,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096,
+    "partial_rotary_factor": 0.75,
+    "sliding_window": 262144,
+    "tie_word_embeddings": True,
+    "rope_scaling": {
+        "type": "longrope",
+        "short_factor": [1.0] * 48,
+        "long_factor": [1.0 + i / 8 for i in range(48)],
+    },
+}
+
+
+def test_phi4_mini_rotates_three_quarters_of_each_head_with_longrope():
+    c = ModelConfig.from_hf_config(PHI4_MINI, max_model_len=4096)
+    assert c.head_dim == 128 and c.rope.rotary_dim(c.head_dim) == 96
+    assert c.rope.rope_type == "longrope" and c.rope.ext_factors == (1.0,) * 48
+    assert c.rope.attention_factor == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+    assert c.sliding_window is None  # 262144 > any context served
+    long = ModelConfig.from_hf_config(PHI4_MINI, max_model_len=8192)
+    assert long.rope.ext_factors == tuple(1.0 + i / 8 for i in range(48))
+
+
+def test_longrope_factors_of_the_wrong_length_name_the_field():
+    hf = {**PHI4_MINI, "rope_scaling": {**PHI4_MINI["rope_scaling"], "long_factor": [1.0]}}
+    with pytest.raises(ModelLoadError, match="long_factor"):
+        ModelConfig.from_hf_config(hf)
+
+
+# Abridged from gemma-3-1b-it's and gemma-2-2b-it's config.json.
+GEMMA3_1B: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "max_position_embeddings": 32768,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 1,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "vocab_size": 262144,
+    "bos_token_id": 2,
+    "eos_token_id": [1, 106],
+}
+GEMMA2_2B: dict[str, Any] = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "max_position_embeddings": 8192,
+    "num_attention_heads": 8,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 4,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "vocab_size": 256000,
+}
+
+
+def test_gemma3_has_five_sliding_layers_per_global_one_each_with_its_rope_base():
+    c = ModelConfig.from_hf_config(GEMMA3_1B)
+    assert c.sliding_layers == tuple(i for i in range(26) if (i + 1) % 6)
+    assert c.window(0) == 512 and c.window(5) is None
+    assert c.layer_rope(0).theta == 10000 and c.layer_rope(5).theta == 1_000_000
+    assert c.qk_norm and c.norm_unit_offset and c.hidden_act == "gelu_tanh"
+    assert c.embed_scale == pytest.approx(1152**0.5)
+    assert c.attention_scale == pytest.approx(256**-0.5) and c.tie_word_embeddings
+    assert c.eos_token_ids == (1, 106)
+
+
+def test_gemma3_multimodal_config_parses_its_text_config():
+    mm = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": {k: v for k, v in GEMMA3_1B.items() if k != "architectures"},
+        "vision_config": {"model_type": "siglip_vision_model"},
+        "eos_token_id": [1, 106],
+    }
+    c = ModelConfig.from_hf_config(mm)
+    assert c.architecture == "Gemma3ForConditionalGeneration" and c.model_type == "gemma3"
+    assert c.hidden_size == 1152 and c.sliding_window == 512
+
+
+def test_gemma2_soft_caps_and_alternates_sliding_and_global_layers():
+    c = ModelConfig.from_hf_config(GEMMA2_2B)
+    assert (c.attn_logit_softcap, c.final_logit_softcap) == (50.0, 30.0)
+    assert c.sliding_layers == tuple(range(0, 26, 2)) and c.sliding_window == 4096
+    assert not c.qk_norm and c.sliding_rope is None
+    assert c.attention_scale == pytest.approx(1 / 16)
+
+
+@pytest.mark.parametrize(
+    ("arch", "named"),
+    [
+        ("GptOssForCausalLM", "gpt-oss"),
+        ("Llama4ForConditionalGeneration", "Llama 4"),
+        ("Qwen3NextForCausalLM", "Qwen3-Next"),
+    ],
+)
+def test_out_of_scope_families_are_refused_by_name_with_the_supported_list(arch, named):
+    with pytest.raises(UnsupportedModelError, match=named) as info:
+        ModelConfig.from_hf_config({**LLAMA2_7B, "architectures": [arch]})
+    assert "Gemma3ForCausalLM" in str(info.value)

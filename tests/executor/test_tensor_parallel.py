@@ -48,6 +48,8 @@ PARITY_MODELS = {
     "qwen3_qk_norm": "qwen3",
     "phi3_fused_checkpoint": "phi3",
     "tied_embeddings": "llama_tied",
+    "mixtral_experts": "mixtral",
+    "qwen3_moe_dense_and_sparse_layers": "qwen3_moe",
 }
 
 
@@ -387,10 +389,3 @@ def test_nccl_tp2_with_cuda_graphs_decodes_as_one_rank(tiny_checkpoint, case):
     finally:
         for r in runners:
             r.close()
-
-
-def test_a_mixture_of_experts_is_refused_under_tensor_parallelism_naming_why(tiny_checkpoint):
-    config = read_model_config(tiny_checkpoint("mixtral"))
-    with pytest.raises(UnsupportedModelError, match="mixture of experts"):
-        ShardPlan.of(config, 0, 2)
-    assert ShardPlan.of(config, 0, 1).size == 1

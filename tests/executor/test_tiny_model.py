@@ -126,9 +126,13 @@ def test_architectures_write_the_configs_our_executor_accepts(
     tiny_checkpoint: CheckpointFactory,
 ) -> None:
     mistral = json.loads((tiny_checkpoint("mistral") / "config.json").read_text())
-    assert mistral["sliding_window"] >= mistral["max_position_embeddings"]
+    assert mistral["sliding_window"] is None  # no window unless asked for
+    assert read_model_config(tiny_checkpoint("mistral_window")).sliding_layers == (0, 1)
     qwen2 = json.loads((tiny_checkpoint("qwen2") / "config.json").read_text())
     assert qwen2["use_sliding_window"] is False
+    assert read_model_config(tiny_checkpoint("qwen2_window")).sliding_layers == (1,)
+    gemma3 = read_model_config(tiny_checkpoint("gemma3"))
+    assert (gemma3.sliding_layers, gemma3.sliding_window) == ((0,), 16)
     assert read_model_config(tiny_checkpoint("qwen2")).qkv_bias
     assert read_model_config(tiny_checkpoint("llama3_rope")).rope.rope_type == "llama3"
     assert read_model_config(tiny_checkpoint("llama_tied")).tie_word_embeddings

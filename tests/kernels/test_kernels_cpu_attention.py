@@ -74,3 +74,54 @@ def test_a_query_longer_than_its_context_is_refused_as_by_the_reference() -> Non
     args[5] = torch.tensor([3], dtype=torch.int32)  # seq_lens < query length
     with pytest.raises(ValueError, match="4 query tokens but seq_len=3"):
         paged_attention_cpu(*args)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), HEADS[1:], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("decode_share", [1.0, 0.6], ids=["decode", "mixed"])
+@pytest.mark.parametrize(
+    ("window", "soft_cap"),
+    [(1, None), (5, None), (16, None), (33, 2.0), (None, 2.0), (500, None)],
+    ids=["w1", "w5", "w16", "w33-cap2", "cap2", "w500"],
+)
+def test_fast_cpu_attention_with_window_and_soft_cap_matches_the_reference(
+    block_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    decode_share: float,
+    window: int | None,
+    soft_cap: float | None,
+) -> None:
+    """Windows smaller than, crossing and larger than the blocks and contexts (up to 130
+    positions), soft-cap alone and with a window, on random decode / chunked-prefill /
+    prefix-hit batches."""
+    rng = random.Random(block_size * 1000 + num_kv_heads * 100 + (window or 0))
+    for trial in range(2):
+        seqs = _random_batch(rng, rng.randint(1, 10), decode_share)
+        seqs.append((rng.randint(60, 90), 1 if decode_share == 1.0 else 40))  # a long one
+        batch = make_paged_batch(
+            seqs,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=16,
+            block_size=block_size,
+            num_pad_tokens=trial,
+            seed=trial,
+        )
+        options = {"sliding_window": window, "logits_soft_cap": soft_cap}
+        want = reference.paged_attention(*batch.args(), **options)
+        got = paged_attention_cpu(*batch.args(), **batch.hints(), **options)
+        torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+
+
+def test_fast_cpu_decode_with_window_gathers_only_the_window_blocks() -> None:
+    """Each decode row gathers from the block holding its window's first key: a row
+    whose earlier blocks point at a nonexistent block still works (they are not read)."""
+    batch = make_paged_batch(
+        [(300, 1), (40, 1), (95, 1)], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16
+    )
+    want = reference.paged_attention(*batch.args(), sliding_window=20)
+    batch.block_tables[0, :17] = 10**6  # row 0 (position 300) needs blocks 17 and 18 only
+    batch.block_tables[2, :4] = 10**6  # row 2 (position 95) needs blocks 4 and 5 only
+    got = paged_attention_cpu(*batch.args(), sliding_window=20)
+    torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])

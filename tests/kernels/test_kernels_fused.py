@@ -1,6 +1,7 @@
-"""The fused elementwise kernels (residual add + RMSNorm, rotary embedding, SiLU-and-mul)
-against their torch references: under the Triton interpreter in fp32 and fp16 here, in bf16
-on a GPU (``gpu``)."""
+"""The fused elementwise kernels (residual add + RMSNorm with a ``w`` or Gemma's ``1 + w``
+gain, rotary embedding over whole or partial heads, SiLU- and tanh-GELU-and-mul) against
+their torch references: under the Triton interpreter in fp32 and fp16 here, in bf16 on a GPU
+(``gpu``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from kernels import ops, reference
 from kernels.fused_add_rms_norm import fused_add_rms_norm_triton
 from kernels.rotary_embedding import rotary_embedding_triton
-from kernels.silu_and_mul import silu_and_mul_triton
+from kernels.silu_and_mul import gelu_tanh_and_mul_triton, silu_and_mul_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -27,13 +28,15 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> 
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
 
 
-def _check_add_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
+def _check_add_rms_norm(
+    dtype: torch.dtype, hidden: int, with_residual: bool, unit_offset: bool = False
+) -> None:
     x = _randn(7, hidden, dtype=dtype, seed=0)
     weight = _randn(hidden, dtype=dtype, seed=1)
     residual = _randn(7, hidden, dtype=dtype, seed=2) if with_residual else None
     ref_residual = residual.clone() if residual is not None else None
-    expected = reference.fused_add_rms_norm(x, ref_residual, weight, 1e-6)
-    out = fused_add_rms_norm_triton(x, residual, weight, 1e-6)
+    expected = reference.fused_add_rms_norm(x, ref_residual, weight, 1e-6, unit_offset)
+    out = fused_add_rms_norm_triton(x, residual, weight, 1e-6, unit_offset)
     _close(out, expected, dtype)
     if residual is not None:
         assert ref_residual is not None
@@ -45,6 +48,25 @@ def _check_add_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool) ->
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "plain"])
 def test_add_rms_norm_matches_reference_and_updates_the_residual(dtype, hidden, with_residual):
     _check_add_rms_norm(dtype, hidden, with_residual)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "plain"])
+def test_gemma_unit_offset_norm_matches_reference(dtype, with_residual):
+    _check_add_rms_norm(dtype, 96, with_residual, unit_offset=True)
+
+
+def test_gemma_unit_offset_norm_scales_by_one_plus_the_weight_in_fp32() -> None:
+    """Gemma's gain is ``1 + w`` applied before the one rounding: a zero weight is a plain
+    RMSNorm, and the result differs from Llama's ``w * norm`` on the same weight."""
+    x = _randn(4, 32, dtype=torch.float32, seed=11)
+    plain = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    zero = torch.zeros(32, device=DEVICE)
+    torch.testing.assert_close(reference.fused_add_rms_norm(x, None, zero, 1e-6, True), plain)
+    w = _randn(32, dtype=torch.float32, seed=12)
+    torch.testing.assert_close(
+        reference.fused_add_rms_norm(x, None, w, 1e-6, True), plain * (1 + w)
+    )
 
 
 def _check_rotary(dtype: torch.dtype, num_q: int, num_kv: int, head_dim: int) -> None:
@@ -77,10 +99,37 @@ def _check_silu_and_mul(dtype: torch.dtype, inter: int) -> None:
     _close(silu_and_mul_triton(x), reference.silu_and_mul(x), dtype)
 
 
+def _check_gelu_tanh_and_mul(dtype: torch.dtype, inter: int) -> None:
+    x = _randn(5, 2 * inter, dtype=dtype, seed=13) * 4
+    x[0, :4] = torch.tensor([-30.0, 30.0, 0.0, -3.0], dtype=dtype)  # tanh saturates: no NaN
+    _close(gelu_tanh_and_mul_triton(x), reference.gelu_tanh_and_mul(x), dtype)
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 @pytest.mark.parametrize("inter", [64, 176, 2100])
 def test_silu_and_mul_matches_reference(dtype, inter):
     _check_silu_and_mul(dtype, inter)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("inter", [64, 176])
+def test_gelu_tanh_and_mul_matches_transformers_gelu_pytorch_tanh(dtype, inter):
+    _check_gelu_tanh_and_mul(dtype, inter)
+
+
+def test_rotary_over_the_first_part_of_each_head_leaves_the_rest_untouched() -> None:
+    """Partial rotary (Phi-4-mini): the op gets views of the first 3/4 of each head."""
+    q = _randn(6, 4, 16, dtype=torch.float32, seed=14)
+    k = _randn(6, 2, 16, dtype=torch.float32, seed=15)
+    q_ref, k_ref = q.clone(), k.clone()
+    angles = torch.rand(32, 6, generator=torch.Generator().manual_seed(16)) * 6
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    positions = torch.tensor([0, 3, 31, 7, 7, 12], device=DEVICE)
+    reference.rotary_embedding(positions, q_ref[..., :12], k_ref[..., :12], cos, sin)
+    rotary_embedding_triton(positions, q[..., :12], k[..., :12], cos, sin)
+    _close(q, q_ref, torch.float32)
+    _close(k, k_ref, torch.float32)
+    assert torch.equal(q[..., 12:], _randn(6, 4, 16, dtype=torch.float32, seed=14)[..., 12:])
 
 
 def test_ops_dispatch_reaches_the_fused_kernels(force_triton, monkeypatch) -> None:
@@ -128,3 +177,6 @@ def test_fused_kernels_match_references_in_bf16_on_cuda() -> None:
         _check_rotary(torch.bfloat16, num_q, num_kv, head_dim)
     for inter in (176, 8192, 14336):
         _check_silu_and_mul(torch.bfloat16, inter)
+        _check_gelu_tanh_and_mul(torch.bfloat16, inter)
+    for with_residual in (True, False):
+        _check_add_rms_norm(torch.bfloat16, 1152, with_residual, unit_offset=True)

@@ -1,22 +1,29 @@
 """The model hyper-parameters the executor needs, parsed from a Hugging Face ``config.json``.
 
-Supported: the Llama family as implemented by ``services.executor.model.models.llama`` — Llama 2/3
-(``LlamaForCausalLM``), Mistral (``MistralForCausalLM``), Qwen2 (``Qwen2ForCausalLM``) and
-Qwen3 (``Qwen3ForCausalLM``: per-head RMSNorm of q and k, an explicit ``head_dim``), and
-Phi-3 (``Phi3ForCausalLM``, no biases, its fused checkpoint tensors cut at load), and
-the mixtures of experts Mixtral (``MixtralForCausalLM``) and Qwen3-MoE
-(``Qwen3MoeForCausalLM``), described by :class:`MoEConfig`.
-Anything else raises :class:`UnsupportedModelError` with a message saying what and why.
+Supported (:data:`SUPPORTED_ARCHITECTURES`), all decoder-only transformers built from the
+shared layers in ``services.executor.model.layers``:
 
-Both serialisations of RoPE settings are accepted: the legacy one (top-level ``rope_theta``
-plus an optional ``rope_scaling`` dict keyed by ``type`` or ``rope_type``) and the one written
-by transformers >= 5 (a ``rope_parameters`` dict holding ``rope_theta`` and ``rope_type``).
+- Llama 2/3 (``LlamaForCausalLM``), Mistral (``MistralForCausalLM``), Qwen2
+  (``Qwen2ForCausalLM``);
+- Qwen3 (``Qwen3ForCausalLM``): per-head RMSNorm of q and k (QK-norm), an explicit
+  ``head_dim``;
+- Phi-3 / Phi-4-mini (``Phi3ForCausalLM``): fused checkpoint tensors cut at load, partial
+  rotary and LongRoPE;
+- the mixtures of experts Mixtral (``MixtralForCausalLM``) and Qwen3-MoE
+  (``Qwen3MoeForCausalLM``), described by :class:`MoEConfig`;
+- Gemma 2 (``Gemma2ForCausalLM``) and Gemma 3 (``Gemma3ForCausalLM``, and the language model
+  of ``Gemma3ForConditionalGeneration``): ``(1 + w)`` RMSNorms, four per layer, GELU-tanh,
+  scaled embeddings, ``query_pre_attn_scalar``, logit soft-capping, and sliding-window layers
+  interleaved with global ones (Gemma 3's with their own RoPE base).
 
-Sliding-window attention (Mistral, Qwen2/3 with ``use_sliding_window``) is not implemented. A
-window only changes the result for sequences longer than the window, so such a model is
-accepted exactly when ``max_model_len <= sliding_window``: every sequence then fits in the
-window and full causal attention is the same computation. Otherwise loading fails and the
-message tells the caller to cap ``max_model_len``.
+Sliding-window attention is per layer (:meth:`ModelConfig.window`): in the layers that
+transformers builds as sliding, a query at position p sees the keys in (p - W, p], as
+transformers masks it. A window at least as long as ``max_model_len`` is full attention and is
+recorded as none. The KV cache still keeps every token of every layer.
+
+Fields a config omits take transformers' defaults for that family (:data:`_FAMILY_DEFAULTS`).
+Anything else raises :class:`UnsupportedModelError` with a message saying what and why; a
+malformed field raises :class:`ModelLoadError` naming it.
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from services.executor.model.errors import ModelLoadError, UnsupportedModelError
+from services.executor.model.rope_config import DEFAULT_ROPE_THETA, RopeConfig, parse_rope
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "MoEConfig", "ModelConfig", "RopeConfig"]
 
-#: HF architecture class name -> HF ``model_type``.
+#: HF architecture class name -> our family name (HF ``model_type``, Gemma 3 unified).
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -38,30 +46,61 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
 }
-_ARCH_BY_MODEL_TYPE = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+}
+#: Named refusals: families people ask for that this executor does not serve (yet).
+_REFUSED = {
+    "GptOssForCausalLM": "gpt-oss (attention sinks, MXFP4 experts)",
+    "Llama4ForConditionalGeneration": "Llama 4 (chunked attention, multimodal)",
+    "Llama4ForCausalLM": "Llama 4 (chunked attention)",
+    "Qwen3NextForCausalLM": "Qwen3-Next (linear attention layers)",
+}
 
-RopeType = Literal["default", "linear", "llama3"]
-_DEFAULT_ROPE_THETA = 10000.0
-_HF_DEFAULT_SLIDING_WINDOW = 4096
+_GEMMA_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-6,
+}
+# transformers' defaults for the fields we read, where a family's differ from our generic ones.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 4096},
+    "qwen2": {"sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {"sliding_window": 4096, "max_window_layers": 28, "head_dim": 128},
+    "qwen3_moe": {"sliding_window": 4096, "max_window_layers": 28},
+    "gemma2": {
+        **_GEMMA_DEFAULTS,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+    },
+    "gemma3": {
+        **_GEMMA_DEFAULTS,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "sliding_window_pattern": 6,
+        "max_position_embeddings": 131_072,
+    },
+}
+_GEMMA = ("gemma2", "gemma3")
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary position embedding settings.
-
-    ``default``: ``inv_freq[i] = theta ** (-2i / head_dim)``. ``linear``: ``inv_freq / factor``
-    (position interpolation). ``llama3``: Llama 3.1's frequency-dependent rescaling; low
-    frequencies are divided by ``factor``, high ones kept, the band between interpolated
-    (the four llama3 fields are set only for this type).
-    """
-
-    theta: float = _DEFAULT_ROPE_THETA
-    rope_type: RopeType = "default"
-    factor: float = 1.0
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-    original_max_position_embeddings: int | None = None
+HiddenAct = Literal["silu", "gelu_tanh"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +118,9 @@ class MoEConfig:
     layers: tuple[int, ...]
     hf_prefix: str = "mlp"
     hf_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # Routing weights multiply the expert outputs in fp32 (Mixtral), or are first cast to
+    # the activations' dtype (Qwen3-MoE), as transformers does for each.
+    fp32_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,7 +128,7 @@ class ModelConfig:
     """Everything the model, the KV cache and the scheduler need to know about a checkpoint."""
 
     architecture: str  # HF class name, e.g. "LlamaForCausalLM"
-    model_type: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    model_type: str  # our family: a value of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -97,7 +139,7 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     max_model_len: int  # longest sequence (prompt + output) we serve; <= max_position_embeddings
-    rope: RopeConfig
+    rope: RopeConfig  # every layer's, or the full-attention layers' where sliding_rope is set
     qkv_bias: bool  # bias on q/k/v projections (Qwen2 always; Llama if attention_bias)
     o_bias: bool  # bias on the output projection (Llama's attention_bias only)
     mlp_bias: bool
@@ -105,8 +147,19 @@ class ModelConfig:
     torch_dtype: str | None  # the checkpoint's declared dtype, e.g. "bfloat16"
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     moe: MoEConfig | None = None  # a sparse mixture of experts (Mixtral, Qwen3-MoE)
+    hidden_act: HiddenAct = "silu"  # the gated MLP's activation
+    norm_unit_offset: bool = False  # Gemma: every RMSNorm scales by (1 + w)
+    embed_scale: float | None = None  # Gemma: embeddings multiplied by sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this), not head_dim
+    attn_logit_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the output logits
+    #: The layers transformers builds as sliding-window layers, and their window: None when
+    #: none or when it is at least max_model_len (then they attend to everything anyway).
+    sliding_layers: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    sliding_rope: RopeConfig | None = None  # Gemma 3: the sliding layers' own RoPE
 
     @property
     def q_size(self) -> int:
@@ -116,9 +169,25 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q.k: ``query_pre_attn_scalar ** -0.5`` where set, else
+        ``head_dim ** -0.5``."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, None for full attention."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The RoPE settings layer ``layer`` rotates with."""
+        if self.sliding_rope is not None and layer in self.sliding_layers:
+            return self.sliding_rope
+        return self.rope
+
     @classmethod
     def from_hf_config(
-        cls, hf: Mapping[str, Any], *, max_model_len: int | None = None
+        cls, hf_raw: Mapping[str, Any], *, max_model_len: int | None = None
     ) -> ModelConfig:
         """Parse a ``config.json`` dict.
 
@@ -126,8 +195,9 @@ class ModelConfig:
         Raises :class:`UnsupportedModelError` for other architectures or unimplemented
         features and :class:`ModelLoadError` for missing or inconsistent fields.
         """
-        architecture = _architecture(hf)
+        architecture = _architecture(hf_raw)
         model_type = SUPPORTED_ARCHITECTURES[architecture]
+        hf = {**_FAMILY_DEFAULTS.get(model_type, {}), **_text_config(hf_raw, architecture)}
 
         hidden_size = _int(hf, "hidden_size")
         num_heads = _int(hf, "num_attention_heads")
@@ -142,9 +212,10 @@ class ModelConfig:
                 f"config.json: num_attention_heads={num_heads} is not a multiple of "
                 f"num_key_value_heads={num_kv_heads}"
             )
-        hidden_act = hf.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise UnsupportedModelError(f"config.json: hidden_act={hidden_act!r}; only 'silu'")
+        act_key = "hidden_activation" if model_type in _GEMMA else "hidden_act"
+        act = hf.get(act_key, "silu")
+        if act not in _ACTIVATIONS or (model_type not in _GEMMA and act != "silu"):
+            raise UnsupportedModelError(f"config.json: {act_key}={act!r} is not supported")
 
         max_position_embeddings = _int(hf, "max_position_embeddings")
         if max_model_len is None:
@@ -154,11 +225,18 @@ class ModelConfig:
                 f"max_model_len={max_model_len} must be in [1, max_position_embeddings="
                 f"{max_position_embeddings}]"
             )
-        _check_sliding_window(hf, model_type, max_model_len)
+        num_layers = _int(hf, "num_hidden_layers")
+        sliding_layers, sliding_window = _sliding(hf, model_type, num_layers, max_model_len)
+        rope, sliding_rope = _ropes(hf, model_type, head_dim, max_model_len)
+        if rope.partial_rotary_factor != 1.0 and model_type != "phi3":
+            raise UnsupportedModelError(
+                f"config.json: partial_rotary_factor={rope.partial_rotary_factor} "
+                f"({model_type} rotates whole heads)"
+            )
 
         if model_type == "qwen2":
             qkv_bias, o_bias, mlp_bias = True, False, False
-        elif model_type in ("llama", "qwen3", "qwen3_moe"):
+        elif model_type in ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3"):
             attention_bias = bool(hf.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias = attention_bias, attention_bias, bool(hf.get("mlp_bias"))
         else:  # mistral, mixtral, phi3: no biases
@@ -167,20 +245,21 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         torch_dtype = hf.get("dtype") or hf.get("torch_dtype")
+        gemma = model_type in _GEMMA
         return cls(
             architecture=architecture,
             model_type=model_type,
             vocab_size=_int(hf, "vocab_size"),
             hidden_size=hidden_size,
             intermediate_size=_int(hf, "intermediate_size"),
-            num_layers=_int(hf, "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_position_embeddings,
             max_model_len=max_model_len,
-            rope=_rope_config(hf, max_position_embeddings),
+            rope=rope,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
@@ -188,8 +267,17 @@ class ModelConfig:
             torch_dtype=str(torch_dtype) if torch_dtype is not None else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3"),
             moe=_moe_config(hf, model_type),
+            hidden_act=_ACTIVATIONS[act],  # type: ignore[arg-type]
+            norm_unit_offset=gemma,
+            embed_scale=hidden_size**0.5 if gemma else None,
+            query_pre_attn_scalar=_positive(hf, "query_pre_attn_scalar") if gemma else None,
+            attn_logit_softcap=_positive(hf, "attn_logit_softcapping"),
+            final_logit_softcap=_positive(hf, "final_logit_softcapping"),
+            sliding_layers=sliding_layers,
+            sliding_window=sliding_window,
+            sliding_rope=sliding_rope,
         )
 
 
@@ -198,6 +286,12 @@ def _architecture(hf: Mapping[str, Any]) -> str:
     for arch in architectures:
         if arch in SUPPORTED_ARCHITECTURES:
             return arch
+    for arch in architectures:
+        if arch in _REFUSED:
+            raise UnsupportedModelError(
+                f"config.json: architecture {arch} ({_REFUSED[arch]}) is not supported; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
     if architectures:
         raise UnsupportedModelError(
             f"config.json: architectures={architectures} is not supported; "
@@ -212,28 +306,80 @@ def _architecture(hf: Mapping[str, Any]) -> str:
     )
 
 
-def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_model_len: int) -> None:
-    # transformers' Mistral and Qwen2 configs default to a 4096-token window when the key is
-    # absent; an explicit null means no window.
-    # (Phi-3's config defaults to no window.)
-    default = None if model_type == "phi3" else _HF_DEFAULT_SLIDING_WINDOW
-    window = hf.get("sliding_window", default)
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
-        # Qwen2/3 window layers >= max_window_layers, or those that layer_types marks.
+def _text_config(hf: Mapping[str, Any], architecture: str) -> Mapping[str, Any]:
+    """The language model's fields: a multimodal checkpoint nests them in ``text_config``
+    (the top level keeps ids and the dtype it may not repeat)."""
+    if architecture != "Gemma3ForConditionalGeneration":
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ModelLoadError("config.json: Gemma3ForConditionalGeneration needs a text_config")
+    inherited = ("tie_word_embeddings", "eos_token_id", "bos_token_id", "dtype", "torch_dtype")
+    return {**{k: hf[k] for k in inherited if k in hf}, **text}
+
+
+def _sliding(
+    hf: Mapping[str, Any], model_type: str, num_layers: int, max_model_len: int
+) -> tuple[tuple[int, ...], int | None]:
+    """(the sliding-window layers, as transformers builds them; their effective window)."""
+    window = hf.get("sliding_window")
+    if model_type in ("mistral", "mixtral", "phi3"):
+        sliding = [True] * num_layers  # every layer, when the config has a window
+    elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        # Qwen: no window unless use_sliding_window; then the layers layer_types marks, or
+        # those from max_window_layers on.
+        if not hf.get("use_sliding_window"):
+            window = None
         layer_types = hf.get("layer_types")
         if layer_types:
-            has_window_layers = "sliding_attention" in layer_types
+            sliding = [t == "sliding_attention" for t in layer_types]
         else:
-            has_window_layers = hf.get("max_window_layers", 28) < hf.get("num_hidden_layers", 0)
-        uses_window = bool(hf.get("use_sliding_window")) and has_window_layers
+            first = hf.get("max_window_layers", 28)
+            sliding = [i >= first for i in range(num_layers)]
+    elif model_type in _GEMMA:
+        layer_types = hf.get("layer_types")
+        if not layer_types:
+            period = 2 if model_type == "gemma2" else _int(hf, "sliding_window_pattern")
+            layer_types = [
+                "sliding_attention" if (i + 1) % period else "full_attention"
+                for i in range(num_layers)
+            ]
+        sliding = [t == "sliding_attention" for t in layer_types]
+        unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise UnsupportedModelError(f"config.json: layer_types {sorted(unknown)}")
     else:
-        uses_window = model_type in ("mistral", "mixtral", "phi3")
-    if uses_window and window is not None and window < max_model_len:
-        raise UnsupportedModelError(
-            f"config.json: sliding_window={window} < max_model_len={max_model_len}; "
-            "sliding-window attention is not implemented. Pass max_model_len <= "
-            f"{window} to serve this model with (then identical) full attention."
+        return (), None
+    if len(sliding) != num_layers:
+        raise ModelLoadError(
+            f"config.json: layer_types has {len(sliding)} entries for {num_layers} layers"
         )
+    if window is None:
+        return (), None
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ModelLoadError(f"config.json: sliding_window must be a positive int, got {window!r}")
+    layers = tuple(i for i, s in enumerate(sliding) if s)
+    # A window at least max_model_len long covers every context: full attention.
+    return layers, (window if window < max_model_len and layers else None)
+
+
+def _ropes(
+    hf: Mapping[str, Any], model_type: str, head_dim: int, max_model_len: int
+) -> tuple[RopeConfig, RopeConfig | None]:
+    """(the RoPE of every layer, or of the global layers; the sliding layers' own, if any)."""
+    # Legacy: top-level rope_theta + rope_scaling; transformers >= 5: rope_parameters, which
+    # Gemma 3 keys by layer type.
+    params: dict[str, Any] = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    kw = {"head_dim": head_dim, "max_model_len": max_model_len}
+    if model_type != "gemma3":
+        return parse_rope(params, hf, **kw), None
+    per_type = {k: params.pop(k) for k in ("full_attention", "sliding_attention") if k in params}
+    full = {**params, **(per_type.get("full_attention") or {})}
+    local = per_type.get("sliding_attention") or {
+        "rope_type": "default",
+        "rope_theta": hf.get("rope_local_base_freq", DEFAULT_ROPE_THETA),
+    }
+    return parse_rope(full, hf, **kw), parse_rope(local, hf, **kw)
 
 
 def _moe_config(hf: Mapping[str, Any], model_type: str) -> MoEConfig | None:
@@ -247,6 +393,7 @@ def _moe_config(hf: Mapping[str, Any], model_type: str) -> MoEConfig | None:
             layers=tuple(range(num_layers)),
             hf_prefix="block_sparse_moe",
             hf_parts=("w1", "w3", "w2"),
+            fp32_weights=True,
         )
     if model_type != "qwen3_moe":
         return None
@@ -267,45 +414,13 @@ def _moe_config(hf: Mapping[str, Any], model_type: str) -> MoEConfig | None:
     )
 
 
-def _rope_config(hf: Mapping[str, Any], max_position_embeddings: int) -> RopeConfig:
-    # Legacy: top-level rope_theta + rope_scaling; transformers >= 5: rope_parameters.
-    params: dict[str, Any] = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    if any(isinstance(v, Mapping) for v in params.values()):
-        raise UnsupportedModelError("config.json: per-layer-type rope_parameters are not supported")
-    theta = float(params.get("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA)))
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise UnsupportedModelError(f"config.json: partial_rotary_factor={partial}; only 1.0")
-    rope_type = params.get("rope_type", params.get("type")) or "default"
-    if rope_type == "default":
-        return RopeConfig(theta=theta)
-    if rope_type == "linear":
-        return RopeConfig(theta=theta, rope_type="linear", factor=_rope_float(params, "factor"))
-    if rope_type == "llama3":
-        original = params.get("original_max_position_embeddings", max_position_embeddings)
-        low = _rope_float(params, "low_freq_factor")
-        high = _rope_float(params, "high_freq_factor")
-        if not high > low:
-            raise ModelLoadError(
-                f"config.json: llama3 rope needs high_freq_factor > low ({params})"
-            )
-        return RopeConfig(
-            theta=theta,
-            rope_type="llama3",
-            factor=_rope_float(params, "factor"),
-            low_freq_factor=low,
-            high_freq_factor=high,
-            original_max_position_embeddings=int(original),
-        )
-    raise UnsupportedModelError(
-        f"config.json: rope type {rope_type!r} is not supported; supported: default, linear, llama3"
-    )
-
-
-def _rope_float(params: Mapping[str, Any], key: str) -> float:
-    value = params.get(key)
-    if not isinstance(value, int | float) or value <= 0:
-        raise ModelLoadError(f"config.json: rope {key} must be a positive number, got {value!r}")
+def _positive(hf: Mapping[str, Any], key: str) -> float | None:
+    """An optional positive number (None when absent or null)."""
+    value = hf.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+        raise ModelLoadError(f"config.json: {key} must be a positive number, got {value!r}")
     return float(value)
 
 

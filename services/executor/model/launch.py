@@ -105,8 +105,9 @@ def _build(
     )
     graph_sizes = config.graph_sizes if graph_backend is not None or device.type == "cuda" else ()
     if model.config.moe is not None and graph_sizes:
-        # The experts a step hits are read on the host: not capturable, so no graphs, and
-        # no memory set aside for them when the cache is sized.
+        # The fused MoE kernel reads nothing back on the host, but its capture has not yet
+        # run on a GPU (tests/kernels/test_kernels_fused_moe.py, gpu): no graphs until it
+        # has, and no memory set aside for them when the cache is sized.
         log.info("cuda_graphs_disabled", reason="mixture of experts")
         graph_sizes = ()
     num_blocks = size_kv_cache(

@@ -5,11 +5,15 @@ The cut is Megatron's. Each rank holds a slice of the query heads (and of the KV
 replicated when there are fewer KV heads than ranks, as vLLM does), a slice of the MLP's
 intermediate width, and a slice of the vocabulary. Column-parallel layers (``qkv_proj``,
 ``gate_up_proj``) need no communication. Row-parallel layers (``o_proj``, ``down_proj``)
-produce partial sums, added up by one all-reduce each. The embedding is vocab-parallel:
-each rank looks up the tokens it owns, the others contribute zeros, and an all-reduce
-joins them. The LM head's logits are gathered to rank 0, which samples.
+produce partial sums, added up by one all-reduce each. A mixture of experts is cut the
+same way inside every expert: a slice of each expert's intermediate width (its own width,
+``moe.intermediate_size``, which need not be the dense layers' ``intermediate_size``: a
+Qwen3-MoE may have both kinds of layer), the router replicated, one all-reduce. The
+embedding is vocab-parallel: each rank looks up the tokens it owns, the others contribute
+zeros, and an all-reduce joins them. The LM head's logits are gathered to rank 0, which
+samples.
 
-Widths that do not divide by the rank count (intermediate size, vocabulary) are padded to
+Widths that do not divide by the rank count (intermediate sizes, vocabulary) are padded to
 ``ceil(x / N)`` per rank with zero rows, which contribute nothing: ``silu(0) * 0 = 0``,
 an embedding row that no token id reaches, and logits that are sliced off.
 
@@ -44,7 +48,9 @@ def _ceil_div(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class ShardPlan:
     """What rank ``rank`` of ``size`` holds. Heads and rows are given as (first global index,
-    count held); ``*_rows`` counts include the zero padding, ``num_real_*`` do not."""
+    count held); ``*_rows`` counts include the zero padding, ``num_real_*`` do not.
+    ``intermediate_*`` cut the dense MLPs, ``moe_intermediate_*`` every expert of the
+    mixture-of-experts layers (all zero without experts)."""
 
     rank: int
     size: int
@@ -58,6 +64,9 @@ class ShardPlan:
     vocab_start: int
     total_intermediate: int
     total_vocab: int
+    moe_intermediate_rows: int = 0
+    moe_intermediate_start: int = 0
+    total_moe_intermediate: int = 0
 
     @classmethod
     def of(cls, config: ModelConfig, rank: int = 0, size: int = 1) -> ShardPlan:
@@ -66,11 +75,6 @@ class ShardPlan:
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"rank {rank} of {size}: need 0 <= rank < size")
         nh, nkv = config.num_heads, config.num_kv_heads
-        if config.moe is not None and size > 1:
-            raise UnsupportedModelError(
-                f"{config.architecture}: tensor parallelism of a mixture of experts is not "
-                "implemented; serve it with --tensor-parallel-size 1"
-            )
         if nh % size:
             raise UnsupportedModelError(
                 f"num_attention_heads={nh} is not divisible by --tensor-parallel-size={size}"
@@ -90,6 +94,8 @@ class ShardPlan:
             local_kv, kv_start = 1, rank // (size // nkv)
         inter = _ceil_div(config.intermediate_size, size)
         vocab = _ceil_div(config.vocab_size, size)
+        moe_total = config.moe.intermediate_size if config.moe is not None else 0
+        moe_inter = _ceil_div(moe_total, size)
         return cls(
             rank=rank,
             size=size,
@@ -103,6 +109,9 @@ class ShardPlan:
             vocab_start=rank * vocab,
             total_intermediate=config.intermediate_size,
             total_vocab=config.vocab_size,
+            moe_intermediate_rows=moe_inter,
+            moe_intermediate_start=rank * moe_inter,
+            total_moe_intermediate=moe_total,
         )
 
     @property
@@ -113,18 +122,32 @@ class ShardPlan:
         )
 
     @property
+    def num_real_moe_intermediate(self) -> int:
+        """Rows of each expert's intermediate width this rank holds (the rest is padding)."""
+        return max(
+            0,
+            min(
+                self.moe_intermediate_rows,
+                self.total_moe_intermediate - self.moe_intermediate_start,
+            ),
+        )
+
+    @property
     def num_real_vocab(self) -> int:
         """Vocabulary rows of the checkpoint this rank holds (the rest is padding)."""
         return max(0, min(self.vocab_rows, self.total_vocab - self.vocab_start))
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
-        """``config`` with this rank's heads and MLP width (what its layers and its KV-cache
-        shard are built from); the vocabulary and everything else stay global."""
+        """``config`` with this rank's heads, MLP width and experts' width (what its layers
+        and its KV-cache shard are built from); the vocabulary and everything else stay
+        global."""
+        moe = config.moe
         return replace(
             config,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             intermediate_size=self.intermediate_rows,
+            moe=None if moe is None else replace(moe, intermediate_size=self.moe_intermediate_rows),
         )
 
 

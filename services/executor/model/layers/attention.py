@@ -1,6 +1,6 @@
 """Paged self-attention over this rank's heads: fused QKV projection, optional per-head
-RMSNorm of q and k (QK-norm, Qwen3), RoPE, the KV write into the paged cache and
-``kernels.ops.paged_attention``."""
+RMSNorm of q and k (QK-norm, Qwen3 and Gemma 3), RoPE, the KV write into the paged cache and
+``kernels.ops.paged_attention`` with the layer's sliding window and soft-cap, if any."""
 
 from __future__ import annotations
 
@@ -21,20 +21,27 @@ class Attention(nn.Module):
     """Self-attention over this rank's heads: ``qkv_proj`` is column-parallel (``config`` is
     the rank's local config), ``o_proj`` row-parallel, its partial sums all-reduced."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, comm: Comm) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, comm: Comm, layer_idx: int = 0
+    ) -> None:
         super().__init__()
         self.comm = comm
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.sliding_window = config.window(layer_idx)
+        self.logits_soft_cap = config.attn_logit_softcap
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
         # QK-norm: one RMSNorm over head_dim shared by every head (replicated across ranks).
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            eps, offset = config.rms_norm_eps, config.norm_unit_offset
+            self.q_norm = RMSNorm(self.head_dim, eps, dtype, offset)
+            self.k_norm = RMSNorm(self.head_dim, eps, dtype, offset)
 
     def forward(
         self,
@@ -65,5 +72,7 @@ class Attention(nn.Module):
             self.scale,
             max_query_len=batch.max_query_len,
             max_seq_len=batch.max_seq_len,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
         )  # [T, Hq, D]
         return self.comm.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))

@@ -5,9 +5,10 @@ its checkpoint's weight names. A new family is a new file here and a line in
 from __future__ import annotations
 
 from services.executor.model.errors import UnsupportedModelError
+from services.executor.model.models.gemma import GemmaLM
 from services.executor.model.models.llama import DecoderLM
 
-__all__ = ["MODEL_CLASSES", "DecoderLM", "model_class"]
+__all__ = ["MODEL_CLASSES", "DecoderLM", "GemmaLM", "model_class"]
 
 #: HF architecture class name -> the class that implements it.
 MODEL_CLASSES: dict[str, type[DecoderLM]] = {
@@ -19,6 +20,10 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "MixtralForCausalLM": DecoderLM,
     "Qwen3MoeForCausalLM": DecoderLM,
     "Phi3ForCausalLM": DecoderLM,  # its checkpoints store qkv_proj and gate_up_proj fused
+    # Sandwich norms; (1 + w) gains, GeGLU, soft-capping and sliding layers are config:
+    "Gemma2ForCausalLM": GemmaLM,
+    "Gemma3ForCausalLM": GemmaLM,
+    "Gemma3ForConditionalGeneration": GemmaLM,  # its language model; no vision tower
 }
 
 

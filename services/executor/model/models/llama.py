@@ -39,16 +39,19 @@ __all__ = ["DecoderLM"]
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``; the residual
+    adds are fused into the next norm."""
+
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, comm: Comm, layer_idx: int = 0
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype, comm)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.input_layernorm = _norm(config, dtype)
+        self.self_attn = Attention(config, dtype, comm, layer_idx)
+        self.post_attention_layernorm = _norm(config, dtype)
         moe = config.moe
         self.mlp: MLP | SparseMoE = (
-            SparseMoE(config.hidden_size, moe, dtype)
+            SparseMoE(config.hidden_size, moe, dtype, comm)
             if moe is not None and layer_idx in moe.layers
             else MLP(config, dtype, comm)
         )
@@ -71,6 +74,11 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def _norm(config: ModelConfig, dtype: torch.dtype) -> RMSNorm:
+    """An RMSNorm over the hidden size, with the family's gain (``1 + w`` for Gemma)."""
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, config.norm_unit_offset)
+
+
 # Our fused projections and the HF projections stacked into them, in order along dim 0.
 _FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -85,7 +93,13 @@ _ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 
 class DecoderLM(nn.Module):
     """The whole causal LM: embeddings, decoder layers, final norm, LM head; one rank's shard
-    of it under tensor parallelism (``shard`` and ``comm``; one rank by default)."""
+    of it under tensor parallelism (``shard`` and ``comm``; one rank by default).
+
+    A family with another layer structure sets :attr:`layer_class`; one whose checkpoint names
+    its tensors otherwise overrides :meth:`checkpoint_name`.
+    """
+
+    layer_class: type[nn.Module] = DecoderLayer
 
     def __init__(
         self,
@@ -104,11 +118,21 @@ class DecoderLM(nn.Module):
         self.local_config = lc = self.shard.local_config(config)
         self.embed_tokens = VocabParallelEmbedding(self.shard, config.hidden_size, dtype, self.comm)
         self.layers = nn.ModuleList(
-            DecoderLayer(lc, dtype, self.comm, i) for i in range(lc.num_layers)
+            self.layer_class(lc, dtype, self.comm, i) for i in range(lc.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = _norm(config, dtype)
         self.lm_head = nn.Linear(config.hidden_size, self.shard.vocab_rows, bias=False, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len, dtype)
+        # Gemma: sqrt(hidden), rounded to the model dtype as transformers rounds it.
+        self.embed_scale: float | None = None
+        if config.embed_scale is not None:
+            self.embed_scale = float(torch.tensor(config.embed_scale, device="cpu", dtype=dtype))
+        # Gemma 3's sliding layers rotate with their own base.
+        self.rotary_emb_local: RotaryEmbedding | None = None
+        if config.sliding_rope is not None:
+            self.rotary_emb_local = RotaryEmbedding(
+                config.sliding_rope, config.head_dim, config.max_model_len, dtype
+            )
         self._tie_weights()
 
     @classmethod
@@ -133,6 +157,8 @@ class DecoderLM(nn.Module):
             for param in model.parameters():
                 param.detach().zero_()
         model.rotary_emb.compute_tables()
+        if model.rotary_emb_local is not None:
+            model.rotary_emb_local.compute_tables()
         return model.eval().requires_grad_(False)
 
     def _tie_weights(self) -> None:
@@ -145,20 +171,29 @@ class DecoderLM(nn.Module):
         ``[L, 2, NB, BS, Hkv, D]`` (this rank's KV heads); return fp32 logits ``[K, V]`` for
         ``batch.logits_indices`` only (on rank 0; other ranks return a placeholder).
         """
+        c = self.config
         h = self.embed_tokens(batch.input_ids)  # [T, H]
+        if self.embed_scale is not None:  # Gemma
+            h = h * self.embed_scale
         residual: Tensor | None = None
-        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
-            h, residual = layer(h, residual, batch, self.rotary_emb, layer_cache)  # [T, H] x2
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache, strict=True)):
+            rotary = self.rotary_emb
+            if self.rotary_emb_local is not None and i in c.sliding_layers:
+                rotary = self.rotary_emb_local
+            h, residual = layer(h, residual, batch, rotary, layer_cache)  # [T, H] x2
         assert residual is not None
         idx = batch.logits_indices  # the norm is per token: only the rows whose logits we need
         h = self.norm(h[idx], residual[idx])  # [K, H]
         logits = self.lm_head(h)  # [K, V / N padded]
-        if self.comm.size == 1:
-            return logits.float()
-        logits = self.comm.gather_last_dim(logits)  # rank 0: [K, N * V/N padded]
-        if self.comm.rank != 0:
-            return logits  # rank 0 samples; nobody reads this
-        return logits[:, : self.config.vocab_size].float().contiguous()  # [K, V]
+        if self.comm.size > 1:
+            logits = self.comm.gather_last_dim(logits)  # rank 0: [K, N * V/N padded]
+            if self.comm.rank != 0:
+                return logits  # rank 0 samples; nobody reads this
+            logits = logits[:, : c.vocab_size]
+        if c.final_logit_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            cap = c.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float().contiguous()  # [K, V]
 
     def hf_weight_names(self) -> set[str]:
         """The tensor names a complete HF-format checkpoint of this model provides."""
@@ -189,7 +224,8 @@ class DecoderLM(nn.Module):
         """
         params = dict(self.named_parameters())
         missing = self.hf_weight_names()
-        for hf_name, weight in self._unfused(weights):
+        renamed = ((self.checkpoint_name(name), w) for name, w in weights)
+        for hf_name, weight in self._unfused((n, w) for n, w in renamed if n is not None):
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # some old checkpoints store the (recomputed) RoPE frequencies
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -218,6 +254,11 @@ class DecoderLM(nn.Module):
                 place.target.copy_(weight[index])
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors: {sorted(missing)[:8]}")
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The name under which a checkpoint tensor is placed (None: skip the tensor).
+        Identity here; a family whose checkpoints nest the language model overrides it."""
+        return name
 
     def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """``weights`` with checkpoints' own fused projections (Phi-3 stores ``qkv_proj`` and
@@ -303,7 +344,10 @@ class DecoderLM(nn.Module):
     def _place_expert(
         self, params: dict[str, nn.Parameter], name: str, moe: MoEConfig
     ) -> Placement | None:
-        """Where a mixture-of-experts checkpoint tensor goes (None: it is not one)."""
+        """Where a mixture-of-experts checkpoint tensor goes (None: it is not one). The router
+        is replicated; each expert's gate and up rows (``[I, H]`` each) and down columns
+        (``[H, I]``) are this rank's slice of ``I``, as the dense MLP's are; the padding
+        past the real rows stays zero."""
         prefix = re.escape(moe.hf_prefix)
         router = re.fullmatch(rf"layers\.(\d+)\.{prefix}\.gate\.weight", name)
         if router is not None:
@@ -317,10 +361,12 @@ class DecoderLM(nn.Module):
         param = params.get(f"layers.{layer}.mlp.{'w2' if which == 2 else 'w13'}")
         if param is None or expert >= moe.num_experts:
             return None
+        s, total = self.shard, moe.intermediate_size
+        n, start = s.num_real_moe_intermediate, s.moe_intermediate_start
         if which == 2:
-            return Placement(param[expert])
-        inter = moe.intermediate_size
-        return Placement(param[expert, which * inter : (which + 1) * inter])
+            return Placement(param[expert, :, :n], 1, start, total)
+        rows = s.moe_intermediate_rows
+        return Placement(param[expert, which * rows : which * rows + n], 0, start, total)
 
     def _fused_part(self, fused: str, part_index: int) -> tuple[int, int, int, int]:
         """(first row in the fused parameter, rows filled, first checkpoint row, checkpoint
