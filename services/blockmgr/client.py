@@ -23,6 +23,7 @@ from services.blockmgr.core import BlockManagerCore
 from services.blockmgr.errors import BlockManagerError, ErrorCode
 from services.blockmgr.types import (
     EvictionPolicyName,
+    KVCacheGroup,
     KVEvent,
     Operation,
     PoolInfo,
@@ -62,7 +63,11 @@ class BlockManagerClient(Protocol):
         enable_prefix_caching: bool = True,
         eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
         owner_token: str | None = None,
-    ) -> PoolInfo: ...
+        groups: Sequence[KVCacheGroup] = (),
+    ) -> PoolInfo:
+        """Create or replace a pool (see the proto's Register). ``groups``: its KV-cache groups
+        (none: one full-attention group); at most ``info().max_kv_cache_groups``."""
+        ...
 
     def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult: ...
 
@@ -146,9 +151,11 @@ class InProcessClient:
         enable_prefix_caching: bool = True,
         eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
         owner_token: str | None = None,
+        groups: Sequence[KVCacheGroup] = (),
     ) -> PoolInfo:
         """``owner_token``: the token to own the pool with; by default the one of our last
-        registration of it (none: the block manager picks)."""
+        registration of it (none: the block manager picks). ``groups``: the pool's KV-cache
+        groups (none: one full-attention group)."""
         info = self.core.register(
             pool_id,
             num_blocks,
@@ -156,6 +163,7 @@ class InProcessClient:
             enable_prefix_caching=enable_prefix_caching,
             eviction_policy=eviction_policy,
             owner_token=owner_token or self._tokens.get(pool_id, ""),
+            groups=groups,
         )
         self._tokens[pool_id] = info.owner_token
         return info
@@ -282,6 +290,7 @@ class GrpcClient:
         enable_prefix_caching: bool = True,
         eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
         owner_token: str | None = None,
+        groups: Sequence[KVCacheGroup] = (),
     ) -> PoolInfo:
         try:
             policy = convert.POLICY_TO_PB[EvictionPolicyName.parse(eviction_policy)]
@@ -296,6 +305,7 @@ class GrpcClient:
                 enable_prefix_caching=enable_prefix_caching,
                 eviction_policy=policy,
                 owner_token=owner_token or self._tokens.get(pool_id, ""),
+                groups=convert.groups_to_pb(groups),
             ),
         )
         self._tokens[pool_id] = resp.owner_token

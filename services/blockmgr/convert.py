@@ -8,8 +8,10 @@ from typing import cast
 from pagedserve.v1 import blockmgr_pb2 as pb
 from services.blockmgr.errors import BlockManagerError, ErrorCode
 from services.blockmgr.types import (
+    FULL_GROUP,
     Admit,
     AdmitResult,
+    AttentionKindName,
     BlockCopy,
     Commit,
     CommitResult,
@@ -20,6 +22,7 @@ from services.blockmgr.types import (
     FreeResult,
     Grow,
     GrowResult,
+    KVCacheGroup,
     KVEvent,
     KVEventKind,
     Operation,
@@ -55,6 +58,51 @@ def policy_from_pb(value: int, field: str = "eviction_policy") -> EvictionPolicy
             f"{field}: unknown eviction policy {value}; known: "
             f"{sorted(pb.EvictionPolicy.Name(v) for v in PB_TO_POLICY)}",
         ) from None
+
+
+ATTENTION_TO_PB: dict[AttentionKindName, pb.AttentionKind] = {
+    AttentionKindName.FULL: pb.ATTENTION_KIND_FULL,
+    AttentionKindName.SLIDING: pb.ATTENTION_KIND_SLIDING,
+}
+PB_TO_ATTENTION: dict[int, AttentionKindName] = {v: k for k, v in ATTENTION_TO_PB.items()}
+PB_TO_ATTENTION[pb.ATTENTION_KIND_UNSPECIFIED] = AttentionKindName.FULL
+
+
+def groups_to_pb(groups: Sequence[KVCacheGroup], field: str = "groups") -> list[pb.KVCacheGroup]:
+    """KV-cache groups as protobuf; INVALID_ARGUMENT naming ``groups[i].kind`` or
+    ``groups[i].layers`` for a value protobuf cannot carry."""
+    out = []
+    for i, g in enumerate(groups):
+        try:
+            kind = ATTENTION_TO_PB[AttentionKindName(g.kind)]
+        except ValueError:
+            raise BlockManagerError(
+                ErrorCode.INVALID_ARGUMENT, f"{field}[{i}].kind: unknown attention kind {g.kind!r}"
+            ) from None
+        try:
+            out.append(pb.KVCacheGroup(kind=kind, sliding_window=g.sliding_window, layers=g.layers))
+        except (ValueError, TypeError) as exc:
+            raise BlockManagerError(ErrorCode.INVALID_ARGUMENT, f"{field}[{i}]: {exc}") from None
+    return out
+
+
+def groups_from_pb(
+    groups: Sequence[pb.KVCacheGroup], field: str = "groups"
+) -> tuple[KVCacheGroup, ...]:
+    """Domain groups (UNSPECIFIED kind: FULL); INVALID_ARGUMENT naming ``groups[i].kind`` for a
+    kind this implementation does not know."""
+    out = []
+    for i, g in enumerate(groups):
+        try:
+            kind = PB_TO_ATTENTION[g.kind]
+        except KeyError:
+            raise BlockManagerError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"{field}[{i}].kind: unknown attention kind {g.kind}; known: "
+                f"{sorted(pb.AttentionKind.Name(v) for v in ATTENTION_TO_PB.values())}",
+            ) from None
+        out.append(KVCacheGroup(kind, g.sliding_window, tuple(g.layers)))
+    return tuple(out)
 
 
 # The domain enums (IntEnum) carry the proto's values (checked in tests/test_protos.py):
@@ -196,6 +244,7 @@ def result_to_pb(r: OpResult) -> pb.OpResult:
                     )
                     for c in r.copies
                 ],
+                first_live_blocks=r.first_live_blocks,
             )
         )
     if isinstance(r, FreeResult):
@@ -250,6 +299,7 @@ def result_from_pb(r: pb.OpResult) -> OpResult:
                 BlockCopy(c.entry_index, c.block_index, c.src_block_id, c.dst_block_id)
                 for c in g.copies
             ),
+            tuple(g.first_live_blocks),
         )
     if kind == "free":
         return FreeResult(r.free.num_freed_blocks)
@@ -297,6 +347,7 @@ def pool_info_to_pb(p: PoolInfo) -> pb.PoolInfo:
         num_usable_blocks=p.num_usable_blocks,
         enable_prefix_caching=p.enable_prefix_caching,
         eviction_policy=POLICY_TO_PB[p.eviction_policy],
+        groups=groups_to_pb(p.groups),
     )
 
 
@@ -308,6 +359,7 @@ def pool_info_from_pb(p: pb.PoolInfo) -> PoolInfo:
         p.block_size,
         p.enable_prefix_caching,
         policy_from_pb(p.eviction_policy),
+        groups=groups_from_pb(p.groups) or (FULL_GROUP,),  # none: a server predating groups
     )
 
 
@@ -319,6 +371,7 @@ def info_to_pb(i: ServiceInfo) -> pb.BlockManagerInfo:
         hash_size_bytes=i.hash_size,
         eviction_policies=[POLICY_TO_PB[p] for p in i.eviction_policies],
         pools=[pool_info_to_pb(p) for p in i.pools],
+        max_kv_cache_groups=i.max_kv_cache_groups,
     )
 
 
@@ -330,6 +383,7 @@ def info_from_pb(i: pb.BlockManagerInfo) -> ServiceInfo:
         i.hash_size_bytes,
         tuple(PB_TO_POLICY[p] for p in i.eviction_policies if p in PB_TO_POLICY),
         tuple(pool_info_from_pb(p) for p in i.pools),
+        i.max_kv_cache_groups,
     )
 
 
@@ -368,6 +422,7 @@ def events_to_pb(pool_id: str, events: Sequence[KVEvent]) -> pb.KVEventBatch:
                 epoch=e.epoch,
                 kind=cast(pb.KVEventKind, e.kind),
                 block_hashes=e.block_hashes,
+                group=e.group,
             )
             for e in events
         ],
@@ -376,5 +431,6 @@ def events_to_pb(pool_id: str, events: Sequence[KVEvent]) -> pb.KVEventBatch:
 
 def events_from_pb(batch: pb.KVEventBatch) -> list[KVEvent]:
     return [
-        KVEvent(e.seq, e.epoch, KVEventKind(e.kind), tuple(e.block_hashes)) for e in batch.events
+        KVEvent(e.seq, e.epoch, KVEventKind(e.kind), tuple(e.block_hashes), e.group)
+        for e in batch.events
     ]

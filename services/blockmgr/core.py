@@ -28,9 +28,11 @@ import structlog
 from services.blockmgr.errors import exhausted, invalid, not_found, precondition
 from services.blockmgr.eviction import POLICIES
 from services.blockmgr.hashing import HASH_ALGORITHM, HASH_SIZE
+from services.blockmgr.kv_groups import MAX_KV_CACHE_GROUPS, sliding_window_of, validated_groups
 from services.blockmgr.kv_manager import KVBlockManager
 from services.blockmgr.types import (
     EvictionPolicyName,
+    KVCacheGroup,
     KVEvent,
     KVEventKind,
     Operation,
@@ -116,6 +118,7 @@ class BlockManagerCore:
             hash_size=HASH_SIZE,
             eviction_policies=tuple(POLICIES),
             pools=pools,
+            max_kv_cache_groups=MAX_KV_CACHE_GROUPS,
         )
 
     def register(
@@ -127,12 +130,17 @@ class BlockManagerCore:
         enable_prefix_caching: bool = True,
         eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
         owner_token: str = "",
+        groups: Sequence[KVCacheGroup] = (),
     ) -> PoolInfo:
         """Create a pool, or replace one's own (``owner_token`` from its registration). A new
         epoch is issued; the previous epoch's sequences and cached hashes are dropped and its
         epoch refused from now on. The answer carries the owner token and the lease; a live
         pool of another owner is FAILED_PRECONDITION until its lease expires. A new pool takes
-        a proposed ``owner_token`` (16..128 characters) or gets a random one."""
+        a proposed ``owner_token`` (16..128 characters) or gets a random one.
+
+        ``groups``: the pool's KV-cache groups (none: one FULL group); at most
+        :data:`MAX_KV_CACHE_GROUPS`, FULL or SLIDING (see :mod:`services.blockmgr.kv_groups`).
+        INVALID_ARGUMENT naming ``groups`` or ``groups[i].<field>`` otherwise."""
         if not pool_id or len(pool_id) > MAX_POOL_ID_LEN:
             raise invalid(f"pool_id must be 1..{MAX_POOL_ID_LEN} characters")
         if not 2 <= num_blocks <= self.max_pool_blocks:
@@ -146,6 +154,7 @@ class BlockManagerCore:
             eviction_policy = EvictionPolicyName.parse(eviction_policy)
         except ValueError as exc:
             raise invalid(str(exc)) from None
+        pool_groups = validated_groups(groups)
         if owner_token and not MIN_OWNER_TOKEN_LEN <= len(owner_token) <= MAX_OWNER_TOKEN_LEN:
             raise invalid(
                 f"owner_token must be {MIN_OWNER_TOKEN_LEN}..{MAX_OWNER_TOKEN_LEN} characters"
@@ -174,13 +183,20 @@ class BlockManagerCore:
                 block_size,
                 enable_prefix_caching=enable_prefix_caching,
                 eviction_policy=eviction_policy,
+                sliding_window=sliding_window_of(pool_groups),
             )
             # Epochs are unique across restarts of this process too (time-based floor), so an
             # executor holding an epoch from before a restart can never be mistaken for current.
             epoch = max(next(self._epoch_counter), time.time_ns() // 1000)
             self._epoch_counter = itertools.count(epoch + 1)
             info = PoolInfo(
-                pool_id, epoch, num_blocks, block_size, enable_prefix_caching, eviction_policy
+                pool_id,
+                epoch,
+                num_blocks,
+                block_size,
+                enable_prefix_caching,
+                eviction_policy,
+                groups=pool_groups,
             )
             self._pools[pool_id] = _Pool(info, manager, token, self._lease_end())
             log = self._events.setdefault(pool_id, _EventLog(self._event_buffer))

@@ -6,6 +6,13 @@ a hash are always reused first by the pool: they carry nothing worth keeping.
 Contract: ``push`` when a cached block's refcount drops to 0, ``remove`` when a prefix hit takes
 it back, ``pop`` to choose a victim, ``touch`` when an in-use block is hit (for policies that
 count use). Every method is O(1) or O(log n).
+
+Order of entry: a block is pushed when its refcount drops to 0. Full-attention pools free a
+sequence tail first. Sliding-window pools push a sequence's blocks as they fall out of its
+window (at Grow, oldest first) and its last-window blocks only at Free (oldest first too): so a
+sequence's out-of-window blocks are evicted before the last-window blocks that a hit of its
+whole history (a conversation's next turn) needs; the reverse order made multi-turn hits
+collapse in vLLM (vllm-project/vllm#48435).
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ class EvictionPolicy(Protocol):
 
 
 class LRUPolicy:
-    """Least recently freed first. Pools free a sequence's blocks tail first, so within one
-    chain the tail is evicted before the head (the head is the most shareable part)."""
+    """Least recently freed first. Full-attention pools free a sequence's blocks tail first, so
+    within one chain the tail is evicted before the head (the head is the most shareable part).
+    In a sliding-window pool a sequence's blocks released out of its window are evicted before
+    its last-window blocks, which are pushed only at Free (then oldest first)."""
 
     name = "lru"
 
@@ -68,6 +77,11 @@ class LFUPolicy:
     Hit counts live as long as the block keeps its hash (``forget`` resets them on reuse), so a
     system prompt shared by many requests outlives one-off prompts under memory pressure, where
     LRU would evict it if it went idle for a while.
+
+    Sliding-window pools: ties are broken by push time, and a sequence's blocks released out of
+    its window are pushed before its last-window blocks (pushed at Free), so among blocks of
+    equal hit counts the out-of-window ones are evicted first. Hits still come first: an
+    out-of-window block hit more often than the last window outlives it.
     """
 
     name = "lfu"

@@ -1,5 +1,9 @@
 """One pool's block tables and the batched Step over them (pure logic, no I/O).
 
+A pool serves one KV-cache group: full attention, or a sliding window whose sequences give back
+the blocks out of the window (their table entries become the null block 0; see
+:mod:`services.blockmgr.kv_groups`).
+
 A Step is validated whole before anything changes: a malformed op, an unknown sequence, a
 double free or a duplicate id rejects the Step with nothing applied. Capacity is then checked
 per entry at apply time: an admission or a grow entry that does not fit gets
@@ -14,6 +18,7 @@ from collections.abc import Iterable, Sequence
 
 from services.blockmgr.errors import BlockManagerError, ErrorCode, invalid, not_found, precondition
 from services.blockmgr.hashing import HASH_SIZE
+from services.blockmgr.kv_groups import grow_sliding, longest_window_hit
 from services.blockmgr.pool import BlockPool
 from services.blockmgr.types import (
     Admit,
@@ -34,7 +39,14 @@ from services.blockmgr.types import (
     PoolCounters,
     RestoredSequence,
 )
-from services.common.blocks import blocks_for_tokens, blocks_to_grow, full_blocks, needs_cow
+from services.common.blocks import (
+    NULL_BLOCK,
+    blocks_for_tokens,
+    blocks_to_grow,
+    first_live_block,
+    full_blocks,
+    needs_cow,
+)
 
 MAX_SEQ_ID = 2**64 - 1
 MAX_TOKENS = 2**40
@@ -42,15 +54,22 @@ _RECENTLY_FREED = 65536  # how many freed ids we remember to tell a double free 
 
 
 class SeqState:
-    __slots__ = ("block_table", "num_tokens")
+    """A sequence's table (one entry per block of its ``num_tokens`` slots) and, in a sliding
+    pool, ``first_live``: the entries before it are :data:`NULL_BLOCK` (0 in full pools)."""
 
-    def __init__(self, block_table: list[int], num_tokens: int) -> None:
+    __slots__ = ("block_table", "first_live", "num_tokens")
+
+    def __init__(self, block_table: list[int], num_tokens: int, first_live: int = 0) -> None:
         self.block_table = block_table
         self.num_tokens = num_tokens
+        self.first_live = first_live
 
 
 class KVBlockManager:
-    """Block tables of one pool's sequences over a :class:`BlockPool`."""
+    """Block tables of one pool's sequences over a :class:`BlockPool`.
+
+    ``sliding_window``: W tokens for a sliding-window pool (a query at p reads the keys in
+    (p - W, p]), 0 for full attention."""
 
     def __init__(
         self,
@@ -59,8 +78,10 @@ class KVBlockManager:
         *,
         enable_prefix_caching: bool = True,
         eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU,
+        sliding_window: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, eviction_policy)
         self.seqs: dict[int, SeqState] = {}
@@ -195,18 +216,29 @@ class KVBlockManager:
     # ---- operations -----------------------------------------------------------------------
 
     def _admit(self, op: Admit, failed: set[int]) -> AdmitResult:
-        pool, bs = self.pool, self.block_size
-        hits: list[int] = []
+        """Full pools: the longest run of matchable blocks from the first. Sliding pools: the
+        longest hit of ``k`` blocks whose window blocks (those a query at ``k * bs`` reads) are
+        matchable; the table is null before them."""
+        pool, bs, window = self.pool, self.block_size, self.sliding_window
+        hits: list[int] = []  # the referenced cached blocks: indices live .. num_hit - 1
+        num_hit = 0
         if self.enable_prefix_caching:
             max_hits = (op.num_prompt_tokens - 1) // bs  # never cover the last prompt token
-            for block_hash in op.block_hashes[:max_hits]:
-                block_id = pool.lookup(block_hash)
-                if block_id is None:
-                    break
-                hits.append(block_id)
-        num_cached = len(hits) * bs
+            if window:
+                num_hit, hits = longest_window_hit(
+                    op.block_hashes[:max_hits], window, bs, pool.lookup
+                )
+            else:
+                for block_hash in op.block_hashes[:max_hits]:
+                    block_id = pool.lookup(block_hash)
+                    if block_id is None:
+                        break
+                    hits.append(block_id)
+                num_hit = len(hits)
+        num_cached = num_hit * bs
+        live = num_hit - len(hits)  # first_live: the queries start at num_cached
         num_tokens = num_cached + min(op.num_prompt_tokens - num_cached, op.max_new_tokens)
-        need = blocks_for_tokens(num_tokens, bs) - len(hits)
+        need = blocks_for_tokens(num_tokens, bs) - num_hit
         revived = sum(1 for b in hits if pool.refcount[b] == 0)
         if need + op.reserve_blocks > pool.num_free - revived:
             failed.add(op.seq_id)
@@ -214,8 +246,9 @@ class KVBlockManager:
         for block_id in hits:
             pool.note_hit(block_id)
             pool.incref(block_id)
-        table = hits + [pool.allocate() for _ in range(need)]
-        self.seqs[op.seq_id] = SeqState(table, num_tokens)
+        table = [NULL_BLOCK] * live + hits if live else hits
+        table.extend(pool.allocate() for _ in range(need))
+        self.seqs[op.seq_id] = SeqState(table, num_tokens, live)
         self._recently_freed.pop(op.seq_id, None)
         if self.enable_prefix_caching:  # counted once per admission, not per refused attempt
             self.prefix_queries_tokens += op.num_prompt_tokens
@@ -223,6 +256,8 @@ class KVBlockManager:
         return AdmitResult(OpStatus.OK, tuple(table), num_cached, num_tokens)
 
     def _grow(self, op: Grow, failed: set[int]) -> GrowResult:
+        if self.sliding_window:
+            return grow_sliding(self, op, failed)
         pool, bs, seqs = self.pool, self.block_size, self.seqs
         statuses: list[OpStatus] = []
         new_ids: list[tuple[int, ...]] = []
@@ -269,11 +304,12 @@ class KVBlockManager:
             failed.add(op.child_seq_id)
             return ForkResult(OpStatus.SKIPPED)
         parent = self.seqs[op.parent_seq_id]
-        for block_id in parent.block_table:
+        live = parent.first_live
+        for block_id in parent.block_table[live:]:  # null entries hold no reference
             self.pool.incref(block_id)
-        self.seqs[op.child_seq_id] = SeqState(list(parent.block_table), parent.num_tokens)
+        self.seqs[op.child_seq_id] = SeqState(list(parent.block_table), parent.num_tokens, live)
         self._recently_freed.pop(op.child_seq_id, None)
-        return ForkResult(OpStatus.OK, len(parent.block_table))
+        return ForkResult(OpStatus.OK, len(parent.block_table) - live)
 
     def _free(self, op: Free, failed: set[int]) -> FreeResult:
         """Free applies to every live sequence, even one whose grow failed earlier in this
@@ -285,9 +321,15 @@ class KVBlockManager:
         return FreeResult(freed)
 
     def _release(self, seq_id: int) -> int:
+        """Full pools free a table tail first, so a chain's tail is evicted before its head
+        (the head is the most shareable part). Sliding pools free the live blocks oldest first,
+        after the ones released out of the window earlier: the blocks a hit of the whole
+        sequence needs (its last window) are evicted last."""
         state = self.seqs.pop(seq_id)
         freed = 0
-        for block_id in reversed(state.block_table):  # tail first: evicted before the head
+        table = state.block_table
+        blocks = table[state.first_live :] if self.sliding_window else reversed(table)
+        for block_id in blocks:
             freed += self.pool.decref(block_id)
         self._recently_freed[seq_id] = None
         if len(self._recently_freed) > _RECENTLY_FREED:
@@ -302,14 +344,18 @@ class KVBlockManager:
         table = self.seqs[op.seq_id].block_table
         stored = 0
         for i, block_hash in enumerate(op.block_hashes, start=op.start_block):
-            stored += self.pool.store(table[i], block_hash)
+            if table[i] != NULL_BLOCK:  # released out of the window: nothing to store
+                stored += self.pool.store(table[i], block_hash)
         return CommitResult(OpStatus.OK, stored)
 
     # ---- recovery -------------------------------------------------------------------------
 
     def restore(self, sequences: Sequence[RestoredSequence]) -> int:
         """Rebuild live sequences' tables in an empty pool (after a block-manager restart).
-        All or nothing. Returns how many blocks became matchable."""
+        All or nothing. Returns how many blocks became matchable.
+
+        In a sliding pool a table may start with a run of null entries (its first_live); the
+        hashes of null entries are skipped."""
         if self.seqs:
             raise precondition(
                 f"restore needs a pool without live sequences; this one has {len(self.seqs)}"
@@ -317,6 +363,7 @@ class KVBlockManager:
         bs, nb = self.block_size, self.pool.num_blocks
         seen: set[int] = set()
         used: set[int] = set()
+        lives: list[int] = []  # per sequence: its leading null entries
         for i, seq in enumerate(sequences):
             where = f"sequences[{i}]"
             _check_seq_id(seq.seq_id, f"{where}.seq_id")
@@ -330,23 +377,45 @@ class KVBlockManager:
                     f"{where}.block_ids: {seq.num_tokens} tokens need "
                     f"{blocks_for_tokens(seq.num_tokens, bs)} blocks, got {len(seq.block_ids)}"
                 )
-            _check_block_ids(seq.block_ids, nb, f"{where}.block_ids")
-            if len(set(seq.block_ids)) != len(seq.block_ids):
+            live = self._restored_first_live(seq, f"{where}.block_ids")
+            held = seq.block_ids[live:]
+            _check_block_ids(held, nb, f"{where}.block_ids", offset=live)
+            if len(set(held)) != len(held):
                 raise invalid(f"{where}.block_ids holds a block twice")
             _check_hashes(seq.block_hashes, f"{where}.block_hashes")
             if len(seq.block_hashes) > seq.num_tokens // bs:
                 raise invalid(f"{where}.block_hashes: more hashes than full blocks")
-            used.update(seq.block_ids)
+            used.update(held)
+            lives.append(live)
         self.pool.take_free(used)
         stored = 0
-        for seq in sequences:
-            for block_id in seq.block_ids:
+        for seq, live in zip(sequences, lives, strict=True):
+            for block_id in seq.block_ids[live:]:
                 self.pool.refcount[block_id] += 1
-            self.seqs[seq.seq_id] = SeqState(list(seq.block_ids), seq.num_tokens)
+            self.seqs[seq.seq_id] = SeqState(list(seq.block_ids), seq.num_tokens, live)
             if self.enable_prefix_caching:
                 for block_id, block_hash in zip(seq.block_ids, seq.block_hashes, strict=False):
-                    stored += self.pool.store(block_id, block_hash)
+                    if block_id != NULL_BLOCK:
+                        stored += self.pool.store(block_id, block_hash)
         return stored
+
+    def _restored_first_live(self, seq: RestoredSequence, where: str) -> int:
+        """The leading null entries of a restored sliding-window table (0 in full pools, where
+        :func:`_check_block_ids` refuses any null entry). The last block must not be null,
+        unless the window has already passed every block (W = 1 after a grow by 0)."""
+        if not self.sliding_window:
+            return 0
+        ids = seq.block_ids
+        live = 0
+        while live < len(ids) and ids[live] == NULL_BLOCK:
+            live += 1
+        window_start = first_live_block(seq.num_tokens, self.sliding_window, self.block_size)
+        if ids and live == len(ids) and live > window_start:
+            raise invalid(
+                f"{where}[{live - 1}]: block 0 is reserved; the last block of a table is "
+                "still in the window and cannot be null"
+            )
+        return live
 
 
 def _check_seq_id(seq_id: int, where: str) -> None:
@@ -360,10 +429,15 @@ def _check_hashes(hashes: Iterable[bytes], where: str) -> None:
             raise invalid(f"{where}[{j}] must be {HASH_SIZE} bytes, got {len(h)}")
 
 
-def _check_block_ids(block_ids: Iterable[int], num_blocks: int, where: str) -> None:
-    for j, b in enumerate(block_ids):
-        if b == 0:
-            raise invalid(f"{where}[{j}]: block 0 is reserved")
+def _check_block_ids(
+    block_ids: Iterable[int], num_blocks: int, where: str, *, offset: int = 0
+) -> None:
+    for j, b in enumerate(block_ids, start=offset):
+        if b == NULL_BLOCK:
+            raise invalid(
+                f"{where}[{j}]: block 0 is reserved (null entries may only lead the table of "
+                "a sliding-window pool)"
+            )
         if not 0 < b < num_blocks:
             raise invalid(f"{where}[{j}] = {b} is out of range [1, {num_blocks})")
 

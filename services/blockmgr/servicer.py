@@ -67,6 +67,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             enable_prefix_caching=request.enable_prefix_caching,
             eviction_policy=convert.policy_from_pb(request.eviction_policy),
             owner_token=request.owner_token,
+            groups=convert.groups_from_pb(request.groups),
         )
         log.info(
             "pool_registered",
@@ -76,6 +77,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             block_size=info.block_size,
             eviction_policy=info.eviction_policy,
             enable_prefix_caching=info.enable_prefix_caching,
+            groups=[(g.kind.value, g.sliding_window) for g in info.groups],
         )
         return pb.RegisterPoolResponse(
             pool=convert.pool_info_to_pb(info), owner_token=info.owner_token, lease_s=info.lease_s

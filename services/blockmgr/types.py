@@ -29,6 +29,29 @@ class EvictionPolicyName(enum.StrEnum):
             ) from None
 
 
+class AttentionKindName(enum.StrEnum):
+    """The attention of a KV-cache group's layers (the proto's ``AttentionKind``)."""
+
+    FULL = "full"  # a query reads every earlier key: a sequence keeps all its blocks
+    SLIDING = "sliding"  # a query at p reads the keys in (p - W, p]: older blocks are released
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroup:
+    """Model layers sharing one block table per sequence (the proto's ``KVCacheGroup``).
+
+    ``sliding_window``: W tokens (>= 1) for a SLIDING group, 0 for a FULL one. ``layers``: the
+    model layers the group covers; informational, echoed back in ``PoolInfo.groups``. A pool
+    serves one group in this version (``ServiceInfo.max_kv_cache_groups``)."""
+
+    kind: AttentionKindName = AttentionKindName.FULL
+    sliding_window: int = 0
+    layers: tuple[int, ...] = ()
+
+
+FULL_GROUP = KVCacheGroup()  # what a pool registered without groups has
+
+
 class OpStatus(enum.IntEnum):
     """Per-operation outcome inside an accepted Step (values match the proto enum)."""
 
@@ -120,12 +143,15 @@ class GrowResult:
     statuses: tuple[OpStatus, ...]
     new_block_ids: tuple[tuple[int, ...], ...]  # per entry, appended to its table
     copies: tuple[BlockCopy, ...] = ()
+    # SLIDING pools: per entry, the index of its first non-null block after the entry (the
+    # entries before it are 0: released out of the window). Empty in FULL pools.
+    first_live_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class ForkResult:
     status: OpStatus
-    num_shared_blocks: int = 0
+    num_shared_blocks: int = 0  # the parent's non-null entries, now shared
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +185,10 @@ class StepResult:
 
 @dataclass(frozen=True, slots=True)
 class RestoredSequence:
+    """A live sequence's table to rebuild. In a SLIDING pool ``block_ids`` may start with a run
+    of 0 (its entries released out of the window); ``block_hashes[i]`` names ``block_ids[i]``
+    and the hashes of null entries are skipped."""
+
     seq_id: int
     num_tokens: int
     block_ids: tuple[int, ...]
@@ -185,6 +215,7 @@ class PoolInfo:
     # without a call from its owner (0: forever).
     owner_token: str = field(default="", repr=False, compare=False)
     lease_s: float = field(default=0.0, compare=False)
+    groups: tuple[KVCacheGroup, ...] = (FULL_GROUP,)  # as registered (one FULL group: none given)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -199,6 +230,8 @@ class ServiceInfo:
     hash_size: int
     eviction_policies: tuple[EvictionPolicyName, ...]
     pools: tuple[PoolInfo, ...] = ()
+    # KV-cache groups per pool the implementation serves; 0: it predates groups (FULL only).
+    max_kv_cache_groups: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,3 +255,4 @@ class KVEvent:
     epoch: int
     kind: KVEventKind
     block_hashes: tuple[bytes, ...] = field(default=())
+    group: int = 0  # the KV-cache group of the hashes (0 while pools have one group)

@@ -21,7 +21,9 @@ __all__ = [
     "NULL_BLOCK",
     "blocks_for_tokens",
     "blocks_to_grow",
+    "first_live_block",
     "full_blocks",
+    "max_live_blocks",
     "needs_cow",
     "usable_blocks",
 ]
@@ -62,3 +64,19 @@ def needs_cow(num_tokens: int, num_new_tokens: int, block_size: int, last_block_
     first give it a private copy of its last block: the new tokens land in that block (it is
     only partly filled) and another table holds it too (``last_block_refs > 1``)."""
     return num_new_tokens > 0 and num_tokens % block_size != 0 and last_block_refs > 1
+
+
+def first_live_block(first_query_pos: int, sliding_window: int, block_size: int) -> int:
+    """The first block a sliding window of ``sliding_window`` tokens may still read when the
+    earliest query still to come is at ``first_query_pos``: a query at position p reads the
+    keys in (p - W, p], so every block whose last position is <= p - W is out of the window
+    for good. 0 for full attention (``sliding_window == 0``)."""
+    if not sliding_window:
+        return 0
+    return max(0, (first_query_pos - sliding_window + 1) // block_size)
+
+
+def max_live_blocks(sliding_window: int, block_size: int) -> int:
+    """The most blocks a decoding sequence holds in a sliding-window pool:
+    ``ceil(W / block_size) + 1`` (the window straddles one more block than it fills)."""
+    return -(-sliding_window // block_size) + 1

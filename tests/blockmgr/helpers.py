@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
+from services.blockmgr.client import EventStream
 from services.blockmgr.config import BlockManagerServiceConfig
 from services.blockmgr.errors import BlockManagerError, ErrorCode
 from services.blockmgr.hashing import block_hashes
+from services.blockmgr.types import KVEvent
 
 
 @contextlib.contextmanager
@@ -25,6 +27,32 @@ def raises_code(code: ErrorCode, match: str | None = None) -> Iterator[None]:
 
 def hashes(tokens: list[int], block_size: int, salt: bytes = b"") -> tuple[bytes, ...]:
     return tuple(block_hashes(tokens, block_size, salt))
+
+
+def collect_events(
+    stream: EventStream,
+    *,
+    until: Callable[[list[KVEvent]], bool],
+    timeout: float = 5.0,
+) -> list[KVEvent]:
+    """Read an event stream's batches on a thread until ``until(events so far)`` (or time out),
+    then close it."""
+    got: list[KVEvent] = []
+    done = threading.Event()
+
+    def reader() -> None:
+        for batch in stream:
+            got.extend(batch)
+            if until(got):
+                break
+        done.set()
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    done.wait(timeout)
+    stream.close()
+    t.join(timeout)
+    return got
 
 
 class ThreadedServer:

@@ -1,4 +1,5 @@
-"""Property-based tests: random operation sequences keep the pool's invariants."""
+"""Property-based tests: random operation sequences keep the pool's invariants, in full-attention
+pools and in sliding-window ones (whose tables start with null entries)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from services.blockmgr.errors import BlockManagerError
 from services.blockmgr.kv_manager import KVBlockManager
 from services.blockmgr.types import Admit, Commit, Fork, Free, Grow, OpStatus, RestoredSequence
+from services.common.blocks import first_live_block as first_live
 from tests.blockmgr.helpers import hashes
 
 BS = 4
@@ -21,12 +23,21 @@ prompts = st.lists(st.integers(0, 2), min_size=1, max_size=40)
 
 class PoolMachine(RuleBasedStateMachine):
     policy = "lru"
+    window = 0  # > 0: a sliding-window pool of this many tokens
 
     def __init__(self) -> None:
         super().__init__()
-        self.m = KVBlockManager(NUM_BLOCKS, BS, eviction_policy=self.policy)
+        self.m = self._manager()
         self.tokens: dict[int, list[int]] = {}  # our model of each live sequence's tokens
         self.next_id = 0
+
+    def _manager(self) -> KVBlockManager:
+        return KVBlockManager(
+            NUM_BLOCKS, BS, eviction_policy=self.policy, sliding_window=self.window
+        )
+
+    def _tables(self) -> dict[int, tuple[list[int], int]]:
+        return {s: (list(v.block_table), v.first_live) for s, v in self.m.seqs.items()}
 
     def _new_id(self) -> int:
         self.next_id += 1
@@ -39,15 +50,34 @@ class PoolMachine(RuleBasedStateMachine):
         if r.status is OpStatus.OK:
             assert r.num_cached_tokens < len(tokens)
             assert r.num_cached_tokens % BS == 0
+            live = first_live(r.num_cached_tokens, self.window, BS)
+            assert r.block_ids[:live] == (0,) * live and 0 not in r.block_ids[live:]
             self.tokens[seq_id] = tokens[: r.num_tokens]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), n=st.integers(0, 9))
     def grow(self, data: st.DataObject, n: int) -> None:
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        before = self._tables()[seq_id]
+        old = self.m.seqs[seq_id].num_tokens
         (r,) = self.m.step([Grow((seq_id,), (n,))])
         if r.statuses[0] is OpStatus.OK:
             self.tokens[seq_id] += [data.draw(st.integers(0, 2)) for _ in range(n)]
+            live = max(before[1], first_live(old, self.window, BS))
+            assert self.m.seqs[seq_id].first_live == live
+        else:  # all or nothing
+            assert self._tables()[seq_id] == before
+        assert r.first_live_blocks == ((self.m.seqs[seq_id].first_live,) if self.window else ())
+
+    @precondition(lambda self: self.tokens)
+    @rule(n=st.integers(0, 5))
+    def grow_every_sequence_in_one_step(self, n: int) -> None:
+        """Blocks released by an entry count for later entries of the same Grow."""
+        seq_ids = tuple(sorted(self.tokens))
+        (r,) = self.m.step([Grow(seq_ids, (n,) * len(seq_ids))])
+        for seq_id, status in zip(seq_ids, r.statuses, strict=True):
+            if status is OpStatus.OK:
+                self.tokens[seq_id] += [1] * n
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -76,15 +106,14 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def invalid_step_changes_nothing(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
-        before = (self.m.counters(), {s: list(v.block_table) for s, v in self.m.seqs.items()})
+        before = (self.m.counters(), self._tables())
         try:
             self.m.step([Grow((seq_id,), (3,)), Free((seq_id,)), Free((seq_id,))])
         except BlockManagerError:
             pass
         else:
             raise AssertionError("double free in one step was accepted")
-        after = (self.m.counters(), {s: list(v.block_table) for s, v in self.m.seqs.items()})
-        assert before == after
+        assert (self.m.counters(), self._tables()) == before
 
     @rule()
     def restart_and_restore(self) -> None:
@@ -93,23 +122,37 @@ class PoolMachine(RuleBasedStateMachine):
             RestoredSequence(s, st_.num_tokens, tuple(st_.block_table))
             for s, st_ in self.m.seqs.items()
         ]
-        fresh = KVBlockManager(NUM_BLOCKS, BS, eviction_policy=self.policy)
+        fresh = self._manager()
         fresh.restore(live)
         assert fresh.pool.refcount == self.m.pool.refcount
+        assert self._tables() == {
+            s: (list(v.block_table), v.first_live) for s, v in fresh.seqs.items()
+        }
         self.m = fresh
 
     @invariant()
+    def null_entries_are_exactly_a_prefix_of_first_live_entries(self) -> None:
+        for s in self.m.seqs.values():
+            live = s.first_live
+            assert s.block_table[:live] == [0] * live and 0 not in s.block_table[live:]
+            # Never released: the blocks the next query (at num_tokens) still reads.
+            assert live <= first_live(s.num_tokens, self.window, BS)
+            if not self.window:
+                assert live == 0
+
+    @invariant()
     def refcount_equals_number_of_tables_holding_the_block(self) -> None:
-        held = Counter(b for s in self.m.seqs.values() for b in s.block_table)
+        held = Counter(b for s in self.m.seqs.values() for b in s.block_table if b)
         pool = self.m.pool
-        assert 0 not in held
+        assert pool.refcount[0] == 0
         for b in range(1, NUM_BLOCKS):
             assert pool.refcount[b] == held.get(b, 0)
 
     @invariant()
     def no_block_has_two_owners_unless_shared_by_refcount(self) -> None:
         for s in self.m.seqs.values():
-            assert len(set(s.block_table)) == len(s.block_table)
+            held = s.block_table[s.first_live :]
+            assert len(set(held)) == len(held)
 
     @invariant()
     def free_plus_in_use_equals_usable_and_free_blocks_are_unreferenced(self) -> None:
@@ -163,6 +206,19 @@ class LFUPoolMachine(PoolMachine):
     policy = "lfu"
 
 
+class SlidingPoolMachine(PoolMachine):
+    window = 6  # not a multiple of the block size: the window straddles blocks
+
+
+class SlidingLFUPoolMachine(PoolMachine):
+    policy = "lfu"
+    window = 9
+
+
+class SlidingWindowOfOnePoolMachine(PoolMachine):
+    window = 1  # the degenerate window: every full block is out of it at once
+
+
 _settings = settings(
     max_examples=120,
     stateful_step_count=40,
@@ -174,3 +230,10 @@ TestPoolInvariantsLRU = PoolMachine.TestCase
 TestPoolInvariantsLRU.settings = _settings
 TestPoolInvariantsLFU = LFUPoolMachine.TestCase
 TestPoolInvariantsLFU.settings = _settings
+_sliding_settings = settings(_settings, max_examples=60)
+TestSlidingPoolInvariantsLRU = SlidingPoolMachine.TestCase
+TestSlidingPoolInvariantsLRU.settings = _sliding_settings
+TestSlidingPoolInvariantsLFU = SlidingLFUPoolMachine.TestCase
+TestSlidingPoolInvariantsLFU.settings = _sliding_settings
+TestSlidingWindowOfOneInvariants = SlidingWindowOfOnePoolMachine.TestCase
+TestSlidingWindowOfOneInvariants.settings = _sliding_settings

@@ -11,11 +11,20 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagedserve.v1 import blockmgr_pb2 as pb
 from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
+from services.blockmgr import convert
 from services.blockmgr.client import GrpcClient
-from services.blockmgr.types import EVENTS_LIVE_HEADER, Admit, KVEventKind, OpStatus
+from services.blockmgr.types import (
+    EVENTS_LIVE_HEADER,
+    Admit,
+    AttentionKindName,
+    KVEventKind,
+    OpStatus,
+)
 from tests.blockmgr.helpers import ThreadedServer
 from tests.procs import ServiceProcess
 
@@ -77,6 +86,47 @@ def test_register_out_of_range_is_invalid_argument_naming_the_field(stub, field,
     setattr(req, field, value)
     code, details = _code(stub.Register, req)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
+
+
+@pytest.mark.parametrize(
+    ("group", "field"),
+    [
+        (pb.KVCacheGroup(kind=9, sliding_window=8), "groups[0].kind"),
+        (pb.KVCacheGroup(kind=pb.ATTENTION_KIND_SLIDING), "groups[0].sliding_window"),
+        (pb.KVCacheGroup(sliding_window=8), "groups[0].sliding_window"),  # UNSPECIFIED = FULL
+        (pb.KVCacheGroup(kind=pb.ATTENTION_KIND_SLIDING, sliding_window=8, layers=[-1]), "layers"),
+    ],
+)
+def test_bad_kv_cache_groups_are_invalid_argument_naming_the_field(stub, group, field):
+    req = pb.RegisterPoolRequest(pool_id="raw-4", num_blocks=8, block_size=4, groups=[group])
+    code, details = _code(stub.Register, req)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
+
+
+def test_an_unspecified_attention_kind_is_echoed_as_full(stub):
+    req = pb.RegisterPoolRequest(
+        pool_id="raw-5", num_blocks=8, block_size=4, groups=[pb.KVCacheGroup(layers=[0, 1])]
+    )
+    resp = stub.Register(req, timeout=5)
+    (group,) = resp.pool.groups
+    assert (group.kind, group.sliding_window, list(group.layers)) == (
+        pb.ATTENTION_KIND_FULL,
+        0,
+        [0, 1],
+    )
+    info = stub.Info(pb.BlockManagerInfoRequest(pool_id="raw-5"), timeout=5)
+    assert info.max_kv_cache_groups == 1 and info.pools[0].groups == resp.pool.groups
+    stub.Unregister(
+        pb.UnregisterPoolRequest(
+            pool_id="raw-5", epoch=resp.pool.epoch, owner_token=resp.owner_token
+        ),
+        timeout=5,
+    )
+
+
+def test_every_attention_kind_has_a_proto_value():
+    assert set(convert.ATTENTION_TO_PB) == set(AttentionKindName)
+    assert len(pb.AttentionKind.keys()) == len(AttentionKindName) + 1  # + UNSPECIFIED
 
 
 def test_every_rpc_maps_unknown_pool_to_not_found(stub):
@@ -173,3 +223,64 @@ def test_domain_enums_carry_the_proto_values(domain, proto, prefix):
     for member in domain:
         assert proto.Value(prefix + member.name) == member.value
     assert len(proto.keys()) == len(domain) + 1  # + UNSPECIFIED
+
+
+def test_conversion_round_trips_groups_first_live_blocks_and_event_groups():
+    from services.blockmgr.types import (
+        BlockCopy,
+        EvictionPolicyName,
+        GrowResult,
+        KVCacheGroup,
+        KVEvent,
+        PoolInfo,
+        ServiceInfo,
+    )
+
+    group = KVCacheGroup(AttentionKindName.SLIDING, 4096, (1, 3))
+    pool = PoolInfo("p", 7, 16, 4, True, EvictionPolicyName.LFU, groups=(group,))
+    info = ServiceInfo("x", "1", "sha256-chain-v1", 32, (EvictionPolicyName.LRU,), (pool,), 1)
+    assert convert.info_from_pb(convert.info_to_pb(info)) == info
+    grow = GrowResult((OpStatus.OK, OpStatus.SKIPPED), ((3,), ()), (BlockCopy(0, 1, 2, 3),), (2, 0))
+    assert convert.result_from_pb(convert.result_to_pb(grow)) == grow
+    events = [KVEvent(5, 7, KVEventKind.STORED, (bytes(32),), group=1)]
+    assert convert.events_from_pb(convert.events_to_pb("p", events)) == events
+    # A server predating groups: no groups means one full-attention group, 0 groups served.
+    old = pb.BlockManagerInfo(pools=[pb.PoolInfo(pool_id="p", num_blocks=8, block_size=4)])
+    parsed = convert.info_from_pb(old)
+    assert parsed.max_kv_cache_groups == 0 and parsed.pools[0].groups == (KVCacheGroup(),)
+
+
+_INT32 = st.integers(-(2**31), 2**31 - 1)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    groups=st.lists(
+        st.builds(
+            pb.KVCacheGroup,
+            kind=_INT32,
+            sliding_window=st.integers(-(2**63), 2**63 - 1),
+            layers=st.lists(_INT32, max_size=4),
+        ),
+        max_size=3,
+    )
+)
+def test_any_kv_cache_groups_get_an_answer_never_an_internal_error(stub, groups):
+    req = pb.RegisterPoolRequest(pool_id="raw-fuzz", num_blocks=8, block_size=4, groups=groups)
+    try:
+        resp = stub.Register(req, timeout=5)
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.details()
+        return
+    assert len(resp.pool.groups) == 1
+    stub.Unregister(
+        pb.UnregisterPoolRequest(
+            pool_id="raw-fuzz", epoch=resp.pool.epoch, owner_token=resp.owner_token
+        ),
+        timeout=5,
+    )

@@ -101,7 +101,9 @@ def test_builder_matches_per_token_reference(case: tuple[list[SeqChunk], int]) -
         ([SeqChunk([], 0, [1])], {}, "chunk 0 has no tokens"),
         ([SeqChunk([1], 0, [1]), SeqChunk([1] * 5, 0, [2])], {}, "chunk 1: block table has 1"),
         ([SeqChunk([1], -1, [1])], {}, "negative"),
-        ([SeqChunk([1, 2], 0, [0])], {"num_blocks": 8}, "block id 0 outside"),
+        ([SeqChunk([1, 2], 0, [0])], {"num_blocks": 8}, "chunk 0: a token's block is the null"),
+        # A released (null) entry before the window is fine; one written to is not.
+        ([SeqChunk([1], 4, [1, 0])], {"num_blocks": 8}, "chunk 0: a token's block is the null"),
         ([SeqChunk([1, 2], 0, [8])], {"num_blocks": 8}, "block id 8 outside"),
         ([SeqChunk([1, 2], 3, [1, 2])], {"max_model_len": 4}, "length 5 exceeds max_model_len=4"),
         ([SeqChunk([1, 99], 0, [1])], {"vocab_size": 99}, "token id 99 outside"),
@@ -134,3 +136,11 @@ def test_a_batch_built_before_its_last_token_is_known_is_completed_in_place():
     padded = builder.build_host(placeholder[2:], pad_to_seqs=4, table_width=3)
     padded.set_last_tokens([1], [17])
     assert builder.upload(padded).input_ids.tolist() == [0, 17, 0, 0]
+
+
+def test_null_entries_before_a_sliding_window_are_read_as_the_null_block():
+    """A sliding-window pool releases the blocks out of the window: their entries are 0, and a
+    chunk that writes only into live blocks builds."""
+    batch = build_forward_batch([SeqChunk([7], 9, [0, 0, 5])], 4, "cpu", num_blocks=8)
+    assert batch.block_tables.tolist() == [[0, 0, 5]]
+    assert batch.slot_mapping.tolist() == [5 * 4 + 1]

@@ -78,7 +78,9 @@ def test_engine_with_prefix_caching_chunked_prefill_and_preemption_matches_trans
         dtype="float32",
         device="cpu",
         block_size=8,
-        num_kv_blocks=14,  # too few for all at once: sequences are preempted and recomputed
+        # Too few for all at once: sequences are preempted and recomputed. (Mistral's pool
+        # releases the blocks out of its window: it needs fewer to be short of them.)
+        num_kv_blocks=8 if name == "mistral_window" else 14,
         max_model_len=96,
         max_num_batched_tokens=24,  # prompts are prefilled in chunks
     )

@@ -32,6 +32,7 @@ class AheadScheduling:
         _forks: dict[int, Fork]
 
         def _open_plan(self) -> tuple[SchedulePlan, int]: ...
+        def _slide(self, seq: Sequence, held: int) -> int: ...
         def _plan_admissions(self, plan: SchedulePlan, free: int, budget: int) -> None: ...
         def _check_answer(
             self, plan: SchedulePlan, grow: GrowResult | None, admitted: list[AdmitResult]
@@ -97,6 +98,11 @@ class AheadScheduling:
         need = sum(grow_blocks)
         if need > self.num_free_blocks or not (grows or self.waiting):
             return None  # (this step's frees are not counted: conservative)
+        if self.config.sliding_window:  # the grows release what left their windows
+            held = {seq.seq_id: slots for seq, slots in decodes}
+            held.update((seq.seq_id, slots) for seq, slots, _ in prefills)
+            for seq, _ in grows:
+                self._slide(seq, held[seq.seq_id])
         plan, free = self._open_plan()
         plan.grows, plan.grow_blocks = grows, grow_blocks
         self._plan_admissions(plan, free - need, budget)

@@ -20,6 +20,7 @@ from services.blockmgr.client import BlockManagerClient, StepCall
 from services.blockmgr.errors import BlockManagerError, ErrorCode
 from services.blockmgr.types import (
     EvictionPolicyName,
+    KVCacheGroup,
     Operation,
     PoolCounters,
     PoolInfo,
@@ -46,6 +47,7 @@ class PoolSpec:
     enable_prefix_caching: bool
     eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
     owner_token: str | None = None  # a stable one lets a restarted executor take its pool back
+    groups: tuple[KVCacheGroup, ...] = ()  # none: one full-attention group
     retry_s: float = 0.05
     max_backoff_s: float = 0.5  # serving again within a second of the block manager coming back
 
@@ -162,6 +164,7 @@ class BlockManagerLink:
             enable_prefix_caching=s.enable_prefix_caching,
             eviction_policy=s.eviction_policy,
             owner_token=s.owner_token,
+            groups=s.groups,
         )
 
     def _resync(self, state: list[RestoredSequence]) -> None:

@@ -23,6 +23,10 @@ class SchedulerConfig:
     # this step (or a running prefill): it hits them, committed, a step later instead of
     # computing them again.
     hold_back_shared_prefixes: bool = True
+    # Every layer attends to a sliding window of this many tokens and the pool is a sliding
+    # KV-cache group: at each grow, the blocks out of every future query's window are
+    # released (0: full attention, every block kept).
+    sliding_window: int = 0
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from services.blockmgr.types import (
     RestoredSequence,
     StepResult,
 )
-from services.common.blocks import blocks_for_tokens
+from services.common.blocks import NULL_BLOCK, blocks_for_tokens, first_live_block
 from services.executor.core.sequence import Sequence
 
 __all__ = ["BadAnswer", "SchedulePlan", "ScheduledBatch", "ScheduledChunk", "check_answer"]
@@ -113,12 +113,16 @@ def check_answer(
     block_size: int,
     num_blocks: int,
     refs: Counter[int],
+    sliding_window: int = 0,
 ) -> None:
     """Raise :class:`BadAnswer` unless every entry got exactly what it asked for: the
     expected number of blocks, each new one in range and held by none of our tables, a
     copy-on-write exactly where our mirror expects one, and admissions whose cached prefix
     and slots add up. ``refs``: the scheduler's refcount mirror (blocks its tables hold);
-    ``num_blocks``: the pool's size, the null block included."""
+    ``num_blocks``: the pool's size, the null block included. In a sliding-window pool
+    (``sliding_window``), each grow entry's first live block must be the one the mirror
+    released up to, and an admission's table must start with exactly the null entries out of
+    its first query's window."""
     bs, ok = block_size, OpStatus.OK
     bad: set[int] = set()
     taken: set[int] = set()
@@ -163,21 +167,31 @@ def check_answer(
         for (seq, _), ids in zip(plan.grows, grow.new_block_ids, strict=True):
             if ids and not fresh(ids):
                 bad.add(seq.seq_id)
+        if sliding_window:
+            live = grow.first_live_blocks
+            if len(live) != len(plan.grows):
+                bad.update(s.seq_id for s, _ in plan.grows)
+            else:
+                for (seq, _), first in zip(plan.grows, live, strict=True):
+                    if first != seq.first_live_block:
+                        bad.add(seq.seq_id)
     for (seq, op), res in zip(plan.admits, admitted, strict=True):
         if res.status is not ok:
             continue
         cached, ids = res.num_cached_tokens, res.block_ids
         want = cached + min(op.num_prompt_tokens - cached, op.max_new_tokens)
         hits = cached // bs
+        released = first_live_block(cached, sliding_window, bs)
         if (
             cached % bs
             or not 0 <= cached < op.num_prompt_tokens
             or hits > len(op.block_hashes)
             or res.num_tokens != want
             or len(ids) != blocks_for_tokens(want, bs)
-            or len(set(ids)) != len(ids)
-            or not all(0 < b < num_blocks for b in ids[:hits])
-            or not fresh(ids[hits:])
+            or any(b != NULL_BLOCK for b in ids[:released])
+            or len(set(ids[released:])) != len(ids) - released
+            or not all(0 < b < num_blocks for b in ids[released:hits])
+            or not fresh(ids[max(hits, released) :])
         ):
             bad.add(seq.seq_id)
     if bad:

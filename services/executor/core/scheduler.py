@@ -12,6 +12,11 @@ chunks of running sequences, then admissions of waiting ones, all within
 ``max_num_batched_tokens`` and ``max_num_seqs``. When a running sequence cannot grow, the
 lowest-priority (newest) unscheduled running sequence is preempted by recompute: its blocks are
 freed and it waits, to be re-admitted later with all its tokens.
+
+In a sliding-window pool (``SchedulerConfig.sliding_window``) every grow also releases the
+blocks that fell out of the window of the sequence's queries still to come (the block manager
+applies the same rule, :func:`services.common.blocks.first_live_block`, at the same grow
+entry); their table entries become the null block.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from services.blockmgr.types import (
     RestoredSequence,
     StepResult,
 )
-from services.common.blocks import blocks_to_grow, needs_cow
+from services.common.blocks import NULL_BLOCK, blocks_to_grow, first_live_block, needs_cow
 from services.executor.core.admission import plan_admissions
 from services.executor.core.ahead import AheadScheduling
 from services.executor.core.config import SchedulerConfig
@@ -93,8 +98,10 @@ class Scheduler(AheadScheduling):
             self.add(child)
             return
         child.block_table = list(parent.block_table)
+        child.first_live_block = parent.first_live_block
         for b in child.block_table:
-            self.refs[b] += 1
+            if b != NULL_BLOCK:
+                self.refs[b] += 1
         child.num_computed_tokens = parent.num_computed_tokens
         bs = self.config.block_size
         child.num_committed_blocks = min(parent.num_committed_blocks, child.prompt_len // bs)
@@ -127,6 +134,7 @@ class Scheduler(AheadScheduling):
 
         def schedule(seq: Sequence, k: int) -> bool:
             nonlocal free, preempted
+            free += self._slide(seq, seq.num_computed_tokens + seq.num_ahead_slots)
             need = self._blocks_needed(seq, k)
             while need > free:
                 victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
@@ -147,6 +155,7 @@ class Scheduler(AheadScheduling):
 
         # Decodes first, then prefill chunks of running sequences, in priority order.
         bs, refs, grows, grow_blocks = cfg.block_size, self.refs, plan.grows, plan.grow_blocks
+        window = cfg.sliding_window
         running = SeqStatus.RUNNING
         prefills: list[Sequence] = []  # (planning only removes from ``running``)
         for seq in list(self.running):
@@ -159,6 +168,8 @@ class Scheduler(AheadScheduling):
                 continue
             elif computed % bs and refs[seq.block_table[-1]] == 1:
                 # The common decode: room in a last block no one else holds.
+                if window:
+                    free += self._slide(seq, computed + seq.num_ahead_slots)
                 scheduled.add(seq.seq_id)
                 grows.append((seq, 1))
                 grow_blocks.append(0)
@@ -204,6 +215,7 @@ class Scheduler(AheadScheduling):
             block_size=self.config.block_size,
             num_blocks=self.num_usable_blocks + 1,
             refs=self.refs,
+            sliding_window=self.config.sliding_window,
         )
 
     # ---- phase two: apply the block manager's answer ---------------------------------------
@@ -241,8 +253,12 @@ class Scheduler(AheadScheduling):
                 continue
             self.waiting.remove(seq)
             seq.block_table = list(res.block_ids)
+            seq.first_live_block = 0
             for b in res.block_ids:
-                self.refs[b] += 1
+                if b == NULL_BLOCK:  # released: out of the window of its first query
+                    seq.first_live_block += 1
+                else:
+                    self.refs[b] += 1
             seq.num_computed_tokens = res.num_cached_tokens
             seq.num_committed_blocks = res.num_cached_tokens // self.config.block_size
             if not seq.admitted_once:
@@ -362,11 +378,33 @@ class Scheduler(AheadScheduling):
         need = blocks_to_grow(seq.num_computed_tokens, k, len(seq.block_table), bs)
         return need + self._cow(seq, k)
 
+    def _slide(self, seq: Sequence, held: int) -> int:
+        """Mirror a sliding-window pool's release at ``seq``'s grow, when it holds ``held``
+        slots (its next query is at that position): the blocks out of that query's window
+        become the null block, and our references to them go. Returns how many blocks that
+        frees (0 for full attention)."""
+        window = self.config.sliding_window
+        if not window:
+            return 0
+        first = first_live_block(held, window, self.config.block_size)
+        start = seq.first_live_block
+        if first <= start:
+            return 0
+        table = list(seq.block_table)  # a new list: runners mirror tables that only grow
+        freed = self._release(table[start:first])
+        table[start:first] = [NULL_BLOCK] * (first - start)
+        seq.block_table = table
+        seq.first_live_block = first
+        return freed
+
     def _release(self, table: Iterable[int]) -> int:
-        """Drop one reference to each block of ``table``; return how many became free."""
+        """Drop one reference to each block of ``table`` (null entries hold none); return
+        how many became free."""
         freed = 0
         refs = self.refs
         for b in table:
+            if b == NULL_BLOCK:
+                continue
             refs[b] -= 1
             if refs[b] == 0:
                 del refs[b]
@@ -409,6 +447,7 @@ class Scheduler(AheadScheduling):
         self.running.remove(seq)
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+        seq.first_live_block = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING

@@ -50,6 +50,9 @@ class Sequence:
     # Only ever appended to in place; any other change assigns a new list (runners mirror
     # tables by identity: see forward_batch.SeqChunk).
     block_table: list[int] = field(default_factory=list)
+    # In a sliding-window pool, entries before this index are the null block: released, out
+    # of the window of every query still to come.
+    first_live_block: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks
     num_committed_blocks: int = 0
     # Slots the pool granted beyond ``num_computed_tokens`` for a step that has not run yet

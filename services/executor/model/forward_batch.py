@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from services.common.blocks import blocks_for_tokens
+from services.common.blocks import NULL_BLOCK, blocks_for_tokens
 from services.executor.model.host_block_tables import HostBlockTables
 
 __all__ = [
@@ -320,6 +320,10 @@ class BatchBuilder:
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)  # [T]
         pos[:] = np.arange(num_tokens) - query_start_loc[seq_of_token] + num_computed[seq_of_token]
         slots[:] = tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
+        null = slots[:num_real_tokens] < bs  # a table's null entries are released: never written
+        if null.any():
+            b = int(seq_of_token[int(np.argmax(null))])
+            raise ValueError(f"chunk {b}: a token's block is the null block {NULL_BLOCK}")
         slots[num_real_tokens:] = -1
         pos[num_real_tokens:] = 0
         logits_idx[:] = logits_indices

@@ -60,7 +60,8 @@ class HostBlockTables:
     def rows(self, tables: Sequence[Sequence[int]], lens: np.ndarray) -> np.ndarray:
         """The row of each of ``tables`` (whose lengths are ``lens``), synced with it.
 
-        Raises ``ValueError`` naming the table for a block id outside ``[1, num_blocks)``;
+        Raises ``ValueError`` naming the table for a block id outside ``[0, num_blocks)`` (0,
+        the null block, stands for a block released out of a sliding window);
         rows written before the error stay consistent."""
         self._build += 1
         found = list(map(self._row_of.get, map(id, tables)))
@@ -121,7 +122,7 @@ class HostBlockTables:
         new = np.asarray(table[start:n], np.int64)
         bad = self._first_bad(new)
         if bad is not None:
-            raise ValueError(f"chunk {index}: block id {bad} outside [1, {self.num_blocks})")
+            raise ValueError(f"chunk {index}: block id {bad} outside [0, {self.num_blocks})")
         if n > self.width:
             self._widen(n)
         self.ids[row, start:n] = new
@@ -129,10 +130,10 @@ class HostBlockTables:
         self.num_writes += 1
 
     def _first_bad(self, ids: np.ndarray) -> int | None:
-        """The first of ``ids`` outside ``[1, num_blocks)``, if any."""
+        """The first of ``ids`` outside ``[0, num_blocks)``, if any."""
         if self.num_blocks is None or not ids.size:
             return None
-        bad = (ids <= 0) | (ids >= self.num_blocks)
+        bad = (ids < 0) | (ids >= self.num_blocks)
         return int(ids[bad][0]) if bad.any() else None
 
     def _drop_unused(self) -> None:

@@ -113,13 +113,25 @@ def size_kv_cache(
         max_model_len=mc.max_model_len,
         max_concurrency=round(tokens / mc.max_model_len, 2),
     )
-    if tokens < mc.max_model_len:
+    need = min_cache_tokens(mc, bs, max_num_batched_tokens)
+    if tokens < need:
         raise ValueError(
-            f"the KV cache holds {tokens} tokens, fewer than max_model_len={mc.max_model_len}: "
-            "a single full-length sequence could never run; give more KV-cache memory or a "
-            "smaller --max-model-len"
+            f"the KV cache holds {tokens} tokens, fewer than the {need} one sequence may need "
+            f"(max_model_len={mc.max_model_len}): a single full-length sequence could never run; "
+            "give more KV-cache memory or a smaller --max-model-len"
         )
     return num_blocks
+
+
+def min_cache_tokens(mc: ModelConfig, block_size: int, max_num_batched_tokens: int) -> int:
+    """The fewest cache tokens one sequence of ``max_model_len`` tokens can run in:
+    ``max_model_len``; when every layer slides with window W (the pool then releases the blocks
+    out of the window), a step's chunk plus the window, two blocks of slack for their
+    unaligned ends, if that is less."""
+    if mc.sliding_window is None or len(mc.sliding_layers) != mc.num_layers:
+        return mc.max_model_len
+    sliding = max_num_batched_tokens + mc.sliding_window + 2 * block_size
+    return min(mc.max_model_len, sliding)
 
 
 @torch.inference_mode()

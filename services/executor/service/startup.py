@@ -11,8 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
-from services.common.blocks import usable_blocks
+from services.blockmgr.types import AttentionKindName, KVCacheGroup
+from services.common.blocks import max_live_blocks, usable_blocks
 from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
 from services.executor.core.config import EngineSettings
 from services.executor.core.engine import Engine
@@ -22,6 +25,8 @@ from services.executor.model.errors import ModelLoadError
 from services.executor.model.launch import build_runner
 from services.executor.model.runner import ModelRunner
 from services.executor.service.config import BlockManagerMode, ExecutorConfig
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,19 @@ def _build_engine(
     mc = runner.config
     bs = runner.block_size
     usable = usable_blocks(runner.num_blocks)
+    pool_id = default_pool_id(config)
+    groups = kv_cache_groups(mc)
+    pool = PoolSpec(
+        pool_id=pool_id,
+        owner_token=pool_owner_token(config, pool_id),
+        num_blocks=runner.num_blocks,
+        block_size=bs,
+        enable_prefix_caching=config.enable_prefix_caching,
+        eviction_policy=config.eviction_policy,
+        groups=groups,
+    )
+    link = BlockManagerLink(blockmgr or connect_blockmgr(config), pool, on_health=on_health)
+    window = _granted_window(groups, link.pool.groups, bs, usable, mc.max_model_len)
     settings = EngineSettings(
         max_model_len=mc.max_model_len,
         vocab_size=mc.vocab_size,
@@ -118,20 +136,11 @@ def _build_engine(
             enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching,
             watermark_blocks=max(1, int(config.watermark * usable)) if config.watermark else 0,
+            sliding_window=window,
         ),
         seed=config.seed,
         async_scheduling=config.async_scheduling,
     )
-    pool_id = default_pool_id(config)
-    pool = PoolSpec(
-        pool_id=pool_id,
-        owner_token=pool_owner_token(config, pool_id),
-        num_blocks=runner.num_blocks,
-        block_size=bs,
-        enable_prefix_caching=config.enable_prefix_caching,
-        eviction_policy=config.eviction_policy,
-    )
-    link = BlockManagerLink(blockmgr or connect_blockmgr(config), pool, on_health=on_health)
     engine = Engine(settings, runner, link)
     served = ServedModel(
         name=config.served_model_name or Path(config.model).name,
@@ -146,3 +155,53 @@ def _build_engine(
         tensor_parallel_size=runner.model.shard.size,
     )
     return engine, served
+
+
+def kv_cache_groups(mc: ModelConfig) -> tuple[KVCacheGroup, ...]:
+    """The pool's KV-cache groups: one sliding group when every layer slides with the same
+    window (Mistral, windowed Qwen2 / Mixtral / Phi-3), so that blocks out of the window go
+    back to the pool; otherwise none (one full group: every block kept). Models with both
+    kinds of layer (Gemma 2/3) keep every block until pools serve several groups."""
+    layers = tuple(range(mc.num_layers))
+    if mc.sliding_window is None or mc.sliding_layers != layers:
+        return ()
+    return (KVCacheGroup(AttentionKindName.SLIDING, mc.sliding_window, layers),)
+
+
+def _granted_window(
+    asked: tuple[KVCacheGroup, ...],
+    granted: tuple[KVCacheGroup, ...],
+    block_size: int,
+    usable: int,
+    max_model_len: int,
+) -> int:
+    """The sliding window the scheduler releases blocks by: the one asked for when the block
+    manager registered the pool with it; 0 (every block kept) when it did not (an
+    implementation that predates KV-cache groups ignores them)."""
+    if not asked:
+        return 0
+    if tuple(granted) != asked:
+        log.warning(
+            "kv_cache_groups_not_served",
+            asked=[g.kind.value for g in asked],
+            granted=[g.kind.value for g in granted],
+            consequence="every block is kept, as with full attention",
+        )
+        if usable * block_size < max_model_len:  # sized for a sliding pool: too small now
+            raise ModelLoadError(
+                f"the block manager does not serve sliding-window pools and the KV cache "
+                f"holds {usable * block_size} tokens, fewer than max_model_len="
+                f"{max_model_len}: give more KV-cache memory or a smaller --max-model-len"
+            )
+        return 0
+    window = asked[0].sliding_window
+    per_seq = min(max_live_blocks(window, block_size), -(-max_model_len // block_size))
+    log.info(
+        "kv_cache_groups",
+        kind="sliding",
+        sliding_window=window,
+        blocks_per_decoding_sequence=per_seq,
+        max_concurrency=round(usable / per_seq, 2),
+        max_concurrency_full_attention=round(usable * block_size / max_model_len, 2),
+    )
+    return window

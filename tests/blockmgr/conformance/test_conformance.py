@@ -7,8 +7,6 @@ copy-on-write, errors), not our particular choice of block ids.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from services.blockmgr.client import BlockManagerClient
@@ -28,7 +26,7 @@ from services.blockmgr.types import (
     OpStatus,
     RestoredSequence,
 )
-from tests.blockmgr.helpers import hashes, raises_code
+from tests.blockmgr.helpers import collect_events, hashes, raises_code
 
 BS = 4
 
@@ -593,22 +591,7 @@ def test_restore_with_duplicate_sequence_ids_is_refused(client, pool_id):
 
 def _collect(stream, n_events: int, timeout: float = 5.0):
     """Read batches on a thread until n_events arrived (or time out)."""
-    got = []
-    done = threading.Event()
-
-    def reader():
-        for batch in stream:
-            got.extend(batch)
-            if len(got) >= n_events:
-                break
-        done.set()
-
-    t = threading.Thread(target=reader, daemon=True)
-    t.start()
-    done.wait(timeout)
-    stream.close()
-    t.join(timeout)
-    return got
+    return collect_events(stream, until=lambda got: len(got) >= n_events, timeout=timeout)
 
 
 def test_event_stream_reports_stored_removed_and_cleared_in_order(client, pool_id):
