@@ -70,7 +70,6 @@ from engine_bench import (  # noqa: E402
 from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
 from kernels import ops  # noqa: E402
-from pagedserve.tools.tiny_model import write_tiny_model  # noqa: E402
 from services.common.logging import configure_logging  # noqa: E402
 from services.executor.model.runner_config import available_cores  # noqa: E402
 
@@ -112,23 +111,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def write_model(directory: Path, args: argparse.Namespace, max_len: int) -> str:
     """The random checkpoint of ``args.family``: the Llama of ``write_bench_model``, or a
     Qwen3-MoE / Gemma 3 of the same sizes, seed and init scale (``write_tiny_model``'s)."""
-    if args.family == "llama":
-        return write_bench_model(directory, args, max_len)
     extra = {"sliding_window": args.sliding_window} if args.family == "gemma3" else {}
-    return str(
-        write_tiny_model(
-            directory,
-            arch=args.family,
-            seed=args.model_seed,
-            hidden_size=args.hidden_size,
-            num_layers=args.num_layers,
-            num_heads=args.num_heads,
-            num_kv_heads=args.num_kv_heads,
-            intermediate_size=args.intermediate_size,
-            max_position_embeddings=max(2048, max_len),
-            **extra,
-        )
-    )
+    return write_bench_model(directory, args, max_len, args.family, **extra)
 
 
 def describe_model(args: argparse.Namespace, model: Any) -> str:

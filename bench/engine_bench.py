@@ -92,11 +92,15 @@ class Req:
     max_tokens: int
 
 
-def write_bench_model(directory: Path, args: argparse.Namespace, max_len: int) -> str:
-    """The benchmark's random Llama, of the sizes in ``args``, written to ``directory``."""
+def write_bench_model(
+    directory: Path, args: argparse.Namespace, max_len: int, arch: str = "llama", **extra: Any
+) -> str:
+    """The benchmark's random model (a Llama unless ``arch`` says otherwise), of the sizes in
+    ``args``, written to ``directory``; ``extra``: further ``write_tiny_model`` arguments."""
     return str(
         write_tiny_model(
             directory,
+            arch=arch,  # type: ignore[arg-type]
             seed=args.model_seed,
             hidden_size=args.hidden_size,
             num_layers=args.num_layers,
@@ -104,6 +108,7 @@ def write_bench_model(directory: Path, args: argparse.Namespace, max_len: int) -
             num_kv_heads=args.num_kv_heads,
             intermediate_size=args.intermediate_size,
             max_position_embeddings=max(2048, max_len),
+            **extra,
         )
     )
 

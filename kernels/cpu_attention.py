@@ -57,30 +57,22 @@ def paged_attention_cpu(
         )
     decode = torch.nonzero(q_lens == 1).flatten()
     num_decode = decode.numel()
-    if num_decode == query.shape[0]:  # a pure decode step, no padding rows: no scatter
-        return _decode(
-            query,
-            key_cache,
-            value_cache,
-            block_tables[decode],
-            seq_lens[decode],
-            scale,
-            window,
-            soft_cap,
-        ).to(query.dtype)
-    out = torch.zeros_like(query)
+    pure = num_decode == query.shape[0]  # a pure decode step, no padding rows: no scatter
+    rows = None if pure else qsl[decode]  # the decode tokens' rows of ``query``
+    decoded = None
     if num_decode:
-        rows = qsl[decode]  # the decode tokens' rows of ``query``
-        out[rows] = _decode(
-            query[rows],
-            key_cache,
-            value_cache,
-            block_tables[decode],
-            seq_lens[decode],
-            scale,
-            window,
-            soft_cap,
-        ).to(query.dtype)
+        q = query if rows is None else query[rows]
+        rows_tables, rows_lens = block_tables[decode], seq_lens[decode]
+        decoded = _decode(
+            q, key_cache, value_cache, rows_tables, rows_lens, scale, window, soft_cap
+        )
+        decoded = decoded.to(query.dtype)
+    if pure:
+        assert decoded is not None
+        return decoded
+    out = torch.zeros_like(query)
+    if decoded is not None:
+        out[rows] = decoded
     prefill = [] if max_query_len == 1 else torch.nonzero(q_lens > 1).flatten().tolist()
     if prefill:
         starts, lens = qsl.tolist(), seq_lens.tolist()

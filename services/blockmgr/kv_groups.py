@@ -155,15 +155,7 @@ def grow_sliding(m: KVBlockManager, op: Grow, failed: set[int]) -> GrowResult:
             pool.decref(table[i])
             table[i] = NULL_BLOCK
         state.first_live = live
-        if cow:
-            src = table[-1]
-            dst = pool.allocate()
-            table[-1] = dst
-            pool.decref(src)
-            copies.append(BlockCopy(entry, len(table) - 1, src, dst))
-            m.num_cow_copies += 1
-        added = tuple(pool.allocate() for _ in range(need)) if need > 0 else empty
-        table.extend(added)
+        added = m.extend_table(table, entry, need, cow, copies)
         state.num_tokens = old + n
         statuses.append(ok)
         new_ids.append(added)

@@ -285,19 +285,29 @@ class KVBlockManager:
                 statuses.append(OpStatus.RESOURCE_EXHAUSTED)
                 new_ids.append(())
                 continue
-            if cow:
-                src = table[-1]
-                dst = pool.allocate()
-                table[-1] = dst
-                pool.decref(src)
-                copies.append(BlockCopy(entry, len(table) - 1, src, dst))
-                self.num_cow_copies += 1
-            added = tuple(pool.allocate() for _ in range(need)) if need > 0 else ()
-            table.extend(added)
+            added = self.extend_table(table, entry, need, cow, copies)
             state.num_tokens = new_total
             statuses.append(OpStatus.OK)
             new_ids.append(added)
         return GrowResult(tuple(statuses), tuple(new_ids), tuple(copies))
+
+    def extend_table(
+        self, table: list[int], entry: int, need: int, cow: bool, copies: list[BlockCopy]
+    ) -> tuple[int, ...]:
+        """Grow entry ``entry``'s writes to ``table``, which the pool has room for: a private
+        copy of the shared last block when ``cow`` (recorded in ``copies``), then ``need``
+        new blocks appended. Returns the new blocks."""
+        pool = self.pool
+        if cow:
+            src = table[-1]
+            dst = pool.allocate()
+            table[-1] = dst
+            pool.decref(src)
+            copies.append(BlockCopy(entry, len(table) - 1, src, dst))
+            self.num_cow_copies += 1
+        added = tuple(pool.allocate() for _ in range(need)) if need > 0 else ()
+        table.extend(added)
+        return added
 
     def _fork(self, op: Fork, failed: set[int]) -> ForkResult:
         if op.parent_seq_id in failed:

@@ -10,7 +10,9 @@ import random
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -18,11 +20,19 @@ from transformers import PreTrainedModel
 
 from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
 from services.blockmgr.config import BlockManagerServiceConfig
-from services.blockmgr.types import AttentionKindName
+from services.blockmgr.types import (
+    Admit,
+    AttentionKindName,
+    Free,
+    GrowResult,
+    OpStatus,
+    StepResult,
+)
 from services.common.blocks import NULL_BLOCK, max_live_blocks
 from services.common.sampling_params import SamplingParams
 from services.executor.core.engine import Engine
-from services.executor.core.sequence import RequestKey
+from services.executor.core.plan import BadAnswer, SchedulePlan, check_answer
+from services.executor.core.sequence import RequestKey, Sequence
 from services.executor.model.launch import build_runner
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
@@ -118,7 +128,14 @@ def test_the_pool_is_registered_as_one_sliding_group(tiny_checkpoint) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["default", "async_scheduling", "tiny_kv_cache", "no_prefix_caching"],
+    [
+        "default",
+        "async_scheduling",
+        "tiny_kv_cache",
+        "async_tiny_kv_cache",
+        "no_prefix_caching",
+        "chunks_longer_than_the_window",
+    ],
 )
 def test_sliding_pool_matches_transformers_and_holds_only_the_window(
     tiny_checkpoint, workload, name
@@ -127,20 +144,29 @@ def test_sliding_pool_matches_transformers_and_holds_only_the_window(
         "default": {},
         "async_scheduling": {"async_scheduling": True},
         "tiny_kv_cache": {"num_kv_blocks": 9},  # 8 blocks: sequences are preempted
+        "async_tiny_kv_cache": {"async_scheduling": True, "num_kv_blocks": 9},
         "no_prefix_caching": {"enable_prefix_caching": False},
+        # Async scheduling plans a step ahead while the current one, whose prefill chunks
+        # span more than the window, has yet to read its tables.
+        "chunks_longer_than_the_window": {"async_scheduling": True, "max_num_batched_tokens": 48},
     }[name]
     engine = _engine(tiny_checkpoint, **kw)
     _assert_matches(_run(engine, workload), workload)
     stats = engine.link.client.stats(engine.link.spec.pool_id)
     if name == "default":
         assert stats.prefix_cache_hits_tokens > 0
-    if name == "tiny_kv_cache":
+    if name.endswith("tiny_kv_cache"):
         assert engine.scheduler.num_preemptions > 0
+    if name.startswith("async") or name.startswith("chunks"):
+        assert engine.num_steps_ahead > 0 and engine.num_bad_answers == 0
     _assert_pool_empty(engine)
 
 
-def test_n_greater_than_one_forks_share_the_window_blocks(tiny_checkpoint, workload) -> None:
-    engine = _engine(tiny_checkpoint)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_n_greater_than_one_forks_share_the_window_blocks(
+    tiny_checkpoint, workload, async_scheduling
+) -> None:
+    engine = _engine(tiny_checkpoint, async_scheduling=async_scheduling)
     _assert_matches(_run(engine, workload[:6], n=3), workload[:6])
     assert engine.link.client.stats(engine.link.spec.pool_id).num_cow_copies > 0
     _assert_pool_empty(engine)
@@ -203,3 +229,69 @@ def test_a_block_manager_restart_restores_tables_with_released_blocks(
         client.close()
         for s in restarted:
             s.stop()
+
+
+class HogsThePool:
+    """A client that, before each of Steps ``at`` .. ``at + 3``, fills the pool's free blocks
+    with sequences of its own (so the executor's grows that need a block are refused), and
+    frees them before the next: a block manager whose capacity changed under the executor."""
+
+    HOG = 2**40
+
+    def __init__(self, inner: InProcessClient, at: int) -> None:
+        self.inner, self.at, self.calls = inner, at, 0
+        self.hogs: list[int] = []
+
+    def step(self, pool_id: str, epoch: int, ops: list) -> StepResult:
+        self._hog(pool_id, epoch)
+        return self.inner.step(pool_id, epoch, ops)
+
+    def step_async(self, pool_id: str, epoch: int, ops: list) -> Any:
+        self._hog(pool_id, epoch)
+        return self.inner.step_async(pool_id, epoch, ops)
+
+    def _hog(self, pool_id: str, epoch: int) -> None:
+        self.calls += 1
+        if self.at <= self.calls < self.at + 4:
+            free = self.inner.stats(pool_id).counters.num_free_blocks
+            if free:
+                self.hogs.append(self.HOG + self.calls)
+                tokens = free * BS
+                self.inner.step(pool_id, epoch, [Admit(self.hogs[-1], tokens, tokens)])
+        elif self.hogs:
+            self.inner.step(pool_id, epoch, [Free(tuple(self.hogs))])
+            self.hogs = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_grow_the_pool_refuses_requeues_its_sequence_without_a_bad_answer(
+    tiny_checkpoint, workload, async_scheduling
+) -> None:
+    """The pool releases nothing for a refused grow, while the executor's mirror had slid
+    it: the sequence is requeued (its Free reconciles both), never taken for a bad answer."""
+    client = HogsThePool(InProcessClient(), at=3)
+    engine = _engine(tiny_checkpoint, client, async_scheduling=async_scheduling)
+    _assert_matches(_run(engine, workload[:8]), workload[:8])
+    assert engine.num_bad_answers == 0 and engine.link.num_recoveries == 0
+    _assert_pool_empty(engine)
+
+
+def test_a_refused_grow_reports_the_first_live_block_it_had_and_that_is_no_bad_answer() -> None:
+    """The mirror slid the sequence when it planned the grow; the pool refused the grow and
+    released nothing, so it reports the old first live block: the check accepts it (the
+    sequence is requeued), while a granted grow must report exactly the mirror's."""
+    seq = Sequence(1, RequestKey(0, "r"), 0, list(range(40)), 40, SamplingParams(), 0, 0)
+    seq.block_table, seq.num_computed_tokens, seq.first_live_block = [0, 0, 5, 6, 7], 40, 2
+    plan = SchedulePlan(grows=[(seq, 1)], grow_blocks=[1], grow_first_live=[2])
+    kw = {"block_size": BS, "num_blocks": 64, "refs": Counter({5: 1, 6: 1, 7: 1})}
+    refused = GrowResult((OpStatus.RESOURCE_EXHAUSTED,), ((),), (), (1,))
+    check_answer(plan, refused, [], sliding_window=WINDOW, **kw)
+    granted_wrong = GrowResult((OpStatus.OK,), ((9,),), (), (1,))
+    with pytest.raises(BadAnswer):
+        check_answer(plan, granted_wrong, [], sliding_window=WINDOW, **kw)
+    check_answer(
+        plan, GrowResult((OpStatus.OK,), ((9,),), (), (2,)), [], sliding_window=WINDOW, **kw
+    )

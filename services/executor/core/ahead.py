@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from services.blockmgr.types import AdmitResult, Fork, GrowResult, StepResult
+from services.blockmgr.types import AdmitResult, Fork, GrowResult, OpStatus, StepResult
 from services.common.blocks import blocks_to_grow, needs_cow
 from services.executor.core.plan import ScheduledBatch, ScheduledChunk, SchedulePlan
 from services.executor.core.sequence import Sequence
@@ -33,6 +33,8 @@ class AheadScheduling:
 
         def _open_plan(self) -> tuple[SchedulePlan, int]: ...
         def _slide(self, seq: Sequence, held: int) -> int: ...
+        def _first_live_after(self, seq: Sequence, held: int) -> int: ...
+        def _release_to(self, seq: Sequence, first: int) -> int: ...
         def _plan_admissions(self, plan: SchedulePlan, free: int, budget: int) -> None: ...
         def _check_answer(
             self, plan: SchedulePlan, grow: GrowResult | None, admitted: list[AdmitResult]
@@ -98,13 +100,14 @@ class AheadScheduling:
         need = sum(grow_blocks)
         if need > self.num_free_blocks or not (grows or self.waiting):
             return None  # (this step's frees are not counted: conservative)
-        if self.config.sliding_window:  # the grows release what left their windows
-            held = {seq.seq_id: slots for seq, slots in decodes}
-            held.update((seq.seq_id, slots) for seq, slots, _ in prefills)
-            for seq, _ in grows:
-                self._slide(seq, held[seq.seq_id])
         plan, free = self._open_plan()
         plan.grows, plan.grow_blocks = grows, grow_blocks
+        if self.config.sliding_window:
+            # What the grows will release, applied with the answer: this step's forward,
+            # whose batch may not be built yet, still reads these tables.
+            held = {seq.seq_id: slots for seq, slots in decodes}
+            held.update((seq.seq_id, slots) for seq, slots, _ in prefills)
+            plan.grow_first_live = [self._first_live_after(s, held[s.seq_id]) for s, _ in grows]
         self._plan_admissions(plan, free - need, budget)
         return plan
 
@@ -115,8 +118,17 @@ class AheadScheduling:
         runs, ``num_ahead_slots`` counts the slots granted ahead. A grow the pool refused
         preempts its sequence, as in :meth:`apply` (it is still sampled in this step: its
         token joins what it recomputes). An answer that contradicts the plan raises
-        :class:`BadAnswer` with nothing applied."""
+        :class:`BadAnswer` with nothing applied but, in a sliding-window pool, the releases
+        of the grows it granted (the pool's state either way; a resync restores ours)."""
         grow, admitted = plan.answers(result)
+        if grow is not None and plan.grow_first_live:
+            # The granted grows' releases, mirrored now that this step's forward has read its
+            # tables, and before the check: the pool may already have handed those blocks out.
+            for (seq, _), status, first in zip(
+                plan.grows, grow.statuses, plan.grow_first_live, strict=True
+            ):
+                if status is OpStatus.OK:
+                    self._release_to(seq, first)
         self._check_answer(plan, grow, admitted)  # no copy-on-write either: one is rejected
         failed = self._apply_grow(plan, grow, []) if grow is not None else set()
         chunks: list[ScheduledChunk] = []

@@ -56,6 +56,8 @@ class SchedulePlan:
     free_seq_ids: list[int] = field(default_factory=list)
     grows: list[tuple[Sequence, int]] = field(default_factory=list)  # decodes, then prefills
     grow_blocks: list[int] = field(default_factory=list)  # new blocks each grow must get
+    # Sliding-window pools: each grow's first live block once the pool has applied it.
+    grow_first_live: list[int] = field(default_factory=list)
     admits: list[tuple[Sequence, Admit]] = field(default_factory=list)
     released: list[RestoredSequence] = field(default_factory=list)  # freed by this plan
     fork_ids: set[int] = field(default_factory=set)  # children forked by this plan
@@ -167,13 +169,15 @@ def check_answer(
         for (seq, _), ids in zip(plan.grows, grow.new_block_ids, strict=True):
             if ids and not fresh(ids):
                 bad.add(seq.seq_id)
-        if sliding_window:
+        if sliding_window:  # (a refused grow releases nothing: its sequence is requeued)
             live = grow.first_live_blocks
             if len(live) != len(plan.grows):
                 bad.update(s.seq_id for s, _ in plan.grows)
             else:
-                for (seq, _), first in zip(plan.grows, live, strict=True):
-                    if first != seq.first_live_block:
+                for (seq, _), status, got, want in zip(
+                    plan.grows, grow.statuses, live, plan.grow_first_live, strict=True
+                ):
+                    if status is ok and got != want:
                         bad.add(seq.seq_id)
     for (seq, op), res in zip(plan.admits, admitted, strict=True):
         if res.status is not ok:

@@ -151,6 +151,8 @@ class Scheduler(AheadScheduling):
             scheduled.add(seq.seq_id)
             plan.grows.append((seq, k))
             plan.grow_blocks.append(need - cow)  # the copy's block comes as a BlockCopy
+            if window:
+                plan.grow_first_live.append(seq.first_live_block)
             return True
 
         # Decodes first, then prefill chunks of running sequences, in priority order.
@@ -170,6 +172,7 @@ class Scheduler(AheadScheduling):
                 # The common decode: room in a last block no one else holds.
                 if window:
                     free += self._slide(seq, computed + seq.num_ahead_slots)
+                    plan.grow_first_live.append(seq.first_live_block)
                 scheduled.add(seq.seq_id)
                 grows.append((seq, 1))
                 grow_blocks.append(0)
@@ -252,13 +255,11 @@ class Scheduler(AheadScheduling):
             if res.status is not OpStatus.OK:
                 continue
             self.waiting.remove(seq)
-            seq.block_table = list(res.block_ids)
-            seq.first_live_block = 0
-            for b in res.block_ids:
-                if b == NULL_BLOCK:  # released: out of the window of its first query
-                    seq.first_live_block += 1
-                else:
-                    self.refs[b] += 1
+            seq.block_table = ids = list(res.block_ids)
+            # Leading null entries: released, out of the window of its first query.
+            seq.first_live_block = next((i for i, b in enumerate(ids) if b), len(ids))
+            for b in ids[seq.first_live_block :]:
+                self.refs[b] += 1
             seq.num_computed_tokens = res.num_cached_tokens
             seq.num_committed_blocks = res.num_cached_tokens // self.config.block_size
             if not seq.admitted_once:
@@ -378,15 +379,24 @@ class Scheduler(AheadScheduling):
         need = blocks_to_grow(seq.num_computed_tokens, k, len(seq.block_table), bs)
         return need + self._cow(seq, k)
 
+    def _first_live_after(self, seq: Sequence, held: int) -> int:
+        """``seq``'s first live block once a grow from ``held`` slots (its next query is at
+        that position) has released what left that query's window."""
+        first = first_live_block(held, self.config.sliding_window, self.config.block_size)
+        return max(first, seq.first_live_block)
+
     def _slide(self, seq: Sequence, held: int) -> int:
-        """Mirror a sliding-window pool's release at ``seq``'s grow, when it holds ``held``
-        slots (its next query is at that position): the blocks out of that query's window
-        become the null block, and our references to them go. Returns how many blocks that
-        frees (0 for full attention)."""
-        window = self.config.sliding_window
-        if not window:
+        """Mirror a sliding-window pool's release at ``seq``'s grow from ``held`` slots: the
+        blocks out of the window of its next query become the null block, and our references
+        to them go. Returns how many blocks that frees (0 for full attention). A table is
+        slid only once the step that reads it has been built (the batch copies it)."""
+        if not self.config.sliding_window:
             return 0
-        first = first_live_block(held, window, self.config.block_size)
+        return self._release_to(seq, self._first_live_after(seq, held))
+
+    def _release_to(self, seq: Sequence, first: int) -> int:
+        """Null ``seq``'s table entries before ``first`` and drop our references to them;
+        returns how many blocks that frees."""
         start = seq.first_live_block
         if first <= start:
             return 0

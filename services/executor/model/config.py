@@ -175,6 +175,12 @@ class ModelConfig:
         ``head_dim ** -0.5``."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    @property
+    def all_layers_slide(self) -> bool:
+        """Every layer attends to one sliding window (Mistral-style): the KV cache can be one
+        sliding group."""
+        return self.sliding_window is not None and len(self.sliding_layers) == self.num_layers
+
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, None for full attention."""
         return self.sliding_window if layer in self.sliding_layers else None

@@ -128,7 +128,7 @@ def min_cache_tokens(mc: ModelConfig, block_size: int, max_num_batched_tokens: i
     ``max_model_len``; when every layer slides with window W (the pool then releases the blocks
     out of the window), a step's chunk plus the window, two blocks of slack for their
     unaligned ends, if that is less."""
-    if mc.sliding_window is None or len(mc.sliding_layers) != mc.num_layers:
+    if not mc.all_layers_slide or mc.sliding_window is None:
         return mc.max_model_len
     sliding = max_num_batched_tokens + mc.sliding_window + 2 * block_size
     return min(mc.max_model_len, sliding)

@@ -124,7 +124,11 @@ def _build_engine(
         groups=groups,
     )
     link = BlockManagerLink(blockmgr or connect_blockmgr(config), pool, on_health=on_health)
-    window = _granted_window(groups, link.pool.groups, bs, usable, mc.max_model_len)
+    try:
+        window = _granted_window(groups, link.pool.groups, bs, usable, mc.max_model_len)
+    except ModelLoadError:
+        link.unregister()  # not left held until its lease runs out
+        raise
     settings = EngineSettings(
         max_model_len=mc.max_model_len,
         vocab_size=mc.vocab_size,
@@ -162,9 +166,9 @@ def kv_cache_groups(mc: ModelConfig) -> tuple[KVCacheGroup, ...]:
     window (Mistral, windowed Qwen2 / Mixtral / Phi-3), so that blocks out of the window go
     back to the pool; otherwise none (one full group: every block kept). Models with both
     kinds of layer (Gemma 2/3) keep every block until pools serve several groups."""
-    layers = tuple(range(mc.num_layers))
-    if mc.sliding_window is None or mc.sliding_layers != layers:
+    if not mc.all_layers_slide or mc.sliding_window is None:
         return ()
+    layers = tuple(range(mc.num_layers))
     return (KVCacheGroup(AttentionKindName.SLIDING, mc.sliding_window, layers),)
 
 

@@ -22,7 +22,7 @@ from services.executor.model.layers.attention import Attention
 from services.executor.model.layers.mlp import MLP
 from services.executor.model.layers.norm import RMSNorm
 from services.executor.model.layers.rotary import RotaryEmbedding
-from services.executor.model.models.llama import DecoderLM
+from services.executor.model.models.llama import DecoderLM, input_norm
 from services.executor.model.parallel import Comm
 
 __all__ = ["GemmaDecoderLayer", "GemmaLM"]
@@ -62,11 +62,7 @@ class GemmaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         kv_cache: Tensor,
     ) -> tuple[Tensor, Tensor]:  # (this layer's output, the residual stream before it)
-        if residual is None:
-            residual = h
-            x = self.input_layernorm(h)
-        else:
-            x = self.input_layernorm(h, residual)  # residual += h
+        x, residual = input_norm(self.input_layernorm, h, residual)
         x = self.post_attention_layernorm(self.self_attn(x, batch, rotary_emb, kv_cache))
         x = self.pre_feedforward_layernorm(x, residual)  # residual += normed attention
         return self.post_feedforward_layernorm(self.mlp(x)), residual

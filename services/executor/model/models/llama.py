@@ -35,7 +35,7 @@ from services.executor.model.layers.norm import RMSNorm
 from services.executor.model.layers.rotary import RotaryEmbedding
 from services.executor.model.parallel import Comm, ShardPlan, SingleComm
 
-__all__ = ["DecoderLM"]
+__all__ = ["DecoderLM", "input_norm"]
 
 
 class DecoderLayer(nn.Module):
@@ -64,14 +64,19 @@ class DecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         kv_cache: Tensor,
     ) -> tuple[Tensor, Tensor]:  # (this layer's output, the residual stream before it)
-        if residual is None:
-            residual = h
-            x = self.input_layernorm(h)
-        else:
-            x = self.input_layernorm(h, residual)  # residual += h
+        x, residual = input_norm(self.input_layernorm, h, residual)
         x = self.self_attn(x, batch, rotary_emb, kv_cache)
         x = self.post_attention_layernorm(x, residual)  # residual += attention output
         return self.mlp(x), residual
+
+
+def input_norm(norm: RMSNorm, h: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A layer's first norm: of the embeddings ``h`` for layer 0 (which start the residual
+    stream), else of ``h + residual`` with the sum kept in ``residual``. Returns (normed,
+    residual stream)."""
+    if residual is None:
+        return norm(h), h
+    return norm(h, residual), residual  # residual += h
 
 
 def _norm(config: ModelConfig, dtype: torch.dtype) -> RMSNorm:
