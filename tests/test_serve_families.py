@@ -38,7 +38,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "phi4_mini": {"arch": "phi3", "rope_scaling": "longrope", "partial_rotary_factor": 0.75},
     "gemma2": {"arch": "gemma2"},
     "gemma3": {"arch": "gemma3", "head_dim": 32},
+    # Tensor parallelism over 2 CPU ranks (gloo): heads, MLP and every expert's width cut.
+    "qwen3_tp2": {"arch": "qwen3", "head_dim": 32, "num_heads": 4, "num_kv_heads": 2},
+    "qwen3_moe_tp2": {"arch": "qwen3_moe"},
 }
+TENSOR_PARALLEL = {"qwen3_tp2": 2, "qwen3_moe_tp2": 2}
 # Phi-4-mini's LongRoPE: served within its original context (64), the short factors, as
 # transformers uses for these prompts.
 MAX_MODEL_LEN = {"phi4_mini": 64}
@@ -52,6 +56,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         *("--num-kv-blocks", "12", "--block-size", "8"),  # 88 tokens: 4 prompts preempt
         *("--max-model-len", str(MAX_MODEL_LEN.get(name, 88))),
         *("--max-num-batched-tokens", "16"),  # prompts prefilled in chunks
+        *("--tensor-parallel-size", str(TENSOR_PARALLEL.get(name, 1))),
     )
     stack = ServeStack(model, executor_args=executor_args)
     try:
@@ -85,6 +90,8 @@ def _hf_greedy(model: Any, ids: list[int]) -> list[int]:
 
 def test_family_serves_transformers_greedy_tokens_through_the_stack(family) -> None:
     name, model_dir, stack = family
+    if name in TENSOR_PARALLEL:  # the executor really runs its ranks
+        assert any(r.get("event") == "tensor_parallel_started" for r in stack.lines), name
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with grpc.insecure_channel(stack.address) as channel:
@@ -102,6 +109,14 @@ def test_family_serves_transformers_greedy_tokens_through_the_stack(family) -> N
             t.join(180)
         for i, prompt in enumerate(PROMPTS):
             assert got[i] == _hf_greedy(hf, tokenizer(prompt).input_ids), f"{name}: prompt {i}"
+
+        # Two samples of one request (n > 1: forked sequences sharing the prompt's blocks),
+        # both greedy: both are transformers' tokens.
+        params = G.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, n=2)
+        samples: dict[int, list[int]] = {0: [], 1: []}
+        for resp in stub.Generate(G.GenerateRequest(prompt=PROMPTS[1], sampling_params=params)):
+            samples[resp.index] += resp.token_ids
+        assert samples[0] == samples[1] == got[1]
 
         # The longest prompt twice more, alone: the second time its full blocks come from
         # the prefix cache (the first repeat refills what the others may have evicted).
