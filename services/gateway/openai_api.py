@@ -150,10 +150,10 @@ def build_app(core: GenerationCore, *, api_key: str | None, registry: Any) -> Fa
     async def completions(body: CompletionRequest) -> Response:
         check_model(body.model)
         with _as_http():
-            gen = body.to_generate()
+            gens = body.to_generates()
         logprobs = body.logprobs is not None
         fmt = Formatter(core, "completions", body.include_usage, logprobs, body.continuous_usage)
-        return _respond(core, gen, DEFAULT_MAX_TOKENS, body.stream, fmt)
+        return _respond(core, gens, DEFAULT_MAX_TOKENS, body.stream, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest) -> Response:
@@ -161,7 +161,7 @@ def build_app(core: GenerationCore, *, api_key: str | None, registry: Any) -> Fa
         with _as_http():
             gen = body.to_generate()
         fmt = Formatter(core, "chat", body.include_usage, body.logprobs, body.continuous_usage)
-        return _respond(core, gen, None, body.stream, fmt)
+        return _respond(core, [gen], None, body.stream, fmt)
 
     return app
 
@@ -191,16 +191,82 @@ def _validation_error(errors: Any) -> HttpError:
 
 def _respond(
     core: GenerationCore,
-    request: generation_pb2.GenerateRequest,
+    requests: list[generation_pb2.GenerateRequest],
     default_max_tokens: int | None,
     stream: bool,
     fmt: Formatter,
 ) -> Response:
-    """The response that will run ``request`` (nothing runs before the ASGI server calls it)."""
-    responses = core.generate(
-        request, default_max_tokens=default_max_tokens, on_prompt_tokens=fmt.set_prompt_tokens
-    )
+    """The response that will run ``requests``, one per prompt (nothing runs before the ASGI
+    server calls it)."""
+    if len(requests) == 1:
+        responses = core.generate(
+            requests[0],
+            default_max_tokens=default_max_tokens,
+            on_prompt_tokens=fmt.set_prompt_tokens,
+        )
+    else:
+        fmt.choices_per_prompt = requests[0].sampling_params.n or 1
+        responses = _merged(core, requests, default_max_tokens, fmt)
     return _EventStream(responses, fmt) if stream else _Completion(responses, fmt)
+
+
+def _name_the_prompt(exc: GenerationError, i: int) -> None:
+    """An error about prompt ``i`` of a batch names it: ``prompt[i]``, ``prompt[i][j]``."""
+    field = exc.field or ""
+    for prefix in ("prompt_token_ids.ids", "prompt"):
+        if field.startswith(prefix):
+            exc.field = f"prompt[{i}]{field[len(prefix) :]}"
+            exc.message = exc.message.replace(field, exc.field, 1)
+            return
+
+
+async def _merged(
+    core: GenerationCore,
+    requests: list[generation_pb2.GenerateRequest],
+    default_max_tokens: int | None,
+    fmt: Formatter,
+) -> Responses:
+    """The responses of several prompts' requests, run concurrently, as they come, with the
+    choices of prompt ``i`` renumbered ``i * n + j``. The first error ends them all (the
+    others are aborted on their executors); so does closing this generator."""
+    n = fmt.choices_per_prompt
+    queue: asyncio.Queue[generation_pb2.GenerateResponse | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, request: generation_pb2.GenerateRequest) -> None:
+        try:
+            generation = core.generate(
+                request,
+                default_max_tokens=default_max_tokens,
+                on_prompt_tokens=lambda k: fmt.set_prompt_tokens(k, prompt=i),
+            )
+            async with contextlib.aclosing(generation) as responses:
+                async for r in responses:
+                    out = generation_pb2.GenerateResponse()
+                    out.CopyFrom(r)
+                    out.index = i * n + r.index
+                    queue.put_nowait(out)
+        except Exception as exc:  # handed to the consumer, which raises it
+            if isinstance(exc, GenerationError):
+                _name_the_prompt(exc, i)
+            queue.put_nowait(exc)
+            return
+        queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _GenerationResponse(Response):

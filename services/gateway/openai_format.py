@@ -97,15 +97,17 @@ class Formatter:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "text_completion" if kind == "completions" else "chat.completion"
-        self.prompt_tokens = 0  # known once the core has tokenized the prompt
+        # Per prompt (a completions request may carry several), known once tokenized.
+        self.prompt_tokens: dict[int, int] = {}
+        self.choices_per_prompt = 1  # n: choice i belongs to prompt i // n
         self._offsets: dict[int, int] = {}  # completions logprobs: text offset per choice
         self._usage: dict[int, common_pb2.Usage] = {}
         self._tokens: dict[int, int] = {}  # streamed tokens per choice
         # Logprobs of tokens whose text is not out yet (they end inside a UTF-8 character).
         self._held_logprobs: dict[int, list[common_pb2.TokenLogprob]] = {}
 
-    def set_prompt_tokens(self, n: int) -> None:
-        self.prompt_tokens = n
+    def set_prompt_tokens(self, n: int, prompt: int = 0) -> None:
+        self.prompt_tokens[prompt] = n
 
     # -- non-streaming --
 
@@ -186,7 +188,7 @@ class Formatter:
         has_logprobs = bool(held)
         held.clear()
         self._offsets[r.index] = offset + len(r.text)
-        usage = self._usage_so_far(tokens)
+        usage = self._usage_so_far(r.index, tokens)
         if self.kind == "completions":
             choice = {"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": finish}
             return [self._chunk([choice], usage)]
@@ -218,17 +220,18 @@ class Formatter:
     def _role_chunk(self, index: int, tokens: int) -> dict[str, Any]:
         delta = {"role": "assistant", "content": ""}
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-        return self._chunk([choice], self._usage_so_far(tokens))
+        return self._chunk([choice], self._usage_so_far(index, tokens))
 
-    def _usage_so_far(self, completion_tokens: int) -> dict[str, Any] | None:
-        """A chunk's usage with ``continuous_usage_stats`` (as vLLM: the prompt, and the tokens
-        of the chunk's choice so far); None otherwise."""
+    def _usage_so_far(self, index: int, completion_tokens: int) -> dict[str, Any] | None:
+        """A chunk's usage with ``continuous_usage_stats`` (as vLLM: the prompt of the chunk's
+        choice, and that choice's tokens so far); None otherwise."""
         if not self.continuous_usage:
             return None
+        prompt = self.prompt_tokens.get(index // self.choices_per_prompt, 0)
         return {
-            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens": prompt,
             "completion_tokens": completion_tokens,
-            "total_tokens": self.prompt_tokens + completion_tokens,
+            "total_tokens": prompt + completion_tokens,
         }
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
@@ -247,8 +250,12 @@ class Formatter:
     # -- shared --
 
     def _usage_body(self) -> dict[str, Any]:
-        prompt = next(iter(self._usage.values())).prompt_tokens if self._usage else 0
-        cached = next(iter(self._usage.values())).cached_prompt_tokens if self._usage else 0
+        """Every prompt counted once (its choices share it), every choice's tokens."""
+        first: dict[int, common_pb2.Usage] = {}  # prompt -> the usage of one of its choices
+        for index, usage in sorted(self._usage.items()):
+            first.setdefault(index // self.choices_per_prompt, usage)
+        prompt = sum(u.prompt_tokens for u in first.values())
+        cached = sum(u.cached_prompt_tokens for u in first.values())
         completion = sum(u.completion_tokens for u in self._usage.values())
         return {
             "prompt_tokens": prompt,

@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pagedserve.v1 import generation_pb2
 from services.common.limits import FieldError
 
+#: Prompts in one ``/v1/completions`` request (each is admitted as its own request).
+MAX_PROMPTS_PER_REQUEST = 1024
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -117,7 +120,10 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
 
-    def to_generate(self) -> generation_pb2.GenerateRequest:
+    def to_generates(self) -> list[generation_pb2.GenerateRequest]:
+        """One request per prompt: ``prompt`` is a string, a list of token ids, or a batch of
+        either (as lm-evaluation-harness sends with ``--batch_size``); the choices of prompt
+        ``i`` get indexes ``i * n .. i * n + n - 1``, as in vLLM."""
         self._refuse_unsupported()
         if self.echo:
             raise FieldError("echo", "is not supported")
@@ -125,18 +131,34 @@ class CompletionRequest(_Sampling):
             raise FieldError("suffix", "is not supported")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise FieldError("best_of", "must equal n (beam search and best-of are not supported)")
-        req = self._request()
         prompt = self.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            req.prompt = prompt
-        elif all(isinstance(t, int) for t in prompt):
-            _set_repeated(req.prompt_token_ids.ids, "prompt", prompt)  # type: ignore[arg-type]
+        if not prompt:
+            raise FieldError("prompt", "is empty")
+        if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+            prompts: list[Any] = [prompt]
+            names = ["prompt"]
         else:
-            raise FieldError("prompt", "one prompt per request: a string or a list of token ids")
-        req.sampling_params.CopyFrom(self._sampling(self.logprobs))
-        return req
+            prompts = list(prompt)
+            names = [f"prompt[{i}]" for i in range(len(prompts))]
+        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+            raise FieldError("prompt", f"{len(prompts)} prompts; at most {MAX_PROMPTS_PER_REQUEST}")
+        sampling = self._sampling(self.logprobs)
+        requests = []
+        for i, (one, name) in enumerate(zip(prompts, names, strict=True)):
+            req = self._request()
+            if self.request_id and len(prompts) > 1:
+                req.request_id = f"{self.request_id}-{i}"
+            if not one:
+                raise FieldError(name, "is empty")
+            if isinstance(one, str):
+                req.prompt = one
+            elif isinstance(one, list) and all(isinstance(t, int) for t in one):
+                _set_repeated(req.prompt_token_ids.ids, name, one)
+            else:
+                raise FieldError(name, "must be a string or a list of token ids")
+            req.sampling_params.CopyFrom(sampling)
+            requests.append(req)
+        return requests
 
 
 class ContentPart(BaseModel):

@@ -72,6 +72,82 @@ def test_greedy_completion_text_equals_the_grpc_api(client, model, stack) -> Non
     assert out.usage.total_tokens == out.usage.prompt_tokens + 12
 
 
+def _greedy_grpc(stack: Stack, prompt: str | list[int], n: int = 1) -> str:
+    request = G.GenerateRequest(
+        sampling_params=G.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, n=n)
+    )
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_token_ids.ids.extend(prompt)
+    return grpc_greedy_text(stack, request) if n == 1 else ""
+
+
+def test_several_prompts_in_one_completion_get_choices_in_prompt_order(
+    client, model, stack
+) -> None:
+    """A batch of prompts (strings, or token-id lists: lm-evaluation-harness's
+    ``--batch_size``): prompt i's choices are indexes i*n .. i*n+n-1, each as that prompt
+    alone would get, and the usage counts every prompt once."""
+    prompts = ["The train", PROMPT, "How does a server answer"]
+    out = client.completions.create(
+        model=model,
+        prompt=prompts,
+        max_tokens=8,
+        temperature=0,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in out.choices] == list(range(6))
+    for i, prompt in enumerate(prompts):
+        expected = _greedy_grpc(stack, prompt)
+        assert out.choices[2 * i].text == out.choices[2 * i + 1].text == expected
+    singles = [
+        client.completions.create(model=model, prompt=p, max_tokens=1, temperature=0)
+        for p in prompts
+    ]
+    assert out.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert out.usage.completion_tokens == 6 * 8
+    ids = [[1, 45, 46, 47], [1, 60, 61]]
+    by_ids = client.completions.create(
+        model=model, prompt=ids, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert [c.text for c in by_ids.choices] == [_greedy_grpc(stack, p) for p in ids]
+
+
+def test_several_prompts_stream_their_choices_interleaved(client, model) -> None:
+    prompts = ["The train", PROMPT]
+    whole = client.completions.create(
+        model=model, prompt=prompts, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    texts: dict[int, str] = {}
+    finished: set[int] = set()
+    for chunk in client.completions.create(
+        model=model,
+        prompt=prompts,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    ):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finished.add(c.index)
+        if not chunk.choices:
+            assert chunk.usage.total_tokens == whole.usage.total_tokens
+    assert finished == {0, 1}
+    assert [texts[i] for i in (0, 1)] == [c.text for c in whole.choices]
+
+
+def test_a_bad_prompt_in_a_batch_is_400_naming_it_and_runs_none(client, model, stack) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=[[1, 5], [1, 10**6]], max_tokens=4)
+    assert info.value.body["param"] == "prompt[1][1]", info.value.body
+    assert stack.wait_blocks_free(timeout=10) == 0
+
+
 def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(client, model) -> None:
     kw = dict(model=model, prompt=PROMPT, max_tokens=10, temperature=0)
     whole = client.completions.create(**kw).choices[0]
