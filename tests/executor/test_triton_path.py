@@ -17,7 +17,20 @@ from .greedy import BlockAllocator, GreedySeq, hf_greedy, run_greedy
 MAX_NEW_TOKENS = 6
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama",
+        "qwen2",
+        # Sliding windows crossed by the prompts (a sliding pool for Mistral: null entries in
+        # the tables), soft-capping and GeGLU (Gemma 2), QK-norm with (1 + w) norms and a
+        # RoPE base per layer type (Gemma 3), partial rotary with LongRoPE (Phi-4-mini).
+        "mistral_window",
+        "gemma2",
+        "gemma3",
+        "phi4_mini",
+    ],
+)
 def test_triton_kernels_give_transformers_tokens_for_batched_chunked_prefill(
     name: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -28,6 +41,8 @@ def test_triton_kernels_give_transformers_tokens_for_batched_chunked_prefill(
     monkeypatch.setenv(FORCE_TRITON_ENV, "1")
     runner = make_runner(name, block_size=8, num_blocks=32)
     prompts = prompt_ids[:3]
+    if name == "phi4_mini":  # LongRoPE's long factors, as transformers uses past 64 positions
+        prompts = [[1, *[t for p in prompt_ids for t in p[1:]][:70]]]
     seqs = [GreedySeq(p, MAX_NEW_TOKENS) for p in prompts]
     run_greedy(runner, seqs, allocator=BlockAllocator(runner.num_blocks), chunk_size=16)
     for seq, prompt in zip(seqs, prompts, strict=True):
