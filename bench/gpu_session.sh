@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything to check on a GPU host, in one call:
-#   1. the kernel checks and bandwidth tables (bench/gpu_check.py),
+#   1. the kernel checks and bandwidth tables (bench/gpu_check.py), and the newer families'
+#      kernels (sliding window, soft-cap, fused MoE: bench/gpu_check_families.py),
 #   2. every `gpu` test (fused kernels in bf16, CUDA graphs vs eager, no recapture),
 #   3. the engine benchmark with and without CUDA graphs (bench/gpu_engine.py),
 #   4. on a host with several GPUs, tensor parallelism over NCCL (bench/tp_bench.py).
@@ -24,6 +25,8 @@ fi
 python3 -m pagedserve._protogen || exit 1
 status=0
 timeout 150 python3 bench/gpu_check.py 2>&1 | tee "$out/gpu_check.log" || status=1
+timeout 90 python3 bench/gpu_check_families.py 2>&1 | tee "$out/gpu_check_families.log" \
+  || status=1
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" \
   || status=1
 timeout 270 python3 bench/gpu_engine.py "$@" 2>&1 | grep -v '"event"' \

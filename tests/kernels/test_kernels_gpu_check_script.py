@@ -65,3 +65,18 @@ def test_gpu_check_exits_nonzero_when_a_check_fails(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(script, "check_correctness", failing_checks)
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--cpu-dry-run", "--no-bench"])
     assert script.main() == 1
+
+
+def test_the_families_gpu_check_runs_end_to_end_as_a_cpu_dry_run() -> None:
+    """``bench/gpu_check_families.py`` (sliding window, soft-cap, fused MoE) before it meets a
+    GPU: every step under the interpreter, every check passing."""
+    r = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "gpu_check_families.py"), "--cpu-dry-run"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "5/5 checks passed" in r.stdout
