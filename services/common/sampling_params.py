@@ -36,6 +36,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # top-k alternatives returned with each chosen token
+    # Log-probabilities of the prompt's tokens (each from the logits of the one before it),
+    # with this many top alternatives: every prompt token is computed (no prefix-cache hit).
+    prompt_logprobs: int | None = None
     # Derived: no penalty reads the token history and no token is ever banned (min_tokens
     # is 0), so a row of these params needs nothing but the params themselves.
     stateless: bool = field(init=False, repr=False, compare=False)
@@ -84,6 +87,10 @@ class SamplingParams:
                 raise FieldError(name, f"must be in [-2, 2], got {v}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise FieldError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise FieldError(
+                "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise FieldError("seed", f"must be in [0, 2^63), got {self.seed}")
         check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")

@@ -118,12 +118,12 @@ class GenerationCore:
         request: generation_pb2.GenerateRequest,
         *,
         default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-        on_prompt_tokens: Callable[[int], None] | None = None,
+        on_prompt: Callable[[list[int]], None] | None = None,
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         """Every response of the request's samples, in arrival order; each sample ends with
         one final message (finish reason and usage set). Raises :class:`GenerationError`.
         ``default_max_tokens`` None: an unset max_tokens fills the model's context.
-        ``on_prompt_tokens`` is called once with the prompt's length, before the first
+        ``on_prompt`` is called once with the prompt's token ids, before the first
         response. Close the generator (``contextlib.aclosing``) when leaving it early."""
         if not self.admission.try_enter():
             self.metrics.requests.labels("rejected_full").inc()
@@ -139,7 +139,7 @@ class GenerationCore:
         try:
             # Closed here, not by the garbage collector: its `finally` aborts on the executor.
             async with contextlib.aclosing(
-                self._generate(request, request_id, default_max_tokens, on_prompt_tokens)
+                self._generate(request, request_id, default_max_tokens, on_prompt)
             ) as responses:
                 async for response in responses:
                     yield response
@@ -153,7 +153,7 @@ class GenerationCore:
         request: generation_pb2.GenerateRequest,
         request_id: str,
         default_max_tokens: int | None,
-        on_prompt_tokens: Callable[[int], None] | None,
+        on_prompt: Callable[[list[int]], None] | None,
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         start = time.monotonic()
         info = self.pool.info
@@ -176,8 +176,8 @@ class GenerationCore:
             self.metrics.requests.labels("invalid").inc()
             log.info("request_invalid", error=str(exc))
             raise GenerationError.invalid(exc) from None
-        if on_prompt_tokens is not None:
-            on_prompt_tokens(len(prompt_ids))
+        if on_prompt is not None:
+            on_prompt(prompt_ids)
         samples = [
             SampleStream(request_id, i, self.tokenizer, prompt_ids, options)
             for i in range(params.n)

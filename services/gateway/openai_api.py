@@ -153,6 +153,7 @@ def build_app(core: GenerationCore, *, api_key: str | None, registry: Any) -> Fa
             gens = body.to_generates()
         logprobs = body.logprobs is not None
         fmt = Formatter(core, "completions", body.include_usage, logprobs, body.continuous_usage)
+        fmt.echo = body.echo
         return _respond(core, gens, DEFAULT_MAX_TOKENS, body.stream, fmt)
 
     @app.post("/v1/chat/completions")
@@ -202,7 +203,7 @@ def _respond(
         responses = core.generate(
             requests[0],
             default_max_tokens=default_max_tokens,
-            on_prompt_tokens=fmt.set_prompt_tokens,
+            on_prompt=fmt.set_prompt,
         )
     else:
         fmt.choices_per_prompt = requests[0].sampling_params.n or 1
@@ -237,7 +238,7 @@ async def _merged(
             generation = core.generate(
                 request,
                 default_max_tokens=default_max_tokens,
-                on_prompt_tokens=lambda k: fmt.set_prompt_tokens(k, prompt=i),
+                on_prompt=lambda ids: fmt.set_prompt(ids, prompt=i),
             )
             async with contextlib.aclosing(generation) as responses:
                 async for r in responses:

@@ -99,6 +99,8 @@ class Formatter:
         self.object = "text_completion" if kind == "completions" else "chat.completion"
         # Per prompt (a completions request may carry several), known once tokenized.
         self.prompt_tokens: dict[int, int] = {}
+        self.prompt_ids: dict[int, list[int]] = {}
+        self.echo = False  # completions: the prompt's text (and log-probabilities) first
         self.choices_per_prompt = 1  # n: choice i belongs to prompt i // n
         self._offsets: dict[int, int] = {}  # completions logprobs: text offset per choice
         self._usage: dict[int, common_pb2.Usage] = {}
@@ -106,8 +108,9 @@ class Formatter:
         # Logprobs of tokens whose text is not out yet (they end inside a UTF-8 character).
         self._held_logprobs: dict[int, list[common_pb2.TokenLogprob]] = {}
 
-    def set_prompt_tokens(self, n: int, prompt: int = 0) -> None:
-        self.prompt_tokens[prompt] = n
+    def set_prompt(self, ids: list[int], prompt: int = 0) -> None:
+        self.prompt_tokens[prompt] = len(ids)
+        self.prompt_ids[prompt] = list(ids)
 
     # -- non-streaming --
 
@@ -115,7 +118,10 @@ class Formatter:
         texts: dict[int, list[str]] = {}
         logprobs: dict[int, list[common_pb2.TokenLogprob]] = {}
         finish: dict[int, str] = {}
+        prompt_logprobs: dict[int, list[common_pb2.TokenLogprob]] = {}  # per prompt
         async for r in responses:
+            if r.prompt_logprobs:
+                prompt_logprobs[r.index // self.choices_per_prompt] = list(r.prompt_logprobs)
             texts.setdefault(r.index, []).append(r.text)
             logprobs.setdefault(r.index, []).extend(r.logprobs)
             if r.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -125,6 +131,9 @@ class Formatter:
         for i in sorted(texts):
             text = "".join(texts[i])
             lp = self._logprobs(logprobs[i], 0, i) if self.logprobs else None
+            if self.echo:
+                prompt = i // self.choices_per_prompt
+                text, lp = self._echo(prompt, prompt_logprobs.get(prompt, []), text, lp)
             if self.kind == "completions":
                 choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish.get(i)}
             else:
@@ -143,6 +152,38 @@ class Formatter:
             "choices": choices,
             "usage": self._usage_body(),
         }
+
+    def _echo(
+        self,
+        prompt: int,
+        prompt_logprobs: list[common_pb2.TokenLogprob],
+        text: str,
+        lp: dict[str, Any] | None,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """A completions choice with its prompt first (``echo``): the prompt's text, and with
+        ``logprobs`` its tokens' log-probabilities (None for the first token, which nothing
+        predicts), as vLLM and OpenAI give them; the completion's offsets follow on."""
+        decode = self.core.tokenizer.decode
+        ids = self.prompt_ids.get(prompt, [])
+        prompt_text = cast(str, decode(ids, skip_special_tokens=True))
+        if lp is None:
+            return prompt_text + text, None
+        tokens = [cast(str, decode([t])) for t in ids]
+        offsets, offset = [], 0
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        tops = [
+            {cast(str, decode([t.token_id])): t.logprob for t in x.top_logprobs}
+            for x in prompt_logprobs
+        ]
+        echoed = {
+            "tokens": tokens + lp["tokens"],
+            "token_logprobs": [None, *(x.logprob for x in prompt_logprobs), *lp["token_logprobs"]],
+            "top_logprobs": [None, *tops, *lp["top_logprobs"]],
+            "text_offset": offsets + [o + offset for o in lp["text_offset"]],
+        }
+        return prompt_text + text, echoed
 
     # -- streaming --
 

@@ -125,8 +125,8 @@ class CompletionRequest(_Sampling):
         either (as lm-evaluation-harness sends with ``--batch_size``); the choices of prompt
         ``i`` get indexes ``i * n .. i * n + n - 1``, as in vLLM."""
         self._refuse_unsupported()
-        if self.echo:
-            raise FieldError("echo", "is not supported")
+        if self.echo and self.stream:
+            raise FieldError("echo", "is not supported with stream")
         if self.suffix:
             raise FieldError("suffix", "is not supported")
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -143,6 +143,8 @@ class CompletionRequest(_Sampling):
         if len(prompts) > MAX_PROMPTS_PER_REQUEST:
             raise FieldError("prompt", f"{len(prompts)} prompts; at most {MAX_PROMPTS_PER_REQUEST}")
         sampling = self._sampling(self.logprobs)
+        if self.echo and self.logprobs is not None:  # the prompt's own log-probabilities
+            _set(sampling, "prompt_logprobs", self.logprobs)
         requests = []
         for i, (one, name) in enumerate(zip(prompts, names, strict=True)):
             req = self._request()

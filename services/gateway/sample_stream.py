@@ -69,6 +69,8 @@ class SampleStream:
         )
         if self.options.logprobs:
             resp.logprobs.extend(self._logprobs(update.logprobs))
+        if update.prompt_logprobs:
+            resp.prompt_logprobs.extend(self._logprobs(update.prompt_logprobs))
         if matched is not None:
             resp.finish_reason = common_pb2.FINISH_REASON_STOP
             resp.stop_string = matched

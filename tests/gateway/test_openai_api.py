@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from pagedserve.v1 import generation_pb2 as G
 from tests.gateway.conftest import Stack
@@ -146,6 +148,53 @@ def test_a_bad_prompt_in_a_batch_is_400_naming_it_and_runs_none(client, model, s
         client.completions.create(model=model, prompt=[[1, 5], [1, 10**6]], max_tokens=4)
     assert info.value.body["param"] == "prompt[1][1]", info.value.body
     assert stack.wait_blocks_free(timeout=10) == 0
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_harness_reads_it(
+    client, model, stack, tiny_model_dir
+) -> None:
+    """lm-evaluation-harness's log-likelihood request: the prompt as token ids, ``echo``,
+    ``logprobs=1``, ``max_tokens=1``. Every prompt token but the first gets transformers'
+    log-probability given the tokens before it; the first gets None."""
+    ids = [1, 45, 46, 47, 48, 49, 50]
+    out = client.completions.create(
+        model=model, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for p in range(1, len(ids)):
+        assert abs(lp.token_logprobs[p] - ref[p - 1, ids[p]].item()) < 1e-4, p
+    assert out.choices[0].text.startswith(stack_decode(tiny_model_dir, ids))
+    # The gRPC API gives the same numbers (its prompt_logprobs start at token 1).
+    request = G.GenerateRequest(
+        sampling_params=G.SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
+    )
+    request.prompt_token_ids.ids.extend(ids)
+    first = next(iter(stack.stub().Generate(request, timeout=60)))
+    assert [x.token_id for x in first.prompt_logprobs] == ids[1:]
+    assert all(len(x.top_logprobs) == 2 and x.token for x in first.prompt_logprobs)
+    got = [x.logprob for x in first.prompt_logprobs]
+    assert max(abs(a - b) for a, b in zip(got, lp.token_logprobs[1:-1], strict=True)) < 1e-6
+
+
+def stack_decode(model_dir, ids: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).decode(ids, skip_special_tokens=True)
+
+
+def test_echo_without_logprobs_prefixes_the_prompt_and_echo_does_not_stream(client, model) -> None:
+    out = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True
+    )
+    assert out.choices[0].text.startswith(PROMPT)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=4, echo=True, stream=True)
+    assert info.value.body["param"] == "echo"
 
 
 def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(client, model) -> None:

@@ -42,9 +42,9 @@ def plan_admissions(
         if budget <= 0 or num_running + len(admits) >= cfg.max_num_seqs:
             break
         total = seq.num_tokens
-        hashes = (
-            tuple(seq.full_block_hashes(bs)[: total // bs]) if cfg.enable_prefix_caching else ()
-        )
+        # Prompt log-probabilities need every prompt token computed: no prefix-cache hit.
+        lookup = cfg.enable_prefix_caching and seq.params.prompt_logprobs is None
+        hashes = tuple(seq.full_block_hashes(bs)[: total // bs]) if lookup else ()
         if hold_back and hashes and not computing.isdisjoint(hashes):
             continue  # its prefix is being computed: it hits it, committed, next step
         if not cfg.enable_chunked_prefill and total > budget:

@@ -60,6 +60,11 @@ class AheadScheduling:
         blocks freed by this step's finished sequences would make fit wait one step."""
         if not batch.chunks or self._forks:
             return None
+        if any(
+            s.params.prompt_logprobs is not None and s.num_computed_tokens < s.prompt_len
+            for s in itertools.chain(self.running, self.waiting)
+        ):
+            return None  # a prompt whose every token's logits are read: planned after sampling
         scheduled = {c.seq.seq_id: c for c in batch.chunks}
         decodes: list[tuple[Sequence, int]] = []  # (seq, slots it holds after this forward)
         prefills: list[tuple[Sequence, int, int]] = []  # (seq, slots, tokens left)

@@ -73,6 +73,7 @@ class Engine(AheadEngine):
         self.num_batches_prepared = 0  # host batches built while the step before ran
         self.scheduler = Scheduler(settings.scheduler, link.counters())
         self._batch_ahead: ScheduledBatch | None = None  # the next step's, already granted
+        self._num_prompt_logprobs = 0  # live requests asking for prompt log-probabilities
         self._prepared: PreparedBatch | None = None  # and its host batch, when the runner can
         # (checked once: a runtime-checkable isinstance costs 15 us)
         preparing = settings.async_scheduling and isinstance(runner, PreparingRunner)
@@ -121,6 +122,7 @@ class Engine(AheadEngine):
         )
         self.generators.create(seq.seq_id, params.seed, 0)
         self.scheduler.add(seq)
+        self._num_prompt_logprobs += params.prompt_logprobs is not None
 
     def keepalive(self) -> None:
         """Called while idle: keeps the block-manager pool's lease."""
@@ -186,6 +188,7 @@ class Engine(AheadEngine):
 
     def _forget(self, req: Request) -> None:
         del self.requests[req.req_id]
+        self._num_prompt_logprobs -= req.params.prompt_logprobs is not None
         self.num_cached_prompt_tokens += req.seqs[0].num_cached_tokens
 
     # ---- the iteration --------------------------------------------------------------------
@@ -226,6 +229,10 @@ class Engine(AheadEngine):
                 self.link.invalidate()
             raise
         t2 = time.perf_counter()
+        if self._num_prompt_logprobs and logits is not None and rows is None:
+            # (A batch planned ahead, which comes with rows, never computes a prompt whose
+            # log-probabilities are asked for.)
+            logits = self._take_prompt_logprobs(batch, logits)  # before after_forward
         if launch_first:
             ahead = self._send_ahead(batch)
         sampled = [c.seq for c in batch.chunks if c.need_logits]
@@ -304,6 +311,8 @@ class Engine(AheadEngine):
             out = SeqOutput(seq.req_id, seq.index, [token])
             if len(seq.token_ids) - seq.prompt_len == 1:  # the first token also reports
                 out.usage = _usage(seq)  # the prompt's cache hits
+                if seq.index == 0 and seq.prompt_logprobs:
+                    out.prompt_logprobs = tuple(seq.prompt_logprobs)
             if lp is not None:
                 out.logprobs = (TokenLogprob(token, lp[0], tuple(lp[1])),)
             outs.append(out)
@@ -318,6 +327,40 @@ class Engine(AheadEngine):
             for seq, out in zip(emitted, outs, strict=True):
                 self._settle(seq, out)
         return outs
+
+    def _take_prompt_logprobs(self, batch: ScheduledBatch, logits: Tensor) -> Tensor:
+        """Record the prompt log-probabilities the batch's prompt-logprob chunks computed
+        (their every token's logits row: position p's row gives token p + 1's), and return
+        the rows the sampler reads, one per chunk that samples. Runs before
+        ``after_forward``: a chunk starts at its sequence's ``num_computed_tokens``."""
+        keep: list[int] = []
+        rows: list[int] = []
+        targets: list[tuple[Seq, int]] = []  # (sequence, token whose logprob the row gives)
+        row = 0
+        for seq, k, need_logits in batch.chunks:
+            start = seq.num_computed_tokens
+            if start >= seq.prompt_len or seq.params.prompt_logprobs is None:
+                keep.extend([row] if need_logits else [])
+                row += need_logits
+                continue
+            done = len(seq.prompt_logprobs)  # a recomputation skips what it already has
+            for p in range(max(start, done), min(start + k, seq.prompt_len - 1)):
+                rows.append(row + p - start)
+                targets.append((seq, seq.token_ids[p + 1]))
+            keep.extend([row + k - 1] if need_logits else [])
+            row += k
+        if rows:
+            lp = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
+            ids = torch.tensor([t for _, t in targets], device=lp.device)
+            chosen = lp.gather(1, ids[:, None]).squeeze(1).tolist()
+            top_k = max(seq.params.prompt_logprobs or 0 for seq, _ in targets)
+            top_vals, top_ids = lp.topk(top_k, dim=-1) if top_k else (lp[:, :0], lp[:, :0])
+            tv, ti = top_vals.tolist(), top_ids.tolist()
+            for i, (seq, token) in enumerate(targets):
+                n = seq.params.prompt_logprobs or 0
+                top = tuple(zip(ti[i][:n], tv[i][:n], strict=True))
+                seq.prompt_logprobs.append(TokenLogprob(token, chosen[i], top))
+        return logits[torch.tensor(keep, device=logits.device, dtype=torch.long)]
 
     def _settle(self, seq: Seq, out: SeqOutput) -> None:
         """After ``seq``'s new token is in ``out``: retire it if it was aborted before it was

@@ -61,3 +61,5 @@ class SeqOutput:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     usage: Usage | None = None
+    # Sample 0's first output of a request that asked for them: prompt tokens 1.. .
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()

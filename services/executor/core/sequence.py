@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from services.blockmgr.hashing import ROOT_HASH, hash_block
 from services.common.sampling_params import SamplingParams
@@ -59,6 +59,9 @@ class Sequence:
     # (async scheduling grants the next step's slot while this step's forward runs).
     num_ahead_slots: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    # With params.prompt_logprobs: entry i is prompt token i + 1's (an outputs.TokenLogprob),
+    # kept across preemptions (a recomputation does not add them again).
+    prompt_logprobs: list[Any] = field(default_factory=list)
     num_preemptions: int = 0
     num_bad_answers: int = 0  # block-manager answers about it that were rejected
     finish_reason: FinishReason | None = None

@@ -42,13 +42,15 @@ class SeqChunk(NamedTuple):
     table passed again as the same object must only have been appended to** (any other
     change comes as a new list; see :mod:`.host_block_tables`). ``need_logits``: return the
     logits of the last token of the chunk (false for a prefill chunk that does not end the
-    prompt).
+    prompt). ``all_logits``: return the logits of every token of the chunk (prompt
+    log-probabilities), in token order; the last is the one ``need_logits`` asks for.
     """
 
     token_ids: Sequence[int]
     num_computed_tokens: int
     block_table: Sequence[int]
     need_logits: bool = True
+    all_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -245,8 +247,8 @@ class BatchBuilder:
         num_seqs = max(num_real, pad_to_seqs or 0)
 
         # One C-level transpose of the chunks into columns; no Python loop per chunk below.
-        token_col, computed_col, table_col, need_col = (
-            zip(*chunks, strict=True) if chunks else ((), (), (), ())
+        token_col, computed_col, table_col, need_col, all_col = (
+            zip(*chunks, strict=True) if chunks else ((), (), (), (), ())
         )
         q_lens = np.ones(num_seqs, np.int64)
         q_lens[:num_real] = np.fromiter(map(len, token_col), np.int64, num_real)
@@ -287,6 +289,12 @@ class BatchBuilder:
         need_logits = np.ones(num_seqs, np.bool_)
         need_logits[:num_real] = need_col
         logits_indices = query_start_loc[1:][need_logits] - 1  # [K]
+        if any(all_col):  # every token's logits for these chunks, in token order
+            want = np.zeros(num_tokens, np.bool_)
+            want[logits_indices] = True
+            for b in np.flatnonzero(np.fromiter(all_col, np.bool_, num_real)).tolist():
+                want[query_start_loc[b] : query_start_loc[b + 1]] = True
+            logits_indices = np.flatnonzero(want)
         layout = BatchLayout(num_tokens, num_seqs, width, int(logits_indices.size))
 
         packed64 = np.empty(sum(layout.sizes64), np.int64)

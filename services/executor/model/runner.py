@@ -101,8 +101,9 @@ class ModelRunner:
         return self.config.max_model_len
 
     def execute(self, chunks: Sequence[SeqChunk]) -> Tensor:
-        """One forward pass over ``chunks``; returns fp32 logits ``[num_need_logits, vocab]``,
-        one row per chunk with ``need_logits``, in chunk order.
+        """One forward pass over ``chunks``; returns fp32 logits ``[K, vocab]``: one row per
+        chunk with ``need_logits``, or one per token of a chunk with ``all_logits``, in chunk
+        order.
 
         Writes the new tokens' K/V into the cache slots their block tables name.
         """

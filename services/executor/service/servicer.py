@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 import structlog
@@ -11,7 +11,7 @@ import structlog
 from pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from services.blockmgr.hashing import HASH_ALGORITHM
 from services.common.sampling_params import SamplingParams, params_from_message
-from services.executor.core.outputs import RequestError, RequestErrorCode, SeqOutput
+from services.executor.core.outputs import RequestError, RequestErrorCode, SeqOutput, TokenLogprob
 from services.executor.core.sequence import FinishReason
 from services.executor.model.parallel import WorkerLost
 from services.executor.service.commands import (
@@ -48,20 +48,26 @@ def params_from_pb(p: executor_pb2.ExecutorSamplingParams) -> SamplingParams:
     return params_from_message(p)
 
 
+def _logprobs_to_pb(logprobs: Iterable[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    return [
+        common_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in logprobs
+    ]
+
+
 def update_to_pb(out: SeqOutput) -> executor_pb2.SequenceUpdate:
     msg = executor_pb2.SequenceUpdate(
         request_id=out.req_id.request_id,
         index=out.index,
         token_ids=out.token_ids,
-        logprobs=[
-            common_pb2.TokenLogprob(
-                token_id=lp.token_id,
-                logprob=lp.logprob,
-                top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
-            )
-            for lp in out.logprobs
-        ],
+        logprobs=_logprobs_to_pb(out.logprobs),
     )
+    if out.prompt_logprobs:
+        msg.prompt_logprobs.extend(_logprobs_to_pb(out.prompt_logprobs))
     if out.finish_reason is not None:
         msg.finish_reason = FINISH_TO_PB[out.finish_reason]
         if out.stop_token_id is not None:
