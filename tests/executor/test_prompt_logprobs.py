@@ -64,8 +64,9 @@ def _prompts() -> list[list[int]]:
         {"max_num_batched_tokens": 7},  # chunks of up to 7 tokens, across blocks
         {"num_kv_blocks": 12, "max_num_batched_tokens": 16, "max_model_len": 88},  # preemption
         {"async_scheduling": True, "max_num_batched_tokens": 16},
+        {"tensor_parallel_size": 2, "max_num_batched_tokens": 16},  # logits gathered to rank 0
     ],
-    ids=["whole", "chunked", "preempted", "async"],
+    ids=["whole", "chunked", "preempted", "async", "tp2"],
 )
 def test_prompt_logprobs_equal_transformers_log_softmax(
     tiny_checkpoint: CheckpointFactory,
@@ -75,7 +76,10 @@ def test_prompt_logprobs_equal_transformers_log_softmax(
     engine = _engine(tiny_checkpoint, **kw)
     prompts = _prompts()
     params = SamplingParams(temperature=0.0, max_tokens=24, prompt_logprobs=3, ignore_eos=True)
-    outs = _run(engine, {f"r{i}": (p, params) for i, p in enumerate(prompts)})
+    try:
+        outs = _run(engine, {f"r{i}": (p, params) for i, p in enumerate(prompts)})
+    finally:
+        engine.runner.close()  # the other tensor-parallel rank, if any
     if "num_kv_blocks" in kw:
         assert engine.scheduler.num_preemptions > 0
     for i, prompt in enumerate(prompts):
