@@ -47,6 +47,26 @@ class KernelCase:
     block_size: int
     dtype: torch.dtype
 
+    def batch(
+        self,
+        seqs: Sequence[tuple[int, int]],
+        device: str | torch.device = "cpu",
+        num_pad_tokens: int = 2,
+        seed: int = 0,
+    ) -> PagedBatch:
+        """A :func:`make_paged_batch` of this case's heads, block size and dtype."""
+        return make_paged_batch(
+            seqs,
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            device=device,
+            num_pad_tokens=num_pad_tokens,
+            seed=seed,
+        )
+
     @property
     def id(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")

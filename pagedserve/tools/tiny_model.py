@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from transformers import (
@@ -62,18 +62,8 @@ Arch = Literal[
     "gemma3_mm",
 ]
 RopeScaling = Literal["none", "linear", "llama3", "longrope"]
-ARCHS: tuple[Arch, ...] = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "mistral",
-    "mixtral",
-    "qwen3_moe",
-    "phi3",
-    "gemma2",
-    "gemma3",
-    "gemma3_mm",  # Gemma3ForConditionalGeneration: a tiny vision tower around the text model
-)
+# (gemma3_mm: Gemma3ForConditionalGeneration, a tiny vision tower around the text model)
+ARCHS: tuple[Arch, ...] = get_args(Arch)
 _GEMMA_ARCHS = ("gemma2", "gemma3", "gemma3_mm")
 
 

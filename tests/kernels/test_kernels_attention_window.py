@@ -44,18 +44,9 @@ CASES = (
 
 
 def _batch(
-    case: KernelCase, seqs: tuple[tuple[int, int], ...], num_pad_tokens: int = 2
+    case: KernelCase, seqs: tuple[tuple[int, int], ...], num_pad_tokens: int = 2, seed: int = 0
 ) -> PagedBatch:
-    return make_paged_batch(
-        seqs,
-        num_q_heads=case.num_q_heads,
-        num_kv_heads=case.num_kv_heads,
-        head_dim=case.head_dim,
-        block_size=case.block_size,
-        dtype=case.dtype,
-        device=DEVICE,
-        num_pad_tokens=num_pad_tokens,
-    )
+    return case.batch(seqs, DEVICE, num_pad_tokens, seed)
 
 
 def _assert_matches_reference(
