@@ -35,6 +35,8 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # Prompt log-probabilities come in one message (16k tokens at top-20: ~3.5 MiB).
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
 )
 # Every server: accept those keepalives, ping idle clients, and never share a port with
 # another process (a second instance must fail with "address in use").

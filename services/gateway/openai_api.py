@@ -151,6 +151,13 @@ def build_app(core: GenerationCore, *, api_key: str | None, registry: Any) -> Fa
         check_model(body.model)
         with _as_http():
             gens = body.to_generates()
+            capacity = core.admission.max_running + core.admission.max_queued
+            if len(gens) > capacity:
+                raise FieldError(
+                    "prompt",
+                    f"{len(gens)} prompts, more than this gateway admits at once ({capacity}: "
+                    "--max-concurrent-requests + --max-queued-requests)",
+                )
         logprobs = body.logprobs is not None
         fmt = Formatter(core, "completions", body.include_usage, logprobs, body.continuous_usage)
         fmt.echo = body.echo
@@ -199,6 +206,7 @@ def _respond(
 ) -> Response:
     """The response that will run ``requests``, one per prompt (nothing runs before the ASGI
     server calls it)."""
+    fmt.choices_per_prompt = requests[0].sampling_params.n or 1
     if len(requests) == 1:
         responses = core.generate(
             requests[0],
@@ -206,19 +214,20 @@ def _respond(
             on_prompt=fmt.set_prompt,
         )
     else:
-        fmt.choices_per_prompt = requests[0].sampling_params.n or 1
         responses = _merged(core, requests, default_max_tokens, fmt)
     return _EventStream(responses, fmt) if stream else _Completion(responses, fmt)
 
 
 def _name_the_prompt(exc: GenerationError, i: int) -> None:
-    """An error about prompt ``i`` of a batch names it: ``prompt[i]``, ``prompt[i][j]``."""
+    """An error about prompt ``i`` of a batch names it: ``prompt[i]``, ``prompt[i][j]``; an
+    error about another field says which prompt's request it came from."""
     field = exc.field or ""
     for prefix in ("prompt_token_ids.ids", "prompt"):
         if field.startswith(prefix):
             exc.field = f"prompt[{i}]{field[len(prefix) :]}"
             exc.message = exc.message.replace(field, exc.field, 1)
             return
+    exc.message = f"{exc.message} (the request of prompt[{i}])"
 
 
 async def _merged(

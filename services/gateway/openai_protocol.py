@@ -2,9 +2,9 @@
 
 Only shapes live here: every range rule is the gRPC front's (``validation``,
 ``services.common``), applied by the shared core to the translated request. Fields OpenAI
-defines that this server cannot honour (tools, logit_bias, suffix, echo, a JSON response
-format) are refused by name rather than silently ignored; unknown fields are ignored, as
-vLLM does. vLLM's extra sampling fields are accepted.
+defines that this server cannot honour (tools, logit_bias, suffix, echo with stream, a
+JSON response format) are refused by name rather than silently ignored; unknown fields are
+ignored, as vLLM does. vLLM's extra sampling fields are accepted.
 """
 
 from __future__ import annotations

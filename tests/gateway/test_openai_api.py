@@ -117,6 +117,20 @@ def test_several_prompts_in_one_completion_get_choices_in_prompt_order(
     assert [c.text for c in by_ids.choices] == [_greedy_grpc(stack, p) for p in ids]
 
 
+def test_one_prompt_with_n_choices_counts_its_prompt_once_and_echoes_it_in_each(
+    client, model
+) -> None:
+    one = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0)
+    two = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=3, temperature=0, n=2, echo=True, logprobs=0
+    )
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens
+    for choice in two.choices:
+        assert choice.text.startswith(PROMPT)
+        assert choice.logprobs.token_logprobs[0] is None
+        assert len(choice.logprobs.token_logprobs) == one.usage.prompt_tokens + 3
+
+
 def test_several_prompts_stream_their_choices_interleaved(client, model) -> None:
     prompts = ["The train", PROMPT]
     whole = client.completions.create(
@@ -503,6 +517,10 @@ def test_beyond_max_concurrent_requests_requests_queue_then_are_429_and_lose_not
         assert info.value.status_code == 429
         message = info.value.body["message"]
         assert "max_concurrent_requests=1" in message and "max_queued_requests=1" in message
+        # A batch of more prompts than the gateway admits at once could never run: 400.
+        with pytest.raises(openai.BadRequestError) as bad:
+            c.completions.create(model=model, prompt=["a", "b", "c"], max_tokens=2)
+        assert bad.value.body["param"] == "prompt" and "(2:" in bad.value.body["message"]
         running.join(120)
         waiting.join(120)
         assert done and done[0]  # the admitted stream was not disturbed

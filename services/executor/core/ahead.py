@@ -61,7 +61,7 @@ class AheadScheduling:
         if not batch.chunks or self._forks:
             return None
         if any(
-            s.params.prompt_logprobs is not None and s.num_computed_tokens < s.prompt_len
+            s.num_computed_tokens < s.prompt_len and s.wants_prompt_logprobs()
             for s in itertools.chain(self.running, self.waiting)
         ):
             return None  # a prompt whose every token's logits are read: planned after sampling

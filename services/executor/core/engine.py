@@ -229,9 +229,9 @@ class Engine(AheadEngine):
                 self.link.invalidate()
             raise
         t2 = time.perf_counter()
-        if self._num_prompt_logprobs and logits is not None and rows is None:
-            # (A batch planned ahead, which comes with rows, never computes a prompt whose
-            # log-probabilities are asked for.)
+        if self._num_prompt_logprobs and logits is not None:
+            # A batch planned ahead never computes a prompt whose log-probabilities are asked
+            # for (plan_ahead refuses): its rows need no change.
             logits = self._take_prompt_logprobs(batch, logits)  # before after_forward
         if launch_first:
             ahead = self._send_ahead(batch)
@@ -333,13 +333,17 @@ class Engine(AheadEngine):
         (their every token's logits row: position p's row gives token p + 1's), and return
         the rows the sampler reads, one per chunk that samples. Runs before
         ``after_forward``: a chunk starts at its sequence's ``num_computed_tokens``."""
+        every = [c.seq.num_computed_tokens < c.seq.prompt_len and c.seq.wants_prompt_logprobs()
+                 for c in batch.chunks]  # fmt: skip
+        if not any(every):  # (the same rule as the batch's chunks were built with)
+            return logits
         keep: list[int] = []
         rows: list[int] = []
         targets: list[tuple[Seq, int]] = []  # (sequence, token whose logprob the row gives)
         row = 0
-        for seq, k, need_logits in batch.chunks:
+        for (seq, k, need_logits), all_rows in zip(batch.chunks, every, strict=True):
             start = seq.num_computed_tokens
-            if start >= seq.prompt_len or seq.params.prompt_logprobs is None:
+            if not all_rows:
                 keep.extend([row] if need_logits else [])
                 row += need_logits
                 continue

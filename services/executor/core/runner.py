@@ -51,6 +51,6 @@ def seq_chunks(batch: ScheduledBatch) -> tuple[list[SeqChunk], list[int]]:
         if len(tokens) < k:  # k == 1
             pending.append(i)
             tokens = [0]
-        every = start < seq.prompt_len and seq.params.prompt_logprobs is not None
+        every = start < seq.prompt_len and seq.wants_prompt_logprobs()
         append(new(SeqChunk, (tokens, start, seq.block_table, need_logits, every)))
     return seq_chunks, pending

@@ -68,6 +68,16 @@ class Sequence:
     stop_token: int | None = None
     admitted_once: bool = False
 
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt chunks return every token's logits: sample 0 of a request that asked for
+        prompt log-probabilities, until it has them all (a recomputation after a preemption
+        asks again only for what it lacks)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.index == 0
+            and len(self.prompt_logprobs) < self.prompt_len - 1
+        )
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
