@@ -46,7 +46,9 @@ class AheadScheduling:
             self, plan: SchedulePlan, admitted: list[AdmitResult]
         ) -> list[tuple[Sequence, int]]: ...
 
-    def plan_ahead(self, batch: ScheduledBatch) -> SchedulePlan | None:
+    def plan_ahead(
+        self, batch: ScheduledBatch, prompt_logprobs: bool = True
+    ) -> SchedulePlan | None:
         """Phase one of the *next* step, made before this step's forward (async scheduling),
         so that its Step round trip overlaps the forward.
 
@@ -56,11 +58,12 @@ class AheadScheduling:
         after; one whose token is its last by ``max_tokens`` is left out), then prefill chunks
         go on within the token budget, then waiting sequences are admitted. None (nothing
         changed) when the next step must be planned after sampling: samples about to fork, a
-        copy-on-write, or too few free blocks without a preemption. Admissions that only the
+        copy-on-write, too few free blocks without a preemption, or (``prompt_logprobs``: some
+        request asks for them) a prompt whose every logits row is read. Admissions that only the
         blocks freed by this step's finished sequences would make fit wait one step."""
         if not batch.chunks or self._forks:
             return None
-        if any(
+        if prompt_logprobs and any(
             s.num_computed_tokens < s.prompt_len and s.wants_prompt_logprobs()
             for s in itertools.chain(self.running, self.waiting)
         ):

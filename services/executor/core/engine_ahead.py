@@ -54,6 +54,7 @@ class AheadEngine:
         _batch_ahead: ScheduledBatch | None
         _prepared: PreparedBatch | None
         _preparing: PreparingRunner | None
+        _num_prompt_logprobs: int
 
     def _take_batch_ahead(self) -> tuple[ScheduledBatch | None, PreparedBatch | None]:
         """The batch granted during the previous step, less the sequences that finished since
@@ -104,7 +105,8 @@ class AheadEngine:
         """Plan the next step now and send its Step, if that is safe."""
         if not self.settings.async_scheduling or not self.link.can_send_ahead:
             return None
-        plan = self.scheduler.plan_ahead(batch)
+        # (Only while a request asks for prompt log-probabilities need it look for one.)
+        plan = self.scheduler.plan_ahead(batch, bool(self._num_prompt_logprobs))
         if plan is None:
             return None
         return plan, self.link.send_ahead(plan.ops())
