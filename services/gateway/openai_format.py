@@ -98,7 +98,6 @@ class Formatter:
         self.created = int(time.time())
         self.object = "text_completion" if kind == "completions" else "chat.completion"
         # Per prompt (a completions request may carry several), known once tokenized.
-        self.prompt_tokens: dict[int, int] = {}
         self.prompt_ids: dict[int, list[int]] = {}
         self.echo = False  # completions: the prompt's text (and log-probabilities) first
         self.choices_per_prompt = 1  # n: choice i belongs to prompt i // n
@@ -109,7 +108,6 @@ class Formatter:
         self._held_logprobs: dict[int, list[common_pb2.TokenLogprob]] = {}
 
     def set_prompt(self, ids: list[int], prompt: int = 0) -> None:
-        self.prompt_tokens[prompt] = len(ids)
         self.prompt_ids[prompt] = list(ids)
 
     # -- non-streaming --
@@ -268,7 +266,7 @@ class Formatter:
         choice, and that choice's tokens so far); None otherwise."""
         if not self.continuous_usage:
             return None
-        prompt = self.prompt_tokens.get(index // self.choices_per_prompt, 0)
+        prompt = len(self.prompt_ids.get(index // self.choices_per_prompt, ()))
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion_tokens,

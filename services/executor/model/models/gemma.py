@@ -20,9 +20,8 @@ from services.executor.model.config import ModelConfig
 from services.executor.model.forward_batch import ForwardBatch
 from services.executor.model.layers.attention import Attention
 from services.executor.model.layers.mlp import MLP
-from services.executor.model.layers.norm import RMSNorm
 from services.executor.model.layers.rotary import RotaryEmbedding
-from services.executor.model.models.llama import DecoderLM, input_norm
+from services.executor.model.models.llama import DecoderLM, hidden_norm, input_norm
 from services.executor.model.parallel import Comm
 
 __all__ = ["GemmaDecoderLayer", "GemmaLM"]
@@ -46,13 +45,12 @@ class GemmaDecoderLayer(nn.Module):
         self, config: ModelConfig, dtype: torch.dtype, comm: Comm, layer_idx: int = 0
     ) -> None:
         super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps, dtype, unit_offset=True)
+        self.input_layernorm = hidden_norm(config, dtype)  # (1 + w) gains: Gemma's config
         self.self_attn = Attention(config, dtype, comm, layer_idx)
-        self.post_attention_layernorm = RMSNorm(h, eps, dtype, unit_offset=True)
-        self.pre_feedforward_layernorm = RMSNorm(h, eps, dtype, unit_offset=True)
+        self.post_attention_layernorm = hidden_norm(config, dtype)
+        self.pre_feedforward_layernorm = hidden_norm(config, dtype)
         self.mlp = MLP(config, dtype, comm)
-        self.post_feedforward_layernorm = RMSNorm(h, eps, dtype, unit_offset=True)
+        self.post_feedforward_layernorm = hidden_norm(config, dtype)
 
     def forward(
         self,

@@ -35,7 +35,7 @@ from services.executor.model.layers.norm import RMSNorm
 from services.executor.model.layers.rotary import RotaryEmbedding
 from services.executor.model.parallel import Comm, ShardPlan, SingleComm
 
-__all__ = ["DecoderLM", "input_norm"]
+__all__ = ["DecoderLM", "hidden_norm", "input_norm"]
 
 
 class DecoderLayer(nn.Module):
@@ -46,9 +46,9 @@ class DecoderLayer(nn.Module):
         self, config: ModelConfig, dtype: torch.dtype, comm: Comm, layer_idx: int = 0
     ) -> None:
         super().__init__()
-        self.input_layernorm = _norm(config, dtype)
+        self.input_layernorm = hidden_norm(config, dtype)
         self.self_attn = Attention(config, dtype, comm, layer_idx)
-        self.post_attention_layernorm = _norm(config, dtype)
+        self.post_attention_layernorm = hidden_norm(config, dtype)
         moe = config.moe
         self.mlp: MLP | SparseMoE = (
             SparseMoE(config.hidden_size, moe, dtype, comm)
@@ -79,7 +79,7 @@ def input_norm(norm: RMSNorm, h: Tensor, residual: Tensor | None) -> tuple[Tenso
     return norm(h, residual), residual  # residual += h
 
 
-def _norm(config: ModelConfig, dtype: torch.dtype) -> RMSNorm:
+def hidden_norm(config: ModelConfig, dtype: torch.dtype) -> RMSNorm:
     """An RMSNorm over the hidden size, with the family's gain (``1 + w`` for Gemma)."""
     return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, config.norm_unit_offset)
 
@@ -125,7 +125,7 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(
             self.layer_class(lc, dtype, self.comm, i) for i in range(lc.num_layers)
         )
-        self.norm = _norm(config, dtype)
+        self.norm = hidden_norm(config, dtype)
         self.lm_head = nn.Linear(config.hidden_size, self.shard.vocab_rows, bias=False, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len, dtype)
         # Gemma: sqrt(hidden), rounded to the model dtype as transformers rounds it.
