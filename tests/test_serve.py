@@ -64,13 +64,29 @@ def _events(stack: ServeStack, event: str) -> list[dict]:
     return [r for r in stack.lines if r.get("event") == event]
 
 
-def test_serve_restarts_a_dead_service_and_serves_again(tmp_path):
+def test_serve_restarts_a_dead_executor_and_its_stream_carries_on(tmp_path):
+    """A greedy stream in flight when the executor is killed completes, token for token as
+    without the kill: ``serve`` restarts the executor and the gateway resumes the stream."""
     model = write_tiny_model(tmp_path / "model")
     stack = ServeStack(model)
     try:
         assert stack.wait_generate("generate", "Hi", "--max-tokens", "2").returncode == 0
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(stack.address))
+        request = generation_pb2.GenerateRequest(
+            prompt="Hi, a long answer please",
+            sampling_params=generation_pb2.SamplingParams(
+                max_tokens=200, temperature=0, ignore_eos=True
+            ),
+        )
+        reference = [t for r in stub.Generate(request, timeout=60) for t in r.token_ids]
+        assert len(reference) == 200
+        stream = stub.Generate(request, timeout=120)
+        tokens = list(next(stream).token_ids)
         old = stack.pids()["executor"]
         os.kill(old, signal.SIGKILL)
+        tokens += [t for r in stream for t in r.token_ids]
+        assert tokens == reference
+        assert _events(stack, "request_resumed")
         deadline = time.monotonic() + 30
         while not _events(stack, "service_restarted"):
             assert time.monotonic() < deadline and stack.proc.poll() is None

@@ -28,6 +28,7 @@ class GatewayConfig:
     max_prompt_bytes: int | None = None  # default: PROMPT_BYTES_PER_TOKEN x max_model_len
     tokenizer_workers: int = 2  # threads that tokenize and apply chat templates
     executor_wait_s: float = 30.0  # streams wait this long for a non-serving executor
+    max_resumes: int = 2  # a stream whose executor is lost is carried on elsewhere this often
     drain_timeout_s: float = 30.0  # on SIGTERM, running streams get this long to finish
     api_key: str | None = field(default=None, repr=False)
     tls_cert: str | None = None
@@ -119,6 +120,14 @@ class GatewayConfig:
             "fail UNAVAILABLE (default %(default)s)",
         )
         a(
+            "--max-resumes",
+            type=int,
+            default=cls.max_resumes,
+            help="times a stream whose executor is lost (killed, or not serving for "
+            "--executor-wait-s) is resumed on a serving one, from the tokens already sent; "
+            "0: it fails UNAVAILABLE (default %(default)s)",
+        )
+        a(
             "--drain-timeout-s",
             type=float,
             default=cls.drain_timeout_s,
@@ -199,6 +208,8 @@ class GatewayConfig:
             raise ValueError("--max-prompt-bytes must be >= 1")
         if self.executor_wait_s <= 0:
             raise ValueError("--executor-wait-s must be > 0")
+        if self.max_resumes < 0:
+            raise ValueError("--max-resumes must be >= 0")
         if self.drain_timeout_s < 0:
             raise ValueError("--drain-timeout-s must be >= 0")
         if self.tokenizer_workers < 1:

@@ -2,9 +2,10 @@
 
 Each :class:`ExecutorConnection` keeps its executor's Info, its latest load, and one Session
 stream over which every request routed to it travels (``add`` / ``abort`` out, one
-``ExecutorStep`` per scheduler step in). Per-request updates are fanned out to asyncio queues.
-When the stream breaks (the executor died or restarted), every in-flight request fails with
-UNAVAILABLE and the connection re-opens in the background.
+``ExecutorStep`` per scheduler step in). Per-request updates are fanned out to asyncio queues,
+tagged with the request id. When the stream breaks (the executor died or restarted), every
+in-flight request gets an :class:`ExecutorUnavailable` (the gateway resumes it elsewhere, see
+``resume``) and the connection re-opens in the background.
 
 A connection is *ready* while its Session is up and the executor's own health says SERVING
 (watched with ``grpc.health.v1``): an executor whose block manager is down reports
@@ -33,10 +34,18 @@ from services.gateway.routing import Candidate, Decision, Router, RoutingPolicy
 log = structlog.get_logger(__name__)
 
 Item = executor_pb2.SequenceUpdate | executor_pb2.RequestError | BaseException
+Tagged = tuple[str, Item]  # (the executor-side request id, what came for it)
 
 
 class ExecutorUnavailable(Exception):
-    pass
+    """No executor for a request. For one lost mid-stream: ``reason`` (``executor_lost``: its
+    stream broke; ``executor_not_serving``: it did not serve for ``--executor-wait-s``) and
+    ``since``, when (``time.monotonic()``) the request's executor stopped serving it."""
+
+    def __init__(self, message: str, *, reason: str = "", since: float | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.since = time.monotonic() if since is None else since
 
 
 class ExecutorConnection:
@@ -69,7 +78,7 @@ class ExecutorConnection:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = security.metadata()
         self._outbox: asyncio.Queue[executor_pb2.SessionRequest | None] = asyncio.Queue()
-        self._inflight: dict[str, asyncio.Queue[Item]] = {}
+        self._inflight: dict[str, asyncio.Queue[Tagged]] = {}
         self._tokens: dict[str, int] = {}  # request -> prompt + streamed tokens
         self.inflight_tokens = 0
         self._task: asyncio.Task[None] | None = None
@@ -99,15 +108,14 @@ class ExecutorConnection:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def submit(self, add: executor_pb2.AddRequest) -> asyncio.Queue[Item]:
-        """Send ``add``; updates (and a RequestError or exception) arrive on the queue."""
+    def submit(self, add: executor_pb2.AddRequest, queue: asyncio.Queue[Tagged]) -> None:
+        """Send ``add``; its updates (and a RequestError or exception) arrive on ``queue``,
+        tagged with ``add.request_id`` (several requests may share one queue)."""
         if not self.ready:
             raise ExecutorUnavailable(f"executor {self.address} is not ready")
-        q: asyncio.Queue[Item] = asyncio.Queue()
-        self._inflight[add.request_id] = q
-        self._count(add.request_id, len(add.prompt_token_ids))
+        self._inflight[add.request_id] = queue
+        self._count(add.request_id, len(add.prompt_token_ids) + len(add.resume.output_token_ids))
         self._outbox.put_nowait(executor_pb2.SessionRequest(add=add))
-        return q
 
     def release(self, request_id: str, *, abort: bool) -> None:
         """Forget a request; with ``abort`` the executor stops it at its next step."""
@@ -149,7 +157,11 @@ class ExecutorConnection:
                 log.exception("executor_connection_error", address=self.address)
             self._connected = False
             self._update()
-            self._fail_all(ExecutorUnavailable(f"executor {self.address} is unavailable"))
+            self._fail_all(
+                ExecutorUnavailable(
+                    f"executor {self.address} is unavailable", reason="executor_lost"
+                )
+            )
             await asyncio.sleep(self.retry_s)
 
     async def _watch(self) -> None:
@@ -195,12 +207,12 @@ class ExecutorConnection:
                 self._uncount(err.request_id)
                 q = self._inflight.pop(err.request_id, None)
                 if q is not None:
-                    q.put_nowait(err)
+                    q.put_nowait((err.request_id, err))
             for update in step.updates:
                 q = self._inflight.get(update.request_id)
                 if q is not None:
                     self._count(update.request_id, len(update.token_ids))
-                    q.put_nowait(update)
+                    q.put_nowait((update.request_id, update))
         raise ExecutorUnavailable(f"executor {self.address} closed the session")
 
     def _count(self, request_id: str, num_tokens: int) -> None:
@@ -214,8 +226,8 @@ class ExecutorConnection:
         inflight, self._inflight = self._inflight, {}
         self._tokens.clear()
         self.inflight_tokens = 0
-        for q in inflight.values():
-            q.put_nowait(exc)
+        for request_id, q in inflight.items():
+            q.put_nowait((request_id, exc))
 
     def _update(self) -> None:
         ready = self._connected and self._serving
@@ -245,7 +257,9 @@ class ExecutorConnection:
         self._fail_all(
             ExecutorUnavailable(
                 f"executor {self.address} has not been serving for "
-                f"{self.executor_wait_s:.0f} s (--executor-wait-s); retry later"
+                f"{self.executor_wait_s:.0f} s (--executor-wait-s); retry later",
+                reason="executor_not_serving",
+                since=self.not_ready_since,
             )
         )
         if self._connected:
@@ -287,9 +301,10 @@ class ExecutorPool:
         router: Router | None = None,
     ) -> None:
         self.router = router or Router(RoutingPolicy.LEAST_LOADED)
+        self._change = asyncio.Event()  # set (and replaced) whenever an executor changes
         self._make = functools.partial(
             ExecutorConnection,
-            on_change=on_change,
+            on_change=self._changed,
             on_step=on_step,
             security=security,
             executor_wait_s=executor_wait_s,
@@ -334,6 +349,22 @@ class ExecutorPool:
     def info(self) -> executor_pb2.ExecutorInfo | None:
         ready = self.ready
         return ready[0].info if ready else None
+
+    def _changed(self) -> None:
+        self._on_change()
+        change, self._change = self._change, asyncio.Event()
+        change.set()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Whether an executor is ready, or becomes ready within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.ready:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._change.wait(), left)
+        return True
 
     def pick(
         self, prompt_ids: Sequence[int] = (), cache_salt: bytes = b""
@@ -398,7 +429,7 @@ class ExecutorPool:
                 self._spawn(self._retire(address, conn), f"drain-{address}")
             elif not gone and conn.draining:  # it came back before it was closed
                 conn.draining = False
-        self._on_change()
+        self._changed()
 
     async def _retire(self, address: str, conn: ExecutorConnection) -> None:
         while conn.num_inflight and conn.draining:
@@ -407,7 +438,7 @@ class ExecutorPool:
             del self._by_address[address]
             await conn.close()
             log.info("executor_removed", address=address)
-            self._on_change()
+            self._changed()
 
     def _spawn(self, coro: Awaitable[None], name: str) -> None:
         task = asyncio.ensure_future(coro)

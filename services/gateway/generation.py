@@ -30,8 +30,9 @@ from pagedserve.v1 import common_pb2, executor_pb2, generation_pb2
 from services.common.limits import FieldError, check_prompt, check_request_id, check_token_ids
 from services.gateway.admission import Admission
 from services.gateway.config import PROMPT_BYTES_PER_TOKEN, GatewayConfig
-from services.gateway.executor_client import ExecutorPool, ExecutorUnavailable
+from services.gateway.executor_client import ExecutorPool, ExecutorUnavailable, Tagged
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.resume import Placement, resume_adds
 from services.gateway.routing import Decision
 from services.gateway.sample_stream import SampleStream
 from services.gateway.validation import (
@@ -209,29 +210,27 @@ class GenerationCore:
         start: float,
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         """The request on an executor, from routing to its last sample's final message
-        (``start``: when it arrived, for the latency metrics)."""
+        (``start``: when it arrived, for the latency metrics). An executor lost mid-stream
+        is replaced: the samples carry on from their tokens so far (see ``resume``), up to
+        ``--max-resumes`` times, each waiting at most ``--executor-wait-s`` for one."""
+        original = executor_pb2.AddRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            priority=request.priority,
+            cache_salt=request.cache_salt.encode(),
+        )
+        queue: asyncio.Queue[Tagged] = asyncio.Queue()
         try:
-            cache_salt = request.cache_salt.encode()
-            conn, decision = self.pool.pick(prompt_ids, cache_salt)
-            internal_id = uuid.uuid4().hex
-            queue = conn.submit(
-                executor_pb2.AddRequest(
-                    request_id=internal_id,
-                    prompt_token_ids=prompt_ids,
-                    sampling_params=params,
-                    priority=request.priority,
-                    cache_salt=cache_salt,
-                )
-            )
+            placement = self._place([(original, list(range(params.n)))], queue)
         except ExecutorUnavailable as exc:
             self.metrics.requests.labels("unavailable").inc()
             raise GenerationError(ErrorKind.UNAVAILABLE, str(exc)) from None
-        self._record_route(conn.address, decision, len(prompt_ids))
         log.info(
             "request_accepted",
-            executor=conn.address,
-            routing=decision.policy.value,
-            predicted_cached_tokens=decision.predicted_cached_tokens,
+            executor=placement.conn.address,
+            routing=placement.decision.policy.value,
+            predicted_cached_tokens=placement.decision.predicted_cached_tokens,
             num_prompt_tokens=len(prompt_ids),
             n=params.n,
             max_tokens=params.max_tokens,
@@ -239,42 +238,58 @@ class GenerationCore:
 
         last_token_at: list[float | None] = [None] * params.n
         done = 0
+        resumes = 0
         completed = False
         outcome: str | None = None  # counted once in requests_total; None: cancelled
         stopped_here = False  # a stop string ended a sample the executor may still be running
         try:
             while done < params.n:
-                item = await queue.get()
+                tag, item = await queue.get()
+                if tag not in placement.samples:
+                    continue  # from an executor given up
+                if isinstance(item, BaseException):
+                    if resumes >= self.config.max_resumes or not isinstance(
+                        item, ExecutorUnavailable
+                    ):
+                        outcome = "unavailable"
+                        log.warning("executor_lost_mid_request", error=str(item))
+                        raise GenerationError(ErrorKind.UNAVAILABLE, str(item))
+                    resumes += 1
+                    placement.release(abort=True)
+                    try:
+                        placement = await self._resume(original, samples, queue, item, resumes)
+                    except GenerationError:
+                        outcome = "unavailable"
+                        raise
+                    continue
                 if isinstance(item, executor_pb2.RequestError):
                     kind = _REFUSAL_KIND.get(item.code, ErrorKind.INTERNAL)
                     outcome = "refused" if kind != ErrorKind.INTERNAL else "error"
                     raise GenerationError(kind, item.message)
-                if isinstance(item, BaseException):
-                    outcome = "unavailable"
-                    log.warning("executor_lost_mid_request", error=str(item))
-                    raise GenerationError(ErrorKind.UNAVAILABLE, str(item))
-                sample = samples[item.index]
-                response, stopped = sample.process(item)
+                index = placement.sample_of(tag, item.index)
+                if index is None:
+                    continue
+                response, stopped = samples[index].process(item)
                 if stopped:
                     stopped_here = True
                     if params.n > 1 and done + 1 < params.n:
-                        conn.abort_sample(internal_id, item.index)
+                        placement.stop_sample(index)
                 if response is None:
                     continue
                 now = time.monotonic()
                 if response.token_ids:
-                    prev = last_token_at[item.index]
+                    prev = last_token_at[index]
                     if prev is None:
-                        if item.index == 0:
+                        if index == 0:
                             self.metrics.ttft.observe(now - start)
                     else:
                         self.metrics.itl.observe(now - prev)
-                    last_token_at[item.index] = now
+                    last_token_at[index] = now
                     self.metrics.generation_tokens.inc(len(response.token_ids))
                 if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     done += 1
-                    self._record_final(response, conn.address)
-                    if response.index == 0:
+                    self._record_final(response, placement.conn.address)
+                    if index == 0:
                         outcome = FINISH_NAMES.get(response.finish_reason, "other")
                 yield response
             completed = True
@@ -283,13 +298,68 @@ class GenerationCore:
                 "request_finished",
                 latency_s=round(time.monotonic() - start, 4),
                 completion_tokens=[s.num_tokens for s in samples],
+                resumes=resumes,
             )
         finally:
             # Cancelled, deadline passed, or failed: stop it on the executor right away.
-            conn.release(internal_id, abort=not completed or stopped_here)
+            placement.release(abort=not completed or stopped_here)
             if not completed and outcome is None:
                 log.info("request_cancelled", after_s=round(time.monotonic() - start, 4))
             self.metrics.requests.labels(outcome or "cancelled").inc()
+
+    def _place(
+        self, adds: list[tuple[executor_pb2.AddRequest, list[int]]], queue: asyncio.Queue[Tagged]
+    ) -> Placement:
+        """Route ``adds`` (one request's executor-side requests) to one ready executor, by
+        the longest token sequence among them; raises :class:`ExecutorUnavailable`."""
+        first = max(
+            (add for add, _ in adds),
+            key=lambda add: len(add.prompt_token_ids) + len(add.resume.output_token_ids),
+        )
+        tokens = [*first.prompt_token_ids, *first.resume.output_token_ids]
+        conn, decision = self.pool.pick(tokens, first.cache_salt)
+        placement = Placement(conn, decision)
+        for add, indexes in adds:
+            conn.submit(add, queue)
+            placement.samples[add.request_id] = indexes
+        self._record_route(conn.address, decision, len(tokens))
+        return placement
+
+    async def _resume(
+        self,
+        original: executor_pb2.AddRequest,
+        samples: list[SampleStream],
+        queue: asyncio.Queue[Tagged],
+        lost: ExecutorUnavailable,
+        resumes: int,
+    ) -> Placement:
+        """Carry the unfinished samples on, on a ready executor, waiting for one up to
+        ``--executor-wait-s`` after the executor was lost; else UNAVAILABLE."""
+        adds = resume_adds(original, samples)
+        while True:
+            left = self.config.executor_wait_s - (time.monotonic() - lost.since)
+            if not await self.pool.wait_ready(left):
+                log.warning("executor_lost_mid_request", error=str(lost), resumes=resumes - 1)
+                raise GenerationError(
+                    ErrorKind.UNAVAILABLE,
+                    f"{lost}; no executor served again within {self.config.executor_wait_s:g} s "
+                    "(--executor-wait-s)",
+                )
+            try:
+                placement = self._place(adds, queue)
+            except ExecutorUnavailable:
+                continue  # it went away again between the wait and the pick
+            break
+        self.metrics.resumed.labels(lost.reason or "executor_lost").inc()
+        log.info(
+            "request_resumed",
+            reason=lost.reason,
+            executor=placement.conn.address,
+            resumes=resumes,
+            waited_s=round(time.monotonic() - lost.since, 4),
+            tokens_sent=[len(s.token_ids) for s in samples],
+        )
+        return placement
 
     def _record_route(self, executor: str, decision: Decision, num_prompt_tokens: int) -> None:
         m = self.metrics

@@ -144,6 +144,13 @@ class GatewayMetrics:
         self.requests = Counter(
             "pagedserve_requests", "Finished requests by outcome", ["outcome"], registry=r
         )
+        self.resumed = Counter(
+            "pagedserve_requests_resumed",
+            "Streams carried on from their tokens so far on another executor (or the same one "
+            "restarted), by why their executor was lost",
+            ["reason"],
+            registry=r,
+        )
         self.inflight = Gauge(
             "pagedserve_gateway_requests_inflight",
             "Generate streams open on this gateway (queued here or sent to an executor)",

@@ -24,8 +24,10 @@ class SampleStream:
     prompt_token_ids: list[int]
     options: TextOptions
     num_tokens: int = 0
-    cached_prompt_tokens: int = 0
+    cached_prompt_tokens: int | None = None  # as the first executor that served it said
     done: bool = False
+    # Every token sent so far: a sample resumed on another executor carries on from them.
+    token_ids: list[int] = field(default_factory=list)
     detok: IncrementalDetokenizer = field(init=False)
     matcher: StopStringMatcher | None = field(init=False)
 
@@ -50,7 +52,9 @@ class SampleStream:
             return None, False
         tokens = list(update.token_ids)
         self.num_tokens += len(tokens)
-        if update.HasField("usage"):
+        self.token_ids.extend(tokens)
+        if update.HasField("usage") and self.cached_prompt_tokens is None:
+            # (a resumed sample's executor counts its recomputed output tokens too)
             self.cached_prompt_tokens = update.usage.cached_prompt_tokens
         final = update.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
         stop_token = update.stop_token_id if update.HasField("stop_token_id") else None
@@ -92,7 +96,9 @@ class SampleStream:
             common_pb2.Usage(
                 prompt_tokens=len(self.prompt_token_ids),
                 completion_tokens=self.num_tokens,
-                cached_prompt_tokens=self.cached_prompt_tokens,
+                cached_prompt_tokens=min(
+                    self.cached_prompt_tokens or 0, len(self.prompt_token_ids)
+                ),
             )
         )
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.limits import FieldError, check_prompt, check_request_id
+from services.common.limits import FieldError, check_prompt, check_request_id, check_token_ids
 from services.common.sampling_params import SamplingParams
 from services.executor.core.outputs import EngineError, RequestErrorCode
+from services.executor.core.sequence import Resume
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,13 @@ class EngineSettings:
                 f"({self.max_model_len})"
             )
 
-    def check_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+    def check_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        resume: Resume | None = None,
+    ) -> None:
         """Raise :class:`EngineError` (INVALID_ARGUMENT, naming the field) for a request this
         engine cannot serve."""
         cfg = self.scheduler
@@ -67,5 +74,30 @@ class EngineSettings:
                 params.validate(self.vocab_size)
             except FieldError as exc:
                 raise exc.under("sampling_params") from None
+            if resume is not None:
+                self._check_resume(len(prompt), params, resume)
         except FieldError as exc:
             raise EngineError(RequestErrorCode.INVALID_ARGUMENT, str(exc)) from None
+
+    def _check_resume(self, prompt_len: int, params: SamplingParams, resume: Resume) -> None:
+        outputs = resume.output_token_ids
+        if params.n != 1:
+            raise FieldError("sampling_params.n", "must be 1 when resume is set")
+        check_token_ids(outputs, self.vocab_size, "resume.output_token_ids")
+        if len(outputs) >= params.max_tokens:
+            raise FieldError(
+                "resume.output_token_ids",
+                f"{len(outputs)} tokens leave none to generate within "
+                f"max_tokens={params.max_tokens}",
+            )
+        if prompt_len + len(outputs) >= self.max_model_len:
+            raise FieldError(
+                "resume.output_token_ids",
+                f"prompt + {len(outputs)} output tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}",
+            )
+        if outputs and params.prompt_logprobs is not None:
+            raise FieldError(
+                "sampling_params.prompt_logprobs",
+                "must be unset when resuming after output tokens (they were sent already)",
+            )

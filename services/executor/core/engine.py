@@ -40,7 +40,7 @@ from services.executor.core.scheduler import (
     SchedulePlan,
     Scheduler,
 )
-from services.executor.core.sequence import FinishReason, Request, RequestKey, SeqStatus
+from services.executor.core.sequence import FinishReason, Request, RequestKey, Resume, SeqStatus
 from services.executor.core.sequence import Sequence as Seq
 
 log = structlog.get_logger(__name__)
@@ -96,21 +96,24 @@ class Engine(AheadEngine):
         *,
         priority: int = 0,
         cache_salt: bytes = b"",
+        resume: Resume | None = None,
     ) -> None:
-        """Queue a request; raises :class:`EngineError` (nothing queued) if it is refused."""
+        """Queue a request; raises :class:`EngineError` (nothing queued) if it is refused.
+        ``resume``: carry on a sample from its earlier output tokens (see :class:`Resume`)."""
         if req_id in self.requests:
             raise EngineError(
                 RequestErrorCode.ALREADY_EXISTS,
                 f"request_id {req_id.request_id!r} is already running",
             )
         prompt = list(prompt_token_ids)
-        self.settings.check_request(req_id.request_id, prompt, params)
+        self.settings.check_request(req_id.request_id, prompt, params, resume)
+        outputs = list(resume.output_token_ids) if resume is not None else []
         arrival = next(self._arrivals)
         seq = Seq(
             seq_id=next(self._seq_ids),
             req_id=req_id,
             index=0,
-            token_ids=prompt,
+            token_ids=prompt + outputs,
             prompt_len=len(prompt),
             params=params,
             priority=priority,
@@ -120,7 +123,7 @@ class Engine(AheadEngine):
         self.requests[req_id] = Request(
             req_id, prompt, params, priority, arrival, [seq], cache_salt
         )
-        self.generators.create(seq.seq_id, params.seed, 0)
+        self.generators.create(seq.seq_id, params.seed, resume.sample_index if resume else 0)
         self.scheduler.add(seq)
         self._num_prompt_logprobs += params.prompt_logprobs is not None
 

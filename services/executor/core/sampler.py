@@ -5,7 +5,9 @@ Every operation is a tensor op over ``[K, V]``; the only Python loops run over r
 carry a per-request generator (one ``exponential_`` draw each) or banned tokens, never over
 the vocabulary. Randomness: sampling is ``argmax(probs / q)`` with ``q ~ Exp(1)`` (the
 exponential-race form of categorical sampling); a seeded sequence draws its ``q`` from its own
-generator, so its tokens do not depend on what else is in the batch.
+generator, reseeded from (seed, sample index, output position) before each draw: its tokens
+depend on nothing else in the batch, and a sample recomputed from its output tokens (a
+preemption, or a stream the gateway resumed on another executor) draws what it would have.
 """
 
 from __future__ import annotations
@@ -25,29 +27,57 @@ _NEG_INF = float("-inf")
 _PARAMS = operator.attrgetter("params")
 _PLAIN = operator.attrgetter("plain")
 _GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
 
 GeneratorKey = Hashable
 
 
+def _splitmix64(x: int) -> int:
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_seed(seed: int, index: int, position: int) -> int:
+    """The generator seed of the draw for output token ``position`` of sample ``index`` of a
+    request seeded with ``seed``: a pure function of the three, so any position can be drawn
+    again without replaying the ones before it."""
+    return _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ index) ^ position) >> 1
+
+
+class SampleRng:
+    """The randomness of one seeded sample: position-addressable (see :func:`draw_seed`)."""
+
+    __slots__ = ("generator", "index", "seed")
+
+    def __init__(self, device: torch.device, seed: int, index: int) -> None:
+        self.generator = torch.Generator(device=device)
+        self.seed, self.index = seed, index
+
+    def exponential_(self, row: Tensor, position: int) -> None:
+        """Fill ``row`` with Exp(1) draws for output token ``position``."""
+        self.generator.manual_seed(draw_seed(self.seed, self.index, position))
+        row.exponential_(generator=self.generator)
+
+
 class SeededGenerators:
-    """The per-sample generators of seeded requests: sample ``index`` of a request with seed
-    ``s`` draws from ``Generator(s + index * golden)``, so its tokens depend on nothing else in
-    the batch. Keyed by sequence id (or any key until the sequence exists)."""
+    """The per-sample randomness of seeded requests (a :class:`SampleRng` each), keyed by
+    sequence id (or any key until the sequence exists)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._by_key: dict[GeneratorKey, torch.Generator] = {}
+        self._by_key: dict[GeneratorKey, SampleRng] = {}
 
-    def create(self, key: GeneratorKey, seed: int | None, index: int) -> torch.Generator | None:
-        """The generator of sample ``index`` under ``key``; None for an unseeded request."""
+    def create(self, key: GeneratorKey, seed: int | None, index: int) -> SampleRng | None:
+        """The randomness of sample ``index`` under ``key``; None for an unseeded request."""
         if seed is None:
             return None
-        g = torch.Generator(device=self.device)
-        g.manual_seed((seed + index * _GOLDEN) % 2**63)
-        self._by_key[key] = g
-        return g
+        rng = SampleRng(self.device, seed, index)
+        self._by_key[key] = rng
+        return rng
 
-    def get(self, key: GeneratorKey) -> torch.Generator | None:
+    def get(self, key: GeneratorKey) -> SampleRng | None:
         return self._by_key.get(key)
 
     def rename(self, old: GeneratorKey, new: GeneratorKey) -> None:
@@ -65,17 +95,19 @@ class SeededGenerators:
 @dataclass(slots=True)
 class RowState:
     """What one row needs beyond its :class:`SamplingParams`: the token history (read by the
-    penalties), its own generator (seeded requests) and banned tokens (EOS and stop tokens
-    until ``min_tokens``). Rows of stateless, unseeded requests have none."""
+    penalties), its own randomness (seeded requests) with the output position it draws for,
+    and banned tokens (EOS and stop tokens until ``min_tokens``). Rows of stateless, unseeded
+    requests have none."""
 
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None
+    generator: SampleRng | None
     banned_token_ids: tuple[int, ...] = ()
+    position: int = 0  # the output token this row samples (0: the first)
 
     @classmethod
     def of(
-        cls, seq: Sequence, generator: torch.Generator | None, eos_token_ids: tuple[int, ...]
+        cls, seq: Sequence, generator: SampleRng | None, eos_token_ids: tuple[int, ...]
     ) -> RowState | None:
         """The state of ``seq``'s next-token row, or None when its params suffice."""
         p = seq.params
@@ -90,6 +122,7 @@ class RowState:
             output_token_ids=seq.token_ids[seq.prompt_len :] if penalties else [],
             generator=generator,
             banned_token_ids=banned,
+            position=seq.num_output_tokens,
         )
 
 
@@ -238,11 +271,12 @@ class Sampler:
 
         probs = scaled.softmax(dim=-1)
         q = torch.empty_like(probs)
-        seeded = [(i, st.generator) for i, st in states.items() if st.generator is not None]
+        seeded = [(i, st) for i, st in states.items() if st.generator is not None]
         if len(seeded) < k_rows:
             q.exponential_(generator=self.generator)
-        for i, generator in seeded:
-            q[i].exponential_(generator=generator)
+        for i, st in seeded:
+            assert st.generator is not None
+            st.generator.exponential_(q[i], st.position)
         sampled = _argmax(probs / q)
         return torch.where(greedy_mask, greedy_tokens, sampled)
 

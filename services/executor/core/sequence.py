@@ -31,6 +31,18 @@ class FinishReason(enum.Enum):
     ERROR = "error"  # cannot be served (e.g. does not fit the KV cache)
 
 
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A sample carried on from tokens generated before (the gateway resumes a stream whose
+    executor was lost). The request has ``n = 1`` and stands for sample ``sample_index`` of
+    the original one (its seeded draws are that sample's). ``output_token_ids`` are output,
+    not prompt: they are recomputed like a preempted sequence's, count toward ``max_tokens``,
+    ``min_tokens`` and the penalties, and are not emitted again."""
+
+    sample_index: int
+    output_token_ids: tuple[int, ...]
+
+
 @dataclass(eq=False)
 class Sequence:
     """One sample of a request. ``token_ids`` is prompt + output; the first

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from services.common.sampling_params import SamplingParams
 from services.executor.core.outputs import RequestError, SeqOutput
+from services.executor.core.sequence import Resume
 
 _session_ids = itertools.count(1)
 
@@ -72,6 +73,7 @@ class Add:
     params: SamplingParams
     priority: int = 0
     cache_salt: bytes = b""
+    resume: Resume | None = None
 
 
 @dataclass(frozen=True, slots=True)

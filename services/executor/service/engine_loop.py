@@ -125,7 +125,7 @@ class EngineLoop:
         match command:
             case Open(session):
                 self._sessions[session.session_id] = session
-            case Add(session, request_id, prompt, params, priority, cache_salt):
+            case Add(session, request_id, prompt, params, priority, cache_salt, resume):
                 try:
                     if session.num_seqs + params.n > self.max_seqs_per_session:
                         raise EngineError(
@@ -140,6 +140,7 @@ class EngineLoop:
                         params,
                         priority=priority,
                         cache_salt=cache_salt,
+                        resume=resume,
                     )
                 except EngineError as exc:
                     errors.setdefault(session.session_id, []).append(

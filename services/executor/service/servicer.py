@@ -12,7 +12,7 @@ from pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from services.blockmgr.hashing import HASH_ALGORITHM
 from services.common.sampling_params import SamplingParams, params_from_message
 from services.executor.core.outputs import RequestError, RequestErrorCode, SeqOutput, TokenLogprob
-from services.executor.core.sequence import FinishReason
+from services.executor.core.sequence import FinishReason, Resume
 from services.executor.model.parallel import WorkerLost
 from services.executor.service.commands import (
     Abort,
@@ -201,4 +201,7 @@ def _add_command(session: Session, add: executor_pb2.AddRequest) -> Add | Refuse
         params_from_pb(add.sampling_params),
         add.priority,
         add.cache_salt,
+        Resume(add.resume.sample_index, tuple(add.resume.output_token_ids))
+        if add.HasField("resume")
+        else None,
     )

@@ -1,0 +1,277 @@
+"""A stream outlives the executor serving it: after a ``kill -9`` of the executor, the gateway
+carries each unfinished sample on from the tokens it already sent, once the executor is back.
+Real processes on loopback: a block manager, an executor on a fixed port (killed and started
+again there) and gateways in front of it.
+
+- greedy and seeded (n = 2, temperature 0.8) streams come out identical to fault-free runs,
+  with the original usage, and the resume is counted and logged;
+- a gateway with ``--max-resumes 0`` fails its stream UNAVAILABLE instead;
+- while no executor serves, a client deadline still ends its stream (DEADLINE_EXCEEDED), and
+  a gateway whose ``--executor-wait-s`` passes fails it UNAVAILABLE; nothing is left open.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pagedserve.v1 import generation_pb2 as G
+from pagedserve.v1 import generation_pb2_grpc
+from tests.gateway.conftest import stack_executor_args
+from tests.procs import ServiceProcess, free_ports, wait_serving
+
+pytestmark = pytest.mark.slow
+
+# A restarted executor takes its block-manager pool back at once with the owner token derived
+# from the internal token (without one it waits for the dead one's lease to expire).
+ENV = {"PAGEDSERVE_INTERNAL_TOKEN": "failover-test-token"}
+PROMPT = "Paged attention keeps the cache in blocks, and the gateway keeps the stream"
+MAX_TOKENS = 300  # long enough to be mid-stream when the executor is killed
+
+
+def _metrics(port: int) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in body.splitlines():
+        if line.startswith("pagedserve_") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+class Executor:
+    """The executor on a fixed port, killed and started again there."""
+
+    def __init__(self, model: Path, blockmgr: str) -> None:
+        self.port = free_ports(1)[0]
+        self.args = stack_executor_args(model, "--blockmgr-address", blockmgr, "--pool-id", "fo")
+        self.args[self.args.index("--port") + 1] = str(self.port)
+        self.proc = self.start()
+
+    def start(self) -> ServiceProcess:
+        self.proc = ServiceProcess(self.args, "executor_ready", env=ENV)
+        return self.proc
+
+    def kill(self) -> None:
+        self.proc.proc.send_signal(signal.SIGKILL)
+        self.proc.proc.wait(10)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def _gateway(model: Path, executor: str, *extra: str) -> tuple[ServiceProcess, int]:
+    gw = ServiceProcess(
+        [
+            "gateway",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "-1",
+            "--executor",
+            executor,
+            "--max-n",
+            "4",
+            *extra,
+        ],
+        "gateway_listening",
+        env=ENV,
+    )
+    return gw, int(gw.wait_for_event("metrics_listening")["metrics_port"])
+
+
+@dataclass
+class Stream:
+    """One Generate stream read on its own thread: tokens per sample, the final message per
+    sample, and how it ended. ``first`` is set once its first token is in."""
+
+    request: G.GenerateRequest
+    timeout: float = 60.0
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    text: dict[int, str] = field(default_factory=dict)
+    finals: dict[int, G.GenerateResponse] = field(default_factory=dict)
+    code: grpc.StatusCode | None = None
+    details: str = ""
+    ended_after_s: float = 0.0
+    first: threading.Event = field(default_factory=threading.Event)
+
+    def run(self, address: str) -> threading.Thread:
+        def read() -> None:
+            t0 = time.monotonic()
+            stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
+            try:
+                for r in stub.Generate(self.request, timeout=self.timeout):
+                    self.tokens.setdefault(r.index, []).extend(r.token_ids)
+                    self.text[r.index] = self.text.get(r.index, "") + r.text
+                    if r.finish_reason:
+                        self.finals[r.index] = r
+                    self.first.set()
+                self.code = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                self.code, self.details = exc.code(), exc.details() or ""
+            self.ended_after_s = time.monotonic() - t0
+            self.first.set()
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        return t
+
+
+def _greedy(seed_prompt: str = PROMPT) -> G.GenerateRequest:
+    return G.GenerateRequest(
+        prompt=seed_prompt,
+        sampling_params=G.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+    )
+
+
+def _seeded() -> G.GenerateRequest:
+    return G.GenerateRequest(
+        prompt=PROMPT + " for every sample",
+        sampling_params=G.SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=0.8, seed=1234, n=2, ignore_eos=True
+        ),
+    )
+
+
+@dataclass
+class KillRun:
+    reference: dict[str, Stream]
+    faulted: dict[str, Stream]
+    metrics_before: dict[str, float]
+    metrics_after: dict[str, float]
+    gateway: ServiceProcess
+
+
+@pytest.fixture(scope="module")
+def blockmgr() -> Iterator[ServiceProcess]:
+    bm = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening", env=ENV)
+    yield bm
+    bm.stop()
+
+
+@pytest.fixture(scope="module")
+def kill_run(tiny_model_dir: Path, blockmgr: ServiceProcess) -> Iterator[KillRun]:
+    """Greedy and seeded streams, fault-free, then again with the executor killed once their
+    first tokens are out and started again at once; a second gateway (``--max-resumes 0``)
+    streams through the same executor at the same time."""
+    executor = Executor(tiny_model_dir, blockmgr.address)
+    gw, metrics_port = _gateway(tiny_model_dir, executor.address, "--executor-wait-s", "60")
+    strict, _ = _gateway(tiny_model_dir, executor.address, "--max-resumes", "0")
+    try:
+        wait_serving(gw.address)
+        wait_serving(strict.address)
+        reference = {"greedy": Stream(_greedy()), "seeded": Stream(_seeded())}
+        for s in reference.values():
+            s.run(gw.address).join(60)
+        before = _metrics(metrics_port)
+        faulted = {
+            "greedy": Stream(_greedy()),
+            "seeded": Stream(_seeded()),
+            "strict": Stream(_greedy()),
+        }
+        threads = [faulted["greedy"].run(gw.address), faulted["seeded"].run(gw.address)]
+        threads.append(faulted["strict"].run(strict.address))
+        for s in faulted.values():
+            assert s.first.wait(30)
+        executor.kill()
+        executor.start()
+        for t in threads:
+            t.join(90)
+        yield KillRun(reference, faulted, before, _metrics(metrics_port), gw)
+    finally:
+        strict.stop()
+        gw.stop()
+        executor.proc.stop()
+
+
+def test_greedy_stream_survives_an_executor_kill_token_for_token(kill_run: KillRun):
+    ref, got = kill_run.reference["greedy"], kill_run.faulted["greedy"]
+    assert ref.code == got.code == grpc.StatusCode.OK, got.details
+    assert len(ref.tokens[0]) == MAX_TOKENS
+    # The kill landed mid-stream: the stream was resumed, not finished before it.
+    resumed = [r for r in kill_run.gateway.lines if r.get("event") == "request_resumed"]
+    assert resumed and all(0 < sum(r["tokens_sent"]) for r in resumed)
+    assert got.tokens == ref.tokens
+    assert got.text == ref.text
+
+
+def test_seeded_samples_survive_an_executor_kill_draw_for_draw(kill_run: KillRun):
+    ref, got = kill_run.reference["seeded"], kill_run.faulted["seeded"]
+    assert ref.code == got.code == grpc.StatusCode.OK, got.details
+    assert ref.tokens[0] != ref.tokens[1]
+    assert got.tokens == ref.tokens
+    assert got.text == ref.text
+
+
+def test_resumed_usage_counts_the_original_prompt_and_every_token(kill_run: KillRun):
+    for name in ("greedy", "seeded"):
+        ref, got = kill_run.reference[name], kill_run.faulted[name]
+        for index, final in got.finals.items():
+            assert final.usage.prompt_tokens == ref.finals[index].usage.prompt_tokens
+            assert final.usage.completion_tokens == MAX_TOKENS
+            assert final.usage.cached_prompt_tokens <= final.usage.prompt_tokens
+
+
+def test_resumes_are_counted_and_the_stream_is_not_failed(kill_run: KillRun):
+    before, after = kill_run.metrics_before, kill_run.metrics_after
+    key = 'pagedserve_requests_resumed_total{reason="executor_lost"}'
+    assert after.get(key, 0) - before.get(key, 0) == 2  # the greedy and the seeded stream
+    ok = 'pagedserve_requests_total{outcome="length"}'
+    assert after[ok] - before.get(ok, 0) == 2
+    assert after["pagedserve_gateway_requests_inflight"] == 0
+
+
+def test_a_gateway_with_max_resumes_0_fails_the_stream_unavailable(kill_run: KillRun):
+    strict = kill_run.faulted["strict"]
+    assert strict.code == grpc.StatusCode.UNAVAILABLE, strict.details
+    assert 0 < len(strict.tokens.get(0, [])) < MAX_TOKENS
+
+
+def test_while_no_executor_serves_deadlines_hold_and_the_wait_ends_unavailable(
+    tiny_model_dir: Path, blockmgr: ServiceProcess
+):
+    executor = Executor(tiny_model_dir, blockmgr.address)
+    patient, patient_metrics = _gateway(tiny_model_dir, executor.address)
+    brief, brief_metrics = _gateway(tiny_model_dir, executor.address, "--executor-wait-s", "1")
+    try:
+        wait_serving(patient.address)
+        wait_serving(brief.address)
+        deadline = Stream(_greedy(), timeout=3.0)
+        waits = Stream(_greedy())
+        threads = [deadline.run(patient.address), waits.run(brief.address)]
+        assert deadline.first.wait(3) and waits.first.wait(3)
+        executor.kill()
+        for t in threads:
+            t.join(30)
+        assert deadline.code == grpc.StatusCode.DEADLINE_EXCEEDED, deadline.details
+        assert waits.code == grpc.StatusCode.UNAVAILABLE, waits.details
+        assert "--executor-wait-s" in waits.details
+        assert 1.0 <= waits.ended_after_s < 10
+        for port in (patient_metrics, brief_metrics):
+            assert _metrics(port)["pagedserve_gateway_requests_inflight"] == 0
+        # Back again: both gateways serve, and the block manager holds no block of theirs.
+        executor.start()
+        for gw in (patient, brief):
+            wait_serving(gw.address, timeout=60)
+            again = Stream(_greedy(), timeout=60)
+            again.run(gw.address).join(60)
+            assert again.code == grpc.StatusCode.OK and len(again.tokens[0]) == MAX_TOKENS
+    finally:
+        brief.stop()
+        patient.stop()
+        executor.proc.stop()
