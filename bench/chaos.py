@@ -1,16 +1,20 @@
 """Chaos run of the whole stack: streams under load while each service is killed in turn.
 
-    .venv/bin/python bench/chaos.py [--streams 64] [--max-tokens 48] [--soak-s 600]
+    .venv/bin/python bench/chaos.py [--streams 32] [--max-tokens 128] [--executors 2]
+        [--seeded] [--soak-s 600]
 
-The three services run as processes on loopback with an internal token, like `pagedserve
-serve`. First a fault-free round of ``--streams`` concurrent greedy streams (ignore_eos)
-gives the reference outputs. Then, for each service: the same streams start, the service is
+The services run as processes on loopback with an internal token, like `pagedserve serve`:
+a block manager, ``--executors`` executors (each its own pool) and a gateway over them.
+First a fault-free round of ``--streams`` concurrent streams (ignore_eos; greedy, or with
+``--seeded`` temperature 0.8 and a seed per stream) gives the reference outputs. Then, for
+each service: the same streams start, the service (the first executor, for executors) is
 killed with SIGKILL ``--kill-after-s`` in and started again on its port, and each stream is
 compared with the reference (identical, or failed with which status); "serving again" is
-the time from the restart until the gateway is SERVING. Last, a soak of ``--soak-s`` seconds
-of streams with 30% cancelled early and random deadlines. Reported: streams identical to the
-fault-free run, streams failed (by status), KV blocks still in use once idle, time to serve
-again, and each process's RSS growth over the soak. Prints markdown. Not a test.
+the time from the restart until the gateway is SERVING, "resumed" the streams the gateway
+carried on after losing their executor, "longest stall" the longest wait between two
+messages of one stream (client side). Last, a soak of ``--soak-s`` seconds of streams with
+30% cancelled early and random deadlines. Reported: the above, KV blocks still in use once
+idle, and each process's RSS growth over the soak. Prints markdown. Not a test.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -117,18 +122,31 @@ def prompts(n: int) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 30))) for _ in range(n)]
 
 
-def run_streams(address: str, texts: list[str], max_tokens: int) -> list[object]:
-    """Every text as its own greedy stream, all at once: token ids, or the failing status."""
+def run_streams(
+    address: str, texts: list[str], max_tokens: int, seeded: bool = False
+) -> tuple[list[object], float]:
+    """Every text as its own stream, all at once (greedy; ``seeded``: temperature 0.8 with
+    seed i for stream i): token ids, or the failing status, per stream; and the longest
+    wait between two messages of one stream, in seconds."""
     stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
     out: list[object] = [None] * len(texts)
+    stalls = [0.0] * len(texts)
 
     def one(i: int) -> None:
-        req = G.GenerateRequest(
-            prompt=texts[i],
-            sampling_params=G.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-        )
+        params = G.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        if seeded:
+            params.temperature, params.seed = 0.8, i
+        req = G.GenerateRequest(prompt=texts[i], sampling_params=params)
+        tokens: list[int] = []
+        last = None
         try:
-            out[i] = [t for r in stub.Generate(req, timeout=120) for t in r.token_ids]
+            for r in stub.Generate(req, timeout=120):
+                now = time.monotonic()
+                if last is not None:
+                    stalls[i] = max(stalls[i], now - last)
+                last = now
+                tokens += r.token_ids
+            out[i] = tokens
         except grpc.RpcError as exc:
             out[i] = exc.code().name
 
@@ -137,7 +155,16 @@ def run_streams(address: str, texts: list[str], max_tokens: int) -> list[object]
         t.start()
     for t in threads:
         t.join()
-    return out
+    return out, max(stalls)
+
+
+def resumed_total(metrics_port: int) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
+    return sum(
+        float(line.split()[-1])
+        for line in body.decode().splitlines()
+        if line.startswith("pagedserve_requests_resumed_total{")
+    )
 
 
 def blocks_in_use(blockmgr: Service) -> int:
@@ -184,7 +211,9 @@ def soak(address: str, seconds: float, texts: list[str]) -> Counter[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--executors", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--seeded", action="store_true", help="temperature 0.8, seed i for stream i")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument(
         "--kill-after-s",
@@ -207,25 +236,30 @@ def main() -> None:
         from pagedserve.tools.tiny_model import write_tiny_model
 
         model = str(write_tiny_model(tmp / "model"))
-    bm_port, ex_port, gw_port = free_port(), free_port(), free_port()
-    services = {
-        "blockmgr": Service("blockmgr", ["--port", str(bm_port)], bm_port, tmp),
-        "executor": Service(
+    bm_port, gw_port, metrics_port = free_port(), free_port(), free_port()
+    ex_ports = [free_port() for _ in range(args.executors)]
+    executors = {
+        f"executor{'' if i == 0 else i + 1}": Service(
             "executor",
             [
                 "--model",
                 model,
                 "--port",
-                str(ex_port),
+                str(port),
                 "--blockmgr-address",
                 f"127.0.0.1:{bm_port}",
                 "--pool-id",
-                "chaos",
+                f"chaos{i}",
                 *args.executor_arg,
             ],
-            ex_port,
+            port,
             tmp,
-        ),
+        )
+        for i, port in enumerate(ex_ports)
+    }
+    services = {
+        "blockmgr": Service("blockmgr", ["--port", str(bm_port)], bm_port, tmp),
+        **executors,
         "gateway": Service(
             "gateway",
             [
@@ -236,11 +270,10 @@ def main() -> None:
                 "--host",
                 "127.0.0.1",
                 "--metrics-port",
-                "-1",
+                str(metrics_port),
                 "--http-port",
                 "0",
-                "--executor",
-                f"127.0.0.1:{ex_port}",
+                *(a for port in ex_ports for a in ("--executor", f"127.0.0.1:{port}")),
             ],
             gw_port,
             tmp,
@@ -253,15 +286,22 @@ def main() -> None:
             s.wait_serving()
         gw = services["gateway"]
         texts = prompts(args.streams)
-        reference = run_streams(gw.address, texts, args.max_tokens)
+        reference, _ = run_streams(gw.address, texts, args.max_tokens, args.seeded)
         assert all(isinstance(r, list) for r in reference), Counter(map(str, reference))
         for name, victim in services.items():
+            if name.startswith("executor") and name != "executor":
+                continue  # one executor is killed; the others carry its streams
             results: list[object] = []
-            t = threading.Thread(
-                target=lambda out=results: out.extend(
-                    run_streams(gw.address, texts, args.max_tokens)
-                )
-            )
+            stall: list[float] = []
+            # (a restarted gateway counts from 0)
+            resumed_before = 0.0 if name == "gateway" else resumed_total(metrics_port)
+
+            def stream(out: list[object] = results, longest: list[float] = stall) -> None:
+                got, worst = run_streams(gw.address, texts, args.max_tokens, args.seeded)
+                out.extend(got)
+                longest.append(worst)
+
+            t = threading.Thread(target=stream)
             t.start()
             time.sleep(args.kill_after_s)
             victim.kill()
@@ -270,6 +310,7 @@ def main() -> None:
             gw.wait_serving()
             healed = time.monotonic() - back
             t.join()
+            victim.wait_serving()  # (with two executors the gateway never stopped serving)
             same = sum(r == ref for r, ref in zip(results, reference, strict=True))
             failed = Counter(r for r in results if isinstance(r, str))
             time.sleep(1.0)
@@ -278,6 +319,8 @@ def main() -> None:
                     f"kill -9 {name}",
                     same,
                     dict(failed),
+                    int(resumed_total(metrics_port) - resumed_before),
+                    f"{stall[0]:.2f} s",
                     blocks_in_use(services["blockmgr"]),
                     f"{healed:.2f} s",
                 )
@@ -291,17 +334,22 @@ def main() -> None:
     finally:
         for s in reversed(list(services.values())):
             s.stop()
+    kind = "seeded (temperature 0.8)" if args.seeded else "greedy"
     print(
-        f"\n{args.streams} greedy streams of {args.max_tokens} tokens (ignore_eos), "
-        f"compared with a fault-free run:\n"
+        f"\n{args.streams} {kind} streams of {args.max_tokens} tokens (ignore_eos), "
+        f"{args.executors} executor(s), compared with a fault-free run:\n"
     )
     print(
-        "| fault | streams identical | streams failed (status) | blocks in use after | "
-        "serving again after restart |\n|---|---:|---|---:|---:|"
+        "| fault | streams identical | streams failed (status) | streams resumed | "
+        "longest stall | blocks in use after | serving again after restart |\n"
+        "|---|---:|---|---:|---:|---:|---:|"
     )
-    for fault, same, failed, blocks, healed in rows:
+    for fault, same, failed, resumed, stall, blocks, healed in rows:
         shown = ", ".join(f"{k} {v}" for k, v in failed.items()) or "none"
-        print(f"| {fault} | {same}/{args.streams} | {shown} | {blocks} | {healed} |")
+        print(
+            f"| {fault} | {same}/{args.streams} | {shown} | {resumed} | {stall} | {blocks} "
+            f"| {healed} |"
+        )
     print(
         f"\nsoak, {args.soak_s:.0f} s, 16 clients, 30% cancelled, random deadlines: "
         f"{json.dumps(dict(outcomes))}; blocks in use after: {leaked}"

@@ -1,7 +1,8 @@
 """How fast a lost tensor-parallel rank is noticed: an executor at ``--tensor-parallel-size 2``
 behind a gateway (real processes, tiny model, CPU); rank 1 is killed with SIGKILL, once while
 a client streams and once while the executor is idle. Reports when the client got UNAVAILABLE
-and when the executor exited (with its status).
+(the gateway runs with ``--max-resumes 0``: the stream ends when the executor ends it) and
+when the executor exited (with its status).
 
     .venv/bin/python bench/tp_rank_loss.py [--repeats 2]
 """
@@ -30,7 +31,11 @@ def one_run(model: Path, streaming: bool) -> tuple[float | None, float, int]:
     args = ["executor", "--model", str(model), "--port", "0", "--dtype", "float32"]
     args += ["--num-kv-blocks", "256", "--max-model-len", "512", "--tensor-parallel-size", "2"]
     executor = ServiceProcess(args, "executor_ready")
-    gateway = ServiceProcess(gateway_args(model, executor.address), "gateway_listening")
+    # --max-resumes 0: the client sees the executor's streams end (else the gateway would
+    # hold them for a restart that this bench does not do).
+    gateway = ServiceProcess(
+        gateway_args(model, executor.address, "--max-resumes", "0"), "gateway_listening"
+    )
     try:
         wait_serving(gateway.address)
         (pid,) = executor.wait_for_event("tensor_parallel_started")["worker_pids"]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 
 from pagedserve.v1 import generation_pb2 as G
@@ -70,6 +71,8 @@ class Executor:
 
 
 def _gateway(model: Path, executor: str, *extra: str) -> tuple[ServiceProcess, int]:
+    """A gateway (metrics on a free port, HTTP off unless ``extra`` says) and its metrics
+    port."""
     gw = ServiceProcess(
         [
             "gateway",
@@ -132,6 +135,39 @@ class Stream:
         return t
 
 
+@dataclass
+class HttpStream:
+    """One streamed OpenAI completion (greedy) read on its own thread."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    first: threading.Event = field(default_factory=threading.Event)
+
+    def run(self, port: int, model: str) -> threading.Thread:
+        def read() -> None:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+            try:
+                for chunk in client.completions.create(
+                    model=model,
+                    prompt=PROMPT + " over HTTP",
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                ):
+                    self.text += chunk.choices[0].text
+                    self.finish_reason = chunk.choices[0].finish_reason or self.finish_reason
+                    self.first.set()
+            except openai.OpenAIError as exc:
+                self.error = repr(exc)
+            self.first.set()
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        return t
+
+
 def _greedy(seed_prompt: str = PROMPT) -> G.GenerateRequest:
     return G.GenerateRequest(
         prompt=seed_prompt,
@@ -152,6 +188,7 @@ def _seeded() -> G.GenerateRequest:
 class KillRun:
     reference: dict[str, Stream]
     faulted: dict[str, Stream]
+    http: tuple[HttpStream, HttpStream]  # fault-free, faulted
     metrics_before: dict[str, float]
     metrics_after: dict[str, float]
     gateway: ServiceProcess
@@ -170,7 +207,11 @@ def kill_run(tiny_model_dir: Path, blockmgr: ServiceProcess) -> Iterator[KillRun
     first tokens are out and started again at once; a second gateway (``--max-resumes 0``)
     streams through the same executor at the same time."""
     executor = Executor(tiny_model_dir, blockmgr.address)
-    gw, metrics_port = _gateway(tiny_model_dir, executor.address, "--executor-wait-s", "60")
+    gw, metrics_port = _gateway(
+        tiny_model_dir, executor.address, "--executor-wait-s", "60", "--http-port", "0"
+    )
+    http_port = int(gw.wait_for_event("http_listening")["http_port"])
+    model = tiny_model_dir.name
     strict, _ = _gateway(tiny_model_dir, executor.address, "--max-resumes", "0")
     try:
         wait_serving(gw.address)
@@ -178,6 +219,8 @@ def kill_run(tiny_model_dir: Path, blockmgr: ServiceProcess) -> Iterator[KillRun
         reference = {"greedy": Stream(_greedy()), "seeded": Stream(_seeded())}
         for s in reference.values():
             s.run(gw.address).join(60)
+        http = (HttpStream(), HttpStream())
+        http[0].run(http_port, model).join(60)
         before = _metrics(metrics_port)
         faulted = {
             "greedy": Stream(_greedy()),
@@ -186,13 +229,14 @@ def kill_run(tiny_model_dir: Path, blockmgr: ServiceProcess) -> Iterator[KillRun
         }
         threads = [faulted["greedy"].run(gw.address), faulted["seeded"].run(gw.address)]
         threads.append(faulted["strict"].run(strict.address))
-        for s in faulted.values():
+        threads.append(http[1].run(http_port, model))
+        for s in (*faulted.values(), http[1]):
             assert s.first.wait(30)
         executor.kill()
         executor.start()
         for t in threads:
             t.join(90)
-        yield KillRun(reference, faulted, before, _metrics(metrics_port), gw)
+        yield KillRun(reference, faulted, http, before, _metrics(metrics_port), gw)
     finally:
         strict.stop()
         gw.stop()
@@ -205,7 +249,7 @@ def test_greedy_stream_survives_an_executor_kill_token_for_token(kill_run: KillR
     assert len(ref.tokens[0]) == MAX_TOKENS
     # The kill landed mid-stream: the stream was resumed, not finished before it.
     resumed = [r for r in kill_run.gateway.lines if r.get("event") == "request_resumed"]
-    assert resumed and all(0 < sum(r["tokens_sent"]) for r in resumed)
+    assert resumed and all(sum(r["tokens_sent"]) > 0 for r in resumed)
     assert got.tokens == ref.tokens
     assert got.text == ref.text
 
@@ -230,10 +274,17 @@ def test_resumed_usage_counts_the_original_prompt_and_every_token(kill_run: Kill
 def test_resumes_are_counted_and_the_stream_is_not_failed(kill_run: KillRun):
     before, after = kill_run.metrics_before, kill_run.metrics_after
     key = 'pagedserve_requests_resumed_total{reason="executor_lost"}'
-    assert after.get(key, 0) - before.get(key, 0) == 2  # the greedy and the seeded stream
+    assert after.get(key, 0) - before.get(key, 0) == 3  # greedy, seeded and HTTP streams
     ok = 'pagedserve_requests_total{outcome="length"}'
-    assert after[ok] - before.get(ok, 0) == 2
+    assert after[ok] - before.get(ok, 0) == 3
     assert after["pagedserve_gateway_requests_inflight"] == 0
+
+
+def test_an_http_stream_survives_an_executor_kill_as_well(kill_run: KillRun):
+    ref, got = kill_run.http
+    assert ref.error is None and got.error is None, got.error
+    assert got.finish_reason == ref.finish_reason == "length"
+    assert got.text == ref.text and ref.text
 
 
 def test_a_gateway_with_max_resumes_0_fails_the_stream_unavailable(kill_run: KillRun):
