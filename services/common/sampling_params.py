@@ -18,6 +18,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from services.common.limits import MAX_LOGPROBS, MAX_N, FieldError, check_token_ids
+from services.common.structured_outputs import StructuredOutputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,15 +40,22 @@ class SamplingParams:
     # Log-probabilities of the prompt's tokens (each from the logits of the one before it),
     # with this many top alternatives: every prompt token is computed (no prefix-cache hit).
     prompt_logprobs: int | None = None
-    # Derived: no penalty reads the token history and no token is ever banned (min_tokens
-    # is 0), so a row of these params needs nothing but the params themselves.
+    # The output follows a JSON schema, regex, choice or grammar (the executor compiles it).
+    structured_outputs: StructuredOutputs | None = field(
+        default=None, metadata={"message": StructuredOutputs}
+    )
+    # Derived: no penalty reads the token history, no token is ever banned (min_tokens is
+    # 0) and no grammar constrains it, so a row of these params needs nothing but the
+    # params themselves.
     stateless: bool = field(init=False, repr=False, compare=False)
     # Derived: stateless, unseeded and one sample: a row needs nothing but the params and
     # never forks (the sampler's and the engine's fast path).
     plain: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        stateless = not self.has_penalties and self.min_tokens == 0
+        stateless = (
+            not self.has_penalties and self.min_tokens == 0 and self.structured_outputs is None
+        )
         object.__setattr__(self, "stateless", stateless)
         object.__setattr__(self, "plain", stateless and self.seed is None and self.n == 1)
 
@@ -94,6 +102,8 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise FieldError("seed", f"must be in [0, 2^63), got {self.seed}")
         check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
 
 #: The fields a request sets, in declaration order (the derived ones are left out).
@@ -105,13 +115,17 @@ PARAM_FIELDS: tuple[dataclasses.Field[Any], ...] = tuple(
 def params_from_message(msg: Message, **defaults: Any) -> SamplingParams:
     """The :class:`SamplingParams` a proto message carries. The message must have a field of
     the same name for each of :data:`PARAM_FIELDS`. A field with presence (proto3
-    ``optional``) that is unset takes ``defaults[name]`` if given, else the dataclass's
-    default; a repeated field becomes a tuple."""
+    ``optional``, or a message) that is unset takes ``defaults[name]`` if given, else the
+    dataclass's default; a repeated field becomes a tuple; a message field, the type its
+    dataclass field names in ``metadata["message"]`` (``from_message``)."""
     values = dict(defaults)
     by_name = msg.DESCRIPTOR.fields_by_name
     for f in PARAM_FIELDS:
         desc = by_name[f.name]
-        if _is_repeated(desc):
+        if "message" in f.metadata:
+            if msg.HasField(f.name):
+                values[f.name] = f.metadata["message"].from_message(getattr(msg, f.name))
+        elif _is_repeated(desc):
             values[f.name] = tuple(getattr(msg, f.name))
         elif not desc.has_presence or msg.HasField(f.name):
             values[f.name] = getattr(msg, f.name)
@@ -125,6 +139,8 @@ def params_to_message(params: SamplingParams, msg: Message) -> Message:
         value = getattr(params, f.name)
         if value is None:
             msg.ClearField(f.name)
+        elif "message" in f.metadata:
+            value.to_message(getattr(msg, f.name))
         elif isinstance(value, tuple):
             getattr(msg, f.name)[:] = value
         else:

@@ -16,6 +16,7 @@ from services.common.sampling_params import (
     params_from_message,
     params_to_message,
 )
+from services.common.structured_outputs import StructuredKind, StructuredOutputs
 
 
 def _f32(x: float) -> float:
@@ -58,6 +59,19 @@ params_strategy = st.builds(
     presence_penalty=floats,
     frequency_penalty=floats,
     logprobs=st.none() | st.integers(0, 20),
+    prompt_logprobs=st.none() | st.integers(0, 20),
+    structured_outputs=st.none()
+    | st.builds(
+        StructuredOutputs,
+        kind=st.sampled_from([StructuredKind.JSON, StructuredKind.REGEX, StructuredKind.GRAMMAR]),
+        spec=st.text(min_size=1, max_size=20),
+    )
+    | st.builds(
+        StructuredOutputs,
+        kind=st.just(StructuredKind.CHOICE),
+        choices=st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=4).map(tuple),
+    )
+    | st.just(StructuredOutputs(StructuredKind.JSON_OBJECT)),
 )
 
 

@@ -21,10 +21,12 @@ import structlog
 import torch
 from torch import Tensor
 
+from services.common.limits import FieldError
 from services.common.sampling_params import SamplingParams
 from services.executor.core.blockmgr_link import BlockManagerLink
 from services.executor.core.config import EngineSettings
 from services.executor.core.engine_ahead import AheadEngine, PreparedBatch
+from services.executor.core.grammar import GrammarCompiler, Matcher, accept
 from services.executor.core.outputs import (
     EngineError,
     RequestErrorCode,
@@ -49,8 +51,15 @@ MAX_BAD_ANSWERS = 2  # a sequence concerned by this many rejected answers fails
 
 
 class Engine(AheadEngine):
-    def __init__(self, settings: EngineSettings, runner: Runner, link: BlockManagerLink) -> None:
+    def __init__(
+        self,
+        settings: EngineSettings,
+        runner: Runner,
+        link: BlockManagerLink,
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
         self.settings = settings
+        self.grammars = grammars  # None: structured outputs are refused (no tokenizer)
         self.runner = runner
         self.link = link
         self.sampler = Sampler(runner.device, settings.seed)
@@ -108,6 +117,7 @@ class Engine(AheadEngine):
         prompt = list(prompt_token_ids)
         self.settings.check_request(req_id.request_id, prompt, params, resume)
         outputs = list(resume.output_token_ids) if resume is not None else []
+        matcher = self._matcher(params, outputs)
         arrival = next(self._arrivals)
         seq = Seq(
             seq_id=next(self._seq_ids),
@@ -119,6 +129,7 @@ class Engine(AheadEngine):
             priority=priority,
             arrival=arrival,
             cache_salt=cache_salt,
+            matcher=matcher,
         )
         self.requests[req_id] = Request(
             req_id, prompt, params, priority, arrival, [seq], cache_salt
@@ -126,6 +137,23 @@ class Engine(AheadEngine):
         self.generators.create(seq.seq_id, params.seed, resume.sample_index if resume else 0)
         self.scheduler.add(seq)
         self._num_prompt_logprobs += params.prompt_logprobs is not None
+
+    def _matcher(self, params: SamplingParams, outputs: list[int]) -> Matcher | None:
+        """The grammar matcher of a request's sample (past ``outputs``), or None."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise EngineError(
+                RequestErrorCode.INVALID_ARGUMENT,
+                f"sampling_params.{spec.field}: this executor has no tokenizer to compile "
+                "grammars with (its model directory has none)",
+            )
+        try:
+            return self.grammars.matcher(spec, outputs)
+        except FieldError as exc:
+            under = exc if exc.field.startswith("resume.") else exc.under("sampling_params")
+            raise EngineError(RequestErrorCode.INVALID_ARGUMENT, str(under)) from None
 
     def keepalive(self) -> None:
         """Called while idle: keeps the block-manager pool's lease."""
@@ -297,6 +325,10 @@ class Engine(AheadEngine):
             row_logits = rows if row_logits is None else [rows[r] for r in row_logits]
         if row_logits is not None:
             logits = logits[torch.tensor(row_logits, device=logits.device)]
+        if self.grammars is not None:
+            masks = {r: seq.matcher for r, (seq, _) in enumerate(targets) if seq.matcher}
+            if masks:  # (a fork's rows share its parent's matcher: all at the start)
+                self.grammars.mask_logits(logits, masks)
         result = self.sampler(logits, params, states)
 
         outs: list[SeqOutput] = []
@@ -311,6 +343,8 @@ class Engine(AheadEngine):
                 children.setdefault(parent.seq_id, []).append(seq)
             else:
                 seq.token_ids.append(token)
+                if seq.matcher is not None:
+                    accept(seq.matcher, token)
             out = SeqOutput(seq.req_id, seq.index, [token])
             if len(seq.token_ids) - seq.prompt_len == 1:  # the first token also reports
                 out.usage = _usage(seq)  # the prompt's cache hits
@@ -384,6 +418,8 @@ class Engine(AheadEngine):
             (token in self._eos and not p.ignore_eos) or token in p.stop_token_ids
         ) and num_output >= p.min_tokens:
             self._retire(seq, FinishReason.STOP, token, out)
+        elif seq.matcher is not None and seq.matcher.done:  # the output is complete
+            self._retire(seq, FinishReason.STOP, token if token in self._eos else None, out)
         elif num_output >= p.max_tokens or len(tokens) >= self.settings.max_model_len:
             self._retire(seq, FinishReason.LENGTH, out=out)
 
@@ -411,6 +447,9 @@ class Engine(AheadEngine):
             arrival=parent.arrival,
             cache_salt=parent.cache_salt,
         )
+        if parent.matcher is not None:
+            child.matcher = parent.matcher.fresh()
+            accept(child.matcher, token)
         self.generators.rename((parent.seq_id, index), child.seq_id)
         return child
 

@@ -74,6 +74,9 @@ class Sequence:
     # With params.prompt_logprobs: entry i is prompt token i + 1's (an outputs.TokenLogprob),
     # kept across preemptions (a recomputation does not add them again).
     prompt_logprobs: list[Any] = field(default_factory=list)
+    # With params.structured_outputs: its grammar matcher (core.grammar.Matcher), which has
+    # accepted exactly the output tokens.
+    matcher: Any = None
     num_preemptions: int = 0
     num_bad_answers: int = 0  # block-manager answers about it that were rejected
     finish_reason: FinishReason | None = None

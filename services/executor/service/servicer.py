@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
 
 from pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 from services.blockmgr.hashing import HASH_ALGORITHM
+from services.common.limits import FieldError
 from services.common.sampling_params import SamplingParams, params_from_message
+from services.common.structured_outputs import StructuredOutputs
 from services.executor.core.outputs import RequestError, RequestErrorCode, SeqOutput, TokenLogprob
 from services.executor.core.sequence import FinishReason, Resume
 from services.executor.model.parallel import WorkerLost
@@ -109,6 +112,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.loop_: EngineLoop | None = None
         self.served: ServedModel | None = None
         self.info: executor_pb2.ExecutorInfo | None = None
+        # Structured-output grammars are compiled here, off the engine thread: the request
+        # goes in once its grammar is in the compiler's cache (or is refused), the others
+        # are not held up.
+        self._grammar_threads = ThreadPoolExecutor(2, thread_name_prefix="grammar")
 
     def ready(self, engine_loop: EngineLoop, served: ServedModel) -> None:
         self.loop_ = engine_loop
@@ -155,14 +162,42 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         engine_loop.submit(Open(session))
         log.info("session_opened", session_id=session.session_id, peer=context.peer())
 
+        grammars = engine_loop.engine.grammars
+        compiling: dict[str, asyncio.Task[None]] = {}
+
+        async def compile_then_add(add: Add, spec: StructuredOutputs) -> None:
+            assert grammars is not None
+            try:
+                await aio_loop.run_in_executor(self._grammar_threads, grammars.compile, spec)
+            except FieldError as exc:
+                error = str(exc.under("sampling_params"))
+                code = RequestErrorCode.INVALID_ARGUMENT
+                engine_loop.submit(Refuse(session, RequestError(add.request_id, code, error)))
+            else:
+                engine_loop.submit(add)
+            finally:
+                compiling.pop(add.request_id, None)
+
         async def read() -> None:
             async for req in request_iterator:
                 kind = req.WhichOneof("kind")
                 if kind == "add":
-                    engine_loop.submit(_add_command(session, req.add))
+                    command = _add_command(session, req.add)
+                    spec = command.params.structured_outputs if isinstance(command, Add) else None
+                    if spec is not None and grammars is not None:
+                        assert isinstance(command, Add)
+                        task = asyncio.create_task(compile_then_add(command, spec))
+                        compiling[command.request_id] = task
+                    else:
+                        engine_loop.submit(command)
                 elif kind == "abort":
                     index = req.abort.index if req.abort.HasField("index") else None
-                    engine_loop.submit(Abort(session, req.abort.request_id, index))
+                    waiting = compiling.pop(req.abort.request_id, None) if index is None else None
+                    if waiting is not None:
+                        waiting.cancel()  # never reaches the engine
+                    else:
+                        engine_loop.submit(Abort(session, req.abort.request_id, index))
+            await asyncio.gather(*compiling.values(), return_exceptions=True)
             engine_loop.submit(HalfClose(session))
 
         reader = asyncio.create_task(read())
@@ -183,6 +218,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 yield delivery_to_pb(delivery)
         finally:
             reader.cancel()
+            for task in compiling.values():
+                task.cancel()
             engine_loop.submit(Close(session))
 
 

@@ -19,10 +19,12 @@ from services.common.blocks import max_live_blocks, usable_blocks
 from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
 from services.executor.core.config import EngineSettings
 from services.executor.core.engine import Engine
+from services.executor.core.grammar import GrammarCompiler
 from services.executor.core.scheduler import SchedulerConfig
 from services.executor.model.config import ModelConfig
 from services.executor.model.errors import ModelLoadError
 from services.executor.model.launch import build_runner
+from services.executor.model.loader import load_tokenizer
 from services.executor.model.runner import ModelRunner
 from services.executor.service.config import BlockManagerMode, ExecutorConfig
 
@@ -145,7 +147,7 @@ def _build_engine(
         seed=config.seed,
         async_scheduling=config.async_scheduling,
     )
-    engine = Engine(settings, runner, link)
+    engine = Engine(settings, runner, link, grammar_compiler(config.model, mc.vocab_size, settings))
     served = ServedModel(
         name=config.served_model_name or Path(config.model).name,
         dtype=str(runner.dtype).removeprefix("torch."),
@@ -159,6 +161,23 @@ def _build_engine(
         tensor_parallel_size=runner.model.shard.size,
     )
     return engine, served
+
+
+def grammar_compiler(
+    model_dir: str, vocab_size: int, settings: EngineSettings
+) -> GrammarCompiler | None:
+    """The structured-output grammar compiler over the checkpoint's tokenizer; None (such
+    requests refused, the rest served) when the checkpoint has no tokenizer."""
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except ModelLoadError as exc:
+        log.warning("structured_outputs_unavailable", reason=str(exc))
+        return None
+    try:
+        return GrammarCompiler(tokenizer, vocab_size, settings.eos_token_ids)
+    except Exception as exc:  # a tokenizer xgrammar cannot read: serve the rest
+        log.warning("structured_outputs_unavailable", reason=repr(exc))
+        return None
 
 
 def kv_cache_groups(mc: ModelConfig) -> tuple[KVCacheGroup, ...]:
