@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -85,6 +86,14 @@ FINISH_NAMES = {  # finish reasons as the APIs and metrics name them
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
 }
+
+
+def _field_of(message: str, kind: ErrorKind) -> str | None:
+    """The field an executor's INVALID_ARGUMENT names (its messages start ``field: ``)."""
+    head, sep, _ = message.partition(": ")
+    if kind is ErrorKind.INVALID_ARGUMENT and sep and re.fullmatch(r"[\w.\[\]]+", head):
+        return head
+    return None
 
 
 class GenerationCore:
@@ -265,7 +274,7 @@ class GenerationCore:
                 if isinstance(item, executor_pb2.RequestError):
                     kind = _REFUSAL_KIND.get(item.code, ErrorKind.INTERNAL)
                     outcome = "refused" if kind != ErrorKind.INTERNAL else "error"
-                    raise GenerationError(kind, item.message)
+                    raise GenerationError(kind, item.message, _field_of(item.message, kind))
                 index = placement.sample_of(tag, item.index)
                 if index is None:
                     continue

@@ -2,13 +2,15 @@
 
 Only shapes live here: every range rule is the gRPC front's (``validation``,
 ``services.common``), applied by the shared core to the translated request. Fields OpenAI
-defines that this server cannot honour (tools, logit_bias, suffix, echo with stream, a
-JSON response format) are refused by name rather than silently ignored; unknown fields are
-ignored, as vLLM does. vLLM's extra sampling fields are accepted.
+defines that this server cannot honour (tools, logit_bias, suffix, echo with stream) are
+refused by name rather than silently ignored; unknown fields are ignored, as vLLM does.
+vLLM's extra sampling fields are accepted, ``structured_outputs`` among them, as is
+OpenAI's ``response_format`` (JSON schema or JSON object).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,6 +20,7 @@ from services.common.limits import FieldError
 
 #: Prompts in one ``/v1/completions`` request (each is admitted as its own request).
 MAX_PROMPTS_PER_REQUEST = 1024
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 class StreamOptions(BaseModel):
@@ -56,6 +59,8 @@ class _Sampling(BaseModel):
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
 
     def _refuse_unsupported(self) -> None:
         if self.logit_bias:
@@ -91,7 +96,48 @@ class _Sampling(BaseModel):
             _set_repeated(sp.stop_token_ids, "stop_token_ids", self.stop_token_ids)
         if logprobs is not None:
             _set(sp, "logprobs", logprobs)
+        self._structured(sp.structured_outputs)
         return sp
+
+    def _structured(self, out: generation_pb2.StructuredOutputs) -> None:
+        """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` (one of them)."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.get("type", "text") != "text":
+            if so:
+                raise FieldError("response_format", "give it or structured_outputs, not both")
+            kind = rf.get("type")
+            if kind == "json_object":
+                out.json_object = True
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict | bool):
+                    raise FieldError("response_format.json_schema.schema", "is required")
+                out.json = json.dumps(schema)
+            else:
+                raise FieldError("response_format.type", "must be text, json_object or json_schema")
+        if not so:
+            return
+        given = [k for k in _STRUCTURED_KEYS if so.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise FieldError(
+                "structured_outputs", f"give exactly one of {', '.join(_STRUCTURED_KEYS)}"
+            )
+        key = given[0]
+        value = so[key]
+        field = f"structured_outputs.{key}"
+        if key == "json":
+            out.json = value if isinstance(value, str) else json.dumps(value)
+        elif key == "json_object":
+            out.json_object = True
+        elif key == "choice":
+            if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+                raise FieldError(field, "must be a list of strings")
+            out.choice.choices.extend(value)
+        elif not isinstance(value, str):
+            raise FieldError(field, "must be a string")
+        else:
+            setattr(out, key, value)
 
     def _request(self) -> generation_pb2.GenerateRequest:
         return generation_pb2.GenerateRequest(
@@ -185,14 +231,11 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def to_generate(self) -> generation_pb2.GenerateRequest:
         self._refuse_unsupported()
         if self.tools:
             raise FieldError("tools", "tool calling is not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise FieldError("response_format", "only type 'text' is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "needs logprobs=true")
         if self.max_completion_tokens is not None:
