@@ -168,7 +168,9 @@ def build_app(core: GenerationCore, *, api_key: str | None, registry: Any) -> Fa
         check_model(body.model)
         with _as_http():
             gen = body.to_generate()
+            calls = body.tool_calls()
         fmt = Formatter(core, "chat", body.include_usage, body.logprobs, body.continuous_usage)
+        fmt.tool_calls = calls
         return _respond(core, [gen], None, body.stream, fmt)
 
     return app

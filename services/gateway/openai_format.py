@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from pagedserve.v1 import common_pb2, generation_pb2
 from services.gateway.generation import FINISH_NAMES, ErrorKind, GenerationCore, GenerationError
+from services.gateway.openai_protocol import ToolCalls
 
 _HTTP_STATUS = {
     ErrorKind.INVALID_ARGUMENT: 400,
@@ -106,6 +107,9 @@ class Formatter:
         self._tokens: dict[int, int] = {}  # streamed tokens per choice
         # Logprobs of tokens whose text is not out yet (they end inside a UTF-8 character).
         self._held_logprobs: dict[int, list[common_pb2.TokenLogprob]] = {}
+        # Chat with tools: each reply is tool calls (its text is held until it is complete).
+        self.tool_calls: ToolCalls | None = None
+        self._held_text: dict[int, list[str]] = {}
 
     def set_prompt(self, ids: list[int], prompt: int = 0) -> None:
         self.prompt_ids[prompt] = list(ids)
@@ -135,12 +139,8 @@ class Formatter:
             if self.kind == "completions":
                 choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish.get(i)}
             else:
-                choice = {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": lp,
-                    "finish_reason": finish.get(i),
-                }
+                message, reason = self._reply(text, finish.get(i))
+                choice = {"index": i, "message": message, "logprobs": lp, "finish_reason": reason}
             choices.append(choice)
         return {
             "id": self.id,
@@ -150,6 +150,28 @@ class Formatter:
             "choices": choices,
             "usage": self._usage_body(),
         }
+
+    def _reply(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A chat choice's message and finish reason: its text, or, with tools, the calls
+        it makes (OpenAI's finish reason: ``tool_calls`` for ``required``, ``stop`` for a
+        named function); an output cut short stays text."""
+        calls = self.tool_calls.parse(text) if self.tool_calls and finish == "stop" else None
+        if calls is None:
+            return {"role": "assistant", "content": text}, finish
+        assert self.tool_calls is not None
+        message = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments},
+                }
+                for name, arguments in calls
+            ],
+        }
+        return message, "tool_calls" if self.tool_calls.name is None else "stop"
 
     def _echo(
         self,
@@ -232,7 +254,23 @@ class Formatter:
             choice = {"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": finish}
             return [self._chunk([choice], usage)]
         out = [self._role_chunk(r.index, tokens_before)] if self._start(r, started) else []
-        if r.text or has_logprobs:
+        if self.tool_calls is not None:  # the calls go out whole, once complete
+            self._held_text.setdefault(r.index, []).append(r.text)
+            if not final:
+                return out
+            message, finish = self._reply("".join(self._held_text.pop(r.index)), finish)
+            if message["content"] is None:
+                calls = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+                delta: dict[str, Any] = {"tool_calls": calls}
+            else:
+                delta = {"content": message["content"]}
+            out.append(
+                self._chunk(
+                    [{"index": r.index, "delta": delta, "logprobs": lp, "finish_reason": None}],
+                    usage,
+                )
+            )
+        elif r.text or has_logprobs:
             delta = {"content": r.text}
             out.append(
                 self._chunk(

@@ -2,8 +2,8 @@
 
 Only shapes live here: every range rule is the gRPC front's (``validation``,
 ``services.common``), applied by the shared core to the translated request. Fields OpenAI
-defines that this server cannot honour (tools, logit_bias, suffix, echo with stream) are
-refused by name rather than silently ignored; unknown fields are ignored, as vLLM does.
+defines that this server cannot honour (``tool_choice: auto``, logit_bias, suffix, echo with
+stream) are refused by name rather than silently ignored; unknown fields are ignored, as vLLM does.
 vLLM's extra sampling fields are accepted, ``structured_outputs`` among them, as is
 OpenAI's ``response_format`` (JSON schema or JSON object).
 """
@@ -11,11 +11,12 @@ OpenAI's ``response_format`` (JSON schema or JSON object).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedserve.v1 import generation_pb2
+from pagedserve.v1 import common_pb2, generation_pb2
 from services.common.limits import FieldError
 
 #: Prompts in one ``/v1/completions`` request (each is admitted as its own request).
@@ -99,7 +100,7 @@ class _Sampling(BaseModel):
         self._structured(sp.structured_outputs)
         return sp
 
-    def _structured(self, out: generation_pb2.StructuredOutputs) -> None:
+    def _structured(self, out: common_pb2.StructuredOutputs) -> None:
         """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` (one of them)."""
         rf, so = self.response_format, self.structured_outputs
         if rf is not None and rf.get("type", "text") != "text":
@@ -231,11 +232,46 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True  # false: at most one call
+
+    def tool_calls(self) -> ToolCalls | None:
+        """The tool calls the reply must be (``tool_choice`` ``required`` or a named
+        function), or None (no tools, or ``none``). ``auto`` is refused: it needs a model
+        family's tool-call parser."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        names: list[str] = []
+        params: list[dict[str, Any]] = []
+        for i, tool in enumerate(self.tools):
+            fn = tool.get("function") if tool.get("type", "function") == "function" else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise FieldError(f"tools[{i}]", "must be a function with a name")
+            schema = fn.get("parameters", {"type": "object"})
+            if not isinstance(schema, dict):
+                raise FieldError(f"tools[{i}].function.parameters", "must be a JSON schema")
+            names.append(fn["name"])
+            params.append(schema)
+        choice = self.tool_choice
+        if choice == "required":
+            return ToolCalls(None, _calls_schema(names, params, self.parallel_tool_calls))
+        if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+            name = choice["function"].get("name")
+            if name not in names:
+                raise FieldError("tool_choice.function.name", f"no tool is named {name!r}")
+            return ToolCalls(name, params[names.index(name)])
+        raise FieldError(
+            "tool_choice",
+            "must be required, none or a named function (auto needs a tool-call parser "
+            "for the model, which this server does not have)",
+        )
 
     def to_generate(self) -> generation_pb2.GenerateRequest:
         self._refuse_unsupported()
-        if self.tools:
-            raise FieldError("tools", "tool calling is not supported")
+        calls = self.tool_calls()
+        if calls is not None:
+            if self.response_format or self.structured_outputs:
+                raise FieldError("tool_choice", "cannot be combined with structured outputs")
+            self.structured_outputs = {"json": calls.schema}
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "needs logprobs=true")
         if self.max_completion_tokens is not None:
@@ -247,6 +283,54 @@ class ChatCompletionRequest(_Sampling):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         req.sampling_params.CopyFrom(self._sampling(logprobs))
         return req
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    """What a chat reply with tools must be: the arguments of function ``name`` (a named
+    ``tool_choice``), or, with ``name`` None (``required``), a JSON list of one or more
+    ``{"name", "parameters"}`` calls; ``schema`` constrains the output to it."""
+
+    name: str | None
+    schema: dict[str, Any]
+
+    def parse(self, text: str) -> list[tuple[str, str]] | None:
+        """The (function name, arguments JSON) of each call in a complete output; None if
+        it is not one (cut by max_tokens)."""
+        if self.name is not None:
+            try:
+                json.loads(text)
+            except json.JSONDecodeError:
+                return None
+            return [(self.name, text)]
+        try:
+            calls = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+
+
+def _calls_schema(
+    names: list[str], params: list[dict[str, Any]], parallel: bool
+) -> dict[str, Any]:
+    """One or more calls of the tools (one with ``parallel`` false), as vLLM constrains
+    ``tool_choice: required``."""
+    return {
+        "type": "array",
+        "minItems": 1,
+        **({} if parallel else {"maxItems": 1}),
+        "items": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"enum": [name]}, "parameters": schema},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for name, schema in zip(names, params, strict=True)
+            ]
+        },
+    }
 
 
 class TokenizeBody(BaseModel):

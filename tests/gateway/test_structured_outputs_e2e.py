@@ -143,3 +143,97 @@ def test_openai_bad_structured_outputs_are_400(client, model, extra, param) -> N
         client.completions.create(model=model, prompt="Hi", max_tokens=4, **extra)
     assert info.value.status_code == 400
     assert info.value.body["param"] == (param or "structured_outputs"), info.value.body
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo"]},
+                "unit": {"enum": ["C", "F"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_call(call, tools=(WEATHER, TIME)) -> None:
+    (tool,) = [t for t in tools if t["function"]["name"] == call.function.name]
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_openai_named_tool_choice_returns_a_valid_call_of_that_function(client, model) -> None:
+    out = client.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        n=3,
+        temperature=1.0,
+        seed=1,
+        max_tokens=60,
+    )
+    for choice in out.choices:
+        assert choice.finish_reason == "stop" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        _check_call(call)
+
+
+def test_openai_required_tool_choice_returns_calls_streamed_or_not(client, model) -> None:
+    kw = {
+        "model": model,
+        "messages": ASK,
+        "tools": [WEATHER, TIME],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,  # (a random model may otherwise call on and on)
+        "temperature": 1.0,
+        "seed": 4,
+        "max_tokens": 120,
+    }
+    out = client.chat.completions.create(**kw)
+    (choice,) = out.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        _check_call(call)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "param"),
+    [
+        ("auto", "tool_choice"),
+        ({"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
+    ],
+)
+def test_openai_unsupported_tool_choices_are_400(client, model, tool_choice, param) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model, messages=ASK, tools=[WEATHER], tool_choice=tool_choice, max_tokens=8
+        )
+    assert info.value.body["param"] == param, info.value.body
