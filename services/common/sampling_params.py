@@ -44,6 +44,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = field(
         default=None, metadata={"message": StructuredOutputs}
     )
+    # Beam search of width n, as transformers' generate(num_beams=n, do_sample=False).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: str = "false"  # "false" (transformers' heuristic), "true" or "never"
     # Derived: no penalty reads the token history, no token is ever banned (min_tokens is
     # 0) and no grammar constrains it, so a row of these params needs nothing but the
     # params themselves.
@@ -57,7 +61,8 @@ class SamplingParams:
             not self.has_penalties and self.min_tokens == 0 and self.structured_outputs is None
         )
         object.__setattr__(self, "stateless", stateless)
-        object.__setattr__(self, "plain", stateless and self.seed is None and self.n == 1)
+        plain = stateless and self.seed is None and self.n == 1 and not self.use_beam_search
+        object.__setattr__(self, "plain", plain)
 
     @property
     def has_penalties(self) -> bool:
@@ -104,7 +109,31 @@ class SamplingParams:
         check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+        if self.early_stopping not in EARLY_STOPPING:
+            raise FieldError(
+                "early_stopping",
+                f"must be one of {', '.join(EARLY_STOPPING)}, got {self.early_stopping!r}",
+            )
+        if not math.isfinite(self.length_penalty):
+            raise FieldError("length_penalty", "must be finite")
+        if self.use_beam_search:
+            self._check_beam_search()
 
+    def _check_beam_search(self) -> None:
+        conflicts = {
+            "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "structured_outputs": self.structured_outputs is not None,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "presence_penalty": bool(self.presence_penalty),
+            "frequency_penalty": bool(self.frequency_penalty),
+        }
+        for name, conflict in conflicts.items():
+            if conflict:
+                raise FieldError(name, "is not supported with use_beam_search")
+
+
+EARLY_STOPPING = ("false", "true", "never")
 
 #: The fields a request sets, in declaration order (the derived ones are left out).
 PARAM_FIELDS: tuple[dataclasses.Field[Any], ...] = tuple(

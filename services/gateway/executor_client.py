@@ -159,7 +159,9 @@ class ExecutorConnection:
             self._update()
             self._fail_all(
                 ExecutorUnavailable(
-                    f"executor {self.address} is unavailable", reason="executor_lost"
+                    f"executor {self.address} is unavailable",
+                    reason="executor_lost",
+                    since=self.not_ready_since,  # (it may have stopped serving before)
                 )
             )
             await asyncio.sleep(self.retry_s)
@@ -257,7 +259,7 @@ class ExecutorConnection:
         self._fail_all(
             ExecutorUnavailable(
                 f"executor {self.address} has not been serving for "
-                f"{self.executor_wait_s:.0f} s (--executor-wait-s); retry later",
+                f"{self.executor_wait_s:g} s (--executor-wait-s)",
                 reason="executor_not_serving",
                 since=self.not_ready_since,
             )
@@ -355,10 +357,13 @@ class ExecutorPool:
         change, self._change = self._change, asyncio.Event()
         change.set()
 
-    async def wait_ready(self, timeout: float) -> bool:
-        """Whether an executor is ready, or becomes ready within ``timeout`` seconds."""
+    async def wait_ready(
+        self, timeout: float, accept: Callable[[ExecutorConnection], bool] | None = None
+    ) -> bool:
+        """Whether an executor (that ``accept`` takes) is ready, or becomes ready within
+        ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        while not self.ready:
+        while not any(accept is None or accept(c) for c in self.ready):
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
@@ -367,10 +372,14 @@ class ExecutorPool:
         return True
 
     def pick(
-        self, prompt_ids: Sequence[int] = (), cache_salt: bytes = b""
+        self,
+        prompt_ids: Sequence[int] = (),
+        cache_salt: bytes = b"",
+        accept: Callable[[ExecutorConnection], bool] | None = None,
     ) -> tuple[ExecutorConnection, Decision]:
-        """The executor for a prompt, and why (see ``routing``)."""
-        ready = self.ready
+        """The executor for a prompt (among those ``accept`` takes), and why (see
+        ``routing``)."""
+        ready = [c for c in self.ready if accept is None or accept(c)]
         if not ready:
             raise ExecutorUnavailable(
                 "no executor is serving (starting up, restarting, or waiting for its block "

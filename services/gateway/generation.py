@@ -31,7 +31,12 @@ from pagedserve.v1 import common_pb2, executor_pb2, generation_pb2
 from services.common.limits import FieldError, check_prompt, check_request_id, check_token_ids
 from services.gateway.admission import Admission
 from services.gateway.config import PROMPT_BYTES_PER_TOKEN, GatewayConfig
-from services.gateway.executor_client import ExecutorPool, ExecutorUnavailable, Tagged
+from services.gateway.executor_client import (
+    ExecutorConnection,
+    ExecutorPool,
+    ExecutorUnavailable,
+    Tagged,
+)
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.resume import Placement, resume_adds
 from services.gateway.routing import Decision
@@ -86,6 +91,16 @@ FINISH_NAMES = {  # finish reasons as the APIs and metrics name them
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
 }
+
+
+def _resumes_samples(conn: ExecutorConnection) -> bool:
+    """An executor that carries a sample on from its output tokens (``ResumeSample``): one
+    that predates it would start the sample over."""
+    return conn.info is not None and conn.info.resumes_samples
+
+
+def _any_executor(conn: ExecutorConnection) -> bool:
+    return True
 
 
 def _field_of(message: str, kind: ErrorKind) -> str | None:
@@ -273,6 +288,12 @@ class GenerationCore:
                     continue
                 if isinstance(item, executor_pb2.RequestError):
                     kind = _REFUSAL_KIND.get(item.code, ErrorKind.INTERNAL)
+                    if resumes:  # the request was fine: the executor carrying it on refused
+                        outcome = "unavailable"
+                        raise GenerationError(
+                            ErrorKind.UNAVAILABLE,
+                            f"the executor the stream was resumed on refused it: {item.message}",
+                        )
                     outcome = "refused" if kind != ErrorKind.INTERNAL else "error"
                     raise GenerationError(kind, item.message, _field_of(item.message, kind))
                 index = placement.sample_of(tag, item.index)
@@ -297,6 +318,7 @@ class GenerationCore:
                     self.metrics.generation_tokens.inc(len(response.token_ids))
                 if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     done += 1
+                    placement.sample_done(tag, index, samples, abort=stopped)
                     self._record_final(response, placement.conn.address)
                     if index == 0:
                         outcome = FINISH_NAMES.get(response.finish_reason, "other")
@@ -317,21 +339,26 @@ class GenerationCore:
             self.metrics.requests.labels(outcome or "cancelled").inc()
 
     def _place(
-        self, adds: list[tuple[executor_pb2.AddRequest, list[int]]], queue: asyncio.Queue[Tagged]
+        self,
+        adds: list[tuple[executor_pb2.AddRequest, list[int]]],
+        queue: asyncio.Queue[Tagged],
+        accept: Callable[[ExecutorConnection], bool] | None = None,
     ) -> Placement:
-        """Route ``adds`` (one request's executor-side requests) to one ready executor, by
-        the longest token sequence among them; raises :class:`ExecutorUnavailable`."""
+        """Route ``adds`` (one request's executor-side requests) to one ready executor (of
+        those ``accept`` takes), by the longest token sequence among them; raises
+        :class:`ExecutorUnavailable`. A first placement counts in the routing metrics."""
         first = max(
             (add for add, _ in adds),
             key=lambda add: len(add.prompt_token_ids) + len(add.resume.output_token_ids),
         )
         tokens = [*first.prompt_token_ids, *first.resume.output_token_ids]
-        conn, decision = self.pool.pick(tokens, first.cache_salt)
+        conn, decision = self.pool.pick(tokens, first.cache_salt, accept)
         placement = Placement(conn, decision)
         for add, indexes in adds:
             conn.submit(add, queue)
             placement.samples[add.request_id] = indexes
-        self._record_route(conn.address, decision, len(tokens))
+        if accept is None:
+            self._record_route(conn.address, decision, len(tokens))
         return placement
 
     async def _resume(
@@ -345,17 +372,22 @@ class GenerationCore:
         """Carry the unfinished samples on, on a ready executor, waiting for one up to
         ``--executor-wait-s`` after the executor was lost; else UNAVAILABLE."""
         adds = resume_adds(original, samples)
+        resumed = any(add.HasField("resume") for add, _ in adds)
+        resumable = _resumes_samples if resumed else _any_executor
         while True:
             left = self.config.executor_wait_s - (time.monotonic() - lost.since)
-            if not await self.pool.wait_ready(left):
+            if not await self.pool.wait_ready(left, resumable):
                 log.warning("executor_lost_mid_request", error=str(lost), resumes=resumes - 1)
-                raise GenerationError(
-                    ErrorKind.UNAVAILABLE,
-                    f"{lost}; no executor served again within {self.config.executor_wait_s:g} s "
-                    "(--executor-wait-s)",
-                )
+                if lost.reason == "executor_not_serving":
+                    message = f"{lost}, and no other executor serves; retry later"
+                else:
+                    message = (
+                        f"{lost}; no executor served again within "
+                        f"{self.config.executor_wait_s:g} s (--executor-wait-s); retry later"
+                    )
+                raise GenerationError(ErrorKind.UNAVAILABLE, message)
             try:
-                placement = self._place(adds, queue)
+                placement = self._place(adds, queue, resumable)
             except ExecutorUnavailable:
                 continue  # it went away again between the wait and the pick
             break

@@ -310,9 +310,7 @@ class ToolCalls:
         return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
 
 
-def _calls_schema(
-    names: list[str], params: list[dict[str, Any]], parallel: bool
-) -> dict[str, Any]:
+def _calls_schema(names: list[str], params: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """One or more calls of the tools (one with ``parallel`` false), as vLLM constrains
     ``tool_choice: required``."""
     return {

@@ -55,6 +55,18 @@ class Placement:
                     self.conn.release(request_id, abort=True)
                 return
 
+    def sample_done(
+        self, request_id: str, sample: int, samples: Sequence[SampleStream], *, abort: bool
+    ) -> None:
+        """Sample ``sample`` (of ``request_id``) has its final message (``abort``: a stop
+        string ended it, the executor may still run it): once every sample of that
+        executor-side request has, it is forgotten at once, not with the whole request (its
+        load would count on)."""
+        indexes = self.samples.get(request_id)
+        if indexes is not None and all(samples[i].done for i in indexes):
+            del self.samples[request_id]
+            self.conn.release(request_id, abort=abort)
+
     def release(self, *, abort: bool) -> None:
         """Forget every request of this placement (``abort``: stop them there too)."""
         for request_id in self.samples:

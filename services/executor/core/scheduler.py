@@ -262,8 +262,8 @@ class Scheduler(AheadScheduling):
                 self.refs[b] += 1
             seq.num_computed_tokens = res.num_cached_tokens
             seq.num_committed_blocks = res.num_cached_tokens // self.config.block_size
-            if not seq.admitted_once:
-                seq.num_cached_tokens = res.num_cached_tokens
+            if not seq.admitted_once:  # (a resumed sample's output may hit too: not counted)
+                seq.num_cached_tokens = min(res.num_cached_tokens, seq.prompt_len)
                 seq.admitted_once = True
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=_sort_key)

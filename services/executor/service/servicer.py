@@ -137,6 +137,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             device=served.device,
             pool_id=served.pool_id,
             tensor_parallel_size=served.tensor_parallel_size,
+            resumes_samples=True,
         )
 
     async def Info(
