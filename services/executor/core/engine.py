@@ -23,9 +23,11 @@ from torch import Tensor
 
 from services.common.limits import FieldError
 from services.common.sampling_params import SamplingParams
+from services.executor.core.beam import BeamState
 from services.executor.core.blockmgr_link import BlockManagerLink
 from services.executor.core.config import EngineSettings
 from services.executor.core.engine_ahead import AheadEngine, PreparedBatch
+from services.executor.core.engine_beams import BeamSearchEngine
 from services.executor.core.grammar import GrammarCompiler, Matcher, accept
 from services.executor.core.outputs import (
     EngineError,
@@ -50,7 +52,7 @@ log = structlog.get_logger(__name__)
 MAX_BAD_ANSWERS = 2  # a sequence concerned by this many rejected answers fails
 
 
-class Engine(AheadEngine):
+class Engine(AheadEngine, BeamSearchEngine):
     def __init__(
         self,
         settings: EngineSettings,
@@ -83,6 +85,7 @@ class Engine(AheadEngine):
         self.scheduler = Scheduler(settings.scheduler, link.counters())
         self._batch_ahead: ScheduledBatch | None = None  # the next step's, already granted
         self._num_prompt_logprobs = 0  # live requests asking for prompt log-probabilities
+        self._num_beam_requests = 0  # live beam searches (no planning ahead while any runs)
         self._prepared: PreparedBatch | None = None  # and its host batch, when the runner can
         # (checked once: a runtime-checkable isinstance costs 15 us)
         preparing = settings.async_scheduling and isinstance(runner, PreparingRunner)
@@ -137,6 +140,11 @@ class Engine(AheadEngine):
         self.generators.create(seq.seq_id, params.seed, resume.sample_index if resume else 0)
         self.scheduler.add(seq)
         self._num_prompt_logprobs += params.prompt_logprobs is not None
+        if params.use_beam_search:
+            self.requests[req_id].beam = BeamState(
+                params.n, params.length_penalty, params.early_stopping, params.max_tokens
+            )
+            self._num_beam_requests += 1
 
     def _matcher(self, params: SamplingParams, outputs: list[int]) -> Matcher | None:
         """The grammar matcher of a request's sample (past ``outputs``), or None."""
@@ -220,6 +228,7 @@ class Engine(AheadEngine):
     def _forget(self, req: Request) -> None:
         del self.requests[req.req_id]
         self._num_prompt_logprobs -= req.params.prompt_logprobs is not None
+        self._num_beam_requests -= req.params.use_beam_search
         self.num_cached_prompt_tokens += req.seqs[0].num_cached_tokens
 
     # ---- the iteration --------------------------------------------------------------------
@@ -318,6 +327,11 @@ class Engine(AheadEngine):
         samples of an n > 1 request whose prompt just finished), append it, emit it, and
         retire what finished. ``rows``: the logits row of each of ``seqs`` (default: in
         order)."""
+        outs: list[SeqOutput] = []
+        if self._num_beam_requests:
+            outs, seqs, rows = self._take_beams(logits, seqs, rows)
+            if not seqs:
+                return outs
         params, states, targets, row_logits = sampling_rows(
             seqs, self._forks_now, self.generators, self.settings.eos_token_ids
         )
@@ -331,7 +345,6 @@ class Engine(AheadEngine):
                 self.grammars.mask_logits(logits, masks)
         result = self.sampler(logits, params, states)
 
-        outs: list[SeqOutput] = []
         emitted: list[Seq] = []  # settled after the loop when samples fork now
         children: dict[int, list[Seq]] = {}
         settle_now = row_logits is None  # nothing forks: settle each sample as it is emitted

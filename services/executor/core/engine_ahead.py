@@ -55,6 +55,7 @@ class AheadEngine:
         _prepared: PreparedBatch | None
         _preparing: PreparingRunner | None
         _num_prompt_logprobs: int
+        _num_beam_requests: int
 
     def _take_batch_ahead(self) -> tuple[ScheduledBatch | None, PreparedBatch | None]:
         """The batch granted during the previous step, less the sequences that finished since
@@ -104,6 +105,8 @@ class AheadEngine:
     def _send_ahead(self, batch: ScheduledBatch) -> tuple[SchedulePlan, StepCall] | None:
         """Plan the next step now and send its Step, if that is safe."""
         if not self.settings.async_scheduling or not self.link.can_send_ahead:
+            return None
+        if self._num_beam_requests:  # beams re-fork after sampling, every step
             return None
         # (Only while a request asks for prompt log-probabilities need it look for one.)
         plan = self.scheduler.plan_ahead(batch, bool(self._num_prompt_logprobs))

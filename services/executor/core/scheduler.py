@@ -89,7 +89,8 @@ class Scheduler(AheadScheduling):
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` (a sample of an n > 1 request, its first token drawn from ``parent``'s
-        logits) shares all of ``parent``'s blocks from now on; the Fork is sent first thing in
+        logits; or a beam continuing ``parent`` with another token) shares all of
+        ``parent``'s blocks from now on; the Fork is sent first thing in
         the next step. When ``max_num_seqs`` sequences already run, it waits instead and is
         admitted later like a preempted sequence (its prompt blocks are prefix hits then)."""
         child.num_cached_tokens = parent.num_cached_tokens
@@ -104,8 +105,9 @@ class Scheduler(AheadScheduling):
                 self.refs[b] += 1
         child.num_computed_tokens = parent.num_computed_tokens
         bs = self.config.block_size
-        child.num_committed_blocks = min(parent.num_committed_blocks, child.prompt_len // bs)
-        child.block_hashes = parent.block_hashes[: child.prompt_len // bs]
+        shared = (len(child.token_ids) - 1) // bs  # full blocks of the tokens they share
+        child.num_committed_blocks = min(parent.num_committed_blocks, shared)
+        child.block_hashes = parent.block_hashes[:shared]
         child.status = SeqStatus.RUNNING
         bisect.insort(self.running, child, key=_sort_key)
         self._forks[child.seq_id] = Fork(parent.seq_id, child.seq_id)
@@ -164,6 +166,8 @@ class Scheduler(AheadScheduling):
             if seq.status is not running or seq.seq_id in scheduled:
                 continue
             computed = seq.num_computed_tokens
+            if len(seq.token_ids) == computed:
+                continue  # a beam waiting for a preempted sibling (engine_beams)
             if len(seq.token_ids) - computed != 1:
                 prefills.append(seq)
             elif budget <= 0:

@@ -132,9 +132,16 @@ class Request:
     seqs: list[Sequence]
     cache_salt: bytes = b""
     pending_aborts: set[int] = field(default_factory=set)  # samples aborted before their fork
+    # Beam search: its core.beam.BeamState; ``seqs`` are then the live beams, in the state's
+    # order, and ``beam_logprobs`` the next-token log-probabilities of those computed ahead
+    # of the others (a sibling was preempted), by sequence id.
+    beam: Any = None
+    beam_logprobs: dict[int, Any] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return bool(self.beam.done)
         return len(self.seqs) == self.params.n and all(
             s.status is SeqStatus.FINISHED for s in self.seqs
         )
