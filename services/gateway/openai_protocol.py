@@ -62,6 +62,9 @@ class _Sampling(BaseModel):
     request_id: str | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's
+    use_beam_search: bool | None = None  # vLLM's: beam search of width n
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
 
     def _refuse_unsupported(self) -> None:
         if self.logit_bias:
@@ -85,6 +88,8 @@ class _Sampling(BaseModel):
             "repetition_penalty",
             "include_stop_str_in_output",
             "skip_special_tokens",
+            "use_beam_search",
+            "length_penalty",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -97,6 +102,9 @@ class _Sampling(BaseModel):
             _set_repeated(sp.stop_token_ids, "stop_token_ids", self.stop_token_ids)
         if logprobs is not None:
             _set(sp, "logprobs", logprobs)
+        if self.early_stopping is not None:
+            es = self.early_stopping
+            sp.early_stopping = str(es).lower() if isinstance(es, bool) else es
         self._structured(sp.structured_outputs)
         return sp
 
@@ -177,7 +185,9 @@ class CompletionRequest(_Sampling):
         if self.suffix:
             raise FieldError("suffix", "is not supported")
         if self.best_of is not None and self.best_of != (self.n or 1):
-            raise FieldError("best_of", "must equal n (beam search and best-of are not supported)")
+            raise FieldError(
+                "best_of", "must equal n (best-of is not supported; use_beam_search is)"
+            )
         prompt = self.prompt
         if not prompt:
             raise FieldError("prompt", "is empty")
