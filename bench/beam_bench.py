@@ -1,0 +1,219 @@
+"""Beam search and parallel sampling on shared blocks: the PagedAttention paper's Fig. 15
+on our engine, and beam-search throughput against transformers on the same requests.
+
+**Memory saved by sharing** (the paper, section 4.4 / Fig. 15): for parallel sampling with
+n = 2, 4, 6 and beam search with width 2, 4, 6, ``--requests`` requests at once on two
+workloads (``short``: prompts of 20-100 tokens; ``long``: 200-800), outputs of up to 128
+tokens (drawn in 32..128; ``ignore_eos``; sampling at temperature 1, seeded). After every
+step we count the KV blocks the running sequences reference with sharing (distinct block
+ids of their tables) and without it (each sequence owning every block of its table, as
+when each beam or sample keeps its own copy); the saving is 1 - with / without, over the
+sum of all steps. Block size 16, the tiny random Llama (the count does not depend on the
+model).
+
+**Throughput** (``--throughput``): beam width 4 on 16 requests with prompts of 35-254 tokens
+and 64 new tokens (no end token), on ``cpu_bench.py``'s random Llama (hidden 512, 4 layers,
+fp32): our engine (all at once, continuous batching) against transformers'
+``generate(num_beams=4, num_return_sequences=4)`` on one left-padded batch; output tok/s
+counts the 4 x 64 tokens returned per request; and how many requests return the same beams.
+
+Usage: ``python bench/beam_bench.py [--requests 16] [--throughput]``. Not a test: prints
+markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from pagedserve.tools.tiny_model import write_tiny_model  # noqa: E402
+from services.blockmgr.client import InProcessClient  # noqa: E402
+from services.common.blocks import NULL_BLOCK  # noqa: E402
+from services.common.logging import configure_logging  # noqa: E402
+from services.common.sampling_params import SamplingParams  # noqa: E402
+from services.executor.core.engine import Engine  # noqa: E402
+from services.executor.core.sequence import RequestKey  # noqa: E402
+from services.executor.model.launch import build_runner  # noqa: E402
+from services.executor.model.runner_config import available_cores  # noqa: E402
+from services.executor.service.config import ExecutorConfig  # noqa: E402
+from services.executor.service.startup import build_engine  # noqa: E402
+
+WORKLOADS = {"short": (20, 100), "long": (200, 800)}
+
+
+def _engine(config: ExecutorConfig, runner: object) -> Engine:
+    engine, _ = build_engine(config, runner=runner, blockmgr=InProcessClient())  # type: ignore[arg-type]
+    return engine
+
+
+def memory_saving(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> float:
+    """1 - (blocks held with sharing) / (blocks held without), summed over the steps."""
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
+    shared = unshared = 0
+    while engine.has_work:
+        engine.step()
+        tables = [[b for b in s.block_table if b != NULL_BLOCK] for s in engine.scheduler.running]
+        shared += len({b for t in tables for b in t})
+        unshared += sum(len(t) for t in tables)
+    return 1 - shared / unshared
+
+
+def fig15(args: argparse.Namespace) -> None:
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory(prefix="beam_bench_") as tmp:
+        model = str(write_tiny_model(Path(tmp) / "model", max_position_embeddings=2048))
+        config = ExecutorConfig(
+            model=model,
+            dtype="float32",
+            device="cpu",
+            num_kv_blocks=8192,
+            max_num_seqs=512,
+            max_model_len=1024,
+            max_num_batched_tokens=4096,
+        )
+        runner = build_runner(config.runner_config())
+        vocab = runner.config.vocab_size
+        print(
+            f"## Memory saved by sharing: {args.requests} requests at once, block size 16, "
+            "outputs 32-128 tokens\n"
+        )
+        print("| workload | decoding | 2 | 4 | 6 |\n|---|---|---:|---:|---:|")
+        for workload, (lo, hi) in WORKLOADS.items():
+            prompts = [
+                [1, *(rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi) - 1))]
+                for _ in range(args.requests)
+            ]
+            outs = [rng.randint(32, 128) for _ in prompts]
+            for mode in ("parallel sampling", "beam search"):
+                row = []
+                for k in (2, 4, 6):
+                    beam = mode == "beam search"
+                    reqs = [
+                        (
+                            p,
+                            SamplingParams(
+                                n=k,
+                                temperature=0.0 if beam else 1.0,
+                                seed=None if beam else i,
+                                max_tokens=m,
+                                ignore_eos=True,
+                                use_beam_search=beam,
+                            ),
+                        )
+                        for i, (p, m) in enumerate(zip(prompts, outs, strict=True))
+                    ]
+                    row.append(memory_saving(_engine(config, runner), reqs))
+                cells = " | ".join(f"{x:.1%}" for x in row)
+                print(f"| {workload} ({lo}-{hi}) | {mode} | {cells} |")
+
+
+def throughput(args: argparse.Namespace) -> None:
+    rng = random.Random(1)
+    k, new, num = 4, 64, 16
+    with tempfile.TemporaryDirectory(prefix="beam_bench_") as tmp:
+        model_dir = str(
+            write_tiny_model(
+                Path(tmp) / "model",
+                hidden_size=512,
+                num_layers=4,
+                num_heads=8,
+                num_kv_heads=2,
+                intermediate_size=1024,
+                max_position_embeddings=2048,
+            )
+        )
+        config = ExecutorConfig(
+            model=model_dir,
+            dtype="float32",
+            device="cpu",
+            num_kv_blocks=4096,
+            max_num_seqs=256,
+            max_model_len=512,
+            cpu_threads=args.threads,
+        )
+        runner = build_runner(config.runner_config())
+        vocab = runner.config.vocab_size
+        prompts = [
+            [1, *(rng.randrange(3, vocab) for _ in range(rng.randint(34, 253)))] for _ in range(num)
+        ]
+        params = SamplingParams(n=k, use_beam_search=True, max_tokens=new, ignore_eos=True)
+        ours: dict[str, dict[int, list[int]]] = {}
+        walls = []
+        for _ in range(2):  # a warm-up, then the timed run
+            engine = _engine(config, runner)
+            t0 = time.perf_counter()
+            for i, p in enumerate(prompts):
+                engine.add_request(RequestKey(0, f"r{i}"), p, params)
+            ours = {}
+            while engine.has_work:
+                for o in engine.step():
+                    ours.setdefault(o.req_id.request_id, {})[o.index] = o.token_ids
+            walls.append(time.perf_counter() - t0)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        torch.set_num_threads(args.threads)
+        gc = copy.deepcopy(hf.generation_config)
+        gc.eos_token_id = [hf.config.vocab_size + 1]  # no end token, as ignore_eos
+        pad = int(hf.config.pad_token_id)
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = (
+            torch.arange(width)[None, :]
+            >= (width - torch.tensor([len(p) for p in prompts]))[:, None]
+        ).long()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(
+                ids,
+                attention_mask=mask,
+                generation_config=gc,
+                num_beams=k,
+                num_return_sequences=k,
+                do_sample=False,
+                max_new_tokens=new,
+                pad_token_id=pad,
+            )
+        hf_wall = time.perf_counter() - t0
+        same = sum(
+            [ours[f"r{i}"][j] for j in range(k)]
+            == [out[i * k + j, width:].tolist() for j in range(k)]
+            for i in range(num)
+        )
+    tokens = num * k * new
+    print(
+        f"\n## Beam search throughput: width {k}, {num} requests, prompts 35-254, {new} new "
+        f"tokens, {args.threads} threads\n"
+    )
+    print("| system | wall (s) | output tok/s |\n|---|---:|---:|")
+    print(f"| ours | {walls[-1]:.2f} | {tokens / walls[-1]:,.0f} |")
+    hf_name = "transformers `generate(num_beams=4)`, one padded batch"
+    print(f"| {hf_name} | {hf_wall:.2f} | {tokens / hf_wall:,.0f} |")
+    ratio = hf_wall / walls[-1]
+    print(f"\nours / transformers: {ratio:.2f}x; requests with the same beams: {same}/{num}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--throughput", action="store_true")
+    ap.add_argument("--threads", type=int, default=available_cores())
+    args = ap.parse_args()
+    configure_logging("beam_bench", "ERROR")
+    fig15(args)
+    if args.throughput:
+        throughput(args)
+
+
+if __name__ == "__main__":
+    main()
