@@ -149,6 +149,7 @@ def build_app(core: GenerationCore, *, api_key: str | None, registry: Any) -> Fa
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
         check_model(body.model)
+        prompt_only = body.prompt_only
         with _as_http():
             gens = body.to_generates()
             capacity = core.admission.max_running + core.admission.max_queued
@@ -161,6 +162,7 @@ def build_app(core: GenerationCore, *, api_key: str | None, registry: Any) -> Fa
         logprobs = body.logprobs is not None
         fmt = Formatter(core, "completions", body.include_usage, logprobs, body.continuous_usage)
         fmt.echo = body.echo
+        fmt.prompt_only = prompt_only
         return _respond(core, gens, DEFAULT_MAX_TOKENS, body.stream, fmt)
 
     @app.post("/v1/chat/completions")

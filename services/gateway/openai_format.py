@@ -101,6 +101,7 @@ class Formatter:
         # Per prompt (a completions request may carry several), known once tokenized.
         self.prompt_ids: dict[int, list[int]] = {}
         self.echo = False  # completions: the prompt's text (and log-probabilities) first
+        self.prompt_only = False  # completions, max_tokens 0 with echo: the prompt alone
         self.choices_per_prompt = 1  # n: choice i belongs to prompt i // n
         self._offsets: dict[int, int] = {}  # completions logprobs: text offset per choice
         self._usage: dict[int, common_pb2.Usage] = {}
@@ -132,6 +133,12 @@ class Formatter:
         choices = []
         for i in sorted(texts):
             text = "".join(texts[i])
+            if self.prompt_only:  # the one token computed is not part of the reply
+                text, logprobs[i] = "", []
+                self._usage[i] = common_pb2.Usage(
+                    prompt_tokens=self._usage[i].prompt_tokens,
+                    cached_prompt_tokens=self._usage[i].cached_prompt_tokens,
+                )
             lp = self._logprobs(logprobs[i], 0, i) if self.logprobs else None
             if self.echo:
                 prompt = i // self.choices_per_prompt

@@ -156,6 +156,11 @@ class _Sampling(BaseModel):
         )
 
     @property
+    def prompt_only(self) -> bool:
+        """``max_tokens: 0`` with ``echo`` (read before :meth:`to_generates` runs)."""
+        return self.max_tokens == 0
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -188,6 +193,10 @@ class CompletionRequest(_Sampling):
             raise FieldError(
                 "best_of", "must equal n (best-of is not supported; use_beam_search is)"
             )
+        if self.max_tokens == 0:  # the prompt alone, scored (lm-evaluation-harness)
+            if not self.echo:
+                raise FieldError("max_tokens", "0 is only allowed with echo")
+            self.max_tokens = 1  # one token is computed, then dropped from the reply
         prompt = self.prompt
         if not prompt:
             raise FieldError("prompt", "is empty")

@@ -201,6 +201,23 @@ def stack_decode(model_dir, ids: list[int]) -> str:
     return AutoTokenizer.from_pretrained(model_dir).decode(ids, skip_special_tokens=True)
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(client, model) -> None:
+    """vLLM's (and lm-evaluation-harness's) ``max_tokens: 0`` with ``echo``: the prompt's
+    text and log-probabilities, no completion, no completion tokens in the usage."""
+    ids = [1, 45, 46, 47, 48, 49, 50]
+    kw = dict(model=model, prompt=ids, temperature=0, logprobs=2, echo=True)
+    alone = client.completions.create(**kw, max_tokens=0)
+    one = client.completions.create(**kw, max_tokens=1)
+    a, b = alone.choices[0], one.choices[0]
+    assert a.logprobs.token_logprobs == b.logprobs.token_logprobs[: len(ids)]
+    assert a.logprobs.tokens == b.logprobs.tokens[: len(ids)]
+    assert b.text.startswith(a.text) and len(a.logprobs.tokens) == len(ids)
+    assert alone.usage.completion_tokens == 0 and alone.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=ids, max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
 def test_echo_without_logprobs_prefixes_the_prompt_and_echo_does_not_stream(client, model) -> None:
     out = client.completions.create(
         model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True
