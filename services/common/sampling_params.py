@@ -123,7 +123,6 @@ class SamplingParams:
         conflicts = {
             "logprobs": self.logprobs is not None,
             "prompt_logprobs": self.prompt_logprobs is not None,
-            "structured_outputs": self.structured_outputs is not None,
             "repetition_penalty": self.repetition_penalty != 1.0,
             "presence_penalty": bool(self.presence_penalty),
             "frequency_penalty": bool(self.frequency_penalty),

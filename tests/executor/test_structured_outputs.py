@@ -234,3 +234,17 @@ def test_resumed_tokens_outside_the_grammar_are_refused(engine_factory, tokenize
             resume=Resume(0, bad),
         )
     assert info.value.message.startswith("resume.output_token_ids[0]")
+
+
+def test_beam_search_under_a_grammar_returns_only_valid_beams(engine_factory, tokenizer):
+    """Each beam follows its grammar (forks replay the parent's state): every returned beam
+    of a width-4 search parses and validates."""
+    params = SamplingParams(
+        n=4, use_beam_search=True, max_tokens=80, structured_outputs=SPECS["json"]
+    )
+    requests = {f"r{i}": (_prompt(tokenizer, i), params) for i in range(3)}
+    tokens, finals = _run(engine_factory(), requests)
+    assert len(finals) == 12
+    for key, final in finals.items():
+        assert final.finish_reason is FinishReason.STOP, key
+        assert follows("json", _text(tokenizer, tokens[key])), _text(tokenizer, tokens[key])

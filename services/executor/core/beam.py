@@ -79,7 +79,9 @@ class BeamState:
             for s, i in zip(top_scores.tolist(), top_ids.tolist(), strict=True)
         ]
         ends = [at_limit or c.token in end_tokens for c in candidates]
-        running = [c for c, e in zip(candidates, ends, strict=True) if not e][:k]
+        # (a candidate at -inf, a token a grammar or min_tokens forbids, never runs on)
+        running = [c for c, e in zip(candidates, ends, strict=True) if not e and c.score > _NEG]
+        running = running[:k]
         # Finished: those of the first k candidates that end, unless no improvement is
         # possible any more or (early_stopping=True) every slot is taken.
         full = len(self.finished) == k and self.early_stopping == "true"

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from services.executor.core.beam import BeamState
+from services.executor.core.grammar import GrammarCompiler, accept
 from services.executor.core.outputs import SeqOutput, Usage
 from services.executor.core.sequence import FinishReason, Request, RequestKey, SeqStatus
 from services.executor.core.sequence import Sequence as Seq
@@ -43,6 +44,7 @@ class BeamSearchEngine:
         _num_beam_requests: int
         num_generation_tokens: int
         _forget: Callable[[Request], None]
+        grammars: GrammarCompiler | None
 
     def _take_beams(
         self, logits: Tensor, seqs: list[Seq], rows: list[int] | None
@@ -71,6 +73,9 @@ class BeamSearchEngine:
         state: BeamState = req.beam
         beams = req.seqs
         logprobs = torch.stack([req.beam_logprobs.pop(s.seq_id) for s in beams])
+        if self.grammars is not None and beams[0].matcher is not None:
+            # Structured outputs: each beam's candidates are the tokens its grammar allows.
+            self.grammars.mask_logits(logprobs, {i: s.matcher for i, s in enumerate(beams)})
         p = beams[0].params
         ends = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos)
         outputs = [s.output_token_ids for s in beams]
@@ -83,14 +88,22 @@ class BeamSearchEngine:
         kept: list[Seq] = []
         chosen: set[int] = set()
         forks: list[tuple[Seq, Seq]] = []
+        grammar_before: dict[int, list[int]] = {}  # a kept beam's output before this token
         for c in running:
             parent = beams[c.beam]
             if c.beam not in chosen:
                 chosen.add(c.beam)
+                if parent.matcher is not None:  # (children replay it from the outputs)
+                    grammar_before[c.beam] = parent.output_token_ids
+                    accept(parent.matcher, c.token)
                 parent.token_ids.append(c.token)
                 kept.append(parent)
             else:
                 child = self._beam_child(parent, length, c.token)
+                if parent.matcher is not None:
+                    child.matcher = parent.matcher.fresh()
+                    for token in (*grammar_before[c.beam], c.token):
+                        accept(child.matcher, token)
                 forks.append((parent, child))
                 kept.append(child)
         slots = iter(sorted(set(range(state.width)) - {beams[b].index for b in chosen}))
