@@ -8,6 +8,7 @@ the offending field (``prompt_token_ids[3]: ...``); each service prefixes its ow
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 MAX_REQUEST_ID_LEN = 256
@@ -27,6 +28,12 @@ class FieldError(ValueError):
     def under(self, prefix: str) -> FieldError:
         """The same error, with its field path below ``prefix`` (``sampling_params``)."""
         return FieldError(f"{prefix}.{self.field}", str(self).split(": ", 1)[1])
+
+
+def field_of(message: str) -> str | None:
+    """The field a :class:`FieldError`'s message names (``"field: why"``), if it does."""
+    head, sep, _ = message.partition(": ")
+    return head if sep and re.fullmatch(r"[\w.\[\]]+", head) else None
 
 
 def check_request_id(request_id: str) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -28,7 +27,13 @@ import structlog
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.v1 import common_pb2, executor_pb2, generation_pb2
-from services.common.limits import FieldError, check_prompt, check_request_id, check_token_ids
+from services.common.limits import (
+    FieldError,
+    check_prompt,
+    check_request_id,
+    check_token_ids,
+    field_of,
+)
 from services.gateway.admission import Admission
 from services.gateway.config import PROMPT_BYTES_PER_TOKEN, GatewayConfig
 from services.gateway.executor_client import (
@@ -38,7 +43,13 @@ from services.gateway.executor_client import (
     Tagged,
 )
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.resume import Placement, resume_adds
+from services.gateway.resume import (
+    Placement,
+    executors_for,
+    place_again,
+    resume_adds,
+    unavailable_message,
+)
 from services.gateway.routing import Decision
 from services.gateway.sample_stream import SampleStream
 from services.gateway.validation import (
@@ -91,24 +102,6 @@ FINISH_NAMES = {  # finish reasons as the APIs and metrics name them
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
 }
-
-
-def _resumes_samples(conn: ExecutorConnection) -> bool:
-    """An executor that carries a sample on from its output tokens (``ResumeSample``): one
-    that predates it would start the sample over."""
-    return conn.info is not None and conn.info.resumes_samples
-
-
-def _any_executor(conn: ExecutorConnection) -> bool:
-    return True
-
-
-def _field_of(message: str, kind: ErrorKind) -> str | None:
-    """The field an executor's INVALID_ARGUMENT names (its messages start ``field: ``)."""
-    head, sep, _ = message.partition(": ")
-    if kind is ErrorKind.INVALID_ARGUMENT and sep and re.fullmatch(r"[\w.\[\]]+", head):
-        return head
-    return None
 
 
 class GenerationCore:
@@ -295,7 +288,8 @@ class GenerationCore:
                             f"the executor the stream was resumed on refused it: {item.message}",
                         )
                     outcome = "refused" if kind != ErrorKind.INTERNAL else "error"
-                    raise GenerationError(kind, item.message, _field_of(item.message, kind))
+                    field = field_of(item.message) if kind is ErrorKind.INVALID_ARGUMENT else None
+                    raise GenerationError(kind, item.message, field)
                 index = placement.sample_of(tag, item.index)
                 if index is None:
                     continue
@@ -347,18 +341,9 @@ class GenerationCore:
         """Route ``adds`` (one request's executor-side requests) to one ready executor (of
         those ``accept`` takes), by the longest token sequence among them; raises
         :class:`ExecutorUnavailable`. A first placement counts in the routing metrics."""
-        first = max(
-            (add for add, _ in adds),
-            key=lambda add: len(add.prompt_token_ids) + len(add.resume.output_token_ids),
-        )
-        tokens = [*first.prompt_token_ids, *first.resume.output_token_ids]
-        conn, decision = self.pool.pick(tokens, first.cache_salt, accept)
-        placement = Placement(conn, decision)
-        for add, indexes in adds:
-            conn.submit(add, queue)
-            placement.samples[add.request_id] = indexes
+        placement, num_tokens = Placement.route(self.pool, adds, queue, accept)
         if accept is None:
-            self._record_route(conn.address, decision, len(tokens))
+            self._record_route(placement.conn.address, placement.decision, num_tokens)
         return placement
 
     async def _resume(
@@ -372,25 +357,14 @@ class GenerationCore:
         """Carry the unfinished samples on, on a ready executor, waiting for one up to
         ``--executor-wait-s`` after the executor was lost; else UNAVAILABLE."""
         adds = resume_adds(original, samples)
-        resumed = any(add.HasField("resume") for add, _ in adds)
-        resumable = _resumes_samples if resumed else _any_executor
-        while True:
-            left = self.config.executor_wait_s - (time.monotonic() - lost.since)
-            if not await self.pool.wait_ready(left, resumable):
-                log.warning("executor_lost_mid_request", error=str(lost), resumes=resumes - 1)
-                if lost.reason == "executor_not_serving":
-                    message = f"{lost}, and no other executor serves; retry later"
-                else:
-                    message = (
-                        f"{lost}; no executor served again within "
-                        f"{self.config.executor_wait_s:g} s (--executor-wait-s); retry later"
-                    )
-                raise GenerationError(ErrorKind.UNAVAILABLE, message)
-            try:
-                placement = self._place(adds, queue, resumable)
-            except ExecutorUnavailable:
-                continue  # it went away again between the wait and the pick
-            break
+        accept = executors_for(adds)
+        wait_s = self.config.executor_wait_s
+        placement = await place_again(
+            self.pool, lost, wait_s, accept, lambda: self._place(adds, queue, accept)
+        )
+        if placement is None:
+            log.warning("executor_lost_mid_request", error=str(lost), resumes=resumes - 1)
+            raise GenerationError(ErrorKind.UNAVAILABLE, unavailable_message(lost, wait_s))
         self.metrics.resumed.labels(lost.reason or "executor_lost").inc()
         log.info(
             "request_resumed",

@@ -20,14 +20,23 @@ first executor reported them.
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pagedserve.v1 import executor_pb2
-from services.gateway.executor_client import ExecutorConnection
+from services.gateway.executor_client import (
+    ExecutorConnection,
+    ExecutorPool,
+    ExecutorUnavailable,
+    Tagged,
+)
 from services.gateway.routing import Decision
 from services.gateway.sample_stream import SampleStream
+
+Accept = Callable[[ExecutorConnection], bool]
 
 
 @dataclass
@@ -38,6 +47,29 @@ class Placement:
     conn: ExecutorConnection
     decision: Decision  # why the router chose it
     samples: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def route(
+        cls,
+        pool: ExecutorPool,
+        adds: list[tuple[executor_pb2.AddRequest, list[int]]],
+        queue: asyncio.Queue[Tagged],
+        accept: Accept | None,
+    ) -> tuple[Placement, int]:
+        """Send ``adds`` (one request's executor-side requests) to the executor the pool
+        picks (of those ``accept`` takes) for the longest token sequence among them; the
+        placement, and that length. Raises :class:`ExecutorUnavailable`."""
+        first = max(
+            (add for add, _ in adds),
+            key=lambda add: len(add.prompt_token_ids) + len(add.resume.output_token_ids),
+        )
+        tokens = [*first.prompt_token_ids, *first.resume.output_token_ids]
+        conn, decision = pool.pick(tokens, first.cache_salt, accept)
+        placement = cls(conn, decision)
+        for add, indexes in adds:
+            conn.submit(add, queue)
+            placement.samples[add.request_id] = indexes
+        return placement, len(tokens)
 
     def sample_of(self, request_id: str, index: int) -> int | None:
         """The original sample an update is for; None for a request of an earlier placement
@@ -98,3 +130,38 @@ def resume_adds(
         add.resume.output_token_ids[:] = s.token_ids
         adds.append((add, [s.index]))
     return adds
+
+
+def resumes_samples(conn: ExecutorConnection) -> bool:
+    """An executor that carries a sample on from its output tokens (``ResumeSample``): one
+    that predates it would start the sample over."""
+    return conn.info is not None and conn.info.resumes_samples
+
+
+def executors_for(adds: list[tuple[executor_pb2.AddRequest, list[int]]]) -> Accept | None:
+    """The executors that can take ``adds``: any for the original request sent again, only
+    those that resume samples otherwise."""
+    return resumes_samples if any(add.HasField("resume") for add, _ in adds) else None
+
+
+async def place_again(
+    pool: ExecutorPool,
+    lost: ExecutorUnavailable,
+    wait_s: float,
+    accept: Accept | None,
+    place: Callable[[], Placement],
+) -> Placement | None:
+    """``place()`` on a ready executor ``accept`` takes, waiting for one until ``wait_s``
+    after the loss; None when the wait runs out."""
+    while await pool.wait_ready(wait_s - (time.monotonic() - lost.since), accept):
+        try:
+            return place()
+        except ExecutorUnavailable:
+            continue  # it went away again between the wait and the pick
+    return None
+
+
+def unavailable_message(lost: ExecutorUnavailable, wait_s: float) -> str:
+    if lost.reason == "executor_not_serving":
+        return f"{lost}, and no other executor serves; retry later"
+    return f"{lost}; no executor served again within {wait_s:g} s (--executor-wait-s); retry later"
