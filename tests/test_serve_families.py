@@ -1,10 +1,11 @@
 """Every model family through the whole stack (``pagedserve serve``: gateway, executor and
-block manager processes): greedy tokens identical to transformers, with prefill chunked, a
-KV cache small enough to preempt, and a prefix-cache hit; and the chat path renders the
-family's own template."""
+block manager processes): greedy tokens and beam-search beams identical to transformers,
+with prefill chunked, a KV cache small enough to preempt, and a prefix-cache hit; and the
+chat path renders the family's own template."""
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,6 +89,22 @@ def _hf_greedy(model: Any, ids: list[int]) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
+@torch.inference_mode()
+def _hf_beams(model: Any, ids: list[int], k: int) -> list[list[int]]:
+    gc = copy.deepcopy(model.generation_config)
+    gc.eos_token_id = [model.config.vocab_size + 1]  # ignore_eos: no end token
+    out = model.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        generation_config=gc,
+        num_beams=k,
+        num_return_sequences=k,
+        do_sample=False,
+        max_new_tokens=MAX_TOKENS,
+    )
+    return [row[len(ids) :].tolist() for row in out]
+
+
 def test_family_serves_transformers_greedy_tokens_through_the_stack(family) -> None:
     name, model_dir, stack = family
     if name in TENSOR_PARALLEL:  # the executor really runs its ranks
@@ -117,6 +134,14 @@ def test_family_serves_transformers_greedy_tokens_through_the_stack(family) -> N
         for resp in stub.Generate(G.GenerateRequest(prompt=PROMPTS[1], sampling_params=params)):
             samples[resp.index] += resp.token_ids
         assert samples[0] == samples[1] == got[1]
+
+        # Beam search (width 3): transformers' beams, best first; the beams fork and free
+        # blocks every step, in this family's pool (sliding windows included).
+        params = G.SamplingParams(max_tokens=MAX_TOKENS, n=3, use_beam_search=True, ignore_eos=True)
+        beams: dict[int, list[int]] = {}
+        for resp in stub.Generate(G.GenerateRequest(prompt=PROMPTS[1], sampling_params=params)):
+            beams[resp.index] = list(resp.token_ids)
+        assert [beams[i] for i in range(3)] == _hf_beams(hf, tokenizer(PROMPTS[1]).input_ids, 3)
 
         # The longest prompt twice more, alone: the second time its full blocks come from
         # the prefix cache (the first repeat refills what the others may have evicted).
