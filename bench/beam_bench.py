@@ -33,8 +33,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
+from cpu_model import cpu_model, random_prompts  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from pagedserve.tools.tiny_model import write_tiny_model  # noqa: E402
@@ -123,31 +125,10 @@ def throughput(args: argparse.Namespace) -> None:
     rng = random.Random(1)
     k, new, num = 4, 64, 16
     with tempfile.TemporaryDirectory(prefix="beam_bench_") as tmp:
-        model_dir = str(
-            write_tiny_model(
-                Path(tmp) / "model",
-                hidden_size=512,
-                num_layers=4,
-                num_heads=8,
-                num_kv_heads=2,
-                intermediate_size=1024,
-                max_position_embeddings=2048,
-            )
-        )
-        config = ExecutorConfig(
-            model=model_dir,
-            dtype="float32",
-            device="cpu",
-            num_kv_blocks=4096,
-            max_num_seqs=256,
-            max_model_len=512,
-            cpu_threads=args.threads,
-        )
-        runner = build_runner(config.runner_config())
+        config, runner = cpu_model(Path(tmp) / "model", args.threads)
+        model_dir = config.model
         vocab = runner.config.vocab_size
-        prompts = [
-            [1, *(rng.randrange(3, vocab) for _ in range(rng.randint(34, 253)))] for _ in range(num)
-        ]
+        prompts = random_prompts(rng, vocab, num)
         params = SamplingParams(n=k, use_beam_search=True, max_tokens=new, ignore_eos=True)
         ours: dict[str, dict[int, list[int]]] = {}
         walls = []

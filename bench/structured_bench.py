@@ -30,19 +30,18 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
+from cpu_model import cpu_model, random_prompts  # noqa: E402
 
-from pagedserve.tools.tiny_model import write_tiny_model  # noqa: E402
 from services.blockmgr.client import InProcessClient  # noqa: E402
 from services.common.logging import configure_logging  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.common.structured_outputs import StructuredKind, StructuredOutputs  # noqa: E402
 from services.executor.core.engine import Engine  # noqa: E402
 from services.executor.core.sequence import RequestKey  # noqa: E402
-from services.executor.model.launch import build_runner  # noqa: E402
 from services.executor.model.runner_config import available_cores  # noqa: E402
-from services.executor.service.config import ExecutorConfig  # noqa: E402
 from services.executor.service.startup import build_engine  # noqa: E402
 
 SCHEMA = {
@@ -106,32 +105,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="structured_bench_") as tmp:
-        model = str(
-            write_tiny_model(
-                Path(tmp) / "model",
-                hidden_size=512,
-                num_layers=4,
-                num_heads=8,
-                num_kv_heads=2,
-                intermediate_size=1024,
-                max_position_embeddings=2048,
-            )
-        )
-        config = ExecutorConfig(
-            model=model,
-            dtype="float32",
-            device="cpu",
-            num_kv_blocks=2048,
-            max_num_seqs=256,
-            max_model_len=512,
-            cpu_threads=args.threads,
-        )
-        runner = build_runner(config.runner_config())
+        config, runner = cpu_model(Path(tmp) / "model", args.threads, num_kv_blocks=2048)
         vocab = runner.config.vocab_size
-        prompts = [
-            [1, *(rng.randrange(3, vocab) for _ in range(rng.randint(34, 253)))]
-            for _ in range(NUM_SEQS)
-        ]
+        prompts = random_prompts(rng, vocab, NUM_SEQS)
         systems = {
             "unconstrained": SamplingParams(
                 temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True

@@ -5,7 +5,6 @@ chat path renders the family's own template."""
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.executor.greedy import hf_beams
 from tests.procs import ServeStack, wait_serving
 
 G = generation_pb2
@@ -89,22 +89,6 @@ def _hf_greedy(model: Any, ids: list[int]) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-@torch.inference_mode()
-def _hf_beams(model: Any, ids: list[int], k: int) -> list[list[int]]:
-    gc = copy.deepcopy(model.generation_config)
-    gc.eos_token_id = [model.config.vocab_size + 1]  # ignore_eos: no end token
-    out = model.generate(
-        torch.tensor([ids]),
-        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        generation_config=gc,
-        num_beams=k,
-        num_return_sequences=k,
-        do_sample=False,
-        max_new_tokens=MAX_TOKENS,
-    )
-    return [row[len(ids) :].tolist() for row in out]
-
-
 def test_family_serves_transformers_greedy_tokens_through_the_stack(family) -> None:
     name, model_dir, stack = family
     if name in TENSOR_PARALLEL:  # the executor really runs its ranks
@@ -141,7 +125,9 @@ def test_family_serves_transformers_greedy_tokens_through_the_stack(family) -> N
         beams: dict[int, list[int]] = {}
         for resp in stub.Generate(G.GenerateRequest(prompt=PROMPTS[1], sampling_params=params)):
             beams[resp.index] = list(resp.token_ids)
-        assert [beams[i] for i in range(3)] == _hf_beams(hf, tokenizer(PROMPTS[1]).input_ids, 3)
+        assert [beams[i] for i in range(3)] == hf_beams(
+            hf, tokenizer(PROMPTS[1]).input_ids, 3, MAX_TOKENS
+        )
 
         # The longest prompt twice more, alone: the second time its full blocks come from
         # the prefix cache (the first repeat refills what the others may have evicted).

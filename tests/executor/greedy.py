@@ -7,14 +7,17 @@ non-contiguous physical blocks, as they do under a real block manager.
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from services.executor.core.sequence import RequestKey
 from services.executor.model.forward_batch import SeqChunk
 from services.executor.model.runner import ModelRunner
 
@@ -139,6 +142,54 @@ def hf_greedy(
         return_dict_in_generate=True,
     )
     return out.sequences[0, len(prompt) :].tolist(), [step[0].float() for step in out.logits]
+
+
+@torch.inference_mode()
+def hf_beams(
+    model: PreTrainedModel,
+    prompt: list[int],
+    k: int,
+    max_new_tokens: int,
+    *,
+    ends: Sequence[int] = (),
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+) -> list[list[int]]:
+    """transformers' beam search (``num_beams = num_return_sequences = k``, greedy): the
+    beams' new tokens, best first. ``ends``: the end tokens (none: no end token at all, as
+    ``ignore_eos``; an id past the vocabulary stands for it, since transformers would fall
+    back to the model's EOS). A beam that ended early is padded by transformers."""
+    gc = copy.deepcopy(model.generation_config)
+    gc.eos_token_id = sorted(ends) or [model.config.vocab_size + 1]
+    gc.pad_token_id = model.config.pad_token_id
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        generation_config=gc,
+        num_beams=k,
+        num_return_sequences=k,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+    )
+    return [row[len(prompt) :].tolist() for row in out]
+
+
+def run_engine(engine: Any, requests: dict[str, tuple[Any, ...]]) -> tuple[dict, dict]:
+    """Add ``requests`` (``id -> (prompt, params[, resume])``) to the engine and step it to
+    the end: the tokens and the final output of each ``(id, sample index)``."""
+    for rid, (prompt, params, *resume) in requests.items():
+        engine.add_request(RequestKey(0, rid), prompt, params, resume=resume[0] if resume else None)
+    tokens: dict[tuple[str, int], list[int]] = {}
+    finals = {}
+    while engine.has_work:
+        for o in engine.step():
+            key = (o.req_id.request_id, o.index)
+            tokens.setdefault(key, []).extend(o.token_ids)
+            if o.finish_reason is not None:
+                finals[key] = o
+    return tokens, finals
 
 
 def shared_prefix_workload(

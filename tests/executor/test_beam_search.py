@@ -5,11 +5,9 @@ chunked prefill, prefix hits and preemption; and its beams share their blocks.""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
-import torch
 
 from services.blockmgr.client import InProcessClient
 from services.common.limits import FieldError
@@ -20,6 +18,8 @@ from services.executor.model.launch import build_runner
 from services.executor.model.loader import load_tokenizer
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
+
+from .greedy import hf_beams, run_engine
 
 MAX_TOKENS = 20
 TEXTS = ("The cache is cut into blocks", "Beams share", "A longer prompt about the many ways")
@@ -50,36 +50,24 @@ def setup(tiny_checkpoint, hf_model, family):
 
 
 def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]):
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(RequestKey(0, rid), prompt, params)
+    """Per request, its samples' tokens by index; and the finals by (request, index)."""
+    tokens, finals = run_engine(engine, requests)
     got: dict[str, dict[int, list[int]]] = {}
-    finals = {}
-    while engine.has_work:
-        for o in engine.step():
-            got.setdefault(o.req_id.request_id, {}).setdefault(o.index, []).extend(o.token_ids)
-            if o.finish_reason is not None:
-                finals[(o.req_id.request_id, o.index)] = o
+    for (rid, index), toks in tokens.items():
+        got.setdefault(rid, {})[index] = toks
     return got, finals
 
 
 def _hf_beams(model, prompt, k, length_penalty, early_stopping, ends) -> list[list[int]]:
-    gc = copy.deepcopy(model.generation_config)
-    # No end token: transformers would fall back to the model's EOS; an id past the
-    # vocabulary stands for "none" (2k candidates per step either way).
-    gc.eos_token_id = sorted(ends) or [model.config.vocab_size + 1]
-    gc.pad_token_id = model.config.pad_token_id
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            generation_config=gc,
-            num_beams=k,
-            num_return_sequences=k,
-            do_sample=False,
-            max_new_tokens=MAX_TOKENS,
-            length_penalty=length_penalty,
-            early_stopping=early_stopping,
-        )
-    return [row[len(prompt) :].tolist() for row in out]
+    return hf_beams(
+        model,
+        prompt,
+        k,
+        MAX_TOKENS,
+        ends=ends,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+    )
 
 
 def _same(ours: list[int], hf: list[int], ends: set[int], pad: int) -> bool:

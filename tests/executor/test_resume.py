@@ -20,7 +20,7 @@ from services.executor.model.launch import build_runner
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
 
-from .greedy import shared_prefix_workload
+from .greedy import run_engine, shared_prefix_workload
 
 
 @pytest.fixture(scope="module")
@@ -47,21 +47,6 @@ def prompts(hf_model) -> list[list[int]]:
     return [prompt for prompt, _, _ in work]
 
 
-def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams, Resume | None]]):
-    """Every request to its end: (tokens per (request, sample), final output per ...)."""
-    for rid, (prompt, params, resume) in requests.items():
-        engine.add_request(RequestKey(0, rid), prompt, params, resume=resume)
-    tokens: dict[tuple[str, int], list[int]] = {}
-    finals = {}
-    while engine.has_work:
-        for o in engine.step():
-            key = (o.req_id.request_id, o.index)
-            tokens.setdefault(key, []).extend(o.token_ids)
-            if o.finish_reason is not None:
-                finals[key] = o
-    return tokens, finals
-
-
 def test_draw_seeds_depend_only_on_seed_sample_and_position():
     seeds = {draw_seed(s, i, p) for s in (0, 1, 2**64 - 1) for i in range(4) for p in range(64)}
     assert len(seeds) == 3 * 4 * 64
@@ -73,12 +58,12 @@ def test_draw_seeds_depend_only_on_seed_sample_and_position():
 def test_greedy_resume_continues_token_for_token(engine_factory, prompts, cut):
     prompt = prompts[0]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    whole, _ = _run(engine_factory(), {"a": (prompt, params, None)})
+    whole, _ = run_engine(engine_factory(), {"a": (prompt, params, None)})
     full = whole[("a", 0)]
     assert len(full) == 24
     # Resumed next to other traffic, as on a surviving executor.
     busy = {f"x{i}": (prompts[i + 1], params, None) for i in range(3)}
-    resumed, finals = _run(
+    resumed, finals = run_engine(
         engine_factory(), {**busy, "r": (prompt, params, Resume(0, tuple(full[:cut])))}
     )
     assert resumed[("r", 0)] == full[cut:]
@@ -101,7 +86,7 @@ def test_seeded_samples_resume_to_the_same_draws(engine_factory, prompts):
         repetition_penalty=1.1,
     )
     prompt = prompts[2]
-    whole, _ = _run(engine_factory(), {"a": (prompt, params, None)})
+    whole, _ = run_engine(engine_factory(), {"a": (prompt, params, None)})
     samples = [whole[("a", j)] for j in range(3)]
     assert len({tuple(s) for s in samples}) == 3  # three distinct samples
     one = dataclasses.replace(params, n=1)
@@ -110,7 +95,7 @@ def test_seeded_samples_resume_to_the_same_draws(engine_factory, prompts):
         for j in range(3)
         for k in (0, 7, 19)
     }
-    resumed, _ = _run(engine_factory(), requests)
+    resumed, _ = run_engine(engine_factory(), requests)
     for j in range(3):
         for k in (0, 7, 19):
             assert resumed[(f"r{j}-{k}", 0)] == samples[j][k:], (j, k)
@@ -121,7 +106,7 @@ def test_resumed_output_counts_toward_min_and_max_tokens(engine_factory, prompts
     eos = engine_factory().settings.eos_token_ids[0]
     # min_tokens=5 with 4 tokens already out: EOS is allowed again from the second new token.
     params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5)
-    resumed, finals = _run(engine_factory(), {"r": (prompt, params, Resume(0, (eos,) * 4))})
+    resumed, finals = run_engine(engine_factory(), {"r": (prompt, params, Resume(0, (eos,) * 4))})
     out = resumed[("r", 0)]
     assert 1 <= len(out) <= 6
     assert finals[("r", 0)].usage.completion_tokens == 4 + len(out)

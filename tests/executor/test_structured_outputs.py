@@ -27,6 +27,8 @@ from services.executor.model.loader import load_tokenizer
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
 
+from .greedy import run_engine
+
 # Bounded, so that even a random model completes it within max_tokens.
 SCHEMA = {
     "type": "object",
@@ -102,20 +104,6 @@ def _prompt(tokenizer, i: int) -> list[int]:
     return tokenizer(f"Request {i}: describe the item as asked").input_ids
 
 
-def _run(engine: Engine, requests) -> tuple[dict, dict]:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(RequestKey(0, rid), prompt, params)
-    tokens: dict[tuple[str, int], list[int]] = {}
-    finals = {}
-    while engine.has_work:
-        for o in engine.step():
-            key = (o.req_id.request_id, o.index)
-            tokens.setdefault(key, []).extend(o.token_ids)
-            if o.finish_reason is not None:
-                finals[key] = o
-    return tokens, finals
-
-
 def _text(tokenizer, tokens: list[int]) -> str:
     return tokenizer.decode(tokens, skip_special_tokens=True)
 
@@ -129,7 +117,7 @@ def test_every_sampled_output_follows_its_specification(engine_factory, tokenize
         n=3, temperature=1.0, seed=11, max_tokens=120, structured_outputs=SPECS[kind]
     )
     requests = {f"r{i}": (_prompt(tokenizer, i), params) for i in range(8)}
-    tokens, finals = _run(engine_factory(), requests)
+    tokens, finals = run_engine(engine_factory(), requests)
     assert len(finals) == 24
     for key, final in finals.items():
         text = _text(tokenizer, tokens[key])
@@ -159,7 +147,7 @@ def test_constrained_greedy_equals_transformers_under_the_same_grammar(
         for kind in compiled
         for i in range(3)
     }
-    tokens, _ = _run(engine_factory(), requests)
+    tokens, _ = run_engine(engine_factory(), requests)
     for rid, (prompt, _) in requests.items():
         kind = rid.rstrip("0123456789")
         with torch.inference_mode():
@@ -179,9 +167,9 @@ def test_preemption_and_resume_keep_the_grammar_state(engine_factory, tokenizer)
     an undisturbed run."""
     params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=SPECS["json"])
     requests = {f"r{i}": (_prompt(tokenizer, i) * 3, params) for i in range(12)}
-    roomy, _ = _run(engine_factory(), requests)
+    roomy, _ = run_engine(engine_factory(), requests)
     tight_engine = engine_factory(num_kv_blocks=24, max_num_seqs=12)
-    tight, _ = _run(tight_engine, requests)
+    tight, _ = run_engine(tight_engine, requests)
     assert tight_engine.scheduler.num_preemptions > 0
     assert tight == roomy
     full = roomy[("r0", 0)]
@@ -189,7 +177,7 @@ def test_preemption_and_resume_keep_the_grammar_state(engine_factory, tokenizer)
     engine.add_request(
         RequestKey(0, "resumed"), requests["r0"][0], params, resume=Resume(0, tuple(full[:9]))
     )
-    resumed, _ = _run(engine, {})
+    resumed, _ = run_engine(engine, {})
     assert resumed[("resumed", 0)] == full[9:]
 
 
@@ -243,7 +231,7 @@ def test_beam_search_under_a_grammar_returns_only_valid_beams(engine_factory, to
         n=4, use_beam_search=True, max_tokens=80, structured_outputs=SPECS["json"]
     )
     requests = {f"r{i}": (_prompt(tokenizer, i), params) for i in range(3)}
-    tokens, finals = _run(engine_factory(), requests)
+    tokens, finals = run_engine(engine_factory(), requests)
     assert len(finals) == 12
     for key, final in finals.items():
         assert final.finish_reason is FinishReason.STOP, key

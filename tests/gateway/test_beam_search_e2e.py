@@ -4,8 +4,6 @@ message; unsupported combinations are INVALID_ARGUMENT naming the field."""
 
 from __future__ import annotations
 
-import copy
-
 import grpc
 import openai
 import pytest
@@ -14,25 +12,10 @@ from transformers import AutoModelForCausalLM
 
 from pagedserve.v1 import common_pb2
 from pagedserve.v1 import generation_pb2 as G
+from tests.executor.greedy import hf_beams
 from tests.gateway.conftest import Stack
 
 PROMPT = "Beam search keeps the best"
-
-
-def _hf_beams(stack: Stack, prompt_ids: list[int], k: int, max_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(stack.model_dir, dtype=torch.float32).eval()
-    gc = copy.deepcopy(model.generation_config)
-    gc.eos_token_id = [model.config.vocab_size + 1]  # ignore_eos: no end token
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            generation_config=gc,
-            num_beams=k,
-            num_return_sequences=k,
-            do_sample=False,
-            max_new_tokens=max_tokens,
-        )
-    return [row[len(prompt_ids) :].tolist() for row in out]
 
 
 def test_grpc_beam_search_returns_transformers_beams_whole(stack: Stack) -> None:
@@ -45,7 +28,8 @@ def test_grpc_beam_search_returns_transformers_beams_whole(stack: Stack) -> None
     assert all(r.finish_reason == common_pb2.FINISH_REASON_LENGTH for r in responses)
     ours = {r.index: list(r.token_ids) for r in responses}
     ids = list(stack.stub().Tokenize(G.TokenizeRequest(text=PROMPT)).token_ids)
-    assert [ours[i] for i in range(3)] == _hf_beams(stack, ids, 3, 12)
+    model = AutoModelForCausalLM.from_pretrained(stack.model_dir, dtype=torch.float32).eval()
+    assert [ours[i] for i in range(3)] == hf_beams(model, ids, 3, 12)
 
 
 def test_openai_use_beam_search_gives_the_same_beams(stack: Stack) -> None:

@@ -27,7 +27,7 @@ import pytest
 from pagedserve.v1 import generation_pb2 as G
 from pagedserve.v1 import generation_pb2_grpc
 from tests.gateway.conftest import stack_executor_args
-from tests.procs import ServiceProcess, free_ports, wait_serving
+from tests.procs import ServiceProcess, free_ports, gateway_args, wait_serving
 
 pytestmark = pytest.mark.slow
 
@@ -73,28 +73,9 @@ class Executor:
 def _gateway(model: Path, executor: str, *extra: str) -> tuple[ServiceProcess, int]:
     """A gateway (metrics on a free port, HTTP off unless ``extra`` says) and its metrics
     port."""
-    gw = ServiceProcess(
-        [
-            "gateway",
-            "--model",
-            str(model),
-            "--port",
-            "0",
-            "--host",
-            "127.0.0.1",
-            "--metrics-port",
-            "0",
-            "--http-port",
-            "-1",
-            "--executor",
-            executor,
-            "--max-n",
-            "4",
-            *extra,
-        ],
-        "gateway_listening",
-        env=ENV,
-    )
+    # (flags given twice: the last wins)
+    args = gateway_args(model, executor, "--metrics-port", "0", "--http-port", "-1", *extra)
+    gw = ServiceProcess([*args, "--max-n", "4"], "gateway_listening", env=ENV)
     return gw, int(gw.wait_for_event("metrics_listening")["metrics_port"])
 
 
