@@ -109,6 +109,8 @@ class SamplingParams:
         check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+            if self.min_tokens:  # the grammar's end and the ban on ending would collide
+                raise FieldError("min_tokens", "must be 0 with structured_outputs")
         if self.early_stopping not in EARLY_STOPPING:
             raise FieldError(
                 "early_stopping",

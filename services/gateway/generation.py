@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -431,11 +432,15 @@ class GenerationCore:
             messages.add_generation_prompt if messages.HasField("add_generation_prompt") else True
         )
         try:
+            tools = [json.loads(t) for t in messages.tools] or None
             text = self.tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.content} for m in messages.messages],
+                tools=tools,
                 add_generation_prompt=add_prompt,
                 tokenize=False,
             )
+        except json.JSONDecodeError as e:
+            raise FieldError(f"{field}.tools", f"is not JSON: {e}") from None
         except jinja2.TemplateError as e:  # the model's template refuses this conversation
             raise FieldError(field, f"the chat template refused the messages: {e}") from None
         # The template writes its own special tokens (BOS): tokenize without adding more.

@@ -62,6 +62,11 @@ class _Sampling(BaseModel):
     request_id: str | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's
+    # vLLM's older names for structured_outputs' json / regex / choice / grammar
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     use_beam_search: bool | None = None  # vLLM's: beam search of width n
     length_penalty: float | None = None
     early_stopping: bool | str | None = None
@@ -110,7 +115,19 @@ class _Sampling(BaseModel):
 
     def _structured(self, out: common_pb2.StructuredOutputs) -> None:
         """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` (one of them)."""
-        rf, so = self.response_format, self.structured_outputs
+        guided = {
+            k: v
+            for k, v in (
+                ("json", self.guided_json),
+                ("regex", self.guided_regex),
+                ("choice", self.guided_choice),
+                ("grammar", self.guided_grammar),
+            )
+            if v is not None
+        }
+        if guided and self.structured_outputs:
+            raise FieldError("structured_outputs", "give it or the guided_* fields, not both")
+        rf, so = self.response_format, self.structured_outputs or guided
         if rf is not None and rf.get("type", "text") != "text":
             if so:
                 raise FieldError("response_format", "give it or structured_outputs, not both")
@@ -299,6 +316,8 @@ class ChatCompletionRequest(_Sampling):
         for i, m in enumerate(self.messages):
             req.messages.messages.add(role=m.role, content=_text(m.content, i))
         req.messages.add_generation_prompt = self.add_generation_prompt
+        if calls is not None:  # the template shows the model its tools
+            req.messages.tools.extend(json.dumps(t) for t in self.tools or ())
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         req.sampling_params.CopyFrom(self._sampling(logprobs))
         return req

@@ -6,6 +6,7 @@ chunked prefill, prefix hits and preemption; and its beams share their blocks.""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -13,6 +14,7 @@ from services.blockmgr.client import InProcessClient
 from services.common.limits import FieldError
 from services.common.sampling_params import SamplingParams
 from services.executor.core.engine import Engine
+from services.executor.core.outputs import EngineError
 from services.executor.core.sequence import FinishReason, RequestKey
 from services.executor.model.launch import build_runner
 from services.executor.model.loader import load_tokenizer
@@ -194,3 +196,67 @@ def test_unsupported_beam_search_combinations_are_refused_naming_the_field(extra
     with pytest.raises(FieldError) as info:
         SamplingParams(n=2, use_beam_search=True, **extra).validate(1000)
     assert info.value.field == field
+
+
+def test_a_search_ending_beside_longer_traffic_returns_its_beams(setup):
+    make, model, prompts = setup
+    beam = SamplingParams(n=2, use_beam_search=True, max_tokens=3, ignore_eos=True)
+    got, _ = _run(
+        make(),
+        {"b": (prompts[0], beam), "g": (prompts[1], SamplingParams(temperature=0, max_tokens=20))},
+    )
+    assert [got["b"][j] for j in range(2)] == hf_beams(model, prompts[0], 2, 3)
+    assert len(got["g"][0]) == 20
+
+
+def test_searches_wider_than_the_free_seats_take_turns_and_impossible_ones_are_refused(setup):
+    make, model, prompts = setup
+    params = SamplingParams(n=4, use_beam_search=True, max_tokens=10, ignore_eos=True)
+    engine = make(max_num_seqs=4)  # two searches of 4 beams: one at a time
+    got, _ = _run(engine, {"a": (prompts[0], params), "b": (prompts[1], params)})
+    for rid, prompt in (("a", prompts[0]), ("b", prompts[1])):
+        assert [got[rid][j] for j in range(4)] == hf_beams(model, prompt, 4, 10)
+    narrow = make(max_num_seqs=3)
+    with pytest.raises(EngineError, match=r"^INVALID_ARGUMENT: sampling_params\.n: 4 beams"):
+        narrow.add_request(RequestKey(0, "x"), prompts[0], params)
+    small = make(num_kv_blocks=6, max_model_len=64)
+    long = dataclasses.replace(params, max_tokens=60)
+    with pytest.raises(EngineError, match="KV blocks at once"):
+        small.add_request(RequestKey(0, "y"), prompts[2] * 2, long)
+
+
+@pytest.mark.parametrize("seed", [2, 5])
+def test_a_tight_cache_with_mixed_traffic_gives_the_roomy_results(setup, seed):
+    """Searches and plain requests under preemption: a split search is preempted whole and
+    admitted again together; the results are those of a roomy cache."""
+    make, _, prompts = setup
+    rng = random.Random(seed)
+    requests = {}
+    for i in range(rng.randrange(2, 5)):
+        n, m = rng.choice([2, 3, 4]), rng.randrange(5, 25)
+        params = SamplingParams(n=n, use_beam_search=True, max_tokens=m, ignore_eos=True)
+        requests[f"b{i}"] = (prompts[rng.randrange(3)] * rng.randrange(1, 4), params)
+    for i in range(rng.randrange(1, 3)):
+        params = SamplingParams(temperature=0, max_tokens=rng.randrange(5, 30))
+        requests[f"g{i}"] = (prompts[rng.randrange(3)], params)
+    roomy, _ = _run(make(max_model_len=128), requests)
+    tight_engine = make(num_kv_blocks=16, max_num_batched_tokens=32, max_model_len=128)
+    tight, _ = _run(tight_engine, requests)
+    assert tight == roomy
+    assert (
+        tight_engine.link.client.stats(tight_engine.link.spec.pool_id).counters.num_in_use_blocks
+        == 0
+    )
+
+
+def test_aborting_one_beam_aborts_the_whole_search(setup):
+    make, _, prompts = setup
+    engine = make()
+    params = SamplingParams(n=3, use_beam_search=True, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request(RequestKey(0, "b"), prompts[0], params)
+    for _ in range(3):
+        engine.step()
+    assert engine.abort_request(RequestKey(0, "b"), index=1)
+    outs = [o for _ in range(2) for o in engine.step()]
+    assert sorted(o.index for o in outs) == [0, 1, 2]
+    assert not engine.has_work and not engine.requests

@@ -236,3 +236,35 @@ def test_beam_search_under_a_grammar_returns_only_valid_beams(engine_factory, to
     for key, final in finals.items():
         assert final.finish_reason is FinishReason.STOP, key
         assert follows("json", _text(tokenizer, tokens[key])), _text(tokenizer, tokens[key])
+
+
+def test_beam_search_under_a_grammar_ends_each_beam_when_complete_even_ignoring_eos(
+    engine_factory, tokenizer
+):
+    choices = StructuredOutputs(StructuredKind.CHOICE, choices=("yes", "no", "maybe"))
+    params = SamplingParams(
+        n=2, use_beam_search=True, max_tokens=20, ignore_eos=True, structured_outputs=choices
+    )
+    tokens, finals = run_engine(engine_factory(), {"c": (_prompt(tokenizer, 0), params)})
+    assert sorted(finals) == [("c", 0), ("c", 1)]
+    assert all(_text(tokenizer, tokens[key]) in choices.choices for key in finals)
+
+
+def test_a_grammar_with_fewer_outputs_than_beams_still_ends_every_beam(engine_factory, tokenizer):
+    """The regex has one word: the other three beams end empty (LENGTH), not never."""
+    params = SamplingParams(
+        n=4,
+        use_beam_search=True,
+        max_tokens=20,
+        structured_outputs=StructuredOutputs(StructuredKind.REGEX, "abc"),
+    )
+    tokens, finals = run_engine(engine_factory(), {"r": (_prompt(tokenizer, 0), params)})
+    assert sorted(finals) == [("r", i) for i in range(4)]
+    assert _text(tokenizer, tokens[("r", 0)]) == "abc"
+    assert finals[("r", 0)].finish_reason is FinishReason.STOP
+
+
+def test_min_tokens_with_structured_outputs_is_refused(engine_factory, tokenizer):
+    params = SamplingParams(max_tokens=8, min_tokens=2, structured_outputs=SPECS["regex"])
+    with pytest.raises(EngineError, match=r"sampling_params\.min_tokens"):
+        engine_factory().add_request(RequestKey(0, "m"), _prompt(tokenizer, 0), params)

@@ -237,3 +237,19 @@ def test_openai_unsupported_tool_choices_are_400(client, model, tool_choice, par
             model=model, messages=ASK, tools=[WEATHER], tool_choice=tool_choice, max_tokens=8
         )
     assert info.value.body["param"] == param, info.value.body
+
+
+def test_openai_vllm_guided_fields_still_constrain(client, model) -> None:
+    out = client.completions.create(
+        model=model,
+        prompt="Pick:",
+        max_tokens=20,
+        n=3,
+        temperature=1.0,
+        extra_body={"guided_choice": ["up", "down"]},
+    )
+    assert all(c.text in ("up", "down") for c in out.choices)
+    out = client.completions.create(
+        model=model, prompt="Digits:", max_tokens=20, extra_body={"guided_regex": "[0-9]{3}"}
+    )
+    assert re.fullmatch("[0-9]{3}", out.choices[0].text)

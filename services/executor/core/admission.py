@@ -38,9 +38,20 @@ def plan_admissions(
     admits = plan.admits
     hold_back = cfg.enable_prefix_caching and cfg.hold_back_shared_prefixes
     computing = uncommitted_prompt_blocks(running, cfg.block_size) if hold_back else set()
-    for seq in waiting:
+    skip = 0  # the other beams of a search just admitted
+    for i, seq in enumerate(waiting):
+        if skip:
+            skip -= 1
+            continue
         if budget <= 0 or num_running + len(admits) >= cfg.max_num_seqs:
             break
+        if seq.params.use_beam_search:
+            group = _beam_group(waiting, i)
+            used = _admit_group(plan, group, num_running, cfg, free, budget)
+            if used is None:
+                break  # FCFS: nothing after it
+            free, budget, skip = free - used[0], budget - used[1], len(group) - 1
+            continue
         total = seq.num_tokens
         # Prompt log-probabilities need every prompt token computed: no prefix-cache hit.
         lookup = cfg.enable_prefix_caching and seq.params.prompt_logprobs is None
@@ -65,6 +76,46 @@ def plan_admissions(
         budget -= first
         if speculative:
             break
+
+
+def _beam_group(waiting: list[Sequence], start: int) -> list[Sequence]:
+    """The waiting beams of ``waiting[start]``'s request, from ``start`` (they sort together)."""
+    end = start
+    while end < len(waiting) and waiting[end].req_id == waiting[start].req_id:
+        end += 1
+    return waiting[start:end]
+
+
+def _admit_group(
+    plan: SchedulePlan,
+    group: list[Sequence],
+    num_running: int,
+    cfg: SchedulerConfig,
+    free: int,
+    budget: int,
+) -> tuple[int, int] | None:
+    """Admit a beam search's waiting beams together, or none of them: one admitted alone
+    would wait, holding its seat and blocks, for siblings that may never get theirs (the
+    engine preempts a search whose beams end up split). The step's tokens are shared
+    between them; their blocks are counted as if nothing were cached. Returns the blocks
+    and tokens used, or None."""
+    bs, k = cfg.block_size, len(group)
+    others = num_running + len(plan.admits)
+    if others + k > cfg.max_num_seqs:
+        return None
+    share = max(1, budget // k) if cfg.enable_chunked_prefill else 0
+    firsts = [min(s.num_tokens, share) if share else s.num_tokens for s in group]
+    uppers = sum(blocks_for_tokens(f, bs) for f in firsts)
+    reserve = cfg.watermark_blocks + others + k - 1 if others + k > 1 else 0
+    if sum(firsts) > budget or uppers + reserve > free:
+        return None
+    for j, seq in enumerate(group):
+        lookup = cfg.enable_prefix_caching and seq.params.prompt_logprobs is None
+        hashes = tuple(seq.full_block_hashes(bs)[: seq.num_tokens // bs]) if lookup else ()
+        res = cfg.watermark_blocks + others + j if others + j else 0
+        admit = Admit(seq.seq_id, seq.num_tokens, share or seq.num_tokens, hashes, res)
+        plan.admits.append((seq, admit))
+    return uppers, sum(firsts)
 
 
 def uncommitted_prompt_blocks(running: list[Sequence], block_size: int) -> set[bytes]:

@@ -76,6 +76,11 @@ class EngineSettings:
                 raise exc.under("sampling_params") from None
             if resume is not None:
                 self._check_resume(len(prompt), params, resume)
+            if params.use_beam_search and params.n > cfg.max_num_seqs:
+                raise FieldError(
+                    "sampling_params.n",
+                    f"{params.n} beams exceed max_num_seqs={cfg.max_num_seqs} (they run together)",
+                )
         except FieldError as exc:
             raise EngineError(RequestErrorCode.INVALID_ARGUMENT, str(exc)) from None
 

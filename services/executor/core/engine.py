@@ -120,6 +120,8 @@ class Engine(AheadEngine, BeamSearchEngine):
         prompt = list(prompt_token_ids)
         self.settings.check_request(req_id.request_id, prompt, params, resume)
         outputs = list(resume.output_token_ids) if resume is not None else []
+        if params.use_beam_search:
+            self._check_beams_fit(len(prompt), params)
         matcher = self._matcher(params, outputs)
         arrival = next(self._arrivals)
         seq = Seq(
@@ -137,12 +139,14 @@ class Engine(AheadEngine, BeamSearchEngine):
         self.requests[req_id] = Request(
             req_id, prompt, params, priority, arrival, [seq], cache_salt
         )
-        self.generators.create(seq.seq_id, params.seed, resume.sample_index if resume else 0)
+        if not params.use_beam_search:  # (beams draw nothing)
+            self.generators.create(seq.seq_id, params.seed, resume.sample_index if resume else 0)
         self.scheduler.add(seq)
         self._num_prompt_logprobs += params.prompt_logprobs is not None
         if params.use_beam_search:
+            room = self.settings.max_model_len - len(prompt)  # (transformers' max_length)
             self.requests[req_id].beam = BeamState(
-                params.n, params.length_penalty, params.early_stopping, params.max_tokens
+                params.n, params.length_penalty, params.early_stopping, min(params.max_tokens, room)
             )
             self._num_beam_requests += 1
 
@@ -176,7 +180,7 @@ class Engine(AheadEngine, BeamSearchEngine):
         req = self.requests.get(req_id)
         if req is None:
             return False
-        if index is not None and req.params.n > 1:
+        if index is not None and req.params.n > 1 and req.beam is None:  # (a beam: all)
             seq = next((s for s in req.seqs if s.index == index), None)
             if seq is None or len(req.seqs) < req.params.n:
                 # Not forked yet (the parent, index 0, still prefills for every sample):
@@ -288,6 +292,8 @@ class Engine(AheadEngine, BeamSearchEngine):
             except BaseException:
                 self._prepared = None  # its placeholders would never be filled in
                 raise
+        if self._num_beam_requests:
+            self._unsplit_beams()
         if rejected is not None:  # after sampling: it may retire sequences sampled above
             self._distrust(*rejected)
             outputs.extend(self._take_pending())
@@ -327,11 +333,11 @@ class Engine(AheadEngine, BeamSearchEngine):
         samples of an n > 1 request whose prompt just finished), append it, emit it, and
         retire what finished. ``rows``: the logits row of each of ``seqs`` (default: in
         order)."""
-        outs: list[SeqOutput] = []
+        beam_outs: list[SeqOutput] = []
         if self._num_beam_requests:
-            outs, seqs, rows = self._take_beams(logits, seqs, rows)
+            beam_outs, seqs, rows = self._take_beams(logits, seqs, rows)
             if not seqs:
-                return outs
+                return beam_outs
         params, states, targets, row_logits = sampling_rows(
             seqs, self._forks_now, self.generators, self.settings.eos_token_ids
         )
@@ -345,6 +351,7 @@ class Engine(AheadEngine, BeamSearchEngine):
                 self.grammars.mask_logits(logits, masks)
         result = self.sampler(logits, params, states)
 
+        outs: list[SeqOutput] = []
         emitted: list[Seq] = []  # settled after the loop when samples fork now
         children: dict[int, list[Seq]] = {}
         settle_now = row_logits is None  # nothing forks: settle each sample as it is emitted
@@ -376,7 +383,7 @@ class Engine(AheadEngine, BeamSearchEngine):
         if not settle_now:
             for seq, out in zip(emitted, outs, strict=True):
                 self._settle(seq, out)
-        return outs
+        return beam_outs + outs
 
     def _take_prompt_logprobs(self, batch: ScheduledBatch, logits: Tensor) -> Tensor:
         """Record the prompt log-probabilities the batch's prompt-logprob chunks computed

@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from services.common.blocks import blocks_for_tokens
+from services.common.sampling_params import SamplingParams
 from services.executor.core.beam import BeamState
 from services.executor.core.grammar import GrammarCompiler, accept
-from services.executor.core.outputs import SeqOutput, Usage
+from services.executor.core.outputs import EngineError, RequestErrorCode, SeqOutput, Usage
 from services.executor.core.sequence import FinishReason, Request, RequestKey, SeqStatus
 from services.executor.core.sequence import Sequence as Seq
 
@@ -45,6 +47,26 @@ class BeamSearchEngine:
         num_generation_tokens: int
         _forget: Callable[[Request], None]
         grammars: GrammarCompiler | None
+
+    def _check_beams_fit(self, prompt_len: int, params: SamplingParams) -> None:
+        """Refuse a search whose beams could not all hold their blocks at once (they run
+        together): each its own blocks past the shared full prompt blocks (shared only
+        through the prefix cache once the search has been preempted)."""
+        cfg = self.settings.scheduler
+        bs, k = cfg.block_size, params.n
+        length = min(prompt_len + params.max_tokens, self.settings.max_model_len)
+        if cfg.enable_prefix_caching:
+            shared = prompt_len // bs
+            need = shared + k * blocks_for_tokens(length - shared * bs, bs)
+        else:
+            need = k * blocks_for_tokens(length, bs)
+        usable = self.scheduler.num_usable_blocks
+        if need > usable:
+            raise EngineError(
+                RequestErrorCode.INVALID_ARGUMENT,
+                f"sampling_params.n: {k} beams of up to {length} tokens need {need} KV blocks "
+                f"at once; this executor has {usable}",
+            )
 
     def _take_beams(
         self, logits: Tensor, seqs: list[Seq], rows: list[int] | None
@@ -78,6 +100,8 @@ class BeamSearchEngine:
             self.grammars.mask_logits(logprobs, {i: s.matcher for i, s in enumerate(beams)})
         p = beams[0].params
         ends = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos)
+        if beams[0].matcher is not None:  # a complete output ends on EOS, ignore_eos or not
+            ends |= self._eos
         outputs = [s.output_token_ids for s in beams]
         banned = tuple(ends) if len(outputs[0]) < p.min_tokens else ()
         room = self.settings.max_model_len - len(beams[0].token_ids)
@@ -117,6 +141,21 @@ class BeamSearchEngine:
         self.num_generation_tokens += len(kept)
         return []
 
+    def _unsplit_beams(self) -> None:
+        """A search whose beams are split between running and waiting (one was preempted,
+        or forked while every seat was taken) gives up its running beams too: they would
+        wait, holding seats and blocks, for siblings that may need exactly those. The whole
+        search is admitted again together (``admission``) and recomputed."""
+        for req in self.requests.values():
+            if req.beam is None:
+                continue
+            states = {s.status for s in req.seqs}
+            if SeqStatus.WAITING in states and SeqStatus.RUNNING in states:
+                for seq in req.seqs:
+                    if seq.status is SeqStatus.RUNNING:
+                        self.scheduler.preempt(seq)
+                req.beam_logprobs.clear()
+
     def _beam_child(self, parent: Seq, length: int, token: int) -> Seq:
         return Seq(
             seq_id=next(self._seq_ids),
@@ -137,11 +176,17 @@ class BeamSearchEngine:
             if seq.status is not SeqStatus.FINISHED:
                 self.scheduler.finish(seq, FinishReason.LENGTH)
         outs = []
-        for rank, h in enumerate(req.beam.results()):
-            reason = FinishReason.STOP if h.ended_by is not None else FinishReason.LENGTH
-            usage = Usage(len(req.prompt_token_ids), len(h.token_ids), cached)
-            outs.append(
-                SeqOutput(req.req_id, rank, list(h.token_ids), (), reason, h.ended_by, usage)
+        results = req.beam.results()
+        for rank in range(req.beam.width):
+            # Fewer hypotheses than beams (a grammar or min_tokens left too few ways to
+            # go on): the missing ones end empty, so that every sample gets its end.
+            tokens, ended = (
+                (results[rank].token_ids, results[rank].ended_by)
+                if rank < len(results)
+                else ([], None)
             )
+            reason = FinishReason.STOP if ended is not None else FinishReason.LENGTH
+            usage = Usage(len(req.prompt_token_ids), len(tokens), cached)
+            outs.append(SeqOutput(req.req_id, rank, list(tokens), (), reason, ended, usage))
         self._forget(req)
         return outs

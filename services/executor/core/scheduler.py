@@ -95,8 +95,8 @@ class Scheduler(AheadScheduling):
         admitted later like a preempted sequence (its prompt blocks are prefix hits then)."""
         child.num_cached_tokens = parent.num_cached_tokens
         child.admitted_once = True
-        if len(self.running) >= self.config.max_num_seqs:
-            self.add(child)
+        if len(self.running) >= self.config.max_num_seqs or parent.status is not SeqStatus.RUNNING:
+            self.add(child)  # (a beam's parent may have been preempted: nothing to share)
             return
         child.block_table = list(parent.block_table)
         child.first_live_block = parent.first_live_block
@@ -449,6 +449,12 @@ class Scheduler(AheadScheduling):
             freed = self._drop_blocks(seq)
         self._requeue(seq)
         return freed
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt a running sequence between steps (recomputed when admitted again); its
+        Free goes out with the next Step."""
+        if seq.status is SeqStatus.RUNNING:
+            self._requeue_refused(seq)
 
     def _requeue_refused(self, seq: Sequence) -> None:
         """Preempt a sequence whose grow the pool refused after the fact: its Free goes out
