@@ -24,7 +24,7 @@ from torch import Tensor
 from services.common.blocks import blocks_for_tokens
 from services.common.sampling_params import SamplingParams
 from services.executor.core.beam import BeamState
-from services.executor.core.grammar import GrammarCompiler, accept
+from services.executor.core.grammar import GrammarCompiler, Matcher, accept
 from services.executor.core.outputs import EngineError, RequestErrorCode, SeqOutput, Usage
 from services.executor.core.sequence import FinishReason, Request, RequestKey, SeqStatus
 from services.executor.core.sequence import Sequence as Seq
@@ -112,22 +112,21 @@ class BeamSearchEngine:
         kept: list[Seq] = []
         chosen: set[int] = set()
         forks: list[tuple[Seq, Seq]] = []
-        grammar_before: dict[int, list[int]] = {}  # a kept beam's output before this token
+        grammar_before: dict[int, Matcher] = {}  # a kept beam's grammar state before its token
         for c in running:
             parent = beams[c.beam]
             if c.beam not in chosen:
                 chosen.add(c.beam)
-                if parent.matcher is not None:  # (children replay it from the outputs)
-                    grammar_before[c.beam] = parent.output_token_ids
+                if parent.matcher is not None:  # (its children fork the state before)
+                    grammar_before[c.beam] = parent.matcher.copy()
                     accept(parent.matcher, c.token)
                 parent.token_ids.append(c.token)
                 kept.append(parent)
             else:
                 child = self._beam_child(parent, length, c.token)
                 if parent.matcher is not None:
-                    child.matcher = parent.matcher.fresh()
-                    for token in (*grammar_before[c.beam], c.token):
-                        accept(child.matcher, token)
+                    child.matcher = grammar_before[c.beam].copy()
+                    accept(child.matcher, c.token)
                 forks.append((parent, child))
                 kept.append(child)
         slots = iter(sorted(set(range(state.width)) - {beams[b].index for b in chosen}))

@@ -153,6 +153,13 @@ class Matcher:
         """A matcher at the start of this one's grammar (for a forked sample)."""
         return Matcher(self.compiled, self.compiler)
 
+    def copy(self) -> Matcher:
+        """A matcher in this one's state (for a forked beam), independent of it."""
+        twin = Matcher.__new__(Matcher)
+        twin.compiled, twin.compiler, twin.failed = self.compiled, self.compiler, self.failed
+        twin.inner = self.inner.fork()
+        return twin
+
 
 def accept(matcher: Matcher, token: int) -> None:
     """Advance a sample's matcher by the token it sampled. A token its grammar refuses can
