@@ -77,12 +77,13 @@ class BeamSearchEngine:
         beams = [i for i, s in enumerate(seqs) if s.params.use_beam_search]
         if not beams:
             return [], seqs, rows
-        lp = torch.log_softmax(logits[torch.tensor([row_of[i] for i in beams])].float(), -1)
+        rows_t = torch.tensor([row_of[i] for i in beams], device=logits.device)
+        lp = torch.log_softmax(logits[rows_t].float(), -1).cpu()  # one copy to the host
         touched: dict[RequestKey, Request] = {}
         for k, i in enumerate(beams):
             req = self.requests.get(seqs[i].req_id)
             if req is not None:
-                req.beam_logprobs[seqs[i].seq_id] = lp[k].cpu()
+                req.beam_logprobs[seqs[i].seq_id] = lp[k]
                 touched[req.req_id] = req
         outs: list[SeqOutput] = []
         for req in touched.values():
