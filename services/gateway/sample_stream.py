@@ -23,7 +23,6 @@ class SampleStream:
     tokenizer: PreTrainedTokenizerBase
     prompt_token_ids: list[int]
     options: TextOptions
-    num_tokens: int = 0
     cached_prompt_tokens: int | None = None  # as the first executor that served it said
     done: bool = False
     # Every token sent so far: a sample resumed on another executor carries on from them.
@@ -43,6 +42,10 @@ class SampleStream:
             else None
         )
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
     def process(
         self, update: executor_pb2.SequenceUpdate
     ) -> tuple[generation_pb2.GenerateResponse | None, bool]:
@@ -51,7 +54,6 @@ class SampleStream:
         if self.done:
             return None, False
         tokens = list(update.token_ids)
-        self.num_tokens += len(tokens)
         self.token_ids.extend(tokens)
         if update.HasField("usage") and self.cached_prompt_tokens is None:
             # (a resumed sample's executor counts its recomputed output tokens too)

@@ -86,6 +86,7 @@ class Engine(AheadEngine, BeamSearchEngine):
         self._batch_ahead: ScheduledBatch | None = None  # the next step's, already granted
         self._num_prompt_logprobs = 0  # live requests asking for prompt log-probabilities
         self._num_beam_requests = 0  # live beam searches (no planning ahead while any runs)
+        self._num_structured = 0  # live requests under a grammar (masks are looked for then)
         self._prepared: PreparedBatch | None = None  # and its host batch, when the runner can
         # (checked once: a runtime-checkable isinstance costs 15 us)
         preparing = settings.async_scheduling and isinstance(runner, PreparingRunner)
@@ -149,6 +150,7 @@ class Engine(AheadEngine, BeamSearchEngine):
                 params.n, params.length_penalty, params.early_stopping, min(params.max_tokens, room)
             )
             self._num_beam_requests += 1
+        self._num_structured += params.structured_outputs is not None
 
     def _matcher(self, params: SamplingParams, outputs: list[int]) -> Matcher | None:
         """The grammar matcher of a request's sample (past ``outputs``), or None."""
@@ -233,6 +235,7 @@ class Engine(AheadEngine, BeamSearchEngine):
         del self.requests[req.req_id]
         self._num_prompt_logprobs -= req.params.prompt_logprobs is not None
         self._num_beam_requests -= req.params.use_beam_search
+        self._num_structured -= req.params.structured_outputs is not None
         self.num_cached_prompt_tokens += req.seqs[0].num_cached_tokens
 
     # ---- the iteration --------------------------------------------------------------------
@@ -345,7 +348,7 @@ class Engine(AheadEngine, BeamSearchEngine):
             row_logits = rows if row_logits is None else [rows[r] for r in row_logits]
         if row_logits is not None:
             logits = logits[torch.tensor(row_logits, device=logits.device)]
-        if self.grammars is not None:
+        if self.grammars is not None and self._num_structured:
             masks = {r: seq.matcher for r, (seq, _) in enumerate(targets) if seq.matcher}
             if masks:  # (a fork's rows share its parent's matcher: all at the start)
                 self.grammars.mask_logits(logits, masks)
