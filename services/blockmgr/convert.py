@@ -241,6 +241,7 @@ def result_to_pb(r: OpResult) -> pb.OpResult:
                         block_index=c.block_index,
                         src_block_id=c.src,
                         dst_block_id=c.dst,
+                        group=c.group,
                     )
                     for c in r.copies
                 ],
@@ -296,7 +297,7 @@ def result_from_pb(r: pb.OpResult) -> OpResult:
             tuple(map(_status, g.statuses)),
             tuple(new_ids),
             tuple(
-                BlockCopy(c.entry_index, c.block_index, c.src_block_id, c.dst_block_id)
+                BlockCopy(c.entry_index, c.block_index, c.src_block_id, c.dst_block_id, c.group)
                 for c in g.copies
             ),
             tuple(g.first_live_blocks),

@@ -28,7 +28,7 @@ import structlog
 from services.blockmgr.errors import exhausted, invalid, not_found, precondition
 from services.blockmgr.eviction import POLICIES
 from services.blockmgr.hashing import HASH_ALGORITHM, HASH_SIZE
-from services.blockmgr.kv_groups import MAX_KV_CACHE_GROUPS, sliding_window_of, validated_groups
+from services.blockmgr.kv_groups import MAX_KV_CACHE_GROUPS, split_key, validated_groups
 from services.blockmgr.kv_manager import KVBlockManager
 from services.blockmgr.types import (
     EvictionPolicyName,
@@ -183,7 +183,7 @@ class BlockManagerCore:
                 block_size,
                 enable_prefix_caching=enable_prefix_caching,
                 eviction_policy=eviction_policy,
-                sliding_window=sliding_window_of(pool_groups),
+                groups=pool_groups,
             )
             # Epochs are unique across restarts of this process too (time-based floor), so an
             # executor holding an epoch from before a restart can never be mistaken for current.
@@ -202,7 +202,7 @@ class BlockManagerCore:
             log = self._events.setdefault(pool_id, _EventLog(self._event_buffer))
             # Every new epoch starts with CLEARED, the first one too: a consumer that knew the
             # pool before a block-manager restart learns that every hash it knew is gone.
-            self._publish(pool_id, log, epoch, [(KVEventKind.CLEARED, ())])
+            self._publish(pool_id, log, epoch, [(KVEventKind.CLEARED, (), 0)])
         return dataclasses.replace(info, owner_token=token, lease_s=self.pool_lease_s)
 
     def unregister(self, pool_id: str, epoch: int, owner_token: str = "") -> None:
@@ -329,7 +329,9 @@ class BlockManagerCore:
 
     def _remove(self, pool_id: str) -> None:
         pool = self._pools.pop(pool_id)
-        self._publish(pool_id, self._events[pool_id], pool.info.epoch, [(KVEventKind.CLEARED, ())])
+        self._publish(
+            pool_id, self._events[pool_id], pool.info.epoch, [(KVEventKind.CLEARED, (), 0)]
+        )
         # Keep the event history of removed pools (a re-registration continues its sequence
         # numbers) but not without bound: forget the idle ones beyond a few per live pool.
         if len(self._events) > 4 * self.max_pools:
@@ -342,15 +344,16 @@ class BlockManagerCore:
         pending = pool.manager.pool.events
         if not pending:
             return
-        grouped: list[tuple[KVEventKind, tuple[bytes, ...]]] = []
+        grouped: list[tuple[KVEventKind, tuple[bytes, ...], int]] = []
         run: list[bytes] = []
-        kind = pending[0][0]
-        for event_kind, block_hash in pending:
-            if event_kind != kind:
-                grouped.append((kind, tuple(run)))
-                run, kind = [], event_kind
+        kind, group = pending[0][0], split_key(pending[0][1])[1]
+        for event_kind, key in pending:
+            block_hash, event_group = split_key(key)
+            if event_kind != kind or event_group != group:
+                grouped.append((kind, tuple(run), group))
+                run, kind, group = [], event_kind, event_group
             run.append(block_hash)
-        grouped.append((kind, tuple(run)))
+        grouped.append((kind, tuple(run), group))
         pending.clear()
         self._publish(pool_id, self._events[pool_id], pool.info.epoch, grouped)
 
@@ -359,11 +362,11 @@ class BlockManagerCore:
         pool_id: str,
         log: _EventLog,
         epoch: int,
-        grouped: list[tuple[KVEventKind, tuple[bytes, ...]]],
+        grouped: list[tuple[KVEventKind, tuple[bytes, ...], int]],
     ) -> None:
         events = []
-        for kind, hashes in grouped:
-            events.append(KVEvent(log.next_seq, epoch, kind, hashes))
+        for kind, hashes, group in grouped:
+            events.append(KVEvent(log.next_seq, epoch, kind, hashes, group))
             log.next_seq += 1
         log.buffer.extend(events)
         for listener in list(log.listeners):

@@ -1,29 +1,39 @@
-"""KV-cache groups: a pool's groups as registered, and the sliding-window logic (pure, no I/O).
+"""KV-cache groups: a pool's groups as registered, and the per-group table logic (pure, no I/O).
 
-A pool serves :data:`MAX_KV_CACHE_GROUPS` group (one block table per sequence): FULL attention,
-where a sequence keeps every block, or SLIDING, where a query at position p reads only the keys
-in (p - W, p]. A block wholly before the window of every query still to come is never read
-again, so a SLIDING sequence gives it back: its table keeps one entry per block of its slots,
-but the entries before its ``first_live`` index are :data:`NULL_BLOCK` and hold no reference.
+A pool serves up to :data:`MAX_KV_CACHE_GROUPS` groups (vLLM's hybrid KV-cache manager): each
+sequence has one block table per group, all of the same length (one entry per block of its
+slots), allocated from the pool's one set of blocks under one eviction order. A block belongs
+to one group's tables at a time, and is cached under its hash *in that group*
+(:func:`group_key`): the same tokens have different K/V in different layers.
+
+- FULL attention: a sequence keeps every block.
+- SLIDING (window W): a query at position p reads only the keys in (p - W, p]. A block wholly
+  before the window of every query still to come is never read again, so the sequence gives
+  it back: the entries before the group's ``first_live`` index are :data:`NULL_BLOCK` and hold
+  no reference.
 
 - :func:`first_live`: the first block the queries from a position on may still read.
-- :func:`longest_window_hit`: an admission's prefix hit, which needs only the blocks in the
-  window of the first uncached query to be cached.
-- :func:`grow_sliding`: a Grow that first releases the blocks out of the window of the entry's
-  queries (blocks so freed count for the same entry's allocations).
+- :func:`longest_window_hit`: one sliding group's prefix hit, which needs only the blocks in
+  the window of the first uncached query to be cached (searched right to left).
+- :func:`longest_group_hit`: an admission's hit across groups: the longest prefix every group
+  can serve (a full group scans left to right, a sliding one right to left, until they agree).
+- :func:`grow`: a Grow that first releases each sliding group's blocks out of the window of the
+  entry's queries (blocks so freed count for the same entry's allocations).
 
 Eviction order: released blocks enter the pool's eviction order when released, oldest first,
-and a freed sequence's last-window blocks only at Free (oldest first too), so a finished
-conversation's next turn keeps hitting its whole prefix while its out-of-window blocks are
-evicted first (the opposite order collapsed multi-turn hits: vllm-project/vllm#48435).
+and a freed sequence's live blocks only at Free (a full group's tail first, a sliding group's
+oldest first), so a finished conversation's next turn keeps hitting its whole prefix while its
+out-of-window blocks are evicted first (the opposite order collapsed multi-turn hits:
+vllm-project/vllm#48435).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from services.blockmgr.errors import invalid
+from services.blockmgr.hashing import HASH_SIZE
 from services.blockmgr.types import (
     FULL_GROUP,
     AttentionKindName,
@@ -33,13 +43,14 @@ from services.blockmgr.types import (
     KVCacheGroup,
     OpStatus,
 )
-from services.common.blocks import NULL_BLOCK, blocks_to_grow, first_live_block, needs_cow
+from services.common.blocks import NULL_BLOCK, blocks_to_grow, first_live_block
 
 if TYPE_CHECKING:
     from services.blockmgr.kv_manager import KVBlockManager
 
-MAX_KV_CACHE_GROUPS = 1  # groups per pool this implementation serves
+MAX_KV_CACHE_GROUPS = 64  # groups per pool this implementation serves
 MAX_LAYER = 2**31 - 1  # layers travel as int32
+K = TypeVar("K")
 
 
 def validated_groups(groups: Sequence[KVCacheGroup]) -> tuple[KVCacheGroup, ...]:
@@ -53,6 +64,7 @@ def validated_groups(groups: Sequence[KVCacheGroup]) -> tuple[KVCacheGroup, ...]
             f"{MAX_KV_CACHE_GROUPS} per pool"
         )
     out = []
+    owner: dict[int, int] = {}  # layer -> its group
     for i, group in enumerate(groups):
         where = f"groups[{i}]"
         try:
@@ -70,21 +82,38 @@ def validated_groups(groups: Sequence[KVCacheGroup]) -> tuple[KVCacheGroup, ...]
         for j, layer in enumerate(group.layers):
             if not 0 <= layer <= MAX_LAYER:
                 raise invalid(f"{where}.layers[{j}] must be an int32 >= 0, got {layer}")
+            if layer in owner:
+                raise invalid(
+                    f"{where}.layers[{j}]: layer {layer} is in groups[{owner[layer]}] too"
+                )
+            owner[layer] = i
         out.append(KVCacheGroup(kind, window, tuple(group.layers)))
     return tuple(out)
 
 
-def sliding_window_of(groups: Sequence[KVCacheGroup]) -> int:
-    """The window of a one-group pool: W for a SLIDING group, 0 (full attention) otherwise."""
-    (group,) = groups
-    return group.sliding_window if group.kind is AttentionKindName.SLIDING else 0
+def windows_of(groups: Sequence[KVCacheGroup]) -> tuple[int, ...]:
+    """Each group's window: W for a SLIDING group, 0 (full attention) for a FULL one."""
+    return tuple(g.sliding_window if g.kind is AttentionKindName.SLIDING else 0 for g in groups)
+
+
+def group_key(block_hash: bytes, group: int) -> bytes:
+    """The key a block of ``group`` is cached under: the hash itself in group 0 (so a one-group
+    pool's keys are its hashes), the hash and the group's index byte after it otherwise."""
+    return block_hash + bytes((group,)) if group else block_hash
+
+
+def split_key(key: bytes) -> tuple[bytes, int]:
+    """``(block hash, group)`` of a :func:`group_key`."""
+    if len(key) > HASH_SIZE:
+        return key[:HASH_SIZE], key[HASH_SIZE]
+    return key, 0
 
 
 def longest_window_hit(
-    block_hashes: Sequence[bytes],
+    block_hashes: Sequence[K],
     window: int,
     block_size: int,
-    lookup: Callable[[bytes], int | None],
+    lookup: Callable[[K], int | None],
 ) -> tuple[int, list[int]]:
     """The longest prefix hit of ``k`` full blocks such that the blocks a query at ``k *
     block_size`` reads, ``first_live_block(k * bs) .. k - 1``, are all matchable (blocks before them
@@ -111,13 +140,66 @@ def longest_window_hit(
     return 0, []
 
 
-def grow_sliding(m: KVBlockManager, op: Grow, failed: set[int]) -> GrowResult:
-    """:meth:`KVBlockManager._grow` for a SLIDING pool. Each entry first releases the blocks
-    before the window of its queries (they start at the sequence's current slot count): their
-    entries become 0 and they are decref'd in order, so a block nobody else holds is freed
-    (committed: cached-free and matchable) and counts for this entry's allocations. A failed
-    or skipped entry releases nothing. ``first_live_blocks`` reports each entry's first_live."""
-    pool, bs, window, seqs = m.pool, m.block_size, m.sliding_window, m.seqs
+def longest_group_hit(
+    block_hashes: Sequence[bytes],
+    windows: Sequence[int],
+    block_size: int,
+    lookup: Callable[[bytes], int | None],
+) -> tuple[int, list[int], list[list[int]]]:
+    """The longest prefix hit of ``k`` full blocks that every group can serve: a FULL group
+    needs blocks ``0 .. k - 1`` cached under its keys, a SLIDING group only the blocks a query
+    at ``k * block_size`` reads. Returns ``(k, first_live per group, the hit block ids per
+    group: indices first_live .. k - 1)``.
+
+    Each group in turn lowers ``k`` to the longest hit it serves within ``k``; a sliding hit at
+    a smaller ``k`` reads other blocks, so the groups are asked again until none lowers it.
+    Lookups are remembered per group, so each key is looked up at most once."""
+    num_groups = len(windows)
+    found: list[dict[int, int | None]] = [{} for _ in range(num_groups)]
+
+    def lookup_in(group: int) -> Callable[[int], int | None]:
+        memo = found[group]
+
+        def get(i: int) -> int | None:
+            if i not in memo:
+                memo[i] = lookup(group_key(block_hashes[i], group))
+            return memo[i]
+
+        return get
+
+    getters = [lookup_in(g) for g in range(num_groups)]
+    k = len(block_hashes)
+    settled = 0  # groups in a row that served the current k
+    g = 0
+    while settled < num_groups and k > 0:
+        get, window = getters[g], windows[g]
+        if window:
+            served, _ = longest_window_hit(range(k), window, block_size, get)
+        else:
+            served = 0
+            while served < k and get(served) is not None:
+                served += 1
+        if served < k:
+            k, settled = served, 1
+        else:
+            settled += 1
+        g = (g + 1) % num_groups
+    lives = [first_live_block(k * block_size, w, block_size) for w in windows]
+    hits = [[cast(int, found[g][i]) for i in range(lives[g], k)] for g in range(num_groups)]
+    return k, lives, hits
+
+
+def grow(m: KVBlockManager, op: Grow, failed: set[int]) -> GrowResult:
+    """:meth:`KVBlockManager._grow`. Each entry first releases, in every SLIDING group, the
+    blocks before the window of its queries (they start at the sequence's current slot
+    count): their entries become 0 and they are decref'd in order, so a block nobody else
+    holds is freed (committed: cached-free and matchable) and counts for this entry's
+    allocations. Then every group's table grows by the same number of blocks (group-major in
+    ``new_block_ids``), after a private copy of a shared, partly filled last block where
+    needed. A failed or skipped entry releases nothing. In pools with a sliding group,
+    ``first_live_blocks`` reports each entry's first_live per group (entry-major)."""
+    pool, bs, windows, seqs = m.pool, m.block_size, m.windows, m.seqs
+    sliding = m.any_sliding
     refcount = pool.refcount
     statuses: list[OpStatus] = []
     new_ids: list[tuple[int, ...]] = []
@@ -126,47 +208,69 @@ def grow_sliding(m: KVBlockManager, op: Grow, failed: set[int]) -> GrowResult:
     ok, empty = OpStatus.OK, ()
     for entry, (seq_id, n) in enumerate(zip(op.seq_ids, op.num_tokens, strict=True)):
         if failed and seq_id in failed:  # absent if its admission failed in this step
-            skipped = seqs.get(seq_id)
             statuses.append(OpStatus.SKIPPED)
             new_ids.append(empty)
-            first_lives.append(skipped.first_live if skipped is not None else 0)
+            if sliding:
+                skipped = seqs.get(seq_id)
+                first_lives.extend(skipped.first_lives if skipped else [0] * len(windows))
             continue
         state = seqs[seq_id]
-        table, old, start = state.block_table, state.num_tokens, state.first_live
-        live = max(first_live_block(old, window, bs), start)
-        need = blocks_to_grow(old, n, len(table), bs)
-        # Never the released blocks: the last block is released only when it is full (W = 1).
-        cow = needs_cow(old, n, bs, refcount[table[-1]] if table else 0)
-        if live == start and not need and not cow:  # decode inside the last block's room
-            state.num_tokens = old + n
+        tables, old, starts = state.tables, state.num_tokens, state.first_lives
+        need = blocks_to_grow(old, n, len(tables[0]), bs)
+        # Writing into a shared, partially filled last block needs a private copy first; it
+        # is never a released one (the last block is released only when full, W = 1).
+        cows = [refcount[t[-1]] > 1 for t in tables] if n and old % bs and tables[0] else None
+        lives = (
+            [max(first_live_block(old, w, bs), s) for w, s in zip(windows, starts, strict=True)]
+            if sliding
+            else starts
+        )
+        if not need and not (cows and any(cows)) and lives == starts:
+            state.num_tokens = old + n  # the common decode case: room left in the last block
             statuses.append(ok)
             new_ids.append(empty)
-            first_lives.append(start)
+            if sliding:
+                first_lives.extend(starts)
             continue
-        if need + cow:
-            freed_here = sum(1 for i in range(start, live) if refcount[table[i]] == 1)
-            if need + cow > pool.num_free + freed_here:
+        cost = need * len(tables) + (sum(cows) if cows else 0)
+        if cost:
+            freed_here = sum(
+                1
+                for t, s, live in zip(tables, starts, lives, strict=True)
+                for i in range(s, live)
+                if refcount[t[i]] == 1
+            )
+            if cost > pool.num_free + freed_here:
                 failed.add(seq_id)
                 statuses.append(OpStatus.RESOURCE_EXHAUSTED)
                 new_ids.append(empty)
-                first_lives.append(start)
+                if sliding:
+                    first_lives.extend(starts)
                 continue
-        for i in range(start, live):  # oldest first: evicted first
-            pool.decref(table[i])
-            table[i] = NULL_BLOCK
-        state.first_live = live
-        added = m.extend_table(table, entry, need, cow, copies)
+        if lives is not starts:
+            for t, s, live in zip(tables, starts, lives, strict=True):
+                for i in range(s, live):  # oldest first: evicted first
+                    pool.decref(t[i])
+                    t[i] = NULL_BLOCK
+            state.first_lives = lives
+        added: tuple[int, ...] = ()
+        for g, table in enumerate(tables):
+            added += m.extend_table(table, entry, need, bool(cows and cows[g]), copies, g)
         state.num_tokens = old + n
         statuses.append(ok)
         new_ids.append(added)
-        first_lives.append(live)
+        if sliding:
+            first_lives.extend(lives)
     return GrowResult(tuple(statuses), tuple(new_ids), tuple(copies), tuple(first_lives))
 
 
 __all__ = [
     "MAX_KV_CACHE_GROUPS",
-    "grow_sliding",
+    "group_key",
+    "grow",
+    "longest_group_hit",
     "longest_window_hit",
-    "sliding_window_of",
+    "split_key",
     "validated_groups",
+    "windows_of",
 ]

@@ -1,8 +1,10 @@
 """One pool's block tables and the batched Step over them (pure logic, no I/O).
 
-A pool serves one KV-cache group: full attention, or a sliding window whose sequences give back
-the blocks out of the window (their table entries become the null block 0; see
-:mod:`services.blockmgr.kv_groups`).
+A pool serves one or more KV-cache groups, each with one table per sequence: full attention,
+or a sliding window whose sequences give back the blocks out of the window (their table
+entries become the null block 0; see :mod:`services.blockmgr.kv_groups`). Across the contract
+a sequence's tables travel group-major, concatenated: they all have one entry per block of its
+slots.
 
 A Step is validated whole before anything changes: a malformed op, an unknown sequence, a
 double free or a duplicate id rejects the Step with nothing applied. Capacity is then checked
@@ -14,15 +16,22 @@ per entry at apply time: an admission or a grow entry that does not fit gets
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from services.blockmgr.errors import BlockManagerError, ErrorCode, invalid, not_found, precondition
-from services.blockmgr.hashing import HASH_SIZE
-from services.blockmgr.kv_groups import grow_sliding, longest_window_hit
+from services.blockmgr.kv_groups import group_key, grow, longest_group_hit, windows_of
 from services.blockmgr.pool import BlockPool
+from services.blockmgr.step_checks import (
+    MAX_TOKENS,
+    check_block_ids,
+    check_hashes,
+    check_seq_id,
+    validate_step,
+)
 from services.blockmgr.types import (
     Admit,
     AdmitResult,
+    AttentionKindName,
     BlockCopy,
     Commit,
     CommitResult,
@@ -33,6 +42,7 @@ from services.blockmgr.types import (
     FreeResult,
     Grow,
     GrowResult,
+    KVCacheGroup,
     Operation,
     OpResult,
     OpStatus,
@@ -44,32 +54,40 @@ from services.common.blocks import (
     blocks_for_tokens,
     blocks_to_grow,
     first_live_block,
-    full_blocks,
     needs_cow,
 )
 
-MAX_SEQ_ID = 2**64 - 1
-MAX_TOKENS = 2**40
 _RECENTLY_FREED = 65536  # how many freed ids we remember to tell a double free from a typo
 
 
 class SeqState:
-    """A sequence's table (one entry per block of its ``num_tokens`` slots) and, in a sliding
-    pool, ``first_live``: the entries before it are :data:`NULL_BLOCK` (0 in full pools)."""
+    """A sequence's tables, one per KV-cache group, each with one entry per block of its
+    ``num_tokens`` slots, and per group ``first_lives``: the entries before it are
+    :data:`NULL_BLOCK` (always 0 in a full group)."""
 
-    __slots__ = ("block_table", "first_live", "num_tokens")
+    __slots__ = ("first_lives", "num_tokens", "tables")
 
-    def __init__(self, block_table: list[int], num_tokens: int, first_live: int = 0) -> None:
-        self.block_table = block_table
+    def __init__(self, tables: list[list[int]], num_tokens: int, first_lives: list[int]) -> None:
+        self.tables = tables
         self.num_tokens = num_tokens
-        self.first_live = first_live
+        self.first_lives = first_lives
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's table (a one-group pool's only one)."""
+        return self.tables[0]
+
+    @property
+    def first_live(self) -> int:
+        """The first group's first live entry."""
+        return self.first_lives[0]
 
 
 class KVBlockManager:
     """Block tables of one pool's sequences over a :class:`BlockPool`.
 
-    ``sliding_window``: W tokens for a sliding-window pool (a query at p reads the keys in
-    (p - W, p]), 0 for full attention."""
+    ``groups``: the pool's KV-cache groups, validated (none: one full group, or one group of
+    window ``sliding_window`` when that is > 0: a query at p reads the keys in (p - W, p])."""
 
     def __init__(
         self,
@@ -79,9 +97,15 @@ class KVBlockManager:
         enable_prefix_caching: bool = True,
         eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU,
         sliding_window: int = 0,
+        groups: Sequence[KVCacheGroup] = (),
     ) -> None:
         self.block_size = block_size
-        self.sliding_window = sliding_window
+        if not groups:
+            kind = AttentionKindName.SLIDING if sliding_window else AttentionKindName.FULL
+            groups = (KVCacheGroup(kind, sliding_window),)
+        self.windows = windows_of(groups)
+        self.num_groups = len(self.windows)
+        self.any_sliding = any(self.windows)
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, eviction_policy)
         self.seqs: dict[int, SeqState] = {}
@@ -104,15 +128,17 @@ class KVBlockManager:
         )
 
     def block_table(self, seq_id: int) -> list[int]:
+        """The sequence's tables, group-major, concatenated (a one-group pool's one table)."""
         try:
-            return list(self.seqs[seq_id].block_table)
+            tables = self.seqs[seq_id].tables
         except KeyError:
             raise not_found(f"unknown seq_id {seq_id}") from None
+        return [b for table in tables for b in table]
 
     # ---- Step -----------------------------------------------------------------------------
 
     def step(self, ops: Sequence[Operation]) -> list[OpResult]:
-        self._validate(ops)
+        validate_step(ops, self.seqs, self._recently_freed, self.block_size)
         failed: set[int] = set()
         results: list[OpResult] = []
         for op in ops:
@@ -128,136 +154,59 @@ class KVBlockManager:
                 results.append(self._fork(op, failed))
         return results
 
-    def _validate(self, ops: Sequence[Operation]) -> None:
-        """Reject the whole step on any malformed op, simulating liveness and token counts in
-        order as if every entry succeeded (a capacity failure only ever removes effects)."""
-        overlay: dict[int, int | None] = {}  # seq_id -> simulated num_tokens, None = freed
-        seqs = self.seqs
-
-        def tokens_of(seq_id: int, where: str) -> int:
-            if seq_id in overlay:
-                n = overlay[seq_id]
-                if n is None:
-                    raise precondition(f"{where}: seq_id {seq_id} was freed earlier in this step")
-                return n
-            state = seqs.get(seq_id)
-            if state is None:
-                if seq_id in self._recently_freed:
-                    raise precondition(f"{where}: seq_id {seq_id} was already freed")
-                raise not_found(f"{where}: unknown seq_id {seq_id}")
-            return state.num_tokens
-
-        def absent(seq_id: int, where: str) -> None:
-            _check_seq_id(seq_id, where)
-            live = overlay[seq_id] is not None if seq_id in overlay else seq_id in seqs
-            if live:
-                raise precondition(f"{where}: seq_id {seq_id} already exists")
-
-        for i, op in enumerate(ops):
-            where = f"ops[{i}]"
-            if isinstance(op, Grow):
-                if len(op.seq_ids) != len(op.num_tokens):
-                    raise invalid(f"{where}.grow: seq_ids and num_tokens differ in length")
-                if len(set(op.seq_ids)) != len(op.seq_ids):
-                    dup = next(x for j, x in enumerate(op.seq_ids) if x in op.seq_ids[:j])
-                    raise invalid(f"{where}.grow.seq_ids: seq_id {dup} is listed twice")
-                for j, (seq_id, n) in enumerate(zip(op.seq_ids, op.num_tokens, strict=True)):
-                    if not 0 <= n <= MAX_TOKENS:
-                        raise invalid(f"{where}.grow.num_tokens[{j}] must be >= 0, got {n}")
-                    state = seqs.get(seq_id)  # fast path: a live sequence untouched so far
-                    if state is not None and seq_id not in overlay:
-                        overlay[seq_id] = state.num_tokens + n
-                    else:
-                        overlay[seq_id] = tokens_of(seq_id, f"{where}.grow.seq_ids[{j}]") + n
-            elif isinstance(op, Free):
-                for j, seq_id in enumerate(op.seq_ids):
-                    tokens_of(seq_id, f"{where}.free.seq_ids[{j}]")
-                    overlay[seq_id] = None
-            elif isinstance(op, Commit):
-                n = tokens_of(op.seq_id, f"{where}.commit.seq_id")
-                _check_hashes(op.block_hashes, f"{where}.commit.block_hashes")
-                if op.start_block < 0:
-                    raise invalid(f"{where}.commit.start_block must be >= 0")
-                full = full_blocks(n, self.block_size)
-                if op.start_block + len(op.block_hashes) > full:
-                    raise invalid(
-                        f"{where}.commit: blocks {op.start_block}.."
-                        f"{op.start_block + len(op.block_hashes) - 1} are not all full "
-                        f"(seq_id {op.seq_id} has {full} full blocks)"
-                    )
-            elif isinstance(op, Admit):
-                absent(op.seq_id, f"{where}.admit.seq_id")
-                if not 1 <= op.num_prompt_tokens <= MAX_TOKENS:
-                    raise invalid(f"{where}.admit.num_prompt_tokens must be >= 1")
-                if not 1 <= op.max_new_tokens <= MAX_TOKENS:
-                    raise invalid(f"{where}.admit.max_new_tokens must be >= 1")
-                if op.reserve_blocks < 0:
-                    raise invalid(f"{where}.admit.reserve_blocks must be >= 0")
-                _check_hashes(op.block_hashes, f"{where}.admit.block_hashes")
-                if len(set(op.block_hashes)) != len(op.block_hashes):
-                    # A chained hash never repeats within one prompt; a repeat would put one
-                    # block twice in a table (refcount != tables holding it).
-                    raise invalid(f"{where}.admit.block_hashes: a hash is listed twice")
-                if len(op.block_hashes) > full_blocks(op.num_prompt_tokens, self.block_size):
-                    raise invalid(
-                        f"{where}.admit.block_hashes: {len(op.block_hashes)} hashes for "
-                        f"{full_blocks(op.num_prompt_tokens, self.block_size)} full prompt blocks"
-                    )
-                # The hit length is only known at apply time; min(P, M) is the fewest slots a
-                # successful admission holds, so later commits are checked against that.
-                overlay[op.seq_id] = min(op.num_prompt_tokens, op.max_new_tokens)
-            elif isinstance(op, Fork):
-                n = tokens_of(op.parent_seq_id, f"{where}.fork.parent_seq_id")
-                absent(op.child_seq_id, f"{where}.fork.child_seq_id")
-                overlay[op.child_seq_id] = n
-            else:
-                raise invalid(f"{where}: unknown operation {type(op).__name__}")
-
     # ---- operations -----------------------------------------------------------------------
 
     def _admit(self, op: Admit, failed: set[int]) -> AdmitResult:
-        """Full pools: the longest run of matchable blocks from the first. Sliding pools: the
-        longest hit of ``k`` blocks whose window blocks (those a query at ``k * bs`` reads) are
-        matchable; the table is null before them."""
-        pool, bs, window = self.pool, self.block_size, self.sliding_window
-        hits: list[int] = []  # the referenced cached blocks: indices live .. num_hit - 1
+        """The longest prefix hit every group serves (:func:`longest_group_hit`: a full group
+        needs every block of it, a sliding group the blocks its window reads, the table null
+        before them), then every group's table gets the same number of new blocks."""
+        pool, bs = self.pool, self.block_size
         num_hit = 0
+        lives = [0] * self.num_groups
+        hits: list[list[int]] = [[] for _ in lives]  # per group: blocks live .. num_hit - 1
         if self.enable_prefix_caching:
             max_hits = (op.num_prompt_tokens - 1) // bs  # never cover the last prompt token
-            if window:
-                num_hit, hits = longest_window_hit(
-                    op.block_hashes[:max_hits], window, bs, pool.lookup
+            if self.num_groups > 1 or self.any_sliding:
+                num_hit, lives, hits = longest_group_hit(
+                    op.block_hashes[:max_hits], self.windows, bs, pool.lookup
                 )
-            else:
+            else:  # one full group, the common case: the leading run of cached blocks
+                found = hits[0]
+                lookup = pool.hash_to_block.get
                 for block_hash in op.block_hashes[:max_hits]:
-                    block_id = pool.lookup(block_hash)
+                    block_id = lookup(block_hash)
                     if block_id is None:
                         break
-                    hits.append(block_id)
-                num_hit = len(hits)
+                    found.append(block_id)
+                num_hit = len(found)
         num_cached = num_hit * bs
-        live = num_hit - len(hits)  # first_live: the queries start at num_cached
         num_tokens = num_cached + min(op.num_prompt_tokens - num_cached, op.max_new_tokens)
         need = blocks_for_tokens(num_tokens, bs) - num_hit
-        revived = sum(1 for b in hits if pool.refcount[b] == 0)
-        if need + op.reserve_blocks > pool.num_free - revived:
+        refcount = pool.refcount
+        revived = sum(1 for group_hits in hits for b in group_hits if refcount[b] == 0)
+        if need * self.num_groups + op.reserve_blocks > pool.num_free - revived:
             failed.add(op.seq_id)
             return AdmitResult(OpStatus.RESOURCE_EXHAUSTED)
-        for block_id in hits:
-            pool.note_hit(block_id)
-            pool.incref(block_id)
-        table = [NULL_BLOCK] * live + hits if live else hits
-        table.extend(pool.allocate() for _ in range(need))
-        self.seqs[op.seq_id] = SeqState(table, num_tokens, live)
+        tables: list[list[int]] = []
+        for live, group_hits in zip(lives, hits, strict=True):
+            for block_id in group_hits:
+                pool.note_hit(block_id)
+                pool.incref(block_id)
+            table = [NULL_BLOCK] * live + group_hits if live else group_hits
+            table.extend(pool.allocate() for _ in range(need))
+            tables.append(table)
+        self.seqs[op.seq_id] = SeqState(tables, num_tokens, lives)
         self._recently_freed.pop(op.seq_id, None)
         if self.enable_prefix_caching:  # counted once per admission, not per refused attempt
             self.prefix_queries_tokens += op.num_prompt_tokens
             self.prefix_hits_tokens += num_cached
-        return AdmitResult(OpStatus.OK, tuple(table), num_cached, num_tokens)
+        ids = tuple(tables[0]) if len(tables) == 1 else tuple(b for t in tables for b in t)
+        return AdmitResult(OpStatus.OK, ids, num_cached, num_tokens)
 
     def _grow(self, op: Grow, failed: set[int]) -> GrowResult:
-        if self.sliding_window:
-            return grow_sliding(self, op, failed)
+        if self.num_groups > 1 or self.any_sliding:
+            return grow(self, op, failed)
+        # One full group, the common case, kept lean: decode steps grow every sequence.
         pool, bs, seqs = self.pool, self.block_size, self.seqs
         statuses: list[OpStatus] = []
         new_ids: list[tuple[int, ...]] = []
@@ -270,7 +219,7 @@ class KVBlockManager:
                 new_ids.append(empty)
                 continue
             state = seqs[seq_id]
-            table, old = state.block_table, state.num_tokens
+            table, old = state.tables[0], state.num_tokens
             new_total = old + n
             need = blocks_to_grow(old, n, len(table), bs)
             # Writing into a shared, partially filled last block needs a private copy first.
@@ -292,18 +241,24 @@ class KVBlockManager:
         return GrowResult(tuple(statuses), tuple(new_ids), tuple(copies))
 
     def extend_table(
-        self, table: list[int], entry: int, need: int, cow: bool, copies: list[BlockCopy]
+        self,
+        table: list[int],
+        entry: int,
+        need: int,
+        cow: bool,
+        copies: list[BlockCopy],
+        group: int = 0,
     ) -> tuple[int, ...]:
-        """Grow entry ``entry``'s writes to ``table``, which the pool has room for: a private
-        copy of the shared last block when ``cow`` (recorded in ``copies``), then ``need``
-        new blocks appended. Returns the new blocks."""
+        """Grow entry ``entry``'s writes to ``table`` (of ``group``), which the pool has room
+        for: a private copy of the shared last block when ``cow`` (recorded in ``copies``),
+        then ``need`` new blocks appended. Returns the new blocks."""
         pool = self.pool
         if cow:
             src = table[-1]
             dst = pool.allocate()
             table[-1] = dst
             pool.decref(src)
-            copies.append(BlockCopy(entry, len(table) - 1, src, dst))
+            copies.append(BlockCopy(entry, len(table) - 1, src, dst, group))
             self.num_cow_copies += 1
         added = tuple(pool.allocate() for _ in range(need)) if need > 0 else ()
         table.extend(added)
@@ -314,12 +269,16 @@ class KVBlockManager:
             failed.add(op.child_seq_id)
             return ForkResult(OpStatus.SKIPPED)
         parent = self.seqs[op.parent_seq_id]
-        live = parent.first_live
-        for block_id in parent.block_table[live:]:  # null entries hold no reference
-            self.pool.incref(block_id)
-        self.seqs[op.child_seq_id] = SeqState(list(parent.block_table), parent.num_tokens, live)
+        shared = 0
+        for table, live in zip(parent.tables, parent.first_lives, strict=True):
+            for block_id in table[live:]:  # null entries hold no reference
+                self.pool.incref(block_id)
+            shared += len(table) - live
+        self.seqs[op.child_seq_id] = SeqState(
+            [list(t) for t in parent.tables], parent.num_tokens, list(parent.first_lives)
+        )
         self._recently_freed.pop(op.child_seq_id, None)
-        return ForkResult(OpStatus.OK, len(parent.block_table) - live)
+        return ForkResult(OpStatus.OK, shared)
 
     def _free(self, op: Free, failed: set[int]) -> FreeResult:
         """Free applies to every live sequence, even one whose grow failed earlier in this
@@ -331,31 +290,34 @@ class KVBlockManager:
         return FreeResult(freed)
 
     def _release(self, seq_id: int) -> int:
-        """Full pools free a table tail first, so a chain's tail is evicted before its head
-        (the head is the most shareable part). Sliding pools free the live blocks oldest first,
-        after the ones released out of the window earlier: the blocks a hit of the whole
-        sequence needs (its last window) are evicted last."""
+        """Group by group: a full group frees its table tail first, so a chain's tail is
+        evicted before its head (the head is the most shareable part). A sliding group frees
+        its live blocks oldest first, after the ones released out of the window earlier: the
+        blocks a hit of the whole sequence needs (its last window) are evicted last."""
         state = self.seqs.pop(seq_id)
         freed = 0
-        table = state.block_table
-        blocks = table[state.first_live :] if self.sliding_window else reversed(table)
-        for block_id in blocks:
-            freed += self.pool.decref(block_id)
+        decref = self.pool.decref
+        for table, live, window in zip(state.tables, state.first_lives, self.windows, strict=True):
+            for block_id in table[live:] if window else reversed(table):
+                freed += decref(block_id)
         self._recently_freed[seq_id] = None
         if len(self._recently_freed) > _RECENTLY_FREED:
             self._recently_freed.popitem(last=False)
         return freed
 
     def _commit(self, op: Commit, failed: set[int]) -> CommitResult:
+        """Every group's blocks in the range are stored under their group's keys; an entry
+        released out of the window (null) stores nothing."""
         if op.seq_id in failed:
             return CommitResult(OpStatus.SKIPPED)
         if not self.enable_prefix_caching:
             return CommitResult(OpStatus.OK, 0)
-        table = self.seqs[op.seq_id].block_table
         stored = 0
-        for i, block_hash in enumerate(op.block_hashes, start=op.start_block):
-            if table[i] != NULL_BLOCK:  # released out of the window: nothing to store
-                stored += self.pool.store(table[i], block_hash)
+        store = self.pool.store
+        for group, table in enumerate(self.seqs[op.seq_id].tables):
+            for i, block_hash in enumerate(op.block_hashes, start=op.start_block):
+                if table[i] != NULL_BLOCK:
+                    stored += store(table[i], group_key(block_hash, group))
         return CommitResult(OpStatus.OK, stored)
 
     # ---- recovery -------------------------------------------------------------------------
@@ -364,92 +326,87 @@ class KVBlockManager:
         """Rebuild live sequences' tables in an empty pool (after a block-manager restart).
         All or nothing. Returns how many blocks became matchable.
 
-        In a sliding pool a table may start with a run of null entries (its first_live); the
-        hashes of null entries are skipped."""
+        ``block_ids`` are the sequence's tables, group-major. A sliding group's table may
+        start with a run of null entries (its first_live); the hashes of null entries are
+        skipped. A block is in one group only: sequences may share it within that group."""
         if self.seqs:
             raise precondition(
                 f"restore needs a pool without live sequences; this one has {len(self.seqs)}"
             )
-        bs, nb = self.block_size, self.pool.num_blocks
+        bs, nb, num_groups = self.block_size, self.pool.num_blocks, self.num_groups
         seen: set[int] = set()
-        used: set[int] = set()
-        lives: list[int] = []  # per sequence: its leading null entries
+        group_of: dict[int, int] = {}
+        parsed: list[tuple[list[list[int]], list[int]]] = []  # per sequence: tables, lives
         for i, seq in enumerate(sequences):
             where = f"sequences[{i}]"
-            _check_seq_id(seq.seq_id, f"{where}.seq_id")
+            check_seq_id(seq.seq_id, f"{where}.seq_id")
             if seq.seq_id in seen:
                 raise precondition(f"{where}.seq_id {seq.seq_id} appears twice")
             seen.add(seq.seq_id)
             if not 0 <= seq.num_tokens <= MAX_TOKENS:
                 raise invalid(f"{where}.num_tokens must be >= 0")
-            if len(seq.block_ids) != blocks_for_tokens(seq.num_tokens, bs):
+            n = blocks_for_tokens(seq.num_tokens, bs)
+            if len(seq.block_ids) != n * num_groups:
                 raise invalid(
-                    f"{where}.block_ids: {seq.num_tokens} tokens need "
-                    f"{blocks_for_tokens(seq.num_tokens, bs)} blocks, got {len(seq.block_ids)}"
+                    f"{where}.block_ids: {seq.num_tokens} tokens need {n} blocks in each of "
+                    f"{num_groups} group(s), got {len(seq.block_ids)}"
                 )
-            live = self._restored_first_live(seq, f"{where}.block_ids")
-            held = seq.block_ids[live:]
-            _check_block_ids(held, nb, f"{where}.block_ids", offset=live)
-            if len(set(held)) != len(held):
-                raise invalid(f"{where}.block_ids holds a block twice")
-            _check_hashes(seq.block_hashes, f"{where}.block_hashes")
+            tables: list[list[int]] = []
+            lives: list[int] = []
+            for g in range(num_groups):
+                table = list(seq.block_ids[g * n : (g + 1) * n])
+                live = self._restored_first_live(table, g, seq.num_tokens, f"{where}.block_ids")
+                held = table[live:]
+                check_block_ids(held, nb, f"{where}.block_ids", offset=g * n + live)
+                if len(set(held)) != len(held):
+                    raise invalid(f"{where}.block_ids holds a block twice")
+                for j, b in enumerate(held):
+                    if group_of.setdefault(b, g) != g:
+                        raise invalid(
+                            f"{where}.block_ids[{g * n + live + j}]: block {b} is in group "
+                            f"{group_of[b]} elsewhere; a block serves one group"
+                        )
+                tables.append(table)
+                lives.append(live)
+            check_hashes(seq.block_hashes, f"{where}.block_hashes")
             if len(seq.block_hashes) > seq.num_tokens // bs:
                 raise invalid(f"{where}.block_hashes: more hashes than full blocks")
-            used.update(held)
-            lives.append(live)
-        self.pool.take_free(used)
+            parsed.append((tables, lives))
+        self.pool.take_free(set(group_of))
         stored = 0
-        for seq, live in zip(sequences, lives, strict=True):
-            for block_id in seq.block_ids[live:]:
-                self.pool.refcount[block_id] += 1
-            self.seqs[seq.seq_id] = SeqState(list(seq.block_ids), seq.num_tokens, live)
+        refcount, store = self.pool.refcount, self.pool.store
+        for seq, (tables, lives) in zip(sequences, parsed, strict=True):
+            for table, live in zip(tables, lives, strict=True):
+                for block_id in table[live:]:
+                    refcount[block_id] += 1
+            self.seqs[seq.seq_id] = SeqState(tables, seq.num_tokens, lives)
             if self.enable_prefix_caching:
-                for block_id, block_hash in zip(seq.block_ids, seq.block_hashes, strict=False):
-                    if block_id != NULL_BLOCK:
-                        stored += self.pool.store(block_id, block_hash)
+                for g, table in enumerate(tables):
+                    for block_id, block_hash in zip(table, seq.block_hashes, strict=False):
+                        if block_id != NULL_BLOCK:
+                            stored += store(block_id, group_key(block_hash, g))
         return stored
 
-    def _restored_first_live(self, seq: RestoredSequence, where: str) -> int:
-        """The leading null entries of a restored sliding-window table (0 in full pools, where
-        :func:`_check_block_ids` refuses any null entry). The last block must not be null,
-        unless the window has already passed every block (W = 1 after a grow by 0)."""
-        if not self.sliding_window:
+    def _restored_first_live(
+        self, table: list[int], group: int, num_tokens: int, where: str
+    ) -> int:
+        """The leading null entries of a restored sliding group's table (0 in a full group,
+        where :func:`_check_block_ids` refuses any null entry). The last block must not be
+        null, unless the window has already passed every block (W = 1 after a grow by 0)."""
+        window = self.windows[group]
+        if not window:
             return 0
-        ids = seq.block_ids
         live = 0
-        while live < len(ids) and ids[live] == NULL_BLOCK:
+        while live < len(table) and table[live] == NULL_BLOCK:
             live += 1
-        window_start = first_live_block(seq.num_tokens, self.sliding_window, self.block_size)
-        if ids and live == len(ids) and live > window_start:
+        window_start = first_live_block(num_tokens, window, self.block_size)
+        if table and live == len(table) and live > window_start:
+            offset = group * len(table)
             raise invalid(
-                f"{where}[{live - 1}]: block 0 is reserved; the last block of a table is "
-                "still in the window and cannot be null"
+                f"{where}[{offset + live - 1}]: block 0 is reserved; the last block of a table "
+                "is still in the window and cannot be null"
             )
         return live
-
-
-def _check_seq_id(seq_id: int, where: str) -> None:
-    if not 0 <= seq_id <= MAX_SEQ_ID:
-        raise invalid(f"{where} must be a uint64, got {seq_id}")
-
-
-def _check_hashes(hashes: Iterable[bytes], where: str) -> None:
-    for j, h in enumerate(hashes):
-        if len(h) != HASH_SIZE:
-            raise invalid(f"{where}[{j}] must be {HASH_SIZE} bytes, got {len(h)}")
-
-
-def _check_block_ids(
-    block_ids: Iterable[int], num_blocks: int, where: str, *, offset: int = 0
-) -> None:
-    for j, b in enumerate(block_ids, start=offset):
-        if b == NULL_BLOCK:
-            raise invalid(
-                f"{where}[{j}]: block 0 is reserved (null entries may only lead the table of "
-                "a sliding-window pool)"
-            )
-        if not 0 < b < num_blocks:
-            raise invalid(f"{where}[{j}] = {b} is out of range [1, {num_blocks})")
 
 
 __all__ = ["BlockManagerError", "ErrorCode", "KVBlockManager"]

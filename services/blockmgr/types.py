@@ -42,7 +42,7 @@ class KVCacheGroup:
 
     ``sliding_window``: W tokens (>= 1) for a SLIDING group, 0 for a FULL one. ``layers``: the
     model layers the group covers; informational, echoed back in ``PoolInfo.groups``. A pool
-    serves one group in this version (``ServiceInfo.max_kv_cache_groups``)."""
+    has at most ``ServiceInfo.max_kv_cache_groups`` groups."""
 
     kind: AttentionKindName = AttentionKindName.FULL
     sliding_window: int = 0
@@ -122,7 +122,7 @@ Operation = Admit | Grow | Fork | Free | Commit
 @dataclass(frozen=True, slots=True)
 class AdmitResult:
     status: OpStatus
-    block_ids: tuple[int, ...] = ()
+    block_ids: tuple[int, ...] = ()  # the sequence's tables, group-major
     num_cached_tokens: int = 0
     num_tokens: int = 0  # token slots the sequence holds: cached + newly allocated
 
@@ -130,21 +130,25 @@ class AdmitResult:
 @dataclass(frozen=True, slots=True)
 class BlockCopy:
     """Copy-on-write: the executor copies ``src`` to ``dst`` before the forward; ``dst``
-    replaces ``src`` at ``block_index`` in the table of grow entry ``entry``."""
+    replaces ``src`` at ``block_index`` in the table of KV-cache group ``group`` of grow entry
+    ``entry``."""
 
     entry: int
     block_index: int
     src: int
     dst: int
+    group: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class GrowResult:
     statuses: tuple[OpStatus, ...]
-    new_block_ids: tuple[tuple[int, ...], ...]  # per entry, appended to its table
+    # Per entry, its new blocks: G equal runs, group-major, each appended to that group's table.
+    new_block_ids: tuple[tuple[int, ...], ...]
     copies: tuple[BlockCopy, ...] = ()
-    # SLIDING pools: per entry, the index of its first non-null block after the entry (the
-    # entries before it are 0: released out of the window). Empty in FULL pools.
+    # Pools with a SLIDING group: per entry and group (entry-major), the index of the table's
+    # first non-null block after the entry (the entries before it are 0: released out of the
+    # window; always 0 in a FULL group). Empty when no group slides.
     first_live_blocks: tuple[int, ...] = ()
 
 
@@ -185,9 +189,10 @@ class StepResult:
 
 @dataclass(frozen=True, slots=True)
 class RestoredSequence:
-    """A live sequence's table to rebuild. In a SLIDING pool ``block_ids`` may start with a run
-    of 0 (its entries released out of the window); ``block_hashes[i]`` names ``block_ids[i]``
-    and the hashes of null entries are skipped."""
+    """A live sequence's tables to rebuild, group-major in ``block_ids``. A SLIDING group's
+    table may start with a run of 0 (its entries released out of the window);
+    ``block_hashes[i]`` names block ``i`` of every table and the hashes of null entries are
+    skipped."""
 
     seq_id: int
     num_tokens: int
@@ -246,7 +251,9 @@ class PoolStats:
     last_event_seq: int
 
 
-PendingEvent = tuple[KVEventKind, bytes]  # (kind, block hash): a plain tuple, made per block
+# (kind, cache key: the block hash, and its group's byte after it in groups > 0): a plain
+# tuple, made per block.
+PendingEvent = tuple[KVEventKind, bytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,4 +262,4 @@ class KVEvent:
     epoch: int
     kind: KVEventKind
     block_hashes: tuple[bytes, ...] = field(default=())
-    group: int = 0  # the KV-cache group of the hashes (0 while pools have one group)
+    group: int = 0  # the KV-cache group of the hashes (its index in PoolInfo.groups)

@@ -1,5 +1,6 @@
 """Property-based tests: random operation sequences keep the pool's invariants, in full-attention
-pools and in sliding-window ones (whose tables start with null entries)."""
+pools, in sliding-window ones (whose tables start with null entries) and in hybrid pools (one
+table per KV-cache group, from one set of blocks)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,19 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from services.blockmgr.errors import BlockManagerError
+from services.blockmgr.kv_groups import group_key
 from services.blockmgr.kv_manager import KVBlockManager
-from services.blockmgr.types import Admit, Commit, Fork, Free, Grow, OpStatus, RestoredSequence
+from services.blockmgr.types import (
+    Admit,
+    AttentionKindName,
+    Commit,
+    Fork,
+    Free,
+    Grow,
+    KVCacheGroup,
+    OpStatus,
+    RestoredSequence,
+)
 from services.common.blocks import first_live_block as first_live
 from tests.blockmgr.helpers import hashes
 
@@ -21,9 +33,12 @@ NUM_BLOCKS = 24
 prompts = st.lists(st.integers(0, 2), min_size=1, max_size=40)
 
 
+Tables = dict[int, tuple[list[list[int]], list[int]]]
+
+
 class PoolMachine(RuleBasedStateMachine):
     policy = "lru"
-    window = 0  # > 0: a sliding-window pool of this many tokens
+    windows: tuple[int, ...] = (0,)  # one per KV-cache group: > 0 slides over that many tokens
 
     def __init__(self) -> None:
         super().__init__()
@@ -32,12 +47,18 @@ class PoolMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     def _manager(self) -> KVBlockManager:
-        return KVBlockManager(
-            NUM_BLOCKS, BS, eviction_policy=self.policy, sliding_window=self.window
-        )
+        groups = [
+            KVCacheGroup(AttentionKindName.SLIDING, w) if w else KVCacheGroup()
+            for w in self.windows
+        ]
+        return KVBlockManager(NUM_BLOCKS, BS, eviction_policy=self.policy, groups=groups)
 
-    def _tables(self) -> dict[int, tuple[list[int], int]]:
-        return {s: (list(v.block_table), v.first_live) for s, v in self.m.seqs.items()}
+    def _tables(self, m: KVBlockManager | None = None) -> Tables:
+        seqs = (m or self.m).seqs
+        return {s: ([list(t) for t in v.tables], list(v.first_lives)) for s, v in seqs.items()}
+
+    def _lives(self, num_tokens: int) -> list[int]:
+        return [first_live(num_tokens, w, BS) for w in self.windows]
 
     def _new_id(self) -> int:
         self.next_id += 1
@@ -50,8 +71,11 @@ class PoolMachine(RuleBasedStateMachine):
         if r.status is OpStatus.OK:
             assert r.num_cached_tokens < len(tokens)
             assert r.num_cached_tokens % BS == 0
-            live = first_live(r.num_cached_tokens, self.window, BS)
-            assert r.block_ids[:live] == (0,) * live and 0 not in r.block_ids[live:]
+            n = -(-r.num_tokens // BS)
+            assert len(r.block_ids) == n * len(self.windows)
+            for g, live in enumerate(self._lives(r.num_cached_tokens)):
+                table = r.block_ids[g * n : (g + 1) * n]
+                assert table[:live] == (0,) * live and 0 not in table[live:]
             self.tokens[seq_id] = tokens[: r.num_tokens]
 
     @precondition(lambda self: self.tokens)
@@ -61,13 +85,16 @@ class PoolMachine(RuleBasedStateMachine):
         before = self._tables()[seq_id]
         old = self.m.seqs[seq_id].num_tokens
         (r,) = self.m.step([Grow((seq_id,), (n,))])
+        lives = self.m.seqs[seq_id].first_lives
         if r.statuses[0] is OpStatus.OK:
             self.tokens[seq_id] += [data.draw(st.integers(0, 2)) for _ in range(n)]
-            live = max(before[1], first_live(old, self.window, BS))
-            assert self.m.seqs[seq_id].first_live == live
+            expected = [max(a, b) for a, b in zip(before[1], self._lives(old), strict=True)]
+            assert lives == expected
+            new = r.new_block_ids[0]
+            assert len(new) % len(self.windows) == 0  # the same number per group
         else:  # all or nothing
             assert self._tables()[seq_id] == before
-        assert r.first_live_blocks == ((self.m.seqs[seq_id].first_live,) if self.window else ())
+        assert r.first_live_blocks == (tuple(lives) if any(self.windows) else ())
 
     @precondition(lambda self: self.tokens)
     @rule(n=st.integers(0, 5))
@@ -119,40 +146,45 @@ class PoolMachine(RuleBasedStateMachine):
     def restart_and_restore(self) -> None:
         """Rebuild the pool from the live tables, as an executor does after a restart."""
         live = [
-            RestoredSequence(s, st_.num_tokens, tuple(st_.block_table))
+            RestoredSequence(s, st_.num_tokens, tuple(self.m.block_table(s)))
             for s, st_ in self.m.seqs.items()
         ]
         fresh = self._manager()
         fresh.restore(live)
         assert fresh.pool.refcount == self.m.pool.refcount
-        assert self._tables() == {
-            s: (list(v.block_table), v.first_live) for s, v in fresh.seqs.items()
-        }
+        assert self._tables() == self._tables(fresh)
         self.m = fresh
 
     @invariant()
     def null_entries_are_exactly_a_prefix_of_first_live_entries(self) -> None:
         for s in self.m.seqs.values():
-            live = s.first_live
-            assert s.block_table[:live] == [0] * live and 0 not in s.block_table[live:]
             # Never released: the blocks the next query (at num_tokens) still reads.
-            assert live <= first_live(s.num_tokens, self.window, BS)
-            if not self.window:
-                assert live == 0
+            bounds = self._lives(s.num_tokens)
+            for table, live, bound, w in zip(
+                s.tables, s.first_lives, bounds, self.windows, strict=True
+            ):
+                assert table[:live] == [0] * live and 0 not in table[live:]
+                assert live <= bound
+                if not w:
+                    assert live == 0
 
     @invariant()
     def refcount_equals_number_of_tables_holding_the_block(self) -> None:
-        held = Counter(b for s in self.m.seqs.values() for b in s.block_table if b)
+        held = Counter(b for s in self.m.seqs.values() for t in s.tables for b in t if b)
         pool = self.m.pool
         assert pool.refcount[0] == 0
         for b in range(1, NUM_BLOCKS):
             assert pool.refcount[b] == held.get(b, 0)
 
     @invariant()
-    def no_block_has_two_owners_unless_shared_by_refcount(self) -> None:
+    def a_block_is_held_once_per_table_and_by_one_group_only(self) -> None:
+        group_of: dict[int, int] = {}
         for s in self.m.seqs.values():
-            held = s.block_table[s.first_live :]
-            assert len(set(held)) == len(held)
+            for g, (table, live) in enumerate(zip(s.tables, s.first_lives, strict=True)):
+                held = table[live:]
+                assert len(set(held)) == len(held)
+                for b in held:
+                    assert group_of.setdefault(b, g) == g
 
     @invariant()
     def free_plus_in_use_equals_usable_and_free_blocks_are_unreferenced(self) -> None:
@@ -169,7 +201,7 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def tables_cover_exactly_their_tokens(self) -> None:
         for seq_id, s in self.m.seqs.items():
-            assert len(s.block_table) == -(-s.num_tokens // BS)
+            assert [len(t) for t in s.tables] == [-(-s.num_tokens // BS)] * len(self.windows)
             assert s.num_tokens == len(self.tokens[seq_id])
 
     @invariant()
@@ -177,14 +209,17 @@ class PoolMachine(RuleBasedStateMachine):
         pool = self.m.pool
         for h, b in pool.hash_to_block.items():
             assert pool.block_hash[b] == h
-        # A cached block reachable from a live sequence holds that sequence's prefix hash.
+        # A cached block reachable from a live sequence holds that sequence's prefix hash, in
+        # the group whose table holds it.
         for seq_id, s in self.m.seqs.items():
             expected = hashes(self.tokens[seq_id], BS)
-            for i, b in enumerate(s.block_table[: len(expected)]):
-                if pool.block_hash[b] is not None:
-                    assert pool.block_hash[b] == expected[i]
-                if b in pool._duplicate_of:
-                    assert pool._duplicate_of[b] == expected[i]
+            for g, table in enumerate(s.tables):
+                for i, b in enumerate(table[: len(expected)]):
+                    key = group_key(expected[i], g)
+                    if b and pool.block_hash[b] is not None:
+                        assert pool.block_hash[b] == key
+                    if b in pool._duplicate_of:
+                        assert pool._duplicate_of[b] == key
 
     @invariant()
     def duplicates_are_live_unhashed_copies_of_a_hashed_block(self) -> None:
@@ -207,16 +242,25 @@ class LFUPoolMachine(PoolMachine):
 
 
 class SlidingPoolMachine(PoolMachine):
-    window = 6  # not a multiple of the block size: the window straddles blocks
+    windows = (6,)  # not a multiple of the block size: the window straddles blocks
 
 
 class SlidingLFUPoolMachine(PoolMachine):
     policy = "lfu"
-    window = 9
+    windows = (9,)
 
 
 class SlidingWindowOfOnePoolMachine(PoolMachine):
-    window = 1  # the degenerate window: every full block is out of it at once
+    windows = (1,)  # the degenerate window: every full block is out of it at once
+
+
+class HybridPoolMachine(PoolMachine):
+    windows = (6, 0, 6)  # Gemma-style: sliding groups around a full one
+
+
+class HybridLFUPoolMachine(PoolMachine):
+    policy = "lfu"
+    windows = (0, 9, 1)  # two windows of their own
 
 
 _settings = settings(
@@ -237,3 +281,7 @@ TestSlidingPoolInvariantsLFU = SlidingLFUPoolMachine.TestCase
 TestSlidingPoolInvariantsLFU.settings = _sliding_settings
 TestSlidingWindowOfOneInvariants = SlidingWindowOfOnePoolMachine.TestCase
 TestSlidingWindowOfOneInvariants.settings = _sliding_settings
+TestHybridPoolInvariantsLRU = HybridPoolMachine.TestCase
+TestHybridPoolInvariantsLRU.settings = _sliding_settings
+TestHybridPoolInvariantsLFU = HybridLFUPoolMachine.TestCase
+TestHybridPoolInvariantsLFU.settings = _sliding_settings

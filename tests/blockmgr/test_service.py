@@ -18,6 +18,7 @@ from pagedserve.v1 import blockmgr_pb2 as pb
 from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
 from services.blockmgr import convert
 from services.blockmgr.client import GrpcClient
+from services.blockmgr.kv_groups import MAX_KV_CACHE_GROUPS
 from services.blockmgr.types import (
     EVENTS_LIVE_HEADER,
     Admit,
@@ -115,7 +116,9 @@ def test_an_unspecified_attention_kind_is_echoed_as_full(stub):
         [0, 1],
     )
     info = stub.Info(pb.BlockManagerInfoRequest(pool_id="raw-5"), timeout=5)
-    assert info.max_kv_cache_groups == 1 and info.pools[0].groups == resp.pool.groups
+    assert (
+        info.max_kv_cache_groups == MAX_KV_CACHE_GROUPS and info.pools[0].groups == resp.pool.groups
+    )
     stub.Unregister(
         pb.UnregisterPoolRequest(
             pool_id="raw-5", epoch=resp.pool.epoch, owner_token=resp.owner_token

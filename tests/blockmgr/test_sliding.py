@@ -9,7 +9,13 @@ from hypothesis import strategies as st
 
 from services.blockmgr.core import BlockManagerCore
 from services.blockmgr.errors import ErrorCode
-from services.blockmgr.kv_groups import longest_window_hit, validated_groups
+from services.blockmgr.kv_groups import (
+    MAX_KV_CACHE_GROUPS,
+    longest_group_hit,
+    longest_window_hit,
+    split_key,
+    validated_groups,
+)
 from services.blockmgr.kv_manager import KVBlockManager
 from services.blockmgr.types import (
     FULL_GROUP,
@@ -87,6 +93,38 @@ def test_longest_window_hit_equals_the_brute_force_search(cached, n, window):
     assert k == best
     assert ids == [100 + j for j in range(first_live(k * BS, window, BS), k)]
     assert len(lookups) == len(set(lookups)) <= n  # every block looked up at most once
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(
+    cached=st.sets(st.tuples(st.integers(0, 2), st.integers(0, 11))),
+    n=st.integers(0, 12),
+    windows=st.lists(st.sampled_from([0, 1, 4, 6, 9]), min_size=1, max_size=3),
+)
+def test_longest_group_hit_is_the_longest_prefix_every_group_serves(cached, n, windows):
+    """Against brute force: a full group needs blocks 0..k-1 cached in it, a sliding one the
+    blocks its window reads at k; each (hash, group) key is looked up at most once."""
+    block_hashes = [bytes([i]) * 32 for i in range(n)]
+    lookups: list[bytes] = []
+
+    def lookup(key: bytes) -> int | None:
+        lookups.append(key)
+        block, group = split_key(key)
+        return 1000 * group + block[0] + 1 if (group, block[0]) in cached else None
+
+    k, lives, hits = longest_group_hit(block_hashes, windows, BS, lookup)
+
+    def serves(g: int, w: int, k2: int) -> bool:
+        return all((g, j) in cached for j in range(first_live(k2 * BS, w, BS), k2))
+
+    best = max(
+        (k2 for k2 in range(n + 1) if all(serves(g, w, k2) for g, w in enumerate(windows))),
+        default=0,
+    )
+    assert k == best
+    assert lives == [first_live(k * BS, w, BS) for w in windows]
+    assert hits == [[1000 * g + j + 1 for j in range(lives[g], k)] for g in range(len(windows))]
+    assert len(lookups) == len(set(lookups))
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
@@ -318,17 +356,18 @@ def test_groups_are_validated_and_echoed():
     core = BlockManagerCore()
     info = core.register("p", 8, BS, groups=[g])
     assert info.groups == (g,) and core.info("p").pools[0].groups == (g,)
-    assert core.manager("p").sliding_window == 4096
-    assert core.info().max_kv_cache_groups == 1
+    assert core.manager("p").windows == (4096,)
+    assert core.info().max_kv_cache_groups == MAX_KV_CACHE_GROUPS
     again = core.register("p", 8, BS, owner_token=info.owner_token)
     assert again.epoch > info.epoch and again.groups == (FULL_GROUP,)
-    assert core.manager("p").sliding_window == 0
+    assert core.manager("p").windows == (0,)
 
 
 @pytest.mark.parametrize(
     ("groups", "field"),
     [
-        ([FULL_GROUP, FULL_GROUP], "groups"),
+        ([FULL_GROUP] * (MAX_KV_CACHE_GROUPS + 1), "groups"),
+        ([KVCacheGroup(layers=(0, 1)), KVCacheGroup(SLIDING, 8, (2, 1))], "groups[1].layers[1]"),
         ([KVCacheGroup(SLIDING, 0)], "groups[0].sliding_window"),
         ([KVCacheGroup(SLIDING, -3)], "groups[0].sliding_window"),
         ([KVCacheGroup(AttentionKindName.FULL, 16)], "groups[0].sliding_window"),

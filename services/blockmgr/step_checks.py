@@ -1,0 +1,143 @@
+"""Validation of a Step before anything changes (pure, no I/O): a malformed op, an unknown
+sequence, a double free or a duplicate id rejects the whole Step, with the field named."""
+
+from __future__ import annotations
+
+from collections.abc import Container, Iterable, Mapping, Sequence
+from typing import Protocol
+
+from services.blockmgr.errors import invalid, not_found, precondition
+from services.blockmgr.hashing import HASH_SIZE
+from services.blockmgr.types import Admit, Commit, Fork, Free, Grow, Operation
+from services.common.blocks import NULL_BLOCK, full_blocks
+
+MAX_SEQ_ID = 2**64 - 1
+MAX_TOKENS = 2**40
+
+
+class SeqLike(Protocol):
+    num_tokens: int
+
+
+def validate_step(
+    ops: Sequence[Operation],
+    seqs: Mapping[int, SeqLike],
+    recently_freed: Container[int],
+    block_size: int,
+) -> None:
+    """Reject the whole step on any malformed op, simulating liveness and token counts in
+    order as if every entry succeeded (a capacity failure only ever removes effects)."""
+    overlay: dict[int, int | None] = {}  # seq_id -> simulated num_tokens, None = freed
+
+    def tokens_of(seq_id: int, where: str) -> int:
+        if seq_id in overlay:
+            n = overlay[seq_id]
+            if n is None:
+                raise precondition(f"{where}: seq_id {seq_id} was freed earlier in this step")
+            return n
+        state = seqs.get(seq_id)
+        if state is None:
+            if seq_id in recently_freed:
+                raise precondition(f"{where}: seq_id {seq_id} was already freed")
+            raise not_found(f"{where}: unknown seq_id {seq_id}")
+        return state.num_tokens
+
+    def absent(seq_id: int, where: str) -> None:
+        check_seq_id(seq_id, where)
+        live = overlay[seq_id] is not None if seq_id in overlay else seq_id in seqs
+        if live:
+            raise precondition(f"{where}: seq_id {seq_id} already exists")
+
+    for i, op in enumerate(ops):
+        where = f"ops[{i}]"
+        if isinstance(op, Grow):
+            if len(op.seq_ids) != len(op.num_tokens):
+                raise invalid(f"{where}.grow: seq_ids and num_tokens differ in length")
+            if len(set(op.seq_ids)) != len(op.seq_ids):
+                dup = next(x for j, x in enumerate(op.seq_ids) if x in op.seq_ids[:j])
+                raise invalid(f"{where}.grow.seq_ids: seq_id {dup} is listed twice")
+            for j, (seq_id, n) in enumerate(zip(op.seq_ids, op.num_tokens, strict=True)):
+                if not 0 <= n <= MAX_TOKENS:
+                    raise invalid(f"{where}.grow.num_tokens[{j}] must be >= 0, got {n}")
+                state = seqs.get(seq_id)  # fast path: a live sequence untouched so far
+                if state is not None and seq_id not in overlay:
+                    overlay[seq_id] = state.num_tokens + n
+                else:
+                    overlay[seq_id] = tokens_of(seq_id, f"{where}.grow.seq_ids[{j}]") + n
+        elif isinstance(op, Free):
+            for j, seq_id in enumerate(op.seq_ids):
+                tokens_of(seq_id, f"{where}.free.seq_ids[{j}]")
+                overlay[seq_id] = None
+        elif isinstance(op, Commit):
+            n = tokens_of(op.seq_id, f"{where}.commit.seq_id")
+            check_hashes(op.block_hashes, f"{where}.commit.block_hashes")
+            if op.start_block < 0:
+                raise invalid(f"{where}.commit.start_block must be >= 0")
+            full = full_blocks(n, block_size)
+            if op.start_block + len(op.block_hashes) > full:
+                raise invalid(
+                    f"{where}.commit: blocks {op.start_block}.."
+                    f"{op.start_block + len(op.block_hashes) - 1} are not all full "
+                    f"(seq_id {op.seq_id} has {full} full blocks)"
+                )
+        elif isinstance(op, Admit):
+            absent(op.seq_id, f"{where}.admit.seq_id")
+            if not 1 <= op.num_prompt_tokens <= MAX_TOKENS:
+                raise invalid(f"{where}.admit.num_prompt_tokens must be >= 1")
+            if not 1 <= op.max_new_tokens <= MAX_TOKENS:
+                raise invalid(f"{where}.admit.max_new_tokens must be >= 1")
+            if op.reserve_blocks < 0:
+                raise invalid(f"{where}.admit.reserve_blocks must be >= 0")
+            check_hashes(op.block_hashes, f"{where}.admit.block_hashes")
+            if len(set(op.block_hashes)) != len(op.block_hashes):
+                # A chained hash never repeats within one prompt; a repeat would put one
+                # block twice in a table (refcount != tables holding it).
+                raise invalid(f"{where}.admit.block_hashes: a hash is listed twice")
+            if len(op.block_hashes) > full_blocks(op.num_prompt_tokens, block_size):
+                raise invalid(
+                    f"{where}.admit.block_hashes: {len(op.block_hashes)} hashes for "
+                    f"{full_blocks(op.num_prompt_tokens, block_size)} full prompt blocks"
+                )
+            # The hit length is only known at apply time; min(P, M) is the fewest slots a
+            # successful admission holds, so later commits are checked against that.
+            overlay[op.seq_id] = min(op.num_prompt_tokens, op.max_new_tokens)
+        elif isinstance(op, Fork):
+            n = tokens_of(op.parent_seq_id, f"{where}.fork.parent_seq_id")
+            absent(op.child_seq_id, f"{where}.fork.child_seq_id")
+            overlay[op.child_seq_id] = n
+        else:
+            raise invalid(f"{where}: unknown operation {type(op).__name__}")
+
+
+def check_seq_id(seq_id: int, where: str) -> None:
+    if not 0 <= seq_id <= MAX_SEQ_ID:
+        raise invalid(f"{where} must be a uint64, got {seq_id}")
+
+
+def check_hashes(hashes: Iterable[bytes], where: str) -> None:
+    for j, h in enumerate(hashes):
+        if len(h) != HASH_SIZE:
+            raise invalid(f"{where}[{j}] must be {HASH_SIZE} bytes, got {len(h)}")
+
+
+def check_block_ids(
+    block_ids: Iterable[int], num_blocks: int, where: str, *, offset: int = 0
+) -> None:
+    for j, b in enumerate(block_ids, start=offset):
+        if b == NULL_BLOCK:
+            raise invalid(
+                f"{where}[{j}]: block 0 is reserved (null entries may only lead the table of "
+                "a sliding-window pool)"
+            )
+        if not 0 < b < num_blocks:
+            raise invalid(f"{where}[{j}] = {b} is out of range [1, {num_blocks})")
+
+
+__all__ = [
+    "MAX_SEQ_ID",
+    "MAX_TOKENS",
+    "check_block_ids",
+    "check_hashes",
+    "check_seq_id",
+    "validate_step",
+]
