@@ -86,6 +86,7 @@ class TinyModelSpec:
     rope_scaling: RopeScaling = "none"
     partial_rotary_factor: float = 1.0  # phi3 only (Phi-4-mini rotates 3/4 of each head)
     sliding_window: int | None = None  # None: no window (archs that can have one)
+    sliding_window_pattern: int = 2  # gemma3: one global layer in every this many
     init_std: float = 0.25
     max_shard_size: str | None = None  # e.g. "100KB" for a sharded checkpoint
 
@@ -232,7 +233,9 @@ def _gemma_config(spec: TinyModelSpec, common: dict[str, Any]) -> PretrainedConf
         "full_attention": full,
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
     }
-    gemma["sliding_window_pattern"] = 2  # a global layer after each sliding one
+    # One global layer in every `pattern` (2 by default: a global layer after each sliding one;
+    # the real Gemma 3 has 6).
+    gemma["sliding_window_pattern"] = spec.sliding_window_pattern
     text = Gemma3TextConfig(**gemma)
     if spec.arch == "gemma3":
         return text
@@ -299,6 +302,12 @@ def main(argv: list[str]) -> int:
         default=None,
         help="a sliding window (mistral, mixtral, phi3, qwen2/3 from layer 1; gemma: default 16)",
     )
+    parser.add_argument(
+        "--sliding-window-pattern",
+        type=int,
+        default=defaults.sliding_window_pattern,
+        help="gemma3: one global layer in every this many (the real models: 6)",
+    )
     parser.add_argument("--init-std", type=float, default=defaults.init_std)
     parser.add_argument("--max-shard-size", default=None, help='e.g. "100KB" to shard the weights')
     parser.add_argument("--force", action="store_true", help="write into a non-empty directory")
@@ -326,6 +335,7 @@ def main(argv: list[str]) -> int:
         rope_scaling=args.rope_scaling,
         partial_rotary_factor=args.partial_rotary_factor,
         sliding_window=args.sliding_window,
+        sliding_window_pattern=args.sliding_window_pattern,
         init_std=args.init_std,
         max_shard_size=args.max_shard_size,
     )

@@ -102,8 +102,11 @@ def hf_model(tiny_checkpoint: CheckpointFactory) -> Callable[[str], PreTrainedMo
 
 def load_runner(model_dir: str | Path, **config: Any) -> ModelRunner:
     """A CPU runner of ``model_dir`` built the production way; ``config`` overrides
-    :class:`ExecutorConfig` fields. ``max_model_len`` defaults to what the cache holds."""
+    :class:`ExecutorConfig` fields. ``max_model_len`` defaults to what the cache holds. The
+    runner's callers give each sequence one block table: a hybrid model's KV cache is one
+    group here (the engine tests serve it from hybrid pools)."""
     config.setdefault("device", "cpu")
+    config.setdefault("disable_hybrid_kv_cache_manager", True)
     config.setdefault("num_kv_blocks", 128)
     if config["num_kv_blocks"] is not None:
         capacity = (config["num_kv_blocks"] - 1) * config.get("block_size", 16)

@@ -226,7 +226,7 @@ def test_runner_sizes_its_cache_from_blocks_or_a_byte_budget(llama_copy: Path) -
 
 def test_a_cache_too_small_for_one_full_sequence_is_refused(llama_copy: Path) -> None:
     with pytest.raises(
-        ValueError, match=r"fewer than the 512 one sequence may need \(max_model_len=512\)"
+        ValueError, match=r"fewer than the 32 one sequence may need \(max_model_len=512,"
     ):
         load_runner(llama_copy, num_kv_blocks=8, max_model_len=512)
 

@@ -66,9 +66,24 @@ def test_a_prefix_hit_past_the_window_continues_as_transformers_does(
     assert second.output == hf_greedy(hf_model(name), prompt, MAX_NEW_TOKENS)[0]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma2", "mistral_window"])
+@pytest.mark.parametrize(
+    ("name", "hybrid", "num_kv_blocks"),
+    [
+        # Too few for all at once: sequences are preempted and recomputed. Gemma 3's pool is
+        # hybrid (a sliding and a full group, each block one layer: twice the blocks in the
+        # same memory); Gemma 2's keeps every block of every layer; Mistral's releases the
+        # blocks out of its window (it needs fewer to be short of them).
+        ("gemma3", True, 26),
+        ("gemma2", False, 14),
+        ("mistral_window", True, 8),
+    ],
+)
 def test_engine_with_prefix_caching_chunked_prefill_and_preemption_matches_transformers(
-    name: str, tiny_checkpoint: CheckpointFactory, hf_model: Callable[[str], PreTrainedModel]
+    name: str,
+    hybrid: bool,
+    num_kv_blocks: int,
+    tiny_checkpoint: CheckpointFactory,
+    hf_model: Callable[[str], PreTrainedModel],
 ) -> None:
     workload = shared_prefix_workload(
         hf_model(name), seed=3, num_requests=12, prefix_len=40, max_tail=30, max_tokens=(4, 24)
@@ -78,11 +93,10 @@ def test_engine_with_prefix_caching_chunked_prefill_and_preemption_matches_trans
         dtype="float32",
         device="cpu",
         block_size=8,
-        # Too few for all at once: sequences are preempted and recomputed. (Mistral's pool
-        # releases the blocks out of its window: it needs fewer to be short of them.)
-        num_kv_blocks=8 if name == "mistral_window" else 14,
+        num_kv_blocks=num_kv_blocks,
         max_model_len=96,
         max_num_batched_tokens=24,  # prompts are prefilled in chunks
+        disable_hybrid_kv_cache_manager=not hybrid,
     )
     engine, _ = build_engine(
         config, runner=build_runner(config.runner_config()), blockmgr=InProcessClient()
@@ -99,6 +113,7 @@ def test_engine_with_prefix_caching_chunked_prefill_and_preemption_matches_trans
     stats = engine.link.client.stats(engine.link.spec.pool_id)
     assert stats.prefix_cache_hits_tokens > 0
     assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.config.num_kv_groups == (2 if name == "gemma3" else 1)
 
 
 def _long_prompts(prompt_ids: list[list[int]]) -> list[list[int]]:

@@ -99,11 +99,11 @@ class AheadScheduling:
             if budget <= 0:
                 break
             k = min(left, budget)
-            table = seq.block_table
-            if table and needs_cow(slots, k, bs, refs[table[-1]]):
+            tables = seq.tables
+            if tables[0] and any(needs_cow(slots, k, bs, refs[t[-1]]) for t in tables):
                 return None  # planned after sampling
             grows.append((seq, k))
-            grow_blocks.append(blocks_to_grow(slots, k, len(table), bs))
+            grow_blocks.append(blocks_to_grow(slots, k, len(tables[0]), bs) * len(tables))
             budget -= k
         need = sum(grow_blocks)
         if need > self.num_free_blocks or not (grows or self.waiting):

@@ -24,10 +24,22 @@ class SchedulerConfig:
     # this step (or a running prefill): it hits them, committed, a step later instead of
     # computing them again.
     hold_back_shared_prefixes: bool = True
-    # Every layer attends to a sliding window of this many tokens and the pool is a sliding
-    # KV-cache group: at each grow, the blocks out of every future query's window are
-    # released (0: full attention, every block kept).
+    # The window of the pool's sliding KV-cache groups: at each grow, their blocks out of
+    # every future query's window are released (0: full attention, every block kept).
     sliding_window: int = 0
+    # The pool's KV-cache groups (a hybrid model: one table per group and sequence), each
+    # True where it slides over ``sliding_window``; empty: one group, sliding iff the window
+    # is set.
+    kv_group_slides: tuple[bool, ...] = ()
+
+    @property
+    def group_slides(self) -> tuple[bool, ...]:
+        """Per KV-cache group of the pool: whether it slides."""
+        return self.kv_group_slides or (bool(self.sliding_window),)
+
+    @property
+    def num_kv_groups(self) -> int:
+        return len(self.group_slides)
 
 
 @dataclass(frozen=True)

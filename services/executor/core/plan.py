@@ -25,7 +25,15 @@ from services.blockmgr.types import (
 from services.common.blocks import NULL_BLOCK, blocks_for_tokens, first_live_block
 from services.executor.core.sequence import Sequence
 
-__all__ = ["BadAnswer", "SchedulePlan", "ScheduledBatch", "ScheduledChunk", "check_answer"]
+__all__ = [
+    "BadAnswer",
+    "SchedulePlan",
+    "ScheduledBatch",
+    "ScheduledChunk",
+    "check_answer",
+    "extend_tables",
+    "split_tables",
+]
 
 
 class ScheduledChunk(NamedTuple):
@@ -56,12 +64,14 @@ class SchedulePlan:
     free_seq_ids: list[int] = field(default_factory=list)
     grows: list[tuple[Sequence, int]] = field(default_factory=list)  # decodes, then prefills
     grow_blocks: list[int] = field(default_factory=list)  # new blocks each grow must get
-    # Sliding-window pools: each grow's first live block once the pool has applied it.
+    # Sliding-window pools: each grow's first live block (in its sliding groups) once the
+    # pool has applied it.
     grow_first_live: list[int] = field(default_factory=list)
     admits: list[tuple[Sequence, Admit]] = field(default_factory=list)
     released: list[RestoredSequence] = field(default_factory=list)  # freed by this plan
     fork_ids: set[int] = field(default_factory=set)  # children forked by this plan
-    cow_ids: set[int] = field(default_factory=set)  # grows the mirror counted as COW
+    # Grows the mirror counted as copy-on-write: seq_id -> the KV-cache groups to copy in.
+    cow_ids: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def ops(self) -> list[Operation]:
         """The Step's operations: commits, forks (before frees: a parent finished in the last
@@ -107,6 +117,24 @@ class ScheduledBatch:
     copies: list[tuple[int, int]]  # copy-on-write (src, dst) block pairs
 
 
+def split_tables(block_ids: tuple[int, ...], num_groups: int) -> list[list[int]]:
+    """A sequence's tables out of the contract's group-major concatenation."""
+    if num_groups == 1:
+        return [list(block_ids)]
+    n = len(block_ids) // num_groups
+    return [list(block_ids[g * n : (g + 1) * n]) for g in range(num_groups)]
+
+
+def extend_tables(tables: list[list[int]], new_ids: tuple[int, ...]) -> None:
+    """Append a grow entry's new blocks (equal runs, group-major) to each group's table."""
+    if len(tables) == 1:
+        tables[0].extend(new_ids)
+        return
+    n = len(new_ids) // len(tables)
+    for g, table in enumerate(tables):
+        table.extend(new_ids[g * n : (g + 1) * n])
+
+
 def check_answer(
     plan: SchedulePlan,
     grow: GrowResult | None,
@@ -116,16 +144,21 @@ def check_answer(
     num_blocks: int,
     refs: Counter[int],
     sliding_window: int = 0,
+    group_slides: tuple[bool, ...] = (),
 ) -> None:
     """Raise :class:`BadAnswer` unless every entry got exactly what it asked for: the
     expected number of blocks, each new one in range and held by none of our tables, a
     copy-on-write exactly where our mirror expects one, and admissions whose cached prefix
     and slots add up. ``refs``: the scheduler's refcount mirror (blocks its tables hold);
     ``num_blocks``: the pool's size, the null block included. In a sliding-window pool
-    (``sliding_window``), each grow entry's first live block must be the one the mirror
-    released up to, and an admission's table must start with exactly the null entries out of
-    its first query's window."""
+    (``sliding_window``; ``group_slides``: which of the pool's KV-cache groups slide, by
+    default one that does iff the window is set), each grow entry's first live block must be
+    the one the mirror released up to in its sliding groups and 0 in the others, and an
+    admission's tables must start with exactly the null entries out of its first query's
+    window in the sliding groups, and hold none in the others."""
     bs, ok = block_size, OpStatus.OK
+    slides = group_slides or (bool(sliding_window),)
+    num_groups = len(slides)
     bad: set[int] = set()
     taken: set[int] = set()
 
@@ -140,29 +173,31 @@ def check_answer(
         counts = [len(ids) for ids in grow.new_block_ids]
         all_ok = grow.statuses.count(ok) == len(plan.grows)
         if counts != plan.grow_blocks or grow.copies or plan.cow_ids or not all_ok:
-            copied: set[int] = set()
+            copied: dict[int, set[int]] = {}  # entry -> groups copied
             for c in grow.copies:
-                if not 0 <= c.entry < len(plan.grows):
+                if not 0 <= c.entry < len(plan.grows) or not 0 <= c.group < num_groups:
                     raise BadAnswer(
-                        f"copy for grow entry {c.entry}", {s.seq_id for s, _ in plan.grows}
+                        f"copy for grow entry {c.entry}, group {c.group}",
+                        {s.seq_id for s, _ in plan.grows},
                     )
                 seq = plan.grows[c.entry][0]
-                table = seq.block_table
+                table = seq.tables[c.group]
+                groups = copied.setdefault(c.entry, set())
                 if (
-                    seq.seq_id not in plan.cow_ids
-                    or c.entry in copied
+                    c.group not in plan.cow_ids.get(seq.seq_id, ())
+                    or c.group in groups
                     or not table
                     or c.block_index != len(table) - 1
                     or c.src != table[-1]
                     or not fresh((c.dst,))
                 ):
                     bad.add(seq.seq_id)
-                copied.add(c.entry)
+                groups.add(c.group)
             for i, ((seq, _), status, got, want) in enumerate(
                 zip(plan.grows, grow.statuses, counts, plan.grow_blocks, strict=True)
             ):
                 if status is ok:
-                    if got != want or (seq.seq_id in plan.cow_ids) != (i in copied):
+                    if got != want or set(plan.cow_ids.get(seq.seq_id, ())) != copied.get(i, set()):
                         bad.add(seq.seq_id)
                 elif got or i in copied:
                     bad.add(seq.seq_id)
@@ -171,32 +206,44 @@ def check_answer(
                 bad.add(seq.seq_id)
         if sliding_window:  # (a refused grow releases nothing: its sequence is requeued)
             live = grow.first_live_blocks
-            if len(live) != len(plan.grows):
+            if len(live) != len(plan.grows) * num_groups:
                 bad.update(s.seq_id for s, _ in plan.grows)
             else:
-                for (seq, _), status, got, want in zip(
-                    plan.grows, grow.statuses, live, plan.grow_first_live, strict=True
+                for i, ((seq, _), status, want) in enumerate(
+                    zip(plan.grows, grow.statuses, plan.grow_first_live, strict=True)
                 ):
-                    if status is ok and got != want:
+                    lives = live[i * num_groups : (i + 1) * num_groups]
+                    if status is ok and any(
+                        first != (want if slid else 0)
+                        for first, slid in zip(lives, slides, strict=True)
+                    ):
                         bad.add(seq.seq_id)
     for (seq, op), res in zip(plan.admits, admitted, strict=True):
         if res.status is not ok:
             continue
-        cached, ids = res.num_cached_tokens, res.block_ids
+        cached = res.num_cached_tokens
         want = cached + min(op.num_prompt_tokens - cached, op.max_new_tokens)
         hits = cached // bs
-        released = first_live_block(cached, sliding_window, bs)
+        n = blocks_for_tokens(want, bs)
         if (
             cached % bs
             or not 0 <= cached < op.num_prompt_tokens
             or hits > len(op.block_hashes)
             or res.num_tokens != want
-            or len(ids) != blocks_for_tokens(want, bs)
-            or any(b != NULL_BLOCK for b in ids[:released])
-            or len(set(ids[released:])) != len(ids) - released
-            or not all(0 < b < num_blocks for b in ids[released:hits])
-            or not fresh(ids[max(hits, released) :])
+            or len(res.block_ids) != n * num_groups
         ):
             bad.add(seq.seq_id)
+            continue
+        window_start = first_live_block(cached, sliding_window, bs)
+        for g, slides_g in enumerate(slides):
+            ids = res.block_ids[g * n : (g + 1) * n]
+            released = window_start if slides_g else 0
+            if (
+                any(b != NULL_BLOCK for b in ids[:released])
+                or len(set(ids[released:])) != len(ids) - released
+                or not all(0 < b < num_blocks for b in ids[released:hits])
+                or not fresh(ids[max(hits, released) :])
+            ):
+                bad.add(seq.seq_id)
     if bad:
         raise BadAnswer("the block manager's answer contradicts the plan", bad)

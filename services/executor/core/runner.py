@@ -52,5 +52,7 @@ def seq_chunks(batch: ScheduledBatch) -> tuple[list[SeqChunk], list[int]]:
             pending.append(i)
             tokens = [0]
         every = start < seq.prompt_len and seq.wants_prompt_logprobs()
-        append(new(SeqChunk, (tokens, start, seq.block_table, need_logits, every)))
+        tables = seq.tables
+        group_tables = tables if len(tables) > 1 else ()
+        append(new(SeqChunk, (tokens, start, tables[0], need_logits, every, group_tables)))
     return seq_chunks, pending

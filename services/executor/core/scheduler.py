@@ -16,7 +16,9 @@ freed and it waits, to be re-admitted later with all its tokens.
 In a sliding-window pool (``SchedulerConfig.sliding_window``) every grow also releases the
 blocks that fell out of the window of the sequence's queries still to come (the block manager
 applies the same rule, :func:`services.common.blocks.first_live_block`, at the same grow
-entry); their table entries become the null block.
+entry); their table entries become the null block. A hybrid pool (several KV-cache groups,
+``SchedulerConfig.kv_group_slides``) gives each sequence one table per group, of equal length:
+every grow adds the same number of blocks to each, and only the sliding groups release.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from services.executor.core.plan import (
     ScheduledChunk,
     SchedulePlan,
     check_answer,
+    extend_tables,
+    split_tables,
 )
 from services.executor.core.sequence import FinishReason, SeqStatus, Sequence
 
@@ -98,11 +102,12 @@ class Scheduler(AheadScheduling):
         if len(self.running) >= self.config.max_num_seqs or parent.status is not SeqStatus.RUNNING:
             self.add(child)  # (a beam's parent may have been preempted: nothing to share)
             return
-        child.block_table = list(parent.block_table)
+        child.tables = [list(t) for t in parent.tables]
         child.first_live_block = parent.first_live_block
-        for b in child.block_table:
-            if b != NULL_BLOCK:
-                self.refs[b] += 1
+        for table in child.tables:
+            for b in table:
+                if b != NULL_BLOCK:
+                    self.refs[b] += 1
         child.num_computed_tokens = parent.num_computed_tokens
         bs = self.config.block_size
         shared = (len(child.token_ids) - 1) // bs  # full blocks of the tokens they share
@@ -146,20 +151,21 @@ class Scheduler(AheadScheduling):
                     return False
                 need = self._blocks_needed(seq, k)
             free -= need
-            cow = self._cow(seq, k)
-            if cow:  # mirror the pool: the writer drops its share of the block
-                self.refs[seq.block_table[-1]] -= 1
-                plan.cow_ids.add(seq.seq_id)
+            cows = self._cow_groups(seq, k)
+            if cows:  # mirror the pool: the writer drops its share of the block
+                for g in cows:
+                    self.refs[seq.tables[g][-1]] -= 1
+                plan.cow_ids[seq.seq_id] = cows
             scheduled.add(seq.seq_id)
             plan.grows.append((seq, k))
-            plan.grow_blocks.append(need - cow)  # the copy's block comes as a BlockCopy
+            plan.grow_blocks.append(need - len(cows))  # the copies' blocks come as BlockCopy
             if window:
                 plan.grow_first_live.append(seq.first_live_block)
             return True
 
         # Decodes first, then prefill chunks of running sequences, in priority order.
         bs, refs, grows, grow_blocks = cfg.block_size, self.refs, plan.grows, plan.grow_blocks
-        window = cfg.sliding_window
+        window, groups = cfg.sliding_window, cfg.num_kv_groups
         running = SeqStatus.RUNNING
         prefills: list[Sequence] = []  # (planning only removes from ``running``)
         for seq in list(self.running):
@@ -172,7 +178,11 @@ class Scheduler(AheadScheduling):
                 prefills.append(seq)
             elif budget <= 0:
                 continue
-            elif computed % bs and refs[seq.block_table[-1]] == 1:
+            elif (
+                computed % bs
+                and refs[seq.tables[0][-1]] == 1
+                and (groups == 1 or all(refs[t[-1]] == 1 for t in seq.tables))
+            ):
                 # The common decode: room in a last block no one else holds.
                 if window:
                     free += self._slide(seq, computed + seq.num_ahead_slots)
@@ -223,6 +233,7 @@ class Scheduler(AheadScheduling):
             num_blocks=self.num_usable_blocks + 1,
             refs=self.refs,
             sliding_window=self.config.sliding_window,
+            group_slides=self.config.group_slides,
         )
 
     # ---- phase two: apply the block manager's answer ---------------------------------------
@@ -259,11 +270,14 @@ class Scheduler(AheadScheduling):
             if res.status is not OpStatus.OK:
                 continue
             self.waiting.remove(seq)
-            seq.block_table = ids = list(res.block_ids)
-            # Leading null entries: released, out of the window of its first query.
-            seq.first_live_block = next((i for i, b in enumerate(ids) if b), len(ids))
-            for b in ids[seq.first_live_block :]:
-                self.refs[b] += 1
+            seq.tables = split_tables(res.block_ids, self.config.num_kv_groups)
+            # Leading null entries (sliding groups): released, out of its first query's window.
+            seq.first_live_block = first_live_block(
+                res.num_cached_tokens, self.config.sliding_window, self.config.block_size
+            )
+            for b in res.block_ids:
+                if b != NULL_BLOCK:
+                    self.refs[b] += 1
             seq.num_computed_tokens = res.num_cached_tokens
             seq.num_committed_blocks = res.num_cached_tokens // self.config.block_size
             if not seq.admitted_once:  # (a resumed sample's output may hit too: not counted)
@@ -283,7 +297,7 @@ class Scheduler(AheadScheduling):
         if grow.statuses.count(ok) == len(seqs):  # the common case: every grow went through
             for seq, new_ids in zip(seqs, grow.new_block_ids, strict=True):
                 if new_ids:
-                    seq.block_table.extend(new_ids)
+                    extend_tables(seq.tables, new_ids)
                     for b in new_ids:
                         refs[b] += 1
         else:
@@ -292,9 +306,9 @@ class Scheduler(AheadScheduling):
             seq = seqs[copy.entry]
             # A new list, never an edit in place: runners mirror tables that only grow
             # (see forward_batch.SeqChunk).
-            table = list(seq.block_table)
+            table = list(seq.tables[copy.group])
             table[copy.block_index] = copy.dst
-            seq.block_table = table
+            seq.tables[copy.group] = table
             refs[copy.dst] += 1
             copies.append((copy.src, copy.dst))
         if failed:
@@ -312,10 +326,10 @@ class Scheduler(AheadScheduling):
                 # Our counters said it fits; the pool disagrees: recompute it later.
                 log.warning("grow_refused", seq_id=seq.seq_id, status=status.name)
                 failed.add(seq.seq_id)
-                if seq.seq_id in plan.cow_ids:  # it still holds its share of the old block
-                    self.refs[seq.block_table[-1]] += 1
+                for g in plan.cow_ids.get(seq.seq_id, ()):  # it still holds its share
+                    self.refs[seq.tables[g][-1]] += 1
                 continue
-            seq.block_table.extend(new_ids)
+            extend_tables(seq.tables, new_ids)
             for b in new_ids:
                 self.refs[b] += 1
         return failed
@@ -326,8 +340,9 @@ class Scheduler(AheadScheduling):
         frees, preemptions, forks and commits of the plan stand. The pool must then be rebuilt
         from this state (a resync) before the next Step."""
         for seq, _ in plan.grows:
-            if seq.seq_id in plan.cow_ids and seq.block_table:
-                self.refs[seq.block_table[-1]] += 1
+            if seq.tables[0]:
+                for g in plan.cow_ids.get(seq.seq_id, ()):
+                    self.refs[seq.tables[g][-1]] += 1
 
     # ---- after the forward ----------------------------------------------------------------
 
@@ -356,7 +371,7 @@ class Scheduler(AheadScheduling):
         return RestoredSequence(
             seq.seq_id,
             seq.num_computed_tokens + seq.num_ahead_slots,
-            tuple(seq.block_table),
+            tuple(seq.tables[0]) if len(seq.tables) == 1 else tuple(itertools.chain(*seq.tables)),
             tuple(seq.block_hashes[: seq.num_committed_blocks]),
         )
 
@@ -369,19 +384,22 @@ class Scheduler(AheadScheduling):
             released = list(self._to_free)
         else:
             forked, released = plan.fork_ids, plan.released
-        live = [self.pool_view(s) for s in self.running if s.block_table and s.seq_id not in forked]
+        live = [self.pool_view(s) for s in self.running if s.tables[0] and s.seq_id not in forked]
         return live + released
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _cow(self, seq: Sequence, k: int) -> bool:
-        last_refs = self.refs[seq.block_table[-1]] if seq.block_table else 0
-        return needs_cow(seq.num_computed_tokens, k, self.config.block_size, last_refs)
+    def _cow_groups(self, seq: Sequence, k: int) -> tuple[int, ...]:
+        """The groups whose last block ``seq`` must copy before writing ``k`` tokens."""
+        if not seq.tables[0]:
+            return ()
+        bs, computed, refs = self.config.block_size, seq.num_computed_tokens, self.refs
+        return tuple(g for g, t in enumerate(seq.tables) if needs_cow(computed, k, bs, refs[t[-1]]))
 
     def _blocks_needed(self, seq: Sequence, k: int) -> int:
         bs = self.config.block_size
-        need = blocks_to_grow(seq.num_computed_tokens, k, len(seq.block_table), bs)
-        return need + self._cow(seq, k)
+        need = blocks_to_grow(seq.num_computed_tokens, k, len(seq.tables[0]), bs)
+        return need * len(seq.tables) + len(self._cow_groups(seq, k))
 
     def _first_live_after(self, seq: Sequence, held: int) -> int:
         """``seq``'s first live block once a grow from ``held`` slots (its next query is at
@@ -404,10 +422,13 @@ class Scheduler(AheadScheduling):
         start = seq.first_live_block
         if first <= start:
             return 0
-        table = list(seq.block_table)  # a new list: runners mirror tables that only grow
-        freed = self._release(table[start:first])
-        table[start:first] = [NULL_BLOCK] * (first - start)
-        seq.block_table = table
+        freed = 0
+        for g, slides in enumerate(self.config.group_slides):
+            if slides:
+                table = list(seq.tables[g])  # a new list: runners mirror tables that only grow
+                freed += self._release(table[start:first])
+                table[start:first] = [NULL_BLOCK] * (first - start)
+                seq.tables[g] = table
         seq.first_live_block = first
         return freed
 
@@ -431,20 +452,20 @@ class Scheduler(AheadScheduling):
         the Free goes out with the next Step."""
         freed = 0
         if self._forks.pop(seq.seq_id, None) is not None:
-            freed = self._release(seq.block_table)
-        elif seq.block_table:
+            freed = sum(self._release(t) for t in seq.tables)
+        elif seq.tables[0]:
             self._to_free.append(self.pool_view(seq))
-        seq.block_table = []
+        seq.tables = [[] for _ in seq.tables]
         return freed
 
     def _preempt_for_room(self, seq: Sequence, plan: SchedulePlan) -> int:
         """Preempt a running sequence while planning: its Free joins this step's operations.
         Returns how many blocks this frees now."""
-        if seq.block_table and seq.seq_id not in self._forks:
+        if seq.tables[0] and seq.seq_id not in self._forks:
             plan.free_seq_ids.append(seq.seq_id)
             plan.released.append(self.pool_view(seq))
-            freed = self._release(seq.block_table)
-            seq.block_table = []
+            freed = sum(self._release(t) for t in seq.tables)
+            seq.tables = [[] for _ in seq.tables]
         else:  # a pending fork is cancelled
             freed = self._drop_blocks(seq)
         self._requeue(seq)

@@ -59,11 +59,12 @@ class Sequence:
     cache_salt: bytes = b""
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
-    # Only ever appended to in place; any other change assigns a new list (runners mirror
-    # tables by identity: see forward_batch.SeqChunk).
-    block_table: list[int] = field(default_factory=list)
-    # In a sliding-window pool, entries before this index are the null block: released, out
-    # of the window of every query still to come.
+    # One block table per KV-cache group of the pool, all of one length. Each is only ever
+    # appended to in place; any other change assigns a new list (runners mirror tables by
+    # identity: see forward_batch.SeqChunk).
+    tables: list[list[int]] = field(default_factory=lambda: [[]])
+    # In the sliding groups of the pool, entries before this index are the null block:
+    # released, out of the window of every query still to come.
     first_live_block: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks
     num_committed_blocks: int = 0
@@ -92,6 +93,15 @@ class Sequence:
             and self.index == 0
             and len(self.prompt_logprobs) < self.prompt_len - 1
         )
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV-cache group's table (a one-group pool's only one)."""
+        return self.tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:  # (one-group pools: tests)
+        self.tables = [table]
 
     @property
     def num_tokens(self) -> int:

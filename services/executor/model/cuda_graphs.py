@@ -121,7 +121,7 @@ class DecodeGraphs:
         self.capture_s = 0.0
 
     def _layout(self, size: int) -> BatchLayout:
-        return BatchLayout(size, size, self.table_width, size)
+        return BatchLayout(size, size, self.table_width, size, self.builder.num_groups)
 
     def _batch(self, size: int) -> ForwardBatch:
         """The views of the persistent buffers a graph of ``size`` sequences reads."""

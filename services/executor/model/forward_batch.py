@@ -44,6 +44,8 @@ class SeqChunk(NamedTuple):
     logits of the last token of the chunk (false for a prefill chunk that does not end the
     prompt). ``all_logits``: return the logits of every token of the chunk (prompt
     log-probabilities), in token order; the last is the one ``need_logits`` asks for.
+    ``group_tables``: in a hybrid KV cache (several KV-cache groups), the sequence's table in
+    each group, ``block_table`` being the first (mirrored by identity alike); empty otherwise.
     """
 
     token_ids: Sequence[int]
@@ -51,6 +53,7 @@ class SeqChunk(NamedTuple):
     block_table: Sequence[int]
     need_logits: bool = True
     all_logits: bool = False
+    group_tables: Sequence[Sequence[int]] = ()
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,17 @@ class ForwardBatch:
     logits_indices: Tensor  # [K] int64, rows of the token axis whose logits are returned
     max_query_len: int
     max_seq_len: int
+    # A hybrid KV cache: per KV-cache group, its block tables [G, B, max_blocks] and cache
+    # slots [G, T] (block_tables and slot_mapping are group 0's). None with one group.
+    group_block_tables: Tensor | None = None
+    group_slot_mapping: Tensor | None = None
+
+    def tables_of(self, group: int) -> tuple[Tensor, Tensor]:
+        """KV-cache group ``group``'s block tables and cache slots (a batch of one group
+        serves every group the same)."""
+        if self.group_block_tables is None or self.group_slot_mapping is None:
+            return self.block_tables, self.slot_mapping
+        return self.group_block_tables[group], self.group_slot_mapping[group]
 
     @property
     def num_tokens(self) -> int:
@@ -86,16 +100,17 @@ class BatchLayout:
     num_seqs: int
     table_width: int  # blocks per block-table row
     num_logits: int
+    num_groups: int = 1  # KV-cache groups: a table row and a slot per token in each
 
     @property
     def sizes64(self) -> tuple[int, int, int, int]:  # ids, positions, slots, logits indices
         t = self.num_tokens
-        return (t, t, t, self.num_logits)
+        return (t, t, self.num_groups * t, self.num_logits)
 
     @property
     def sizes32(self) -> tuple[int, int, int]:  # block tables, query_start_loc, seq_lens
         b = self.num_seqs
-        return (b * self.table_width, b + 1, b)
+        return (self.num_groups * b * self.table_width, b + 1, b)
 
     def views(
         self, buf64: Tensor, buf32: Tensor, max_query_len: int, max_seq_len: int
@@ -103,16 +118,21 @@ class BatchLayout:
         """The batch as views into the packed buffers (which may be longer)."""
         ids, pos, slots, logits_idx = buf64[: sum(self.sizes64)].split(self.sizes64)
         tables, qsl, lens = buf32[: sum(self.sizes32)].split(self.sizes32)
+        groups = self.num_groups
+        group_tables = tables.view(groups, self.num_seqs, self.table_width)
+        group_slots = slots.view(groups, self.num_tokens)
         return ForwardBatch(
             input_ids=ids,
             positions=pos,
-            slot_mapping=slots,
-            block_tables=tables.view(self.num_seqs, self.table_width),
+            slot_mapping=group_slots[0],
+            block_tables=group_tables[0],
             query_start_loc=qsl,
             seq_lens=lens,
             logits_indices=logits_idx,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            group_block_tables=group_tables if groups > 1 else None,
+            group_slot_mapping=group_slots if groups > 1 else None,
         )
 
 
@@ -133,7 +153,7 @@ class HostBatch:
     @property
     def _qsl_offset(self) -> int:
         lay = self.layout
-        return lay.num_seqs * lay.table_width  # query_start_loc follows the block tables
+        return lay.num_groups * lay.num_seqs * lay.table_width  # then query_start_loc
 
     def set_last_tokens(self, chunks: Sequence[int], tokens: Sequence[int]) -> None:
         """Set the last input token of each of ``chunks`` (built before it was known)."""
@@ -146,8 +166,10 @@ class HostBatch:
         """Make ``chunk`` write no K/V (its sequence ended after the batch was built): its
         tokens still run, reading its blocks, and its logits are to be ignored."""
         start, end = self._token_span(chunk)
-        slots = 2 * self.layout.num_tokens  # ids, positions, then slots
-        self.packed64[slots + start : slots + end] = -1
+        t = self.layout.num_tokens
+        for g in range(self.layout.num_groups):
+            slots = 2 * t + g * t  # ids, positions, then each group's slots
+            self.packed64[slots + start : slots + end] = -1
 
 
 @dataclass(frozen=True)
@@ -183,10 +205,12 @@ class BatchBuilder:
         num_blocks: int | None = None,
         max_model_len: int | None = None,
         vocab_size: int | None = None,
+        num_groups: int = 1,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
+        self.num_groups = num_groups  # KV-cache groups: chunks carry group_tables when > 1
         self.device = torch.device(device)
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -247,9 +271,13 @@ class BatchBuilder:
         num_seqs = max(num_real, pad_to_seqs or 0)
 
         # One C-level transpose of the chunks into columns; no Python loop per chunk below.
-        token_col, computed_col, table_col, need_col, all_col = (
-            zip(*chunks, strict=True) if chunks else ((), (), (), (), ())
+        token_col, computed_col, table_col, need_col, all_col, group_col = (
+            zip(*chunks, strict=True) if chunks else ((), (), (), (), (), ())
         )
+        groups = self.num_groups
+        if groups > 1 and any(len(t) != groups for t in group_col):
+            b = next(i for i, t in enumerate(group_col) if len(t) != groups)
+            raise ValueError(f"chunk {b}: {len(group_col[b])} group tables for {groups} groups")
         q_lens = np.ones(num_seqs, np.int64)
         q_lens[:num_real] = np.fromiter(map(len, token_col), np.int64, num_real)
         num_computed = np.zeros(num_seqs, np.int64)
@@ -295,7 +323,7 @@ class BatchBuilder:
             for b in np.flatnonzero(np.fromiter(all_col, np.bool_, num_real)).tolist():
                 want[query_start_loc[b] : query_start_loc[b + 1]] = True
             logits_indices = np.flatnonzero(want)
-        layout = BatchLayout(num_tokens, num_seqs, width, int(logits_indices.size))
+        layout = BatchLayout(num_tokens, num_seqs, width, int(logits_indices.size), groups)
 
         packed64 = np.empty(sum(layout.sizes64), np.int64)
         packed32 = np.empty(sum(layout.sizes32), np.int32)
@@ -313,26 +341,36 @@ class BatchBuilder:
                     f"token id {int(ids[bad][0])} outside the vocabulary [0, {self.vocab_size})"
                 )
 
-        tables = tables_flat.reshape(num_seqs, width)
-        if num_real:
-            store = self._tables
-            rows = store.rows(table_col, table_lens)
-            w = min(width, store.width)
-            tables[:num_real, :w] = store.ids[rows, :w]  # zero past each table's end
-            tables[:num_real, w:] = 0
-            if (table_lens > blocks_needed[:num_real]).any():  # blocks this step does not touch
-                tables[:num_real][np.arange(width)[None, :] >= blocks_needed[:num_real, None]] = 0
-        tables[num_real:] = 0
-
-        # Per-token positions and cache slots; padding tokens write nowhere (slot -1).
+        all_tables = tables_flat.reshape(groups, num_seqs, width)
+        group_slots = slots.reshape(groups, num_tokens)
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)  # [T]
         pos[:] = np.arange(num_tokens) - query_start_loc[seq_of_token] + num_computed[seq_of_token]
-        slots[:] = tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
-        null = slots[:num_real_tokens] < bs  # a table's null entries are released: never written
-        if null.any():
-            b = int(seq_of_token[int(np.argmax(null))])
-            raise ValueError(f"chunk {b}: a token's block is the null block {NULL_BLOCK}")
-        slots[num_real_tokens:] = -1
+        for g in range(groups):
+            col = table_col if groups == 1 else [t[g] for t in group_col]
+            tables = all_tables[g]
+            if num_real:
+                if groups > 1:
+                    lens_g = np.fromiter(map(len, col), np.int64, num_real)
+                    if (lens_g != table_lens).any():
+                        b = int(np.argmax(lens_g != table_lens))
+                        raise ValueError(f"chunk {b}: group {g}'s table has another length")
+                store = self._tables
+                rows = store.rows(col, table_lens)
+                w = min(width, store.width)
+                tables[:num_real, :w] = store.ids[rows, :w]  # zero past each table's end
+                tables[:num_real, w:] = 0
+                if (table_lens > blocks_needed[:num_real]).any():  # blocks not touched now
+                    untouched = np.arange(width)[None, :] >= blocks_needed[:num_real, None]
+                    tables[:num_real][untouched] = 0
+            tables[num_real:] = 0
+            # Per-token cache slots; padding tokens write nowhere (slot -1).
+            group_slot = group_slots[g]
+            group_slot[:] = tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
+            null = group_slot[:num_real_tokens] < bs  # null entries are released: never written
+            if null.any():
+                b = int(seq_of_token[int(np.argmax(null))])
+                raise ValueError(f"chunk {b}: a token's block is the null block {NULL_BLOCK}")
+            group_slot[num_real_tokens:] = -1
         pos[num_real_tokens:] = 0
         logits_idx[:] = logits_indices
         qsl[:] = query_start_loc

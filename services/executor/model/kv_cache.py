@@ -1,9 +1,11 @@
 """Sizing and allocating the executor's paged KV cache: one tensor for all layers.
 
-Layout: ``kv_cache[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``; layer
-``l`` reads and writes ``kv_cache[l, 0]`` (K) and ``kv_cache[l, 1]`` (V). Block 0 is
-reserved by the block manager and serves as padding in block tables, so a pool of
-``num_blocks`` blocks holds ``num_blocks - 1`` usable ones.
+Layout: ``kv_cache[num_slots, 2, num_blocks, block_size, num_kv_heads, head_dim]``: a slice per
+layer (``num_slots`` = the number of layers), or in a hybrid model a slice per layer of a
+KV-cache group, shared by the groups (:mod:`.kv_layout`). Layer ``l`` reads and writes
+``kv_cache[slot, 0]`` (K) and ``kv_cache[slot, 1]`` (V) of its slot. Block 0 is reserved by
+the block manager and serves as padding in block tables, so a pool of ``num_blocks`` blocks
+holds ``num_blocks - 1`` usable ones.
 """
 
 from __future__ import annotations
@@ -33,30 +35,40 @@ CPU_DEFAULT_KV_BYTES = 256 * 2**20
 
 
 def kv_cache_shape(
-    config: ModelConfig, num_blocks: int, block_size: int
+    config: ModelConfig, num_blocks: int, block_size: int, num_slots: int | None = None
 ) -> tuple[int, int, int, int, int, int]:
-    """Shape of the cache tensor: ``[L, 2, num_blocks, block_size, Hkv, D]``."""
-    return (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    """Shape of the cache tensor: ``[num_slots, 2, num_blocks, block_size, Hkv, D]``
+    (``num_slots``: by default one per layer)."""
+    slots = config.num_layers if num_slots is None else num_slots
+    return (slots, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block occupies across all layers, K and V."""
+def bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, num_slots: int | None = None
+) -> int:
+    """Bytes one block occupies across the cache's slots (by default every layer), K and V."""
     elem_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem_size
+    slots = config.num_layers if num_slots is None else num_slots
+    return 2 * slots * block_size * config.num_kv_heads * config.head_dim * elem_size
 
 
 def num_blocks_for_budget(
-    config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    budget_bytes: int,
+    num_slots: int | None = None,
 ) -> int:
     """How many blocks (including the reserved block 0) fit in ``budget_bytes``.
 
     Raises ``ValueError`` when the budget holds fewer than two blocks (nothing usable).
     """
-    num_blocks = budget_bytes // bytes_per_block(config, block_size, dtype)
+    per_block = bytes_per_block(config, block_size, dtype, num_slots)
+    num_blocks = budget_bytes // per_block
     if num_blocks < MIN_NUM_BLOCKS:
         raise ValueError(
             f"KV-cache budget of {budget_bytes} bytes holds {num_blocks} blocks of "
-            f"{bytes_per_block(config, block_size, dtype)} bytes; need at least {MIN_NUM_BLOCKS}"
+            f"{per_block} bytes; need at least {MIN_NUM_BLOCKS}"
         )
     return int(num_blocks)
 
@@ -67,6 +79,7 @@ def allocate_kv_cache(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    num_slots: int | None = None,
 ) -> torch.Tensor:
     """Allocate the zero-filled cache tensor (zeros so padding reads are finite)."""
     if num_blocks < MIN_NUM_BLOCKS:
@@ -75,7 +88,8 @@ def allocate_kv_cache(
         )
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    return torch.zeros(kv_cache_shape(config, num_blocks, block_size), dtype=dtype, device=device)
+    shape = kv_cache_shape(config, num_blocks, block_size, num_slots)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def size_kv_cache(
@@ -94,44 +108,38 @@ def size_kv_cache(
     aside what the largest of ``graph_sizes`` (the decode CUDA graphs) keeps. Raises
     ``ValueError`` when one full-length sequence would not fit."""
     mc, bs, device = model.local_config, config.block_size, next(model.parameters()).device
+    layout = model.kv_layout
+    slots = layout.num_slots
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif config.kv_cache_memory is not None or device.type != "cuda":
         budget = config.kv_cache_memory or CPU_DEFAULT_KV_BYTES
-        num_blocks = num_blocks_for_budget(mc, bs, model.dtype, budget)
+        num_blocks = num_blocks_for_budget(mc, bs, model.dtype, budget, slots)
     else:
         budget = _profile_budget(model, config, max_num_batched_tokens, graph_sizes)
-        num_blocks = num_blocks_for_budget(mc, bs, model.dtype, budget)
+        num_blocks = num_blocks_for_budget(mc, bs, model.dtype, budget, slots)
     num_blocks = model.comm.min_int(num_blocks)
-    tokens = usable_blocks(num_blocks) * bs
+    usable = usable_blocks(num_blocks)
     log.info(
         "kv_cache_sized",
         num_blocks=num_blocks,
-        num_usable_blocks=usable_blocks(num_blocks),
-        num_tokens=tokens,
-        bytes=num_blocks * bytes_per_block(mc, bs, model.dtype),
+        num_usable_blocks=usable,
+        num_kv_cache_groups=layout.num_groups,
+        bytes=num_blocks * bytes_per_block(mc, bs, model.dtype, slots),
         max_model_len=mc.max_model_len,
-        max_concurrency=round(tokens / mc.max_model_len, 2),
+        # vLLM's "Maximum concurrency for N tokens per request", with the groups counted:
+        # a sliding group holds only its window's blocks.
+        max_concurrency=round(usable / layout.blocks_per_sequence(mc.max_model_len, bs), 2),
     )
-    need = min_cache_tokens(mc, bs, max_num_batched_tokens)
-    if tokens < need:
+    need = layout.blocks_per_sequence(mc.max_model_len, bs, chunk=max_num_batched_tokens)
+    if usable < need:
         raise ValueError(
-            f"the KV cache holds {tokens} tokens, fewer than the {need} one sequence may need "
-            f"(max_model_len={mc.max_model_len}): a single full-length sequence could never run; "
-            "give more KV-cache memory or a smaller --max-model-len"
+            f"the KV cache holds {usable} blocks of {bs} tokens, fewer than the {need} one "
+            f"sequence may need (max_model_len={mc.max_model_len}, {layout.num_groups} KV-cache "
+            "group(s)): a single full-length sequence could never run; give more KV-cache "
+            "memory or a smaller --max-model-len"
         )
     return num_blocks
-
-
-def min_cache_tokens(mc: ModelConfig, block_size: int, max_num_batched_tokens: int) -> int:
-    """The fewest cache tokens one sequence of ``max_model_len`` tokens can run in:
-    ``max_model_len``; when every layer slides with window W (the pool then releases the blocks
-    out of the window), a step's chunk plus the window, two blocks of slack for their
-    unaligned ends, if that is less."""
-    if not mc.all_layers_slide or mc.sliding_window is None:
-        return mc.max_model_len
-    sliding = max_num_batched_tokens + mc.sliding_window + 2 * block_size
-    return min(mc.max_model_len, sliding)
 
 
 @torch.inference_mode()

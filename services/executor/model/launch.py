@@ -28,6 +28,7 @@ from services.executor.model.cuda_graphs import (
 )
 from services.executor.model.errors import ModelLoadError
 from services.executor.model.kv_cache import allocate_kv_cache, size_kv_cache
+from services.executor.model.kv_layout import plan_kv_layout
 from services.executor.model.loader import load_model, resolve_device
 from services.executor.model.parallel import Comm, DistComm, ShardPlan, SingleComm
 from services.executor.model.runner import ModelRunner
@@ -103,6 +104,7 @@ def _build(
         shard=lambda mc: ShardPlan.of(mc, comm.rank, comm.size),
         comm=comm,
     )
+    model.use_kv_layout(plan_kv_layout(model.local_config, hybrid=config.cache.hybrid_kv_cache))
     graph_sizes = config.graph_sizes if graph_backend is not None or device.type == "cuda" else ()
     if model.config.moe is not None and graph_sizes:
         # The fused MoE kernel reads nothing back on the host, but its capture has not yet
@@ -117,7 +119,12 @@ def _build(
         graph_sizes=graph_sizes,
     )
     kv_cache = allocate_kv_cache(
-        model.local_config, num_blocks, config.block_size, model.dtype, device
+        model.local_config,
+        num_blocks,
+        config.block_size,
+        model.dtype,
+        device,
+        model.kv_layout.num_slots,
     )
     runner = ModelRunner(model, kv_cache, config.block_size, workers)
     if graph_backend is None and device.type == "cuda":

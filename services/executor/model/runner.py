@@ -53,12 +53,13 @@ class ModelRunner:
         workers: WorkerGroup | None = None,
     ) -> None:
         lc = model.local_config  # this rank's KV heads
-        expected = (lc.num_layers, 2, kv_cache.shape[2], block_size, lc.num_kv_heads, lc.head_dim)
+        slots = model.kv_layout.num_slots
+        expected = (slots, 2, kv_cache.shape[2], block_size, lc.num_kv_heads, lc.head_dim)
         if tuple(kv_cache.shape) != expected:
             raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} != expected {expected}")
         self.model = model
         self.config: ModelConfig = model.config
-        self.kv_cache = kv_cache  # [L, 2, NB, BS, Hkv, D]
+        self.kv_cache = kv_cache  # [S, 2, NB, BS, Hkv, D]: a slot per layer of a KV-cache group
         self.block_size = block_size
         self.num_blocks: int = kv_cache.shape[2]
         self.device: torch.device = kv_cache.device
@@ -71,6 +72,7 @@ class ModelRunner:
             num_blocks=self.num_blocks,
             max_model_len=self.config.max_model_len,
             vocab_size=self.config.vocab_size,
+            num_groups=model.kv_layout.num_groups,
         )
 
     def capture_decode_graphs(self, sizes: Sequence[int], backend: GraphBackend) -> None:
@@ -194,7 +196,11 @@ class ModelRunner:
                 header.max_seq_len,
             )
             layout = BatchLayout(
-                header.num_tokens, header.num_seqs, header.table_width, header.num_logits
+                header.num_tokens,
+                header.num_seqs,
+                header.table_width,
+                header.num_logits,
+                self.builder.num_groups,
             )
             n64, n32 = sum(layout.sizes64), sum(layout.sizes32)
             if size and self.graphs is not None:

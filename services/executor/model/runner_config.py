@@ -22,12 +22,16 @@ def available_cores() -> int:
 class CacheConfig:
     """How the paged KV cache is sized (vLLM's names): ``num_kv_blocks`` exactly, else
     ``kv_cache_memory`` bytes, else on CUDA ``gpu_memory_utilization`` of the device after
-    a profiled forward, else the CPU default budget."""
+    a profiled forward, else the CPU default budget. ``hybrid_kv_cache``: a model with both
+    sliding-window and full-attention layers gets KV-cache groups, its sliding layers keeping
+    only their window's blocks (off: ``--disable-hybrid-kv-cache-manager``, every layer keeps
+    every block)."""
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None
+    hybrid_kv_cache: bool = True
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ class ExecutorConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # bytes of KV cache (CPU default 256 MiB)
     num_kv_blocks: int | None = None  # exact block count override (tests, experiments)
+    # Keep every block of every layer in a model with sliding-window and full-attention layers
+    # (vLLM's flag), instead of KV-cache groups whose sliding layers give blocks back.
+    disable_hybrid_kv_cache_manager: bool = False
     eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
     blockmgr: BlockManagerMode = BlockManagerMode.INPROC  # grpc: at blockmgr_address
     blockmgr_address: str | None = None
@@ -104,6 +107,12 @@ class ExecutorConfig:
             help="KV-cache bytes (e.g. 512MiB); the CPU default is 256MiB",
         )
         a("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
+        a(
+            "--disable-hybrid-kv-cache-manager",
+            action="store_true",
+            help="a model with sliding-window and full-attention layers keeps every block of "
+            "every layer (one KV-cache group) instead of one group per kind",
+        )
         a(
             "--eviction-policy",
             type=EvictionPolicyName,
@@ -261,6 +270,7 @@ class ExecutorConfig:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_memory=self.kv_cache_memory,
                 num_kv_blocks=self.num_kv_blocks,
+                hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
             ),
             dtype=self.dtype,
             device=self.device,

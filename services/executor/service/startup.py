@@ -14,8 +14,9 @@ from pathlib import Path
 import structlog
 
 from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
+from services.blockmgr.errors import BlockManagerError
 from services.blockmgr.types import AttentionKindName, KVCacheGroup
-from services.common.blocks import max_live_blocks, usable_blocks
+from services.common.blocks import usable_blocks
 from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
 from services.executor.core.config import EngineSettings
 from services.executor.core.engine import Engine
@@ -23,6 +24,7 @@ from services.executor.core.grammar import GrammarCompiler
 from services.executor.core.scheduler import SchedulerConfig
 from services.executor.model.config import ModelConfig
 from services.executor.model.errors import ModelLoadError
+from services.executor.model.kv_layout import KVCacheLayout
 from services.executor.model.launch import build_runner
 from services.executor.model.loader import load_tokenizer
 from services.executor.model.runner import ModelRunner
@@ -115,7 +117,8 @@ def _build_engine(
     bs = runner.block_size
     usable = usable_blocks(runner.num_blocks)
     pool_id = default_pool_id(config)
-    groups = kv_cache_groups(mc)
+    layout = runner.model.kv_layout
+    groups = kv_cache_groups(layout)
     pool = PoolSpec(
         pool_id=pool_id,
         owner_token=pool_owner_token(config, pool_id),
@@ -125,9 +128,21 @@ def _build_engine(
         eviction_policy=config.eviction_policy,
         groups=groups,
     )
-    link = BlockManagerLink(blockmgr or connect_blockmgr(config), pool, on_health=on_health)
+    client = blockmgr or connect_blockmgr(config)
+    if len(groups) > 1:
+        try:
+            max_groups = client.info().max_kv_cache_groups
+        except BlockManagerError:  # not reachable yet: the link waits, the registration checks
+            max_groups = len(groups)
+        if max_groups < len(groups):
+            raise ModelLoadError(
+                f"this model's KV cache is {len(groups)} KV-cache groups (sliding-window and "
+                f"full-attention layers) and the block manager serves {max_groups} per pool: run "
+                "one that serves hybrid pools, or pass --disable-hybrid-kv-cache-manager"
+            )
+    link = BlockManagerLink(client, pool, on_health=on_health)
     try:
-        window = _granted_window(groups, link.pool.groups, bs, usable, mc.max_model_len)
+        window = _granted_window(groups, link.pool.groups, bs, usable, mc.max_model_len, layout)
     except ModelLoadError:
         link.unregister()  # not left held until its lease runs out
         raise
@@ -143,6 +158,7 @@ def _build_engine(
             enable_prefix_caching=config.enable_prefix_caching,
             watermark_blocks=max(1, int(config.watermark * usable)) if config.watermark else 0,
             sliding_window=window,
+            kv_group_slides=layout.group_slides if len(groups) > 1 else (),
         ),
         seed=config.seed,
         async_scheduling=config.async_scheduling,
@@ -180,15 +196,20 @@ def grammar_compiler(
         return None
 
 
-def kv_cache_groups(mc: ModelConfig) -> tuple[KVCacheGroup, ...]:
-    """The pool's KV-cache groups: one sliding group when every layer slides with the same
-    window (Mistral, windowed Qwen2 / Mixtral / Phi-3), so that blocks out of the window go
-    back to the pool; otherwise none (one full group: every block kept). Models with both
-    kinds of layer (Gemma 2/3) keep every block until pools serve several groups."""
-    if not mc.all_layers_slide or mc.sliding_window is None:
+def kv_cache_groups(layout: KVCacheLayout) -> tuple[KVCacheGroup, ...]:
+    """The pool's KV-cache groups, as the model lays its cache out: none (one full group,
+    every block kept) when every layer attends to everything or the hybrid manager is off;
+    one sliding group when every layer slides with one window (Mistral, windowed Qwen2 /
+    Mixtral / Phi-3), so that blocks out of the window go back to the pool; a group per
+    :class:`KVCacheLayout` group in a hybrid model (Gemma 2/3)."""
+    if layout.num_groups == 1 and not layout.sliding_window:
         return ()
-    layers = tuple(range(mc.num_layers))
-    return (KVCacheGroup(AttentionKindName.SLIDING, mc.sliding_window, layers),)
+    return tuple(
+        KVCacheGroup(AttentionKindName.SLIDING, w, layers)
+        if w
+        else KVCacheGroup(AttentionKindName.FULL, 0, layers)
+        for w, layers in zip(layout.windows, layout.group_layers, strict=True)
+    )
 
 
 def _granted_window(
@@ -197,10 +218,12 @@ def _granted_window(
     block_size: int,
     usable: int,
     max_model_len: int,
+    layout: KVCacheLayout,
 ) -> int:
     """The sliding window the scheduler releases blocks by: the one asked for when the block
-    manager registered the pool with it; 0 (every block kept) when it did not (an
-    implementation that predates KV-cache groups ignores them)."""
+    manager registered the pool with it; 0 (every block kept) when a one-group pool was not
+    (an implementation that predates KV-cache groups ignores them). A hybrid pool not served
+    as asked is a :class:`ModelLoadError`: the cache is laid out by groups."""
     if not asked:
         return 0
     if tuple(granted) != asked:
@@ -210,6 +233,12 @@ def _granted_window(
             granted=[g.kind.value for g in granted],
             consequence="every block is kept, as with full attention",
         )
+        if len(asked) > 1:
+            raise ModelLoadError(
+                f"the block manager registered the pool with {len(granted)} KV-cache "
+                f"group(s), not the {len(asked)} asked for: run one that serves hybrid "
+                "pools, or pass --disable-hybrid-kv-cache-manager"
+            )
         if usable * block_size < max_model_len:  # sized for a sliding pool: too small now
             raise ModelLoadError(
                 f"the block manager does not serve sliding-window pools and the KV cache "
@@ -217,14 +246,15 @@ def _granted_window(
                 f"{max_model_len}: give more KV-cache memory or a smaller --max-model-len"
             )
         return 0
-    window = asked[0].sliding_window
-    per_seq = min(max_live_blocks(window, block_size), -(-max_model_len // block_size))
+    window = layout.sliding_window
+    per_seq = layout.blocks_per_sequence(max_model_len, block_size)
+    full = layout.num_groups * -(-max_model_len // block_size)
     log.info(
         "kv_cache_groups",
-        kind="sliding",
+        kinds=[g.kind.value for g in asked],
         sliding_window=window,
         blocks_per_decoding_sequence=per_seq,
         max_concurrency=round(usable / per_seq, 2),
-        max_concurrency_full_attention=round(usable * block_size / max_model_len, 2),
+        max_concurrency_full_attention=round(usable / full, 2),
     )
     return window

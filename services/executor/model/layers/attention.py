@@ -31,6 +31,9 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.attention_scale
         self.sliding_window = config.window(layer_idx)
+        self.kv_group = (
+            0  # the KV-cache group whose block tables it reads (DecoderLM.use_kv_layout)
+        )
         self.logits_soft_cap = config.attn_logit_softcap
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype
@@ -61,12 +64,13 @@ class Attention(nn.Module):
         rotary_emb(batch.positions, q, k)
 
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [NB, BS, Hkv, D] each
-        ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
+        block_tables, slot_mapping = batch.tables_of(self.kv_group)
+        ops.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
         out = ops.paged_attention(
             q,
             key_cache,
             value_cache,
-            batch.block_tables,
+            block_tables,
             batch.query_start_loc,
             batch.seq_lens,
             self.scale,

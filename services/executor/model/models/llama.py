@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from services.executor.model.config import ModelConfig, MoEConfig
 from services.executor.model.errors import ModelLoadError
 from services.executor.model.forward_batch import ForwardBatch
+from services.executor.model.kv_layout import KVCacheLayout, plan_kv_layout
 from services.executor.model.layers.attention import Attention
 from services.executor.model.layers.linear import Placement, VocabParallelEmbedding, tensor_shape
 from services.executor.model.layers.mlp import MLP
@@ -138,7 +139,19 @@ class DecoderLM(nn.Module):
             self.rotary_emb_local = RotaryEmbedding(
                 config.sliding_rope, config.head_dim, config.max_model_len, dtype
             )
+        self.kv_layout = plan_kv_layout(lc, hybrid=False)  # every layer its own slice
         self._tie_weights()
+
+    def use_kv_layout(self, layout: KVCacheLayout) -> None:
+        """Read and write the KV cache as ``layout`` lays it out (set before the cache is
+        sized): each layer through its group's block table, in its slot of the cache."""
+        if len(layout.layer_group) != len(self.layers):
+            raise ValueError(f"a KV layout of {len(layout.layer_group)} layers")
+        self.kv_layout = layout
+        for layer, group in zip(self.layers, layout.layer_group, strict=True):
+            attention = layer.self_attn
+            assert isinstance(attention, Attention)
+            attention.kv_group = group
 
     @classmethod
     def empty(
@@ -173,19 +186,20 @@ class DecoderLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: Tensor) -> Tensor:
         """Run every token of ``batch``, writing its K/V into ``kv_cache``
-        ``[L, 2, NB, BS, Hkv, D]`` (this rank's KV heads); return fp32 logits ``[K, V]`` for
-        ``batch.logits_indices`` only (on rank 0; other ranks return a placeholder).
+        ``[S, 2, NB, BS, Hkv, D]`` (this rank's KV heads, a slot per layer of a KV-cache group:
+        :attr:`kv_layout`); return fp32 logits ``[K, V]`` for ``batch.logits_indices`` only (on
+        rank 0; other ranks return a placeholder).
         """
         c = self.config
         h = self.embed_tokens(batch.input_ids)  # [T, H]
         if self.embed_scale is not None:  # Gemma
             h = h * self.embed_scale
         residual: Tensor | None = None
-        for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache, strict=True)):
+        for i, (layer, slot) in enumerate(zip(self.layers, self.kv_layout.layer_slot, strict=True)):
             rotary = self.rotary_emb
             if self.rotary_emb_local is not None and i in c.sliding_layers:
                 rotary = self.rotary_emb_local
-            h, residual = layer(h, residual, batch, rotary, layer_cache)  # [T, H] x2
+            h, residual = layer(h, residual, batch, rotary, kv_cache[slot])  # [T, H] x2
         assert residual is not None
         idx = batch.logits_indices  # the norm is per token: only the rows whose logits we need
         h = self.norm(h[idx], residual[idx])  # [K, H]
