@@ -47,6 +47,10 @@ TENSOR_PARALLEL = {"qwen3_tp2": 2, "qwen3_moe_tp2": 2}
 # Phi-4-mini's LongRoPE: served within its original context (64), the short factors, as
 # transformers uses for these prompts.
 MAX_MODEL_LEN = {"phi4_mini": 64}
+# Gemma's hybrid KV cache (a sliding and a full group, a block of one layer each): 19 blocks
+# of half the size, so that one 88-token sequence fits (11 full + 6 sliding blocks) and the 4
+# prompts together do not.
+NUM_KV_BLOCKS = {"gemma2": 20, "gemma3": 20}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -54,7 +58,8 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     name = request.param
     model = write_tiny_model(tmp_path_factory.mktemp(name), seed=40, **FAMILIES[name])
     executor_args = (
-        *("--num-kv-blocks", "12", "--block-size", "8"),  # 88 tokens: 4 prompts preempt
+        # 88 tokens: 4 prompts preempt
+        *("--num-kv-blocks", str(NUM_KV_BLOCKS.get(name, 12)), "--block-size", "8"),
         *("--max-model-len", str(MAX_MODEL_LEN.get(name, 88))),
         *("--max-num-batched-tokens", "16"),  # prompts prefilled in chunks
         *("--tensor-parallel-size", str(TENSOR_PARALLEL.get(name, 1))),
@@ -93,6 +98,9 @@ def test_family_serves_transformers_greedy_tokens_through_the_stack(family) -> N
     name, model_dir, stack = family
     if name in TENSOR_PARALLEL:  # the executor really runs its ranks
         assert any(r.get("event") == "tensor_parallel_started" for r in stack.lines), name
+    if name in NUM_KV_BLOCKS:  # served from a hybrid pool: a sliding and a full group
+        (groups,) = [r for r in stack.lines if r.get("event") == "kv_cache_groups"]
+        assert groups["kinds"] == ["sliding", "full"], groups
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with grpc.insecure_channel(stack.address) as channel:

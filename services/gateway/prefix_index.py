@@ -3,7 +3,9 @@
 Two sources feed the index of each pool:
 
 - **confirmed** hashes, from the block manager's KV events (STORED adds, REMOVED drops,
-  CLEARED empties: a new epoch, or the pool is gone);
+  CLEARED empties: a new epoch, or the pool is gone). A hybrid pool (several KV-cache groups)
+  stores and evicts a hash per group: it counts as held while any group holds it (its
+  full-attention groups keep a prefix longest);
 - **provisional** hashes, from this gateway's own routing: a prompt sent to an executor will be
   cached there as soon as its prefill runs, a step or more before the STORED event arrives, so
   a burst of requests sharing a system prompt follows the first one instead of scattering.
@@ -40,7 +42,7 @@ class _Pool:
     epoch: int = 0
     last_seq: int = 0  # 0: no event seen yet
     synced: bool = False  # the event stream of this pool is live
-    stored: set[bytes] = field(default_factory=set)
+    stored: dict[bytes, int] = field(default_factory=dict)  # hash -> groups holding it
     provisional: dict[bytes, float] = field(default_factory=dict)  # hash -> expiry time
 
     def clear(self) -> None:
@@ -99,14 +101,18 @@ class PrefixIndex:
                 pool.clear()
             pool.epoch = ev.epoch
             pool.last_seq = ev.seq
+            stored = pool.stored
             if ev.kind == KVEventKind.STORED:
-                pool.stored.update(ev.block_hashes)
                 for h in ev.block_hashes:
+                    stored[h] = stored.get(h, 0) + 1
                     pool.provisional.pop(h, None)
             elif ev.kind == KVEventKind.REMOVED:
                 for h in ev.block_hashes:
-                    pool.stored.discard(h)
-                    pool.provisional.pop(h, None)
+                    held = stored.pop(h, 0) - 1
+                    if held > 0:  # still held in another group
+                        stored[h] = held
+                    else:
+                        pool.provisional.pop(h, None)
 
     def forget(self, pool_id: str) -> None:
         """The pool's executor is gone from the gateway: drop everything about it."""

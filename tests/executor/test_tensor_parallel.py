@@ -221,20 +221,29 @@ def test_every_rank_replays_its_decode_graphs_in_step(make_runner, tiny_checkpoi
 # ---- the engine at TP=2 -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize(
+    ("name", "async_scheduling", "num_kv_blocks"),
+    [
+        ("llama", False, 14),
+        ("llama", True, 14),
+        # A hybrid KV cache (a sliding and a full group, one layer each): every rank reads its
+        # slot through the broadcast tables of both groups.
+        ("gemma3", False, 26),
+    ],
+)
 def test_engine_at_tp2_matches_transformers_under_chunking_prefix_hits_preemption_and_cow(
-    tiny_checkpoint, hf_model, async_scheduling
+    tiny_checkpoint, hf_model, name, async_scheduling, num_kv_blocks
 ):
-    model = str(tiny_checkpoint("llama"))
+    model = str(tiny_checkpoint(name))
     work = shared_prefix_workload(
-        hf_model("llama"), seed=5, num_requests=16, prefix_len=40, max_tail=40, max_tokens=(4, 24)
+        hf_model(name), seed=5, num_requests=16, prefix_len=40, max_tail=40, max_tokens=(4, 24)
     )
     config = ExecutorConfig(
         model=model,
         dtype="float32",
         device="cpu",
         tensor_parallel_size=2,
-        num_kv_blocks=14,  # room for a few sequences: preemption
+        num_kv_blocks=num_kv_blocks,  # room for a few sequences: preemption
         max_model_len=176,
         max_num_batched_tokens=24,  # chunked prefill
         async_scheduling=async_scheduling,  # batches built a step early, broadcast patched

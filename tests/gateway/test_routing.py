@@ -55,6 +55,20 @@ def test_stored_hashes_match_as_a_leading_run_and_removed_ones_cut_it() -> None:
     assert index.num_blocks("p0") == 3
 
 
+def test_a_hybrid_pools_hash_is_held_while_any_group_holds_it() -> None:
+    """KV events of a hybrid pool name the group: a sliding group evicting its copy of a block
+    leaves the full group's, which still serves the prefix."""
+    index = PrefixIndex()
+    h = hashes(PROMPT_A)
+    stored = [KVEvent(2, 1, STORED, tuple(h), 0), KVEvent(3, 1, STORED, tuple(h), 1)]
+    index.apply("p0", [KVEvent(1, 1, CLEARED), *stored])
+    index.set_synced("p0", True)
+    index.apply("p0", [KVEvent(4, 1, REMOVED, h[:2], 0)])  # out of the window, evicted
+    assert index.match("p0", h) == len(h)
+    index.apply("p0", [KVEvent(5, 1, REMOVED, h[1:2], 1)])
+    assert index.match("p0", h) == 1
+
+
 def test_replayed_events_are_applied_once() -> None:
     index = synced_index()
     h = hashes(PROMPT_A)
