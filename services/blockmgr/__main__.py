@@ -1,4 +1,5 @@
-"""``python -m services.blockmgr`` / ``pagedserve blockmgr``.
+"""``python -m services.blockmgr`` / ``pagedserve blockmgr``; ``pagedserve blockmgr replay FILE``
+replays a recorded trace offline (:mod:`services.blockmgr.replay`).
 
 Exits 0 after SIGTERM / SIGINT, and 2 (:data:`~services.common.logging.CONFIG_ERROR_STATUS`)
 when its configuration cannot work: a bad flag (argparse), an mTLS file that cannot be read.
@@ -22,7 +23,12 @@ CONFIG_ERRORS: tuple[type[Exception], ...] = (*FILE_CONFIG_ERRORS, ValueError)
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = BlockManagerServiceConfig.from_args(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["replay"]:  # `pagedserve blockmgr replay FILE ...`: offline, no service
+        from services.blockmgr.replay import main as replay_main
+
+        return replay_main(args[1:])
+    config = BlockManagerServiceConfig.from_args(args)
     log = configure_logging("blockmgr", config.log_level, secrets=[config.security.token])
     log.info("blockmgr_starting", config=loggable(config))
     from services.blockmgr.server import serve

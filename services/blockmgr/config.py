@@ -20,6 +20,7 @@ class BlockManagerServiceConfig:
     pool_lease_s: float = 30.0  # a pool whose owner made no call this long is reclaimed
     security: InternalSecurity = field(default_factory=InternalSecurity)
     log_level: str = "INFO"
+    record_trace: str | None = None  # append every pool-changing call here (offline replay)
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -72,6 +73,13 @@ class BlockManagerServiceConfig:
         )
         InternalSecurity.add_args(p)
         p.add_argument("--log-level", default=cls.log_level)
+        p.add_argument(
+            "--record-trace",
+            default=None,
+            metavar="FILE",
+            help="append every Register, Step, Restore and Unregister to FILE (JSON lines) for "
+            "`pagedserve blockmgr replay`",
+        )
         return p
 
     @classmethod

@@ -40,6 +40,8 @@ from services.blockmgr.types import (
 POLICY_TO_PB: dict[EvictionPolicyName, pb.EvictionPolicy] = {
     EvictionPolicyName.LRU: pb.EVICTION_POLICY_LRU,
     EvictionPolicyName.LFU: pb.EVICTION_POLICY_LFU,
+    EvictionPolicyName.ARC: pb.EVICTION_POLICY_ARC,
+    EvictionPolicyName.S3FIFO: pb.EVICTION_POLICY_S3FIFO,
 }
 PB_TO_POLICY: dict[int, EvictionPolicyName] = {v: k for k, v in POLICY_TO_PB.items()}
 DEFAULT_POLICY = EvictionPolicyName.LRU

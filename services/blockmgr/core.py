@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import structlog
 
 from services.blockmgr.errors import exhausted, invalid, not_found, precondition
-from services.blockmgr.eviction import POLICIES
 from services.blockmgr.hashing import HASH_ALGORITHM, HASH_SIZE
 from services.blockmgr.kv_groups import MAX_KV_CACHE_GROUPS, split_key, validated_groups
 from services.blockmgr.kv_manager import KVBlockManager
+from services.blockmgr.trace import TraceWriter
 from services.blockmgr.types import (
     EvictionPolicyName,
     KVCacheGroup,
@@ -88,9 +88,12 @@ class BlockManagerCore:
         max_pool_blocks: int = DEFAULT_MAX_POOL_BLOCKS,
         pool_lease_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        trace: TraceWriter | None = None,
     ) -> None:
         """``pool_lease_s``: seconds a pool lives without a call from its owner (0: no expiry,
-        for a block manager living inside its only executor)."""
+        for a block manager living inside its only executor). ``trace``: where every call that
+        changes a pool is recorded, for offline replay (:mod:`services.blockmgr.trace`)."""
+        self.trace = trace
         self._lock = threading.Lock()
         self._pools: dict[str, _Pool] = {}
         self._events: dict[str, _EventLog] = {}
@@ -116,7 +119,7 @@ class BlockManagerCore:
             version=VERSION,
             hash_algorithm=HASH_ALGORITHM,
             hash_size=HASH_SIZE,
-            eviction_policies=tuple(POLICIES),
+            eviction_policies=tuple(EvictionPolicyName),
             pools=pools,
             max_kv_cache_groups=MAX_KV_CACHE_GROUPS,
         )
@@ -199,6 +202,15 @@ class BlockManagerCore:
                 groups=pool_groups,
             )
             self._pools[pool_id] = _Pool(info, manager, token, self._lease_end())
+            if self.trace is not None:
+                self.trace.register(
+                    pool_id,
+                    num_blocks,
+                    block_size,
+                    enable_prefix_caching,
+                    eviction_policy,
+                    pool_groups,
+                )
             log = self._events.setdefault(pool_id, _EventLog(self._event_buffer))
             # Every new epoch starts with CLEARED, the first one too: a consumer that knew the
             # pool before a block-manager restart learns that every hash it knew is gone.
@@ -226,6 +238,8 @@ class BlockManagerCore:
                 results = manager.step(ops)
             finally:
                 self._flush_events(pool_id, pool)
+            if self.trace is not None:
+                self.trace.step(pool_id, ops)
             pool.num_steps += 1
             return StepResult(tuple(results), manager.counters())
 
@@ -242,6 +256,8 @@ class BlockManagerCore:
                 stored = pool.manager.restore(sequences)
             finally:
                 self._flush_events(pool_id, pool)
+            if self.trace is not None:
+                self.trace.restore(pool_id, sequences)
             return RestoreResult(len(sequences), stored, pool.manager.counters())
 
     def stats(self, pool_id: str) -> PoolStats:
@@ -329,6 +345,8 @@ class BlockManagerCore:
 
     def _remove(self, pool_id: str) -> None:
         pool = self._pools.pop(pool_id)
+        if self.trace is not None:
+            self.trace.unregister(pool_id)
         self._publish(
             pool_id, self._events[pool_id], pool.info.epoch, [(KVEventKind.CLEARED, (), 0)]
         )

@@ -5,7 +5,9 @@ a hash are always reused first by the pool: they carry nothing worth keeping.
 
 Contract: ``push`` when a cached block's refcount drops to 0, ``remove`` when a prefix hit takes
 it back, ``pop`` to choose a victim, ``touch`` when an in-use block is hit (for policies that
-count use). Every method is O(1) or O(log n).
+count use), ``forget`` when a block's hash is dropped (it was evicted, or a restore took it),
+``missed`` when a lookup found no block for a key (for policies with ghosts:
+:mod:`services.blockmgr.eviction_adaptive`). Every method is O(1) amortised or O(log n).
 
 Order of entry: a block is pushed when its refcount drops to 0. Full-attention pools free a
 sequence tail first. Sliding-window pools push a sequence's blocks as they fall out of its
@@ -22,6 +24,7 @@ import itertools
 from collections import OrderedDict
 from typing import Protocol
 
+from services.blockmgr.eviction_adaptive import ARCPolicy, KeyOf, S3FIFOPolicy
 from services.blockmgr.types import EvictionPolicyName
 
 
@@ -32,7 +35,8 @@ class EvictionPolicy(Protocol):
     def remove(self, block_id: int) -> None: ...
     def pop(self) -> int: ...
     def touch(self, block_id: int) -> None: ...
-    def forget(self, block_id: int) -> None: ...
+    def forget(self, block_id: int, key: bytes) -> None: ...
+    def missed(self, key: bytes) -> None: ...
     def __len__(self) -> int: ...
     def __contains__(self, block_id: int) -> bool: ...
 
@@ -61,7 +65,10 @@ class LRUPolicy:
     def touch(self, block_id: int) -> None:
         pass
 
-    def forget(self, block_id: int) -> None:
+    def forget(self, block_id: int, key: bytes) -> None:
+        pass
+
+    def missed(self, key: bytes) -> None:
         pass
 
     def __len__(self) -> int:
@@ -114,8 +121,11 @@ class LFUPolicy:
     def touch(self, block_id: int) -> None:
         self._hits[block_id] = self._hits.get(block_id, 0) + 1
 
-    def forget(self, block_id: int) -> None:
+    def forget(self, block_id: int, key: bytes) -> None:
         self._hits.pop(block_id, None)
+
+    def missed(self, key: bytes) -> None:
+        pass
 
     def __len__(self) -> int:
         return len(self._entry)
@@ -124,12 +134,16 @@ class LFUPolicy:
         return block_id in self._entry
 
 
-POLICIES: dict[EvictionPolicyName, type[LRUPolicy] | type[LFUPolicy]] = {
-    EvictionPolicyName.LRU: LRUPolicy,
-    EvictionPolicyName.LFU: LFUPolicy,
-}
-
-
-def make_policy(name: EvictionPolicyName | str) -> EvictionPolicy:
-    """A new policy of ``name``; ``ValueError`` naming the choices for an unknown one."""
-    return POLICIES[EvictionPolicyName.parse(name)]()
+def make_policy(
+    name: EvictionPolicyName | str, capacity: int = 0, key_of: KeyOf = lambda _: None
+) -> EvictionPolicy:
+    """A new policy of ``name`` for a pool of ``capacity`` blocks whose cache keys ``key_of``
+    gives; ``ValueError`` naming the choices for an unknown name."""
+    policy = EvictionPolicyName.parse(name)
+    if policy is EvictionPolicyName.LRU:
+        return LRUPolicy()
+    if policy is EvictionPolicyName.LFU:
+        return LFUPolicy()
+    if policy is EvictionPolicyName.ARC:
+        return ARCPolicy(capacity, key_of)
+    return S3FIFOPolicy(capacity, key_of)

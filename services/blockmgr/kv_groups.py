@@ -12,7 +12,8 @@ to one group's tables at a time, and is cached under its hash *in that group*
   it back: the entries before the group's ``first_live`` index are :data:`NULL_BLOCK` and hold
   no reference.
 
-- :func:`first_live`: the first block the queries from a position on may still read.
+- :func:`services.common.blocks.first_live_block`: the first block the queries from a
+  position on may still read.
 - :func:`longest_window_hit`: one sliding group's prefix hit, which needs only the blocks in
   the window of the first uncached query to be cached (searched right to left).
 - :func:`longest_group_hit`: an admission's hit across groups: the longest prefix every group

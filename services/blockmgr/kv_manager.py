@@ -391,8 +391,9 @@ class KVBlockManager:
         self, table: list[int], group: int, num_tokens: int, where: str
     ) -> int:
         """The leading null entries of a restored sliding group's table (0 in a full group,
-        where :func:`_check_block_ids` refuses any null entry). The last block must not be
-        null, unless the window has already passed every block (W = 1 after a grow by 0)."""
+        where :func:`~.step_checks.check_block_ids` refuses any null entry). The last block
+        must not be null, unless the window has already passed every block (W = 1 after a
+        grow by 0)."""
         window = self.windows[group]
         if not window:
             return 0

@@ -28,7 +28,7 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.hash_to_block: dict[bytes, int] = {}
         self._uncached: deque[int] = deque(range(1, num_blocks))
-        self._policy = make_policy(eviction_policy)
+        self._policy = make_policy(eviction_policy, num_blocks - 1, self.block_hash.__getitem__)
         self.eviction_policy = eviction_policy
         self.num_evicted = 0
         self.events: list[PendingEvent] = []
@@ -84,7 +84,12 @@ class BlockPool:
         return True
 
     def lookup(self, block_hash: bytes) -> int | None:
-        return self.hash_to_block.get(block_hash)
+        """The block cached under ``block_hash`` (a cache key), if any; a miss is told to the
+        eviction policy (a ghost hit for the policies that remember evicted keys)."""
+        block_id = self.hash_to_block.get(block_hash)
+        if block_id is None:
+            self._policy.missed(block_hash)
+        return block_id
 
     def note_hit(self, block_id: int) -> None:
         if self.refcount[block_id]:
@@ -123,7 +128,7 @@ class BlockPool:
         if block_hash is not None:
             del self.hash_to_block[block_hash]
             self.block_hash[block_id] = None
-            self._policy.forget(block_id)
+            self._policy.forget(block_id, block_hash)
             self.events.append((KVEventKind.REMOVED, block_hash))
             copies = self._duplicates.get(block_hash)
             if copies:  # a live copy holds the same KV: it takes the hash over

@@ -10,6 +10,7 @@ from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
 from services.blockmgr.config import BlockManagerServiceConfig
 from services.blockmgr.core import BlockManagerCore
 from services.blockmgr.servicer import BlockManagerServicer
+from services.blockmgr.trace import TraceWriter
 from services.common.auth import SERVER_OPTIONS
 from services.common.gc_policy import freeze_startup_heap
 from services.common.grpc_server import (
@@ -36,6 +37,7 @@ class BlockManagerServer:
                 max_pools=config.max_pools,
                 max_pool_blocks=config.max_pool_blocks,
                 pool_lease_s=config.pool_lease_s,
+                trace=TraceWriter(config.record_trace) if config.record_trace else None,
             )
         )
         security = config.security
@@ -74,6 +76,13 @@ class BlockManagerServer:
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.grace_period_s)
+        if self.core.trace is not None:
+            self.core.trace.close()
+            log.info(
+                "trace_recorded",
+                path=str(self.core.trace.path),
+                records=self.core.trace.num_records,
+            )
         log.info("blockmgr_stopped")
 
 

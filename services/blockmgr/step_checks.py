@@ -127,7 +127,7 @@ def check_block_ids(
         if b == NULL_BLOCK:
             raise invalid(
                 f"{where}[{j}]: block 0 is reserved (null entries may only lead the table of "
-                "a sliding-window pool)"
+                "a sliding group)"
             )
         if not 0 < b < num_blocks:
             raise invalid(f"{where}[{j}] = {b} is out of range [1, {num_blocks})")

@@ -17,6 +17,8 @@ class EvictionPolicyName(enum.StrEnum):
 
     LRU = "lru"
     LFU = "lfu"
+    ARC = "arc"
+    S3FIFO = "s3fifo"
 
     @classmethod
     def parse(cls, value: str) -> EvictionPolicyName:
@@ -101,7 +103,8 @@ class Fork:
 
 @dataclass(frozen=True, slots=True)
 class Free:
-    """Release the sequences' blocks, tail first."""
+    """Release the sequences' blocks: group by group, a full group's tail first, a sliding
+    group's oldest first (null entries skipped)."""
 
     seq_ids: tuple[int, ...]
 

@@ -42,7 +42,7 @@ class _Pool:
     epoch: int = 0
     last_seq: int = 0  # 0: no event seen yet
     synced: bool = False  # the event stream of this pool is live
-    stored: dict[bytes, int] = field(default_factory=dict)  # hash -> groups holding it
+    stored: dict[bytes, int] = field(default_factory=dict)  # hash -> bitmask of groups
     provisional: dict[bytes, float] = field(default_factory=dict)  # hash -> expiry time
 
     def clear(self) -> None:
@@ -101,15 +101,15 @@ class PrefixIndex:
                 pool.clear()
             pool.epoch = ev.epoch
             pool.last_seq = ev.seq
-            stored = pool.stored
+            stored, bit = pool.stored, 1 << ev.group
             if ev.kind == KVEventKind.STORED:
                 for h in ev.block_hashes:
-                    stored[h] = stored.get(h, 0) + 1
+                    stored[h] = stored.get(h, 0) | bit
                     pool.provisional.pop(h, None)
             elif ev.kind == KVEventKind.REMOVED:
                 for h in ev.block_hashes:
-                    held = stored.pop(h, 0) - 1
-                    if held > 0:  # still held in another group
+                    held = stored.pop(h, 0) & ~bit
+                    if held:  # still held in another group
                         stored[h] = held
                     else:
                         pool.provisional.pop(h, None)

@@ -241,6 +241,14 @@ class LFUPoolMachine(PoolMachine):
     policy = "lfu"
 
 
+class ARCPoolMachine(PoolMachine):
+    policy = "arc"
+
+
+class S3FIFOPoolMachine(PoolMachine):
+    policy = "s3fifo"
+
+
 class SlidingPoolMachine(PoolMachine):
     windows = (6,)  # not a multiple of the block size: the window straddles blocks
 
@@ -258,8 +266,8 @@ class HybridPoolMachine(PoolMachine):
     windows = (6, 0, 6)  # Gemma-style: sliding groups around a full one
 
 
-class HybridLFUPoolMachine(PoolMachine):
-    policy = "lfu"
+class HybridS3FIFOPoolMachine(PoolMachine):
+    policy = "s3fifo"
     windows = (0, 9, 1)  # two windows of their own
 
 
@@ -274,6 +282,11 @@ TestPoolInvariantsLRU = PoolMachine.TestCase
 TestPoolInvariantsLRU.settings = _settings
 TestPoolInvariantsLFU = LFUPoolMachine.TestCase
 TestPoolInvariantsLFU.settings = _settings
+_adaptive_settings = settings(_settings, max_examples=60)
+TestPoolInvariantsARC = ARCPoolMachine.TestCase
+TestPoolInvariantsARC.settings = _adaptive_settings
+TestPoolInvariantsS3FIFO = S3FIFOPoolMachine.TestCase
+TestPoolInvariantsS3FIFO.settings = _adaptive_settings
 _sliding_settings = settings(_settings, max_examples=60)
 TestSlidingPoolInvariantsLRU = SlidingPoolMachine.TestCase
 TestSlidingPoolInvariantsLRU.settings = _sliding_settings
@@ -283,5 +296,5 @@ TestSlidingWindowOfOneInvariants = SlidingWindowOfOnePoolMachine.TestCase
 TestSlidingWindowOfOneInvariants.settings = _sliding_settings
 TestHybridPoolInvariantsLRU = HybridPoolMachine.TestCase
 TestHybridPoolInvariantsLRU.settings = _sliding_settings
-TestHybridPoolInvariantsLFU = HybridLFUPoolMachine.TestCase
-TestHybridPoolInvariantsLFU.settings = _sliding_settings
+TestHybridPoolInvariantsS3FIFO = HybridS3FIFOPoolMachine.TestCase
+TestHybridPoolInvariantsS3FIFO.settings = _sliding_settings

@@ -144,3 +144,25 @@ def test_null_entries_before_a_sliding_window_are_read_as_the_null_block():
     batch = build_forward_batch([SeqChunk([7], 9, [0, 0, 5])], 4, "cpu", num_blocks=8)
     assert batch.block_tables.tolist() == [[0, 0, 5]]
     assert batch.slot_mapping.tolist() == [5 * 4 + 1]
+
+
+def test_hybrid_tables_reach_each_group_and_steady_steps_rewrite_no_row() -> None:
+    """A hybrid KV cache: every group's tables and slots in the batch; with more group tables
+    than the row store starts with (3 x 100 > 256), a steady decode step writes no row."""
+    groups, num_seqs, bs = 3, 100, 4
+    builder = BatchBuilder(bs, "cpu", num_blocks=10_000, num_groups=groups)
+    tables = [
+        [[1 + 3000 * g + 30 * s + b for b in range(3)] for g in range(groups)]
+        for s in range(num_seqs)
+    ]
+    chunks = [SeqChunk([5], 9, t[0], group_tables=t) for t in tables]
+    batch = builder.build(chunks)
+    assert batch.group_block_tables is not None and batch.group_slot_mapping is not None
+    for g in range(groups):
+        got_tables, got_slots = batch.tables_of(g)
+        assert got_tables[7, :3].tolist() == tables[7][g]
+        assert got_slots[7].item() == tables[7][g][2] * bs + 1  # position 9: block 2, offset 1
+    writes = builder._tables.num_writes
+    for _ in range(3):
+        builder.build(chunks)
+    assert builder._tables.num_writes == writes

@@ -51,12 +51,26 @@ def test_alternating_layers_make_two_groups_of_equal_size():
     assert layout.layer_group == (0, 1, 0, 1) and layout.layer_slot == (0, 0, 1, 1)
 
 
-def test_counts_that_do_not_divide_pad_the_last_group():
+def test_counts_that_do_not_divide_pad_a_group_cut_strided_as_vllm_does():
     layout = plan_kv_layout(_config(7, (0, 1, 2, 4, 5)))  # 5 sliding, 2 global
     assert layout.num_slots == 2
-    assert layout.group_layers == ((0, 1), (2, 4), (3, 6), (5,))
-    assert layout.windows == (64, 64, 0, 64)
-    assert layout.layer_slot[5] == 0  # the padded group uses slot 0; its slot 1 is padding
+    assert layout.group_layers == ((0, 4), (1, 5), (2,), (3, 6))
+    assert layout.windows == (64, 64, 64, 0)
+    assert layout.layer_slot[2] == 0  # the padded group uses slot 0; its slot 1 is padding
+
+
+def test_nearly_equal_counts_take_the_larger_as_the_group_size():
+    # 6 sliding, 5 global: 6 < 1.25 x 5, so 2 groups of 6 slots (1 padding), not 5 groups
+    layout = plan_kv_layout(_config(11, (0, 2, 4, 6, 8, 10)))
+    assert layout.num_slots == 6 and layout.num_groups == 2
+    assert layout.group_layers == ((0, 2, 4, 6, 8, 10), (1, 3, 5, 7, 9))
+
+
+def test_gemma3_27b_shape_gets_ten_slots_and_seven_groups():
+    sliding = tuple(i for i in range(62) if i % 6 != 5)  # 52 sliding, 10 global
+    layout = plan_kv_layout(_config(62, sliding))
+    assert layout.num_slots == 10 and layout.num_groups == 7
+    assert layout.windows.count(0) == 1
 
 
 @pytest.mark.parametrize(

@@ -28,12 +28,14 @@ def plan_admissions(
     ``block_size`` steps, so this headroom keeps growth from preempting what was just
     admitted (admitting on prompt blocks alone makes the newest sequences thrash:
     admitted, preempted, recomputed, again). With nothing running no headroom is needed.
-    In a hybrid pool every count is per KV-cache group: a block in each.
+    In a hybrid pool a sequence's blocks are counted in every KV-cache group, and the headroom
+    in the groups that keep their blocks (a sliding group releases about as fast as it grows).
     """
     if not waiting:
         return
     cfg = config
     bs, groups = cfg.block_size, cfg.num_kv_groups
+    keeping = max(1, cfg.group_slides.count(False))  # groups whose tables only grow
     num_running = len(running)
     speculative = False
     admits = plan.admits
@@ -65,7 +67,7 @@ def plan_admissions(
         first = min(total, k_max)
         upper = blocks_for_tokens(first, bs) * groups  # blocks if nothing is cached
         others = num_running + len(admits)
-        reserve = (cfg.watermark_blocks + others) * groups if others else 0
+        reserve = cfg.watermark_blocks + others * keeping if others else 0
         if upper + reserve > free:
             # A prefix hit may still make it fit: send it, but nothing after it (FCFS).
             if not cfg.enable_prefix_caching or speculative:
@@ -101,19 +103,20 @@ def _admit_group(
     between them; their blocks are counted as if nothing were cached. Returns the blocks
     and tokens used, or None."""
     bs, k, groups = cfg.block_size, len(group), cfg.num_kv_groups
+    keeping = max(1, cfg.group_slides.count(False))
     others = num_running + len(plan.admits)
     if others + k > cfg.max_num_seqs:
         return None
     share = max(1, budget // k) if cfg.enable_chunked_prefill else 0
     firsts = [min(s.num_tokens, share) if share else s.num_tokens for s in group]
     uppers = sum(blocks_for_tokens(f, bs) for f in firsts) * groups
-    reserve = (cfg.watermark_blocks + others + k - 1) * groups if others + k > 1 else 0
+    reserve = cfg.watermark_blocks + (others + k - 1) * keeping if others + k > 1 else 0
     if sum(firsts) > budget or uppers + reserve > free:
         return None
     for j, seq in enumerate(group):
         lookup = cfg.enable_prefix_caching and seq.params.prompt_logprobs is None
         hashes = tuple(seq.full_block_hashes(bs)[: seq.num_tokens // bs]) if lookup else ()
-        res = (cfg.watermark_blocks + others + j) * groups if others + j else 0
+        res = cfg.watermark_blocks + (others + j) * keeping if others + j else 0
         admit = Admit(seq.seq_id, seq.num_tokens, share or seq.num_tokens, hashes, res)
         plan.admits.append((seq, admit))
     return uppers, sum(firsts)

@@ -168,8 +168,18 @@ class BlockManagerLink:
         )
 
     def _resync(self, state: list[RestoredSequence]) -> None:
-        """Register again and restore every live sequence to ``state``."""
-        self.pool = self._with_backoff(self._register, held_ok=True)
+        """Register again and restore every live sequence to ``state``. A block manager that
+        no longer serves the pool's KV-cache groups (replaced by one that ignores them) is an
+        error saying so: our tables could not be restored."""
+        pool = self._with_backoff(self._register, held_ok=True)
+        if self.spec.groups and tuple(pool.groups) != tuple(self.spec.groups):
+            raise BlockManagerError(  # not recoverable by another resync
+                ErrorCode.INVALID_ARGUMENT,
+                f"the block manager re-registered the pool with KV-cache groups "
+                f"{[g.kind.value for g in pool.groups]}, not the "
+                f"{[g.kind.value for g in self.spec.groups]} it was registered with",
+            )
+        self.pool = pool
         self.client.restore(self.spec.pool_id, self.pool.epoch, state)
         self.num_recoveries += 1
         log.info("blockmgr_restored", epoch=self.pool.epoch, num_sequences=len(state))

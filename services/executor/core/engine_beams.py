@@ -51,15 +51,18 @@ class BeamSearchEngine:
     def _check_beams_fit(self, prompt_len: int, params: SamplingParams) -> None:
         """Refuse a search whose beams could not all hold their blocks at once (they run
         together): each its own blocks past the shared full prompt blocks (shared only
-        through the prefix cache once the search has been preempted)."""
+        through the prefix cache once the search has been preempted), in every KV-cache
+        group (a sliding group's at most its window's, a chunk of the prompt beside it)."""
         cfg = self.settings.scheduler
         bs, k = cfg.block_size, params.n
         length = min(prompt_len + params.max_tokens, self.settings.max_model_len)
         if cfg.enable_prefix_caching:
             shared = prompt_len // bs
-            need = shared + k * blocks_for_tokens(length - shared * bs, bs)
+            full = shared + k * blocks_for_tokens(length - shared * bs, bs)
         else:
-            need = k * blocks_for_tokens(length, bs)
+            full = k * blocks_for_tokens(length, bs)
+        window = blocks_for_tokens(cfg.max_num_batched_tokens + cfg.sliding_window + 2 * bs, bs)
+        need = sum(min(full, k * window) if slides else full for slides in cfg.group_slides)
         usable = self.scheduler.num_usable_blocks
         if need > usable:
             raise EngineError(

@@ -53,6 +53,6 @@ def seq_chunks(batch: ScheduledBatch) -> tuple[list[SeqChunk], list[int]]:
             tokens = [0]
         every = start < seq.prompt_len and seq.wants_prompt_logprobs()
         tables = seq.tables
-        group_tables = tables if len(tables) > 1 else ()
+        group_tables = tuple(tables) if len(tables) > 1 else ()
         append(new(SeqChunk, (tokens, start, tables[0], need_logits, every, group_tables)))
     return seq_chunks, pending

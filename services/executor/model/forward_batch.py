@@ -345,17 +345,21 @@ class BatchBuilder:
         group_slots = slots.reshape(groups, num_tokens)
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)  # [T]
         pos[:] = np.arange(num_tokens) - query_start_loc[seq_of_token] + num_computed[seq_of_token]
+        store = self._tables
+        if num_real and groups > 1:  # every group's tables in one build of the row store
+            flat = [t[g] for g in range(groups) for t in group_col]
+            flat_lens = np.fromiter(map(len, flat), np.int64, len(flat))
+            bad = flat_lens != np.tile(table_lens, groups)
+            if bad.any():
+                g, b = divmod(int(np.argmax(bad)), num_real)
+                raise ValueError(f"chunk {b}: group {g}'s table has another length")
+            all_rows = store.rows(flat, flat_lens).reshape(groups, num_real)
+        elif num_real:
+            all_rows = store.rows(table_col, table_lens).reshape(1, num_real)
         for g in range(groups):
-            col = table_col if groups == 1 else [t[g] for t in group_col]
             tables = all_tables[g]
             if num_real:
-                if groups > 1:
-                    lens_g = np.fromiter(map(len, col), np.int64, num_real)
-                    if (lens_g != table_lens).any():
-                        b = int(np.argmax(lens_g != table_lens))
-                        raise ValueError(f"chunk {b}: group {g}'s table has another length")
-                store = self._tables
-                rows = store.rows(col, table_lens)
+                rows = all_rows[g]
                 w = min(width, store.width)
                 tables[:num_real, :w] = store.ids[rows, :w]  # zero past each table's end
                 tables[:num_real, w:] = 0

@@ -11,11 +11,14 @@ that share a slice never meet in one block.
 
 - One kind of layer (full attention everywhere, or one window everywhere): one group of every
   layer, ``num_slots`` = the number of layers, layer ``l`` in slice ``l`` (the plain layout).
-- A hybrid model (Gemma 2/3: sliding and full layers), unless the hybrid manager is disabled:
-  ``num_slots`` = the smaller of the two layer counts, and each kind's layers, in order, are
-  cut into groups of that many. Where a kind's count does not divide, its last group has fewer
-  layers and the slices it leaves unused are padding: memory allocated and never read, as in
-  vLLM. Gemma 3 (5 sliding layers to 1 full) gets one layer per group and no padding.
+- A hybrid model (Gemma 2/3: sliding and full layers), unless the hybrid manager is disabled,
+  is grouped as vLLM groups it: ``num_slots`` is the smaller of the two layer counts (the
+  larger when it is under 1.25 times the smaller, to save groups), and each kind's layers are
+  cut, strided, into ``ceil(count / num_slots)`` groups. Where a kind's count does not divide,
+  some groups have fewer layers and the slices they leave unused are padding: memory allocated
+  and never read (logged as ``kv_cache_padding``). Gemma 3 27B (52 sliding, 10 global layers)
+  gets 10 slots, 6 sliding groups and 1 global (8 padding slots, 11% of the cache); the tiny
+  5:1 test shape one layer per group; alternating Gemma 2 two groups of half the layers.
 - Disabled (``--disable-hybrid-kv-cache-manager``): one full group of every layer, the
   sliding layers keeping every block too.
 """
@@ -24,8 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
+
 from services.common.blocks import blocks_for_tokens, max_live_blocks
 from services.executor.model.config import ModelConfig
+
+log = structlog.get_logger(__name__)
 
 __all__ = ["KVCacheLayout", "plan_kv_layout"]
 
@@ -81,15 +88,27 @@ def plan_kv_layout(config: ModelConfig, *, hybrid: bool = True) -> KVCacheLayout
         win = window if config.all_layers_slide else 0
         return KVCacheLayout((win,), (layers,), (0,) * num_layers, layers, num_layers)
     kinds = (
-        [layer for layer in range(num_layers) if layer not in sliding],
-        [layer for layer in range(num_layers) if layer in sliding],
+        (0, [layer for layer in range(num_layers) if layer not in sliding]),
+        (window, [layer for layer in range(num_layers) if layer in sliding]),
     )
-    size = min(len(k) for k in kinds)
-    groups = sorted(
-        (tuple(kind[i : i + size]), window if kind is kinds[1] else 0)
-        for kind in kinds
-        for i in range(0, len(kind), size)
-    )
+    counts = sorted(len(layers) for _, layers in kinds)
+    size = counts[1] if counts[1] < 1.25 * counts[0] else counts[0]
+    groups: list[tuple[tuple[int, ...], int]] = []
+    padding = 0
+    for kind_window, layers in kinds:
+        n = -(-len(layers) // size)
+        padding += n * size - len(layers)
+        # Strided, as vLLM cuts them: group i holds layers i, i + n, i + 2n, ...
+        groups.extend((tuple(layers[i::n]), kind_window) for i in range(n))
+    groups.sort()
+    if padding:
+        log.warning(
+            "kv_cache_padding",
+            padding_slots=padding,
+            num_slots=size,
+            num_groups=len(groups),
+            share=round(padding / (size * len(groups)), 3),
+        )
     layer_group = [0] * num_layers
     layer_slot = [0] * num_layers
     for g, (layers, _) in enumerate(groups):

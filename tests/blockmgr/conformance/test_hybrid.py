@@ -175,7 +175,7 @@ def test_the_next_turn_hits_its_whole_prefix_in_every_group(client, pool_id, hyb
     assert full[:6] == first_full and sliding[5] == first_sliding[5]
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "s3fifo"])
 def test_released_blocks_are_evicted_before_the_blocks_the_next_turn_needs(
     client, pool_id, hybrid, policy
 ):

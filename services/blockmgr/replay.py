@@ -1,0 +1,247 @@
+"""Offline replay of a recorded block-manager trace under other eviction policies and pool sizes:
+compare policies in seconds, without a model.
+
+    pagedserve blockmgr replay TRACE [--policy lru,lfu,arc,s3fifo] [--device-blocks N]
+
+Each pool of the trace is rebuilt from its Register record (``--device-blocks``: its
+``num_blocks``, the null block included, instead of the recorded one; ``--policy``: its
+eviction policy) and driven through the real :class:`~.kv_manager.KVBlockManager` by the
+recorded Steps and Restores. Replayed as recorded, it reproduces the live run exactly (the same
+hits, evictions, copies). Under another policy or size the pool may refuse what the live one
+granted: an admission refused in the replay, or a grow that no longer fits (that sequence is
+freed), makes the replay drop the sequence's later operations until the trace admits it again
+(a preempted sequence is); they are counted as ``dropped``, apart from the admissions refused
+(which the live pool refuses too, and the executor sends again later). The hit ratio is that of
+the prompt tokens looked up at admission, as the pool's statistics count it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from services.blockmgr.errors import BlockManagerError
+from services.blockmgr.kv_manager import KVBlockManager
+from services.blockmgr.trace import (
+    RegisterRecord,
+    RestoreRecord,
+    StepRecord,
+    TraceRecord,
+    read_trace,
+)
+from services.blockmgr.types import (
+    Admit,
+    Commit,
+    EvictionPolicyName,
+    Fork,
+    Free,
+    Grow,
+    GrowResult,
+    Operation,
+    OpResult,
+    OpStatus,
+)
+from services.common.blocks import full_blocks
+
+__all__ = ["ReplayResult", "main", "replay"]
+
+
+@dataclass
+class ReplayResult:
+    """Totals over the trace's pools."""
+
+    policy: str
+    num_blocks: int | None  # None: as recorded
+    num_steps: int = 0
+    num_ops: int = 0
+    queries_tokens: int = 0
+    hits_tokens: int = 0
+    num_evicted_blocks: int = 0
+    num_cow_copies: int = 0
+    num_dropped: int = 0  # running sequences the replayed pool could not hold (grow, restore)
+    num_refused_admissions: int = 0  # admissions refused (live too, where they were then)
+    seconds: float = 0.0
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits_tokens / self.queries_tokens if self.queries_tokens else 0.0
+
+
+class _ReplayedPool:
+    def __init__(
+        self, record: RegisterRecord, policy: EvictionPolicyName | None, num_blocks: int | None
+    ) -> None:
+        self.manager = KVBlockManager(
+            num_blocks or record.num_blocks,
+            record.block_size,
+            enable_prefix_caching=record.enable_prefix_caching,
+            eviction_policy=policy or record.eviction_policy,
+            groups=record.groups,
+        )
+        self.num_dropped = 0
+        self.num_refused_admissions = 0
+
+    def step(self, ops: Sequence[Operation]) -> int:
+        """Apply the recorded ``ops`` that still make sense here; returns how many."""
+        m = self.manager
+        kept = self._kept(ops)
+        if not kept:
+            return 0
+        results = m.step(kept)
+        self._drop_refused(kept, results)
+        return len(kept)
+
+    def _kept(self, ops: Sequence[Operation]) -> list[Operation]:
+        """``ops`` without those on sequences this pool does not hold as the live one did:
+        simulated through the step, as the pool validates it."""
+        m, bs = self.manager, self.manager.block_size
+        tokens: dict[int, int] = {s: st.num_tokens for s, st in m.seqs.items()}  # the live ones
+        kept: list[Operation] = []
+        for op in ops:
+            if isinstance(op, Grow):
+                entries = [
+                    (s, n) for s, n in zip(op.seq_ids, op.num_tokens, strict=True) if s in tokens
+                ]
+                for s, n in entries:
+                    tokens[s] += n
+                if entries:
+                    kept.append(Grow(tuple(s for s, _ in entries), tuple(n for _, n in entries)))
+            elif isinstance(op, Free):
+                live = tuple(s for s in op.seq_ids if s in tokens)
+                for s in live:
+                    del tokens[s]
+                if live:
+                    kept.append(Free(live))
+            elif isinstance(op, Commit):
+                if op.seq_id in tokens:
+                    room = full_blocks(tokens[op.seq_id], bs) - op.start_block
+                    fit = max(0, min(len(op.block_hashes), room))
+                    if fit:
+                        kept.append(Commit(op.seq_id, op.start_block, op.block_hashes[:fit]))
+            elif isinstance(op, Admit):
+                if op.seq_id not in tokens:
+                    tokens[op.seq_id] = min(op.num_prompt_tokens, op.max_new_tokens)
+                    kept.append(op)
+            elif (
+                isinstance(op, Fork)
+                and op.parent_seq_id in tokens
+                and op.child_seq_id not in tokens
+            ):
+                tokens[op.child_seq_id] = tokens[op.parent_seq_id]
+                kept.append(op)
+        return kept
+
+    def _drop_refused(self, ops: Sequence[Operation], results: Sequence[OpResult]) -> None:
+        """Free the sequences whose grow no longer fits; count them and refused admissions."""
+        m = self.manager
+        for op, result in zip(ops, results, strict=True):
+            if isinstance(op, Admit) and result.status is not OpStatus.OK:  # type: ignore[union-attr]
+                self.num_refused_admissions += 1
+            elif isinstance(op, Grow) and isinstance(result, GrowResult):
+                refused = tuple(
+                    s
+                    for s, status in zip(op.seq_ids, result.statuses, strict=True)
+                    if status is OpStatus.RESOURCE_EXHAUSTED and s in m.seqs
+                )
+                if refused:
+                    m.step([Free(refused)])
+                    self.num_dropped += len(refused)
+
+
+def replay(
+    records: Iterable[TraceRecord],
+    *,
+    policy: EvictionPolicyName | None = None,
+    num_blocks: int | None = None,
+) -> ReplayResult:
+    """Run ``records`` through fresh pools (see the module docstring)."""
+    result = ReplayResult(policy.value if policy else "recorded", num_blocks)
+    pools: dict[str, _ReplayedPool] = {}
+    done: list[_ReplayedPool] = []
+    start = time.perf_counter()
+    for record in records:
+        if isinstance(record, RegisterRecord):
+            if record.pool_id in pools:
+                done.append(pools[record.pool_id])
+            pools[record.pool_id] = _ReplayedPool(record, policy, num_blocks)
+            continue
+        pool = pools.get(record.pool_id)
+        if pool is None:
+            continue
+        if isinstance(record, StepRecord):
+            result.num_steps += 1
+            result.num_ops += pool.step(record.ops)
+        elif isinstance(record, RestoreRecord):
+            try:
+                pool.manager.restore(record.sequences)
+            except BlockManagerError:  # the tables do not fit this pool: those sequences go
+                pool.num_dropped += len(record.sequences)
+        else:
+            done.append(pools.pop(record.pool_id))
+    for pool in [*done, *pools.values()]:
+        m = pool.manager
+        result.queries_tokens += m.prefix_queries_tokens
+        result.hits_tokens += m.prefix_hits_tokens
+        result.num_evicted_blocks += m.pool.num_evicted
+        result.num_cow_copies += m.num_cow_copies
+        result.num_dropped += pool.num_dropped
+        result.num_refused_admissions += pool.num_refused_admissions
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="pagedserve blockmgr replay",
+        description="Replay a trace recorded with `pagedserve blockmgr --record-trace` under "
+        "other eviction policies and pool sizes; prints one row per policy.",
+    )
+    p.add_argument("trace", help="the trace file (JSON lines)")
+    p.add_argument(
+        "--policy",
+        default="recorded",
+        help="comma-separated eviction policies, of "
+        f"{[x.value for x in EvictionPolicyName]}, or 'recorded' (default)",
+    )
+    p.add_argument(
+        "--device-blocks",
+        type=int,
+        default=None,
+        help="each pool's num_blocks (the null block included) instead of the recorded one",
+    )
+    args = p.parse_args(argv)
+    try:
+        names = [x.strip() for x in args.policy.split(",") if x.strip()]
+        policies = [None if x == "recorded" else EvictionPolicyName.parse(x) for x in names]
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.device_blocks is not None and args.device_blocks < 2:
+        p.error("--device-blocks must be >= 2")
+    try:
+        records = list(read_trace(args.trace))
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    num_ops = sum(len(r.ops) for r in records if isinstance(r, StepRecord))
+    print(f"trace {args.trace}: {len(records)} records, {num_ops} operations\n")
+    print(
+        "| policy | device blocks | prompt tokens looked up | hit tokens | hit ratio | "
+        "evicted blocks | copy-on-write | admissions refused | dropped sequences | replay s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for policy in policies:
+        r = replay(records, policy=policy, num_blocks=args.device_blocks)
+        blocks = "recorded" if r.num_blocks is None else str(r.num_blocks)
+        print(
+            f"| {r.policy} | {blocks} | {r.queries_tokens:,} | {r.hits_tokens:,} | "
+            f"{r.hit_ratio:.1%} | {r.num_evicted_blocks:,} | {r.num_cow_copies:,} | "
+            f"{r.num_refused_admissions:,} | {r.num_dropped:,} | {r.seconds:.2f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""What each eviction policy keeps under pressure: a prefix reused by several requests against a
+stream of one-off prompts (LRU loses it; LFU, ARC and S3-FIFO keep it), ARC's adaptation to the
+keys of blocks it evicted, and S3-FIFO's ghosts."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.blockmgr.eviction import make_policy
+from services.blockmgr.eviction_adaptive import ARCPolicy, S3FIFOPolicy
+from services.blockmgr.kv_manager import KVBlockManager
+from services.blockmgr.types import Admit, Commit, Free
+from tests.blockmgr.helpers import hashes
+
+BS = 4
+
+
+def _turn(m: KVBlockManager, seq_id: int, tokens: list[int]) -> int:
+    """Admit, commit and free one request; returns its cached prompt tokens."""
+    h = hashes(tokens, BS)
+    (r,) = m.step([Admit(seq_id, len(tokens), len(tokens), h)])
+    m.step([Commit(seq_id, 0, h), Free((seq_id,))])
+    return r.num_cached_tokens
+
+
+@pytest.mark.parametrize(
+    ("policy", "keeps_the_shared_prefix"),
+    [("lru", False), ("lfu", True), ("arc", True), ("s3fifo", True)],
+)
+def test_a_reused_prefix_outlives_a_stream_of_one_off_prompts(policy, keeps_the_shared_prefix):
+    m = KVBlockManager(17, BS, eviction_policy=policy)  # 16 usable blocks
+    system = list(range(1000, 1016))  # 4 blocks, asked for by 3 requests
+    for i in range(3):
+        _turn(m, i, [*system, 1, 2, 3, 4 + i])
+    for j in range(10):  # one-off prompts of 3 blocks each: the pool turns over twice
+        _turn(m, 100 + j, list(range(2000 + 100 * j, 2000 + 100 * j + 12)))
+    assert m.pool.num_evicted > 16
+    cached = _turn(m, 999, [*system, 9, 9, 9, 9])
+    assert (cached == len(system)) is keeps_the_shared_prefix, cached
+
+
+def test_arc_raises_the_target_of_its_recency_list_when_an_evicted_key_is_asked_again():
+    keys = {b: bytes([b]) * 32 for b in range(1, 5)}
+    arc = ARCPolicy(4, keys.get)
+    for b in (1, 2, 3):
+        arc.push(b)
+    victim = arc.pop()
+    assert victim == 1  # least recently freed, seen once
+    arc.forget(victim, keys[victim])
+    assert arc.p == 0
+    arc.missed(keys[victim])  # asked for again soon after: recency deserved more room
+    assert arc.p == 1
+    arc.missed(keys[victim])  # a ghost counts once
+    assert arc.p == 1
+
+
+def test_arc_evicts_blocks_seen_once_before_blocks_hit_again():
+    arc = ARCPolicy(8, lambda b: None)
+    arc.push(1)
+    arc.remove(1)  # a prefix hit takes it back...
+    arc.push(1)  # ...and it is freed again: frequent now
+    for b in (2, 3):
+        arc.push(b)
+    assert [arc.pop(), arc.pop(), arc.pop()] == [2, 3, 1]
+
+
+def test_s3fifo_sends_a_ghost_key_straight_to_its_main_queue():
+    keys: dict[int, bytes] = {1: b"a" * 32, 2: b"b" * 32, 3: b"a" * 32}
+    s3 = S3FIFOPolicy(8, keys.get)
+    s3.push(1)
+    s3.push(2)
+    assert s3.pop() == 1  # new content: the small queue, FIFO; its key becomes a ghost
+    s3.push(3)  # the same content computed again: a ghost, so it joins the main queue
+    assert s3.pop() == 2 and s3.pop() == 3
+
+
+def test_s3fifo_gives_a_used_block_another_round_in_the_main_queue():
+    s3 = S3FIFOPolicy(8, lambda b: None)
+    for _ in range(2):  # hit twice: the main queue, two uses
+        s3.push(1)
+        s3.remove(1)
+    s3.push(1)
+    s3.push(2)
+    s3.remove(2)  # hit once
+    s3.push(2)
+    assert s3.pop() == 2  # each went round once per use: 1 had one more
+    assert s3.pop() == 1
+
+
+def test_an_unknown_policy_names_the_choices():
+    with pytest.raises(ValueError, match="'lru', 'lfu', 'arc', 's3fifo'"):
+        make_policy("clock")
