@@ -7,109 +7,68 @@ replay (the eager stand-in) and a block-manager restart."""
 
 from __future__ import annotations
 
-import random
-import socket
-import threading
-import time
 from collections.abc import Callable
 
 import pytest
-import torch
 from transformers import PreTrainedModel
 
-from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
-from services.blockmgr.config import BlockManagerServiceConfig
+from kernels.ops import FORCE_TRITON_ENV
+from services.blockmgr.client import BlockManagerClient, InProcessClient
 from services.blockmgr.types import AttentionKindName
 from services.common.blocks import NULL_BLOCK, blocks_for_tokens, max_live_blocks
 from services.common.sampling_params import SamplingParams
 from services.executor.core.engine import Engine
-from services.executor.core.sequence import RequestKey
+from services.executor.core.sequence import RequestKey, Sequence
 from services.executor.model.launch import build_runner
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
-from tests.blockmgr.helpers import ThreadedServer
 
 from .conftest import CheckpointFactory
+from .windowed import (
+    Workload,
+    assert_matches,
+    assert_pool_empty,
+    run_across_a_blockmgr_restart,
+    run_checked,
+    windowed_engine,
+    windowed_workload,
+)
 
 NAME, WINDOW, BS = "gemma3", 16, 8
 SLIDING, FULL = 0, 1  # the tiny Gemma 3: layer 0 slides, layer 1 attends to everything
 
 
 @pytest.fixture(scope="module")
-def workload(hf_model: Callable[[str], PreTrainedModel]) -> list[tuple[list[int], int, list[int]]]:
+def workload(hf_model: Callable[[str], PreTrainedModel]) -> Workload:
     """8 requests, prompts 20-60 tokens (half sharing a 24-token prefix), 24-48 new tokens:
     sequences several windows long."""
-    rng = random.Random(7)
-    shared = [2] + [rng.randrange(3, 600) for _ in range(23)]
-    out = []
-    for i in range(8):
-        tail = [rng.randrange(3, 600) for _ in range(rng.randrange(1, 36))]
-        prompt = [*shared, *tail] if i % 2 else [2, *tail, *shared[1:8]]
-        n = rng.randrange(24, 48)
-        with torch.inference_mode():
-            ids = hf_model(NAME).generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=n,
-                do_sample=False,
-            )
-        out.append((prompt, n, ids[0, len(prompt) :].tolist()))
-    return out
+    return windowed_workload(hf_model(NAME), seed=7, num_requests=8, bos=2, max_tokens=(24, 48))
 
 
 def _engine(
     tiny_checkpoint: CheckpointFactory, client: BlockManagerClient | None = None, **kw
 ) -> Engine:
     kw.setdefault("num_kv_blocks", 80)
-    kw.setdefault("max_model_len", 128)
-    kw.setdefault("max_num_batched_tokens", 32)
-    config = ExecutorConfig(
-        model=str(tiny_checkpoint(NAME)), dtype="float32", device="cpu", block_size=BS, **kw
-    )
-    engine, _ = build_engine(
-        config, runner=build_runner(config.runner_config()), blockmgr=client or InProcessClient()
-    )
-    return engine
+    return windowed_engine(tiny_checkpoint, NAME, BS, client, **kw)
 
 
-def _run(engine: Engine, workload, *, n: int = 1, per_step: int = 3) -> dict[str, list[list[int]]]:
+def _run(engine: Engine, workload, *, n: int = 1) -> dict[str, list[list[int]]]:
     """Requests arrive a few per step; after every step, each decoding sequence holds at most
     the window's blocks in the sliding group and every block in the full group."""
-    got: dict[str, list[list[int]]] = {}
-    pending = list(enumerate(workload))
     limit = max_live_blocks(WINDOW, BS)
-    computed: dict[int, int] = {}
-    decoding: set[int] = set()
-    while pending or engine.has_work:
-        for i, (prompt, max_tokens, _) in pending[:per_step]:
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n)
-            engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
-        pending = pending[per_step:]
-        for o in engine.step():
-            outs = got.setdefault(o.req_id.request_id, [[] for _ in range(n)])
-            outs[o.index].extend(o.token_ids)
-        for seq in engine.scheduler.running:
-            sliding, full = seq.tables
-            assert len(sliding) == len(full)
-            assert NULL_BLOCK not in full and not set(sliding) & set(full)
-            step = seq.num_computed_tokens - computed.get(seq.seq_id, -10)
-            if step == 1 and seq.seq_id in decoding:
-                live = [b for b in sliding if b != NULL_BLOCK]
-                assert len(live) <= limit, (seq.seq_id, seq.num_computed_tokens, live)
-            (decoding.add if step == 1 else decoding.discard)(seq.seq_id)
-            computed[seq.seq_id] = seq.num_computed_tokens
-    return got
+
+    def check(seq: Sequence, decoding: bool) -> None:
+        sliding, full = seq.tables
+        assert len(sliding) == len(full)
+        assert NULL_BLOCK not in full and not set(sliding) & set(full)
+        if decoding:
+            live = [b for b in sliding if b != NULL_BLOCK]
+            assert len(live) <= limit, (seq.seq_id, seq.num_computed_tokens, live)
+
+    return run_checked(engine, workload, check, n=n)
 
 
-def _assert_matches(got: dict[str, list[list[int]]], workload) -> None:
-    for i, (_, _, expected) in enumerate(workload):
-        for sample in got[f"r{i}"]:
-            assert sample == expected, f"request r{i}"
-
-
-def _assert_pool_empty(engine: Engine) -> None:
-    c = engine.link.client.stats(engine.link.spec.pool_id).counters
-    assert c.num_in_use_blocks == 0 and c.num_free_blocks == c.num_usable_blocks
+_assert_matches, _assert_pool_empty = assert_matches, assert_pool_empty
 
 
 def test_the_pool_is_registered_with_a_sliding_and_a_full_group(tiny_checkpoint) -> None:
@@ -192,40 +151,19 @@ def test_a_long_sequence_holds_its_window_in_the_sliding_group(tiny_checkpoint) 
     _assert_pool_empty(engine)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_block_manager_restart_restores_every_groups_tables(tiny_checkpoint, workload) -> None:
-    port = _free_port()
-    config = BlockManagerServiceConfig(port=port, grace_period_s=0.1)
-    server = ThreadedServer(config)
-    client = GrpcClient(f"127.0.0.1:{port}", timeout_s=2.0)
-    engine = _engine(tiny_checkpoint, client)
-    got: dict[str, list[int]] = {}
-    for i, (prompt, max_tokens, _) in enumerate(workload):
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
-    for _ in range(12):  # past the first windows: sliding tables hold released entries
-        for o in engine.step():
-            got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
-    assert any(NULL_BLOCK in s.tables[SLIDING] for s in engine.scheduler.running)
-    server.stop()
-    restarted: list[ThreadedServer] = []
-    t = threading.Thread(target=lambda: (time.sleep(0.5), restarted.append(ThreadedServer(config))))
-    t.start()
-    try:
-        while engine.has_work:
-            for o in engine.step():
-                got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
-        t.join()
-        for i, (_, _, expected) in enumerate(workload):
-            assert got[f"r{i}"] == expected, f"request r{i}"
-        assert engine.link.num_recoveries == 1
-        _assert_pool_empty(engine)
-    finally:
-        client.close()
-        for s in restarted:
-            s.stop()
+    run_across_a_blockmgr_restart(
+        lambda client: _engine(tiny_checkpoint, client),
+        workload,
+        lambda engine: any(NULL_BLOCK in s.tables[SLIDING] for s in engine.scheduler.running),
+    )
+
+
+def test_the_triton_kernels_read_each_groups_tables(tiny_checkpoint, workload, monkeypatch):
+    """The CUDA path's kernels (under the Triton interpreter) through a hybrid pool: each
+    layer's calls get its group's tables and slots."""
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    engine = _engine(tiny_checkpoint)
+    few = [(prompt, 4, expected[:4]) for prompt, _, expected in workload[:2]]
+    _assert_matches(_run(engine, few), few)
+    _assert_pool_empty(engine)

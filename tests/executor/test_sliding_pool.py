@@ -6,20 +6,14 @@ restart."""
 
 from __future__ import annotations
 
-import random
-import socket
-import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 from transformers import PreTrainedModel
 
-from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
-from services.blockmgr.config import BlockManagerServiceConfig
+from services.blockmgr.client import BlockManagerClient, InProcessClient
 from services.blockmgr.types import (
     Admit,
     AttentionKindName,
@@ -33,90 +27,49 @@ from services.common.sampling_params import SamplingParams
 from services.executor.core.engine import Engine
 from services.executor.core.plan import BadAnswer, SchedulePlan, check_answer
 from services.executor.core.sequence import RequestKey, Sequence
-from services.executor.model.launch import build_runner
-from services.executor.service.config import ExecutorConfig
-from services.executor.service.startup import build_engine
-from tests.blockmgr.helpers import ThreadedServer
 
 from .conftest import CheckpointFactory
+from .windowed import (
+    Workload,
+    assert_matches,
+    assert_pool_empty,
+    run_across_a_blockmgr_restart,
+    run_checked,
+    windowed_engine,
+    windowed_workload,
+)
 
 NAME, WINDOW, BS = "mistral_window", 16, 8
 
 
 @pytest.fixture(scope="module")
-def workload(hf_model: Callable[[str], PreTrainedModel]) -> list[tuple[list[int], int, list[int]]]:
+def workload(hf_model: Callable[[str], PreTrainedModel]) -> Workload:
     """12 requests, prompts 20-60 tokens (half sharing a 24-token prefix), 30-60 new tokens:
     sequences several windows long."""
-    rng = random.Random(5)
-    shared = [1] + [rng.randrange(3, 600) for _ in range(23)]
-    out = []
-    for i in range(12):
-        tail = [rng.randrange(3, 600) for _ in range(rng.randrange(1, 36))]
-        prompt = [*shared, *tail] if i % 2 else [1, *tail, *shared[1:8]]
-        n = rng.randrange(30, 60)
-        with torch.inference_mode():
-            ids = hf_model(NAME).generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=n,
-                do_sample=False,
-            )
-        out.append((prompt, n, ids[0, len(prompt) :].tolist()))
-    return out
+    return windowed_workload(hf_model(NAME), seed=5, num_requests=12, bos=1, max_tokens=(30, 60))
 
 
 def _engine(
     tiny_checkpoint: CheckpointFactory, client: BlockManagerClient | None = None, **kw
 ) -> Engine:
     kw.setdefault("num_kv_blocks", 40)
-    kw.setdefault("max_model_len", 128)
-    kw.setdefault("max_num_batched_tokens", 32)
-    config = ExecutorConfig(
-        model=str(tiny_checkpoint(NAME)), dtype="float32", device="cpu", block_size=BS, **kw
-    )
-    engine, _ = build_engine(
-        config, runner=build_runner(config.runner_config()), blockmgr=client or InProcessClient()
-    )
-    return engine
+    return windowed_engine(tiny_checkpoint, NAME, BS, client, **kw)
 
 
 def _run(engine: Engine, workload, *, n: int = 1, per_step: int = 3) -> dict[str, list[list[int]]]:
     """Requests arrive a few per step; after every step, each decoding sequence holds at most
     the window's blocks."""
-    got: dict[str, list[list[int]]] = {}
-    pending = list(enumerate(workload))
     limit = max_live_blocks(WINDOW, BS)
-    computed: dict[int, int] = {}  # seq id -> tokens computed after the previous step
-    decoding: set[int] = set()  # sequences whose last step computed one token
-    while pending or engine.has_work:
-        for i, (prompt, max_tokens, _) in pending[:per_step]:
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n)
-            engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
-        pending = pending[per_step:]
-        for o in engine.step():
-            outs = got.setdefault(o.req_id.request_id, [[] for _ in range(n)])
-            outs[o.index].extend(o.token_ids)
-        for seq in engine.scheduler.running:
-            # Two decode steps in a row: its last prefill chunk's blocks, which it held until
-            # its next grow, are gone.
-            step = seq.num_computed_tokens - computed.get(seq.seq_id, -10)
-            if step == 1 and seq.seq_id in decoding:
-                live = [b for b in seq.block_table if b != NULL_BLOCK]
-                assert len(live) <= limit, (seq.seq_id, seq.num_computed_tokens, live)
-            (decoding.add if step == 1 else decoding.discard)(seq.seq_id)
-            computed[seq.seq_id] = seq.num_computed_tokens
-    return got
+
+    def check(seq: Sequence, decoding: bool) -> None:
+        if decoding:
+            live = [b for b in seq.block_table if b != NULL_BLOCK]
+            assert len(live) <= limit, (seq.seq_id, seq.num_computed_tokens, live)
+
+    return run_checked(engine, workload, check, n=n, per_step=per_step)
 
 
-def _assert_matches(got: dict[str, list[list[int]]], workload) -> None:
-    for i, (_, _, expected) in enumerate(workload):
-        for sample in got[f"r{i}"]:
-            assert sample == expected, f"request r{i}"
-
-
-def _assert_pool_empty(engine: Engine) -> None:
-    c = engine.link.client.stats(engine.link.spec.pool_id).counters
-    assert c.num_in_use_blocks == 0 and c.num_free_blocks == c.num_usable_blocks
+_assert_matches, _assert_pool_empty = assert_matches, assert_pool_empty
 
 
 def test_the_pool_is_registered_as_one_sliding_group(tiny_checkpoint) -> None:
@@ -190,45 +143,14 @@ def test_a_sequence_many_windows_long_holds_at_most_the_window_blocks(tiny_check
     _assert_pool_empty(engine)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_block_manager_restart_restores_tables_with_released_blocks(
     tiny_checkpoint, workload
 ) -> None:
-    port = _free_port()
-    config = BlockManagerServiceConfig(port=port, grace_period_s=0.1)
-    server = ThreadedServer(config)
-    client = GrpcClient(f"127.0.0.1:{port}", timeout_s=2.0)
-    engine = _engine(tiny_checkpoint, client)
-    got: dict[str, list[int]] = {}
-    for i, (prompt, max_tokens, _) in enumerate(workload):
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
-    for _ in range(12):  # past the first windows: tables hold released entries
-        for o in engine.step():
-            got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
-    assert any(NULL_BLOCK in s.block_table for s in engine.scheduler.running)
-    server.stop()
-    restarted: list[ThreadedServer] = []
-    t = threading.Thread(target=lambda: (time.sleep(0.5), restarted.append(ThreadedServer(config))))
-    t.start()
-    try:
-        while engine.has_work:
-            for o in engine.step():
-                got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
-        t.join()
-        for i, (_, _, expected) in enumerate(workload):
-            assert got[f"r{i}"] == expected, f"request r{i}"
-        assert engine.link.num_recoveries == 1
-        _assert_pool_empty(engine)
-    finally:
-        client.close()
-        for s in restarted:
-            s.stop()
+    run_across_a_blockmgr_restart(
+        lambda client: _engine(tiny_checkpoint, client),
+        workload,
+        lambda engine: any(NULL_BLOCK in s.block_table for s in engine.scheduler.running),
+    )
 
 
 class HogsThePool:

@@ -19,42 +19,21 @@ from services.blockmgr.types import (
     Fork,
     ForkResult,
     Free,
-    FreeResult,
     Grow,
     GrowResult,
     KVEventKind,
     OpStatus,
     RestoredSequence,
 )
+from tests.blockmgr.conformance.ops import BS
+from tests.blockmgr.conformance.ops import admit as _admit
+from tests.blockmgr.conformance.ops import free as _free
+from tests.blockmgr.conformance.ops import grow as _grow
 from tests.blockmgr.helpers import collect_events, hashes, raises_code
-
-BS = 4
 
 
 def _register(client: BlockManagerClient, pool_id: str, num_blocks: int = 16, **kw) -> int:
     return client.register(pool_id, num_blocks, BS, **kw).epoch
-
-
-def _admit(client, pool_id, epoch, seq_id, tokens, *, budget=10**6, salt=b"", reserve=0):
-    (res,) = client.step(
-        pool_id,
-        epoch,
-        [Admit(seq_id, len(tokens), budget, hashes(tokens, BS, salt), reserve)],
-    ).results
-    assert isinstance(res, AdmitResult)
-    return res
-
-
-def _grow(client, pool_id, epoch, seq_id, n) -> GrowResult:
-    (res,) = client.step(pool_id, epoch, [Grow((seq_id,), (n,))]).results
-    assert isinstance(res, GrowResult)
-    return res
-
-
-def _free(client, pool_id, epoch, *seq_ids) -> FreeResult:
-    (res,) = client.step(pool_id, epoch, [Free(tuple(seq_ids))]).results
-    assert isinstance(res, FreeResult)
-    return res
 
 
 def _counters(client, pool_id):

@@ -14,8 +14,6 @@ import pytest
 from services.blockmgr.client import BlockManagerClient
 from services.blockmgr.errors import ErrorCode
 from services.blockmgr.types import (
-    Admit,
-    AdmitResult,
     AttentionKindName,
     Commit,
     CommitResult,
@@ -23,16 +21,18 @@ from services.blockmgr.types import (
     ForkResult,
     Free,
     FreeResult,
-    Grow,
-    GrowResult,
     KVCacheGroup,
     KVEventKind,
     OpStatus,
     RestoredSequence,
 )
+from tests.blockmgr.conformance.ops import BS
+from tests.blockmgr.conformance.ops import admit as _admit
+from tests.blockmgr.conformance.ops import grow as _grow
+from tests.blockmgr.conformance.ops import in_use as _in_use
+from tests.blockmgr.conformance.ops import step1 as _step1
 from tests.blockmgr.helpers import collect_events, hashes, raises_code
 
-BS = 4
 FULL = KVCacheGroup(AttentionKindName.FULL, 0, ())
 
 
@@ -52,30 +52,8 @@ def _register(client, pool_id, window: int, num_blocks: int = 16, **kw) -> int:
     return client.register(pool_id, num_blocks, BS, groups=[_window(window)], **kw).epoch
 
 
-def _admit(client, pool_id, epoch, seq_id, tokens, budget=10**6) -> AdmitResult:
-    op = Admit(seq_id, len(tokens), budget, hashes(tokens, BS))
-    (r,) = client.step(pool_id, epoch, [op]).results
-    assert isinstance(r, AdmitResult)
-    return r
-
-
-def _grow(client, pool_id, epoch, seq_id, n) -> GrowResult:
-    (r,) = client.step(pool_id, epoch, [Grow((seq_id,), (n,))]).results
-    assert isinstance(r, GrowResult)
-    return r
-
-
-def _step1(client, pool_id, epoch, op):
-    (r,) = client.step(pool_id, epoch, [op]).results
-    return r
-
-
 def _removed(events) -> int:
     return sum(len(e.block_hashes) for e in events if e.kind is KVEventKind.REMOVED)
-
-
-def _in_use(client, pool_id) -> int:
-    return client.stats(pool_id).counters.num_in_use_blocks
 
 
 # ---- registration -------------------------------------------------------------------------------

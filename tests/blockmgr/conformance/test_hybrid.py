@@ -15,7 +15,6 @@ import pytest
 from services.blockmgr.client import BlockManagerClient
 from services.blockmgr.errors import ErrorCode
 from services.blockmgr.types import (
-    Admit,
     AdmitResult,
     AttentionKindName,
     Commit,
@@ -23,16 +22,18 @@ from services.blockmgr.types import (
     ForkResult,
     Free,
     FreeResult,
-    Grow,
-    GrowResult,
     KVCacheGroup,
     KVEventKind,
     OpStatus,
     RestoredSequence,
 )
+from tests.blockmgr.conformance.ops import BS
+from tests.blockmgr.conformance.ops import admit as _admit
+from tests.blockmgr.conformance.ops import grow as _grow
+from tests.blockmgr.conformance.ops import in_use as _in_use
+from tests.blockmgr.conformance.ops import step1 as _step1
 from tests.blockmgr.helpers import collect_events, hashes, raises_code
 
-BS = 4
 WINDOW = 8
 SLIDING = KVCacheGroup(AttentionKindName.SLIDING, WINDOW, (0, 1, 2, 4, 5))
 FULL = KVCacheGroup(AttentionKindName.FULL, 0, (3,))
@@ -49,32 +50,10 @@ def _register(client, pool_id, num_blocks: int = 32, **kw) -> int:
     return client.register(pool_id, num_blocks, BS, groups=list(GROUPS), **kw).epoch
 
 
-def _admit(client, pool_id, epoch, seq_id, tokens, budget=10**6) -> AdmitResult:
-    op = Admit(seq_id, len(tokens), budget, hashes(tokens, BS))
-    (r,) = client.step(pool_id, epoch, [op]).results
-    assert isinstance(r, AdmitResult)
-    return r
-
-
-def _grow(client, pool_id, epoch, seq_id, n) -> GrowResult:
-    (r,) = client.step(pool_id, epoch, [Grow((seq_id,), (n,))]).results
-    assert isinstance(r, GrowResult)
-    return r
-
-
-def _step1(client, pool_id, epoch, op):
-    (r,) = client.step(pool_id, epoch, [op]).results
-    return r
-
-
 def _tables(block_ids: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     n = len(block_ids) // 2
     assert len(block_ids) == 2 * n
     return block_ids[:n], block_ids[n:]
-
-
-def _in_use(client, pool_id) -> int:
-    return client.stats(pool_id).counters.num_in_use_blocks
 
 
 def _finished_turn(client, pool_id, epoch) -> tuple[list[int], AdmitResult]:
