@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from services.blockmgr.retention import DEFAULT_RETENTION_STEPS
 from services.common.auth import InternalSecurity
 
 
@@ -21,6 +22,7 @@ class BlockManagerServiceConfig:
     security: InternalSecurity = field(default_factory=InternalSecurity)
     log_level: str = "INFO"
     record_trace: str | None = None  # append every pool-changing call here (offline replay)
+    retention_steps: int = DEFAULT_RETENTION_STEPS  # Steps a freed block keeps its priority
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -74,6 +76,13 @@ class BlockManagerServiceConfig:
         InternalSecurity.add_args(p)
         p.add_argument("--log-level", default=cls.log_level)
         p.add_argument(
+            "--retention-steps",
+            type=int,
+            default=cls.retention_steps,
+            help="Steps of its pool a freed block keeps the retention priority its requests gave "
+            "it, before it is evicted like any other (default %(default)s)",
+        )
+        p.add_argument(
             "--record-trace",
             default=None,
             metavar="FILE",
@@ -103,4 +112,6 @@ class BlockManagerServiceConfig:
             raise ValueError("--max-pools must be >= 1 and --max-pool-blocks >= 2")
         if self.pool_lease_s < 0:
             raise ValueError("--pool-lease-s must be >= 0")
+        if self.retention_steps < 0:
+            raise ValueError("--retention-steps must be >= 0")
         self.security.validate()

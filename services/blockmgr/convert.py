@@ -144,6 +144,7 @@ def ops_to_pb(ops: Sequence[Operation]) -> list[pb.Operation]:
                         max_new_tokens=op.max_new_tokens,
                         block_hashes=op.block_hashes,
                         reserve_blocks=op.reserve_blocks,
+                        retention_priority=op.retention_priority,
                     )
                 )
             )
@@ -179,6 +180,7 @@ def ops_from_pb(ops: Sequence[pb.Operation]) -> list[Operation]:
                     a.max_new_tokens,
                     tuple(a.block_hashes),
                     a.reserve_blocks,
+                    a.retention_priority,
                 )
             )
         elif kind == "fork":
@@ -375,6 +377,7 @@ def info_to_pb(i: ServiceInfo) -> pb.BlockManagerInfo:
         eviction_policies=[POLICY_TO_PB[p] for p in i.eviction_policies],
         pools=[pool_info_to_pb(p) for p in i.pools],
         max_kv_cache_groups=i.max_kv_cache_groups,
+        max_retention_priority=i.max_retention_priority,
     )
 
 
@@ -387,6 +390,7 @@ def info_from_pb(i: pb.BlockManagerInfo) -> ServiceInfo:
         tuple(PB_TO_POLICY[p] for p in i.eviction_policies if p in PB_TO_POLICY),
         tuple(pool_info_from_pb(p) for p in i.pools),
         i.max_kv_cache_groups,
+        i.max_retention_priority,
     )
 
 

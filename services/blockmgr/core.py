@@ -29,6 +29,7 @@ from services.blockmgr.errors import exhausted, invalid, not_found, precondition
 from services.blockmgr.hashing import HASH_ALGORITHM, HASH_SIZE
 from services.blockmgr.kv_groups import MAX_KV_CACHE_GROUPS, split_key, validated_groups
 from services.blockmgr.kv_manager import KVBlockManager
+from services.blockmgr.retention import DEFAULT_RETENTION_STEPS, MAX_RETENTION_PRIORITY
 from services.blockmgr.trace import TraceWriter
 from services.blockmgr.types import (
     EvictionPolicyName,
@@ -89,11 +90,13 @@ class BlockManagerCore:
         pool_lease_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         trace: TraceWriter | None = None,
+        retention_steps: int = DEFAULT_RETENTION_STEPS,
     ) -> None:
         """``pool_lease_s``: seconds a pool lives without a call from its owner (0: no expiry,
         for a block manager living inside its only executor). ``trace``: where every call that
         changes a pool is recorded, for offline replay (:mod:`services.blockmgr.trace`)."""
         self.trace = trace
+        self.retention_steps = retention_steps
         self._lock = threading.Lock()
         self._pools: dict[str, _Pool] = {}
         self._events: dict[str, _EventLog] = {}
@@ -122,6 +125,7 @@ class BlockManagerCore:
             eviction_policies=tuple(EvictionPolicyName),
             pools=pools,
             max_kv_cache_groups=MAX_KV_CACHE_GROUPS,
+            max_retention_priority=MAX_RETENTION_PRIORITY,
         )
 
     def register(
@@ -187,6 +191,7 @@ class BlockManagerCore:
                 enable_prefix_caching=enable_prefix_caching,
                 eviction_policy=eviction_policy,
                 groups=pool_groups,
+                retention_steps=self.retention_steps,
             )
             # Epochs are unique across restarts of this process too (time-based floor), so an
             # executor holding an epoch from before a restart can never be mistaken for current.
@@ -210,6 +215,7 @@ class BlockManagerCore:
                     enable_prefix_caching,
                     eviction_policy,
                     pool_groups,
+                    self.retention_steps,
                 )
             log = self._events.setdefault(pool_id, _EventLog(self._event_buffer))
             # Every new epoch starts with CLEARED, the first one too: a consumer that knew the

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from services.blockmgr.errors import BlockManagerError, ErrorCode, invalid, not_found, precondition
 from services.blockmgr.kv_groups import group_key, grow, longest_group_hit, windows_of
 from services.blockmgr.pool import BlockPool
+from services.blockmgr.retention import DEFAULT_RETENTION_STEPS
 from services.blockmgr.step_checks import (
     MAX_TOKENS,
     check_block_ids,
@@ -65,12 +66,19 @@ class SeqState:
     ``num_tokens`` slots, and per group ``first_lives``: the entries before it are
     :data:`NULL_BLOCK` (always 0 in a full group)."""
 
-    __slots__ = ("first_lives", "num_tokens", "tables")
+    __slots__ = ("first_lives", "num_tokens", "priority", "tables")
 
-    def __init__(self, tables: list[list[int]], num_tokens: int, first_lives: list[int]) -> None:
+    def __init__(
+        self,
+        tables: list[list[int]],
+        num_tokens: int,
+        first_lives: list[int],
+        priority: int = 0,
+    ) -> None:
         self.tables = tables
         self.num_tokens = num_tokens
         self.first_lives = first_lives
+        self.priority = priority  # retention priority its hits and commits give their blocks
 
     @property
     def block_table(self) -> list[int]:
@@ -87,7 +95,9 @@ class KVBlockManager:
     """Block tables of one pool's sequences over a :class:`BlockPool`.
 
     ``groups``: the pool's KV-cache groups, validated (none: one full group, or one group of
-    window ``sliding_window`` when that is > 0: a query at p reads the keys in (p - W, p])."""
+    window ``sliding_window`` when that is > 0: a query at p reads the keys in (p - W, p]).
+    ``retention_steps``: how long a freed block keeps its retention priority
+    (:mod:`services.blockmgr.retention`)."""
 
     def __init__(
         self,
@@ -98,6 +108,7 @@ class KVBlockManager:
         eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU,
         sliding_window: int = 0,
         groups: Sequence[KVCacheGroup] = (),
+        retention_steps: int = DEFAULT_RETENTION_STEPS,
     ) -> None:
         self.block_size = block_size
         if not groups:
@@ -107,7 +118,7 @@ class KVBlockManager:
         self.num_groups = len(self.windows)
         self.any_sliding = any(self.windows)
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, eviction_policy)
+        self.pool = BlockPool(num_blocks, eviction_policy, retention_steps)
         self.seqs: dict[int, SeqState] = {}
         self._recently_freed: OrderedDict[int, None] = OrderedDict()
         self.prefix_queries_tokens = 0
@@ -139,6 +150,7 @@ class KVBlockManager:
 
     def step(self, ops: Sequence[Operation]) -> list[OpResult]:
         validate_step(ops, self.seqs, self._recently_freed, self.block_size)
+        self.pool.tick()
         failed: set[int] = set()
         results: list[OpResult] = []
         for op in ops:
@@ -172,7 +184,7 @@ class KVBlockManager:
                 )
             else:  # one full group, the common case: the leading run of cached blocks
                 found = hits[0]
-                lookup = pool.hash_to_block.get
+                lookup = pool.lookup
                 for block_hash in op.block_hashes[:max_hits]:
                     block_id = lookup(block_hash)
                     if block_id is None:
@@ -188,14 +200,17 @@ class KVBlockManager:
             failed.add(op.seq_id)
             return AdmitResult(OpStatus.RESOURCE_EXHAUSTED)
         tables: list[list[int]] = []
+        priority = op.retention_priority
         for live, group_hits in zip(lives, hits, strict=True):
             for block_id in group_hits:
                 pool.note_hit(block_id)
                 pool.incref(block_id)
+                if priority:
+                    pool.retain(block_id, priority)
             table = [NULL_BLOCK] * live + group_hits if live else group_hits
             table.extend(pool.allocate() for _ in range(need))
             tables.append(table)
-        self.seqs[op.seq_id] = SeqState(tables, num_tokens, lives)
+        self.seqs[op.seq_id] = SeqState(tables, num_tokens, lives, priority)
         self._recently_freed.pop(op.seq_id, None)
         if self.enable_prefix_caching:  # counted once per admission, not per refused attempt
             self.prefix_queries_tokens += op.num_prompt_tokens
@@ -275,7 +290,10 @@ class KVBlockManager:
                 self.pool.incref(block_id)
             shared += len(table) - live
         self.seqs[op.child_seq_id] = SeqState(
-            [list(t) for t in parent.tables], parent.num_tokens, list(parent.first_lives)
+            [list(t) for t in parent.tables],
+            parent.num_tokens,
+            list(parent.first_lives),
+            parent.priority,
         )
         self._recently_freed.pop(op.child_seq_id, None)
         return ForkResult(OpStatus.OK, shared)
@@ -313,11 +331,14 @@ class KVBlockManager:
         if not self.enable_prefix_caching:
             return CommitResult(OpStatus.OK, 0)
         stored = 0
-        store = self.pool.store
-        for group, table in enumerate(self.seqs[op.seq_id].tables):
+        pool = self.pool
+        state = self.seqs[op.seq_id]
+        for group, table in enumerate(state.tables):
             for i, block_hash in enumerate(op.block_hashes, start=op.start_block):
                 if table[i] != NULL_BLOCK:
-                    stored += store(table[i], group_key(block_hash, group))
+                    stored += pool.store(table[i], group_key(block_hash, group))
+                    if state.priority:
+                        pool.retain(table[i], state.priority)
         return CommitResult(OpStatus.OK, stored)
 
     # ---- recovery -------------------------------------------------------------------------

@@ -14,21 +14,27 @@ from __future__ import annotations
 
 from collections import deque
 
-from services.blockmgr.eviction import make_policy
+from services.blockmgr.retention import DEFAULT_RETENTION_STEPS, RetentionLevels
 from services.blockmgr.types import EvictionPolicyName, KVEventKind, PendingEvent
 from services.common.blocks import usable_blocks
 
 
 class BlockPool:
     def __init__(
-        self, num_blocks: int, eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
+        self,
+        num_blocks: int,
+        eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU,
+        retention_steps: int = DEFAULT_RETENTION_STEPS,
     ) -> None:
         self.num_blocks = num_blocks
         self.refcount = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.hash_to_block: dict[bytes, int] = {}
         self._uncached: deque[int] = deque(range(1, num_blocks))
-        self._policy = make_policy(eviction_policy, num_blocks - 1, self.block_hash.__getitem__)
+        # The eviction order of cached free blocks: the policy, per retention priority.
+        self._policy = RetentionLevels(
+            eviction_policy, num_blocks - 1, self.block_hash.__getitem__, retention_steps
+        )
         self.eviction_policy = eviction_policy
         self.num_evicted = 0
         self.events: list[PendingEvent] = []
@@ -60,6 +66,7 @@ class BlockPool:
             block_id = self._policy.pop()
             self._drop_hash(block_id)
             self.num_evicted += 1
+        self._policy.clear(block_id)
         self.refcount[block_id] = 1
         return block_id
 
@@ -82,6 +89,20 @@ class BlockPool:
         else:
             self._policy.push(block_id)
         return True
+
+    def retain(self, block_id: int, priority: int) -> None:
+        """An in-use block is to be kept with at least this retention priority once freed."""
+        if priority:
+            self._policy.retain(block_id, priority)
+
+    def tick(self) -> None:
+        """One Step of the pool went by (retention priorities expire in Steps)."""
+        self._policy.step += 1
+
+    @property
+    def num_demoted(self) -> int:
+        """Retained blocks whose priority expired while they were free."""
+        return self._policy.num_demoted
 
     def lookup(self, block_hash: bytes) -> int | None:
         """The block cached under ``block_hash`` (a cache key), if any; a miss is told to the

@@ -80,6 +80,7 @@ class _ReplayedPool:
             enable_prefix_caching=record.enable_prefix_caching,
             eviction_policy=policy or record.eviction_policy,
             groups=record.groups,
+            retention_steps=record.retention_steps,
         )
         self.num_dropped = 0
         self.num_refused_admissions = 0

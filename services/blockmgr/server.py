@@ -38,6 +38,7 @@ class BlockManagerServer:
                 max_pool_blocks=config.max_pool_blocks,
                 pool_lease_s=config.pool_lease_s,
                 trace=TraceWriter(config.record_trace) if config.record_trace else None,
+                retention_steps=config.retention_steps,
             )
         )
         security = config.security

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from services.blockmgr.errors import invalid, not_found, precondition
 from services.blockmgr.hashing import HASH_SIZE
+from services.blockmgr.retention import MAX_RETENTION_PRIORITY
 from services.blockmgr.types import Admit, Commit, Fork, Free, Grow, Operation
 from services.common.blocks import NULL_BLOCK, full_blocks
 
@@ -88,6 +89,11 @@ def validate_step(
                 raise invalid(f"{where}.admit.max_new_tokens must be >= 1")
             if op.reserve_blocks < 0:
                 raise invalid(f"{where}.admit.reserve_blocks must be >= 0")
+            if not 0 <= op.retention_priority <= MAX_RETENTION_PRIORITY:
+                raise invalid(
+                    f"{where}.admit.retention_priority must be in [0, "
+                    f"{MAX_RETENTION_PRIORITY}], got {op.retention_priority}"
+                )
             check_hashes(op.block_hashes, f"{where}.admit.block_hashes")
             if len(set(op.block_hashes)) != len(op.block_hashes):
                 # A chained hash never repeats within one prompt; a repeat would put one

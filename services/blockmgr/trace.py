@@ -5,8 +5,10 @@
 whole changed nothing and is not written. Hashes are base64. A line::
 
     {"t": "register", "pool": "p", "num_blocks": 257, "block_size": 16, "prefix": true,
-     "policy": "lru", "groups": [["sliding", 64, [0, 1]], ["full", 0, [2]]]}
-    {"t": "step", "pool": "p", "ops": [{"admit": [seq, prompt, max_new, [hash...], reserve]},
+     "policy": "lru", "groups": [["sliding", 64, [0, 1]], ["full", 0, [2]]],
+     "retention_steps": 4096}
+    {"t": "step", "pool": "p", "ops": [{"admit": [seq, prompt, max_new, [hash...], reserve,
+     retention_priority]},
      {"grow": [[seq...], [n...]]}, {"fork": [parent, child]}, {"free": [seq...]},
      {"commit": [seq, start, [hash...]]}]}
     {"t": "restore", "pool": "p", "seqs": [[seq, num_tokens, [block...], [hash...]]]}
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from services.blockmgr.retention import DEFAULT_RETENTION_STEPS
 from services.blockmgr.types import (
     Admit,
     AttentionKindName,
@@ -57,6 +60,7 @@ class RegisterRecord:
     enable_prefix_caching: bool
     eviction_policy: EvictionPolicyName
     groups: tuple[KVCacheGroup, ...]
+    retention_steps: int = DEFAULT_RETENTION_STEPS
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,7 @@ def _op_json(op: Operation) -> dict[str, Any]:
                 op.max_new_tokens,
                 _b64(op.block_hashes),
                 op.reserve_blocks,
+                op.retention_priority,
             ]
         }
     return {"fork": [op.parent_seq_id, op.child_seq_id]}
@@ -116,7 +121,7 @@ def _op_from_json(d: dict[str, Any]) -> Operation:
     if kind == "commit":
         return Commit(v[0], v[1], _unb64(v[2]))
     if kind == "admit":
-        return Admit(v[0], v[1], v[2], _unb64(v[3]), v[4])
+        return Admit(v[0], v[1], v[2], _unb64(v[3]), v[4], v[5] if len(v) > 5 else 0)
     if kind == "fork":
         return Fork(v[0], v[1])
     raise ValueError(f"unknown operation {kind!r}")
@@ -145,6 +150,7 @@ class TraceWriter:
         enable_prefix_caching: bool,
         eviction_policy: EvictionPolicyName,
         groups: Sequence[KVCacheGroup],
+        retention_steps: int = DEFAULT_RETENTION_STEPS,
     ) -> None:
         self._write(
             {
@@ -155,6 +161,7 @@ class TraceWriter:
                 "prefix": enable_prefix_caching,
                 "policy": eviction_policy.value,
                 "groups": [[g.kind.value, g.sliding_window, list(g.layers)] for g in groups],
+                "retention_steps": retention_steps,
             }
         )
 
@@ -208,6 +215,7 @@ def _record(d: dict[str, Any]) -> TraceRecord:
             bool(d["prefix"]),
             EvictionPolicyName.parse(d["policy"]),
             groups,
+            int(d.get("retention_steps", DEFAULT_RETENTION_STEPS)),
         )
     if kind == "restore":
         seqs = tuple(RestoredSequence(s[0], s[1], tuple(s[2]), _unb64(s[3])) for s in d["seqs"])

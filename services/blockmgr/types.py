@@ -76,13 +76,16 @@ class KVEventKind(enum.IntEnum):
 class Admit:
     """Admit a new sequence: reuse the longest run of committed blocks matching ``block_hashes``
     (never covering the last prompt token), then allocate slots for up to ``max_new_tokens``
-    more prompt tokens. All or nothing; fails unless ``reserve_blocks`` stay free afterwards."""
+    more prompt tokens. All or nothing; fails unless ``reserve_blocks`` stay free afterwards.
+    ``retention_priority``: the blocks it hits or commits are evicted after lower-priority
+    ones once free, for a bounded time (:mod:`services.blockmgr.retention`)."""
 
     seq_id: int
     num_prompt_tokens: int
     max_new_tokens: int
     block_hashes: tuple[bytes, ...] = ()
     reserve_blocks: int = 0
+    retention_priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +243,8 @@ class ServiceInfo:
     pools: tuple[PoolInfo, ...] = ()
     # KV-cache groups per pool the implementation serves; 0: it predates groups (FULL only).
     max_kv_cache_groups: int = 0
+    # The highest AdmitOp.retention_priority served; 0: an implementation without them.
+    max_retention_priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)

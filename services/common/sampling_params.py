@@ -17,7 +17,13 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from services.common.limits import MAX_LOGPROBS, MAX_N, FieldError, check_token_ids
+from services.common.limits import (
+    MAX_KV_RETENTION_PRIORITY,
+    MAX_LOGPROBS,
+    MAX_N,
+    FieldError,
+    check_token_ids,
+)
 from services.common.structured_outputs import StructuredOutputs
 
 
@@ -48,6 +54,8 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: str = "false"  # "false" (transformers' heuristic), "true" or "never"
+    # A hint to keep the prefix cached longer: the block manager's retention priority 0..3.
+    kv_retention_priority: int = 0
     # Derived: no penalty reads the token history, no token is ever banned (min_tokens is
     # 0) and no grammar constrains it, so a row of these params needs nothing but the
     # params themselves.
@@ -118,6 +126,11 @@ class SamplingParams:
             )
         if not math.isfinite(self.length_penalty):
             raise FieldError("length_penalty", "must be finite")
+        if not 0 <= self.kv_retention_priority <= MAX_KV_RETENTION_PRIORITY:
+            raise FieldError(
+                "kv_retention_priority",
+                f"must be in [0, {MAX_KV_RETENTION_PRIORITY}], got {self.kv_retention_priority}",
+            )
         if self.use_beam_search:
             self._check_beam_search()
 

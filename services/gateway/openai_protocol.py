@@ -70,6 +70,7 @@ class _Sampling(BaseModel):
     use_beam_search: bool | None = None  # vLLM's: beam search of width n
     length_penalty: float | None = None
     early_stopping: bool | str | None = None
+    kv_retention_priority: int | None = None  # ours: keep this prefix cached longer (0..3)
 
     def _refuse_unsupported(self) -> None:
         if self.logit_bias:
@@ -95,6 +96,7 @@ class _Sampling(BaseModel):
             "skip_special_tokens",
             "use_beam_search",
             "length_penalty",
+            "kv_retention_priority",
         ):
             value = getattr(self, name)
             if value is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.blockmgr.errors import BlockManagerError
 from services.blockmgr.eviction import make_policy
 from services.blockmgr.eviction_adaptive import ARCPolicy, S3FIFOPolicy
 from services.blockmgr.kv_manager import KVBlockManager
@@ -90,3 +91,33 @@ def test_s3fifo_gives_a_used_block_another_round_in_the_main_queue():
 def test_an_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match="'lru', 'lfu', 'arc', 's3fifo'"):
         make_policy("clock")
+
+
+def _retained_run(m: KVBlockManager, priority: int, one_offs: int) -> int:
+    """A 4-block prefix admitted with ``priority``, then ``one_offs`` one-off prompts of 3
+    blocks; the prefix's cached tokens when asked again."""
+    system = list(range(1000, 1016))
+    h = hashes([*system, 1, 2, 3, 4], BS)
+    (r,) = m.step([Admit(0, 20, 20, h, 0, priority)])
+    m.step([Commit(0, 0, h), Free((0,))])
+    for j in range(one_offs):
+        _turn(m, 100 + j, list(range(2000 + 100 * j, 2000 + 100 * j + 12)))
+    return _turn(m, 999, [*system, 9, 9, 9, 9])
+
+
+def test_a_retained_prefix_outlives_one_off_prompts_under_lru():
+    assert _retained_run(KVBlockManager(17, BS), priority=0, one_offs=10) == 0
+    assert _retained_run(KVBlockManager(17, BS), priority=2, one_offs=10) == 16
+
+
+def test_retention_is_bounded_in_steps_then_the_prefix_is_evicted_like_any_other():
+    m = KVBlockManager(17, BS, retention_steps=8)  # each one-off prompt is 2 Steps
+    assert _retained_run(m, priority=3, one_offs=10) == 0
+    assert m.pool.num_demoted == 5  # the prefix's 5 blocks lost their priority
+
+
+def test_a_retention_priority_beyond_the_bound_is_invalid_argument_naming_the_field():
+    m = KVBlockManager(17, BS)
+    with pytest.raises(BlockManagerError, match=r"ops\[0\].admit.retention_priority"):
+        m.step([Admit(1, 8, 8, (), 0, 4)])
+    assert not m.seqs

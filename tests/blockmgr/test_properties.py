@@ -39,6 +39,7 @@ Tables = dict[int, tuple[list[list[int]], list[int]]]
 class PoolMachine(RuleBasedStateMachine):
     policy = "lru"
     windows: tuple[int, ...] = (0,)  # one per KV-cache group: > 0 slides over that many tokens
+    retention_steps = 4096
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,7 +52,13 @@ class PoolMachine(RuleBasedStateMachine):
             KVCacheGroup(AttentionKindName.SLIDING, w) if w else KVCacheGroup()
             for w in self.windows
         ]
-        return KVBlockManager(NUM_BLOCKS, BS, eviction_policy=self.policy, groups=groups)
+        return KVBlockManager(
+            NUM_BLOCKS,
+            BS,
+            eviction_policy=self.policy,
+            groups=groups,
+            retention_steps=self.retention_steps,
+        )
 
     def _tables(self, m: KVBlockManager | None = None) -> Tables:
         seqs = (m or self.m).seqs
@@ -64,10 +71,10 @@ class PoolMachine(RuleBasedStateMachine):
         self.next_id += 1
         return self.next_id
 
-    @rule(tokens=prompts, budget=st.integers(1, 48))
-    def admit(self, tokens: list[int], budget: int) -> None:
+    @rule(tokens=prompts, budget=st.integers(1, 48), priority=st.integers(0, 3))
+    def admit(self, tokens: list[int], budget: int, priority: int) -> None:
         seq_id = self._new_id()
-        (r,) = self.m.step([Admit(seq_id, len(tokens), budget, hashes(tokens, BS))])
+        (r,) = self.m.step([Admit(seq_id, len(tokens), budget, hashes(tokens, BS), 0, priority)])
         if r.status is OpStatus.OK:
             assert r.num_cached_tokens < len(tokens)
             assert r.num_cached_tokens % BS == 0
@@ -243,6 +250,7 @@ class LFUPoolMachine(PoolMachine):
 
 class ARCPoolMachine(PoolMachine):
     policy = "arc"
+    retention_steps = 2  # retention priorities expire fast: blocks demoted while free
 
 
 class S3FIFOPoolMachine(PoolMachine):

@@ -9,8 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.blockmgr.client import GrpcClient
+from services.blockmgr.client import GrpcClient, InProcessClient
 from services.blockmgr.config import BlockManagerServiceConfig
+from services.blockmgr.core import BlockManagerCore
 from services.blockmgr.replay import replay
 from services.blockmgr.trace import RegisterRecord, StepRecord, read_trace
 from services.blockmgr.types import EvictionPolicyName
@@ -118,3 +119,22 @@ def test_a_recorded_trace_replays_to_the_live_runs_hits_and_evictions(
         "arc",
         "s3fifo",
     ]
+
+
+def test_a_requests_kv_retention_priority_reaches_its_cached_blocks(tiny_checkpoint) -> None:
+    core = BlockManagerCore()
+    config = ExecutorConfig(
+        model=str(tiny_checkpoint("llama")), dtype="float32", device="cpu", block_size=8
+    )
+    engine, _ = build_engine(
+        config, runner=build_runner(config.runner_config()), blockmgr=InProcessClient(core)
+    )
+    prompt = list(range(5, 45))  # 5 full blocks
+    for i, priority in enumerate((2, 0)):
+        params = SamplingParams(temperature=0.0, max_tokens=2, kv_retention_priority=priority)
+        engine.add_request(RequestKey(0, f"r{i}"), [1, i + 1, *prompt], params)
+        while engine.has_work:
+            engine.step()
+    levels = core.manager(engine.link.spec.pool_id).pool._policy
+    assert sorted(set(levels.priority.values())) == [2] and len(levels.priority) == 5
+    assert len(levels.levels[2]) == 5  # free and cached, evicted after priority 0

@@ -73,7 +73,8 @@ def plan_admissions(
             if not cfg.enable_prefix_caching or speculative:
                 break
             speculative = True
-        admits.append((seq, Admit(seq.seq_id, total, k_max, hashes, reserve)))
+        priority = seq.params.kv_retention_priority
+        admits.append((seq, Admit(seq.seq_id, total, k_max, hashes, reserve, priority)))
         computing.update(hashes)
         free -= min(upper, free)
         budget -= first
@@ -117,7 +118,14 @@ def _admit_group(
         lookup = cfg.enable_prefix_caching and seq.params.prompt_logprobs is None
         hashes = tuple(seq.full_block_hashes(bs)[: seq.num_tokens // bs]) if lookup else ()
         res = cfg.watermark_blocks + (others + j) * keeping if others + j else 0
-        admit = Admit(seq.seq_id, seq.num_tokens, share or seq.num_tokens, hashes, res)
+        admit = Admit(
+            seq.seq_id,
+            seq.num_tokens,
+            share or seq.num_tokens,
+            hashes,
+            res,
+            seq.params.kv_retention_priority,
+        )
         plan.admits.append((seq, admit))
     return uppers, sum(firsts)
 

@@ -84,9 +84,9 @@ def plan_kv_layout(config: ModelConfig, *, hybrid: bool = True) -> KVCacheLayout
     num_layers, window = config.num_layers, config.sliding_window or 0
     sliding = set(config.sliding_layers) if window else set()
     if config.all_layers_slide or not sliding or not hybrid:
-        layers = tuple(range(num_layers))
+        every = tuple(range(num_layers))
         win = window if config.all_layers_slide else 0
-        return KVCacheLayout((win,), (layers,), (0,) * num_layers, layers, num_layers)
+        return KVCacheLayout((win,), (every,), (0,) * num_layers, every, num_layers)
     kinds = (
         (0, [layer for layer in range(num_layers) if layer not in sliding]),
         (window, [layer for layer in range(num_layers) if layer in sliding]),
@@ -111,12 +111,12 @@ def plan_kv_layout(config: ModelConfig, *, hybrid: bool = True) -> KVCacheLayout
         )
     layer_group = [0] * num_layers
     layer_slot = [0] * num_layers
-    for g, (layers, _) in enumerate(groups):
-        for slot, layer in enumerate(layers):
+    for g, (members, _) in enumerate(groups):
+        for slot, layer in enumerate(members):
             layer_group[layer], layer_slot[layer] = g, slot
     return KVCacheLayout(
         tuple(w for _, w in groups),
-        tuple(layers for layers, _ in groups),
+        tuple(members for members, _ in groups),
         tuple(layer_group),
         tuple(layer_slot),
         size,
