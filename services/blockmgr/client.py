@@ -64,9 +64,11 @@ class BlockManagerClient(Protocol):
         eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
         owner_token: str | None = None,
         groups: Sequence[KVCacheGroup] = (),
+        host_blocks: int = 0,
     ) -> PoolInfo:
         """Create or replace a pool (see the proto's Register). ``groups``: its KV-cache groups
-        (none: one full-attention group); at most ``info().max_kv_cache_groups``."""
+        (none: one full-attention group); at most ``info().max_kv_cache_groups``.
+        ``host_blocks``: slots of a host tier (0: none)."""
         ...
 
     def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult: ...
@@ -152,6 +154,7 @@ class InProcessClient:
         eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
         owner_token: str | None = None,
         groups: Sequence[KVCacheGroup] = (),
+        host_blocks: int = 0,
     ) -> PoolInfo:
         """``owner_token``: the token to own the pool with; by default the one of our last
         registration of it (none: the block manager picks). ``groups``: the pool's KV-cache
@@ -164,6 +167,7 @@ class InProcessClient:
             eviction_policy=eviction_policy,
             owner_token=owner_token or self._tokens.get(pool_id, ""),
             groups=groups,
+            host_blocks=host_blocks,
         )
         self._tokens[pool_id] = info.owner_token
         return info
@@ -291,6 +295,7 @@ class GrpcClient:
         eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
         owner_token: str | None = None,
         groups: Sequence[KVCacheGroup] = (),
+        host_blocks: int = 0,
     ) -> PoolInfo:
         try:
             policy = convert.POLICY_TO_PB[EvictionPolicyName.parse(eviction_policy)]
@@ -306,6 +311,7 @@ class GrpcClient:
                 eviction_policy=policy,
                 owner_token=owner_token or self._tokens.get(pool_id, ""),
                 groups=convert.groups_to_pb(groups),
+                host_blocks=host_blocks,
             ),
         )
         self._tokens[pool_id] = resp.owner_token

@@ -13,6 +13,7 @@ from services.blockmgr.types import (
     AdmitResult,
     AttentionKindName,
     BlockCopy,
+    BlockMove,
     Commit,
     CommitResult,
     EvictionPolicyName,
@@ -25,6 +26,7 @@ from services.blockmgr.types import (
     KVCacheGroup,
     KVEvent,
     KVEventKind,
+    KVMedium,
     Operation,
     OpResult,
     OpStatus,
@@ -322,12 +324,23 @@ def step_to_pb(result: StepResult) -> pb.StepResponse:
     return pb.StepResponse(
         results=[result_to_pb(r) for r in result.results],
         counters=counters_to_pb(result.counters),
+        offloads=[
+            pb.BlockMove(device_block=m.device_block, host_slot=m.host_slot)
+            for m in result.offloads
+        ],
+        onboards=[
+            pb.BlockMove(device_block=m.device_block, host_slot=m.host_slot)
+            for m in result.onboards
+        ],
     )
 
 
 def step_from_pb(resp: pb.StepResponse) -> StepResult:
     return StepResult(
-        tuple(result_from_pb(r) for r in resp.results), counters_from_pb(resp.counters)
+        tuple(result_from_pb(r) for r in resp.results),
+        counters_from_pb(resp.counters),
+        tuple(BlockMove(m.device_block, m.host_slot) for m in resp.offloads),
+        tuple(BlockMove(m.device_block, m.host_slot) for m in resp.onboards),
     )
 
 
@@ -353,6 +366,7 @@ def pool_info_to_pb(p: PoolInfo) -> pb.PoolInfo:
         enable_prefix_caching=p.enable_prefix_caching,
         eviction_policy=POLICY_TO_PB[p.eviction_policy],
         groups=groups_to_pb(p.groups),
+        host_blocks=p.host_blocks,
     )
 
 
@@ -365,6 +379,7 @@ def pool_info_from_pb(p: pb.PoolInfo) -> PoolInfo:
         p.enable_prefix_caching,
         policy_from_pb(p.eviction_policy),
         groups=groups_from_pb(p.groups) or (FULL_GROUP,),  # none: a server predating groups
+        host_blocks=p.host_blocks,
     )
 
 
@@ -404,6 +419,11 @@ def stats_to_pb(s: PoolStats) -> pb.PoolStats:
         num_cow_copies=s.num_cow_copies,
         num_steps=s.num_steps,
         last_event_seq=s.last_event_seq,
+        host_hits_tokens=s.host_hits_tokens,
+        num_offloaded_blocks=s.num_offloaded_blocks,
+        num_onboarded_blocks=s.num_onboarded_blocks,
+        num_host_evicted_blocks=s.num_host_evicted_blocks,
+        num_host_cached_blocks=s.num_host_cached_blocks,
     )
 
 
@@ -417,6 +437,11 @@ def stats_from_pb(s: pb.PoolStats) -> PoolStats:
         s.num_cow_copies,
         s.num_steps,
         s.last_event_seq,
+        s.host_hits_tokens,
+        s.num_offloaded_blocks,
+        s.num_onboarded_blocks,
+        s.num_host_evicted_blocks,
+        s.num_host_cached_blocks,
     )
 
 
@@ -430,6 +455,7 @@ def events_to_pb(pool_id: str, events: Sequence[KVEvent]) -> pb.KVEventBatch:
                 kind=cast(pb.KVEventKind, e.kind),
                 block_hashes=e.block_hashes,
                 group=e.group,
+                medium=cast(pb.KVMedium, e.medium),
             )
             for e in events
         ],
@@ -438,6 +464,8 @@ def events_to_pb(pool_id: str, events: Sequence[KVEvent]) -> pb.KVEventBatch:
 
 def events_from_pb(batch: pb.KVEventBatch) -> list[KVEvent]:
     return [
-        KVEvent(e.seq, e.epoch, KVEventKind(e.kind), tuple(e.block_hashes), e.group)
+        KVEvent(
+            e.seq, e.epoch, KVEventKind(e.kind), tuple(e.block_hashes), e.group, KVMedium(e.medium)
+        )
         for e in batch.events
     ]

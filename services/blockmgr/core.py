@@ -36,6 +36,7 @@ from services.blockmgr.types import (
     KVCacheGroup,
     KVEvent,
     KVEventKind,
+    KVMedium,
     Operation,
     PoolInfo,
     PoolStats,
@@ -138,6 +139,7 @@ class BlockManagerCore:
         eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
         owner_token: str = "",
         groups: Sequence[KVCacheGroup] = (),
+        host_blocks: int = 0,
     ) -> PoolInfo:
         """Create a pool, or replace one's own (``owner_token`` from its registration). A new
         epoch is issued; the previous epoch's sequences and cached hashes are dropped and its
@@ -162,6 +164,11 @@ class BlockManagerCore:
         except ValueError as exc:
             raise invalid(str(exc)) from None
         pool_groups = validated_groups(groups)
+        if not 0 <= host_blocks <= self.max_pool_blocks:
+            raise invalid(
+                f"host_blocks must be in [0, {self.max_pool_blocks}] (--max-pool-blocks), "
+                f"got {host_blocks}"
+            )
         if owner_token and not MIN_OWNER_TOKEN_LEN <= len(owner_token) <= MAX_OWNER_TOKEN_LEN:
             raise invalid(
                 f"owner_token must be {MIN_OWNER_TOKEN_LEN}..{MAX_OWNER_TOKEN_LEN} characters"
@@ -192,6 +199,7 @@ class BlockManagerCore:
                 eviction_policy=eviction_policy,
                 groups=pool_groups,
                 retention_steps=self.retention_steps,
+                host_blocks=host_blocks,
             )
             # Epochs are unique across restarts of this process too (time-based floor), so an
             # executor holding an epoch from before a restart can never be mistaken for current.
@@ -205,6 +213,7 @@ class BlockManagerCore:
                 enable_prefix_caching,
                 eviction_policy,
                 groups=pool_groups,
+                host_blocks=host_blocks,
             )
             self._pools[pool_id] = _Pool(info, manager, token, self._lease_end())
             if self.trace is not None:
@@ -220,7 +229,7 @@ class BlockManagerCore:
             log = self._events.setdefault(pool_id, _EventLog(self._event_buffer))
             # Every new epoch starts with CLEARED, the first one too: a consumer that knew the
             # pool before a block-manager restart learns that every hash it knew is gone.
-            self._publish(pool_id, log, epoch, [(KVEventKind.CLEARED, (), 0)])
+            self._publish(pool_id, log, epoch, [(KVEventKind.CLEARED, (), 0, KVMedium.DEVICE)])
         return dataclasses.replace(info, owner_token=token, lease_s=self.pool_lease_s)
 
     def unregister(self, pool_id: str, epoch: int, owner_token: str = "") -> None:
@@ -243,11 +252,12 @@ class BlockManagerCore:
             try:
                 results = manager.step(ops)
             finally:
+                offloads, onboards = manager.take_moves()
                 self._flush_events(pool_id, pool)
             if self.trace is not None:
                 self.trace.step(pool_id, ops)
             pool.num_steps += 1
-            return StepResult(tuple(results), manager.counters())
+            return StepResult(tuple(results), manager.counters(), offloads, onboards)
 
     def restore(
         self,
@@ -271,6 +281,7 @@ class BlockManagerCore:
             self._sweep()
             pool = self._pool(pool_id)
             m = pool.manager
+            host = m.pool.host
             return PoolStats(
                 pool=pool.info,
                 counters=m.counters(),
@@ -280,6 +291,11 @@ class BlockManagerCore:
                 num_cow_copies=m.num_cow_copies,
                 num_steps=pool.num_steps,
                 last_event_seq=self._events[pool_id].next_seq - 1,
+                host_hits_tokens=m.host_hits_tokens,
+                num_offloaded_blocks=host.num_offloaded if host else 0,
+                num_onboarded_blocks=host.num_onboarded if host else 0,
+                num_host_evicted_blocks=host.num_evicted if host else 0,
+                num_host_cached_blocks=host.occupied() if host else 0,
             )
 
     def block_table(self, pool_id: str, seq_id: int) -> list[int]:
@@ -354,7 +370,10 @@ class BlockManagerCore:
         if self.trace is not None:
             self.trace.unregister(pool_id)
         self._publish(
-            pool_id, self._events[pool_id], pool.info.epoch, [(KVEventKind.CLEARED, (), 0)]
+            pool_id,
+            self._events[pool_id],
+            pool.info.epoch,
+            [(KVEventKind.CLEARED, (), 0, KVMedium.DEVICE)],
         )
         # Keep the event history of removed pools (a re-registration continues its sequence
         # numbers) but not without bound: forget the idle ones beyond a few per live pool.
@@ -365,32 +384,37 @@ class BlockManagerCore:
                 del self._events[pid]
 
     def _flush_events(self, pool_id: str, pool: _Pool) -> None:
-        pending = pool.manager.pool.events
-        if not pending:
-            return
-        grouped: list[tuple[KVEventKind, tuple[bytes, ...], int]] = []
-        run: list[bytes] = []
-        kind, group = pending[0][0], split_key(pending[0][1])[1]
-        for event_kind, key in pending:
-            block_hash, event_group = split_key(key)
-            if event_kind != kind or event_group != group:
-                grouped.append((kind, tuple(run), group))
-                run, kind, group = [], event_kind, event_group
-            run.append(block_hash)
-        grouped.append((kind, tuple(run), group))
-        pending.clear()
-        self._publish(pool_id, self._events[pool_id], pool.info.epoch, grouped)
+        grouped: list[tuple[KVEventKind, tuple[bytes, ...], int, KVMedium]] = []
+        host = pool.manager.pool.host
+        for pending, medium in (
+            (pool.manager.pool.events, KVMedium.DEVICE),
+            (host.events if host is not None else [], KVMedium.HOST),
+        ):
+            if not pending:
+                continue
+            run: list[bytes] = []
+            kind, group = pending[0][0], split_key(pending[0][1])[1]
+            for event_kind, key in pending:
+                block_hash, event_group = split_key(key)
+                if event_kind != kind or event_group != group:
+                    grouped.append((kind, tuple(run), group, medium))
+                    run, kind, group = [], event_kind, event_group
+                run.append(block_hash)
+            grouped.append((kind, tuple(run), group, medium))
+            pending.clear()
+        if grouped:
+            self._publish(pool_id, self._events[pool_id], pool.info.epoch, grouped)
 
     def _publish(
         self,
         pool_id: str,
         log: _EventLog,
         epoch: int,
-        grouped: list[tuple[KVEventKind, tuple[bytes, ...], int]],
+        grouped: list[tuple[KVEventKind, tuple[bytes, ...], int, KVMedium]],
     ) -> None:
         events = []
-        for kind, hashes, group in grouped:
-            events.append(KVEvent(log.next_seq, epoch, kind, hashes, group))
+        for kind, hashes, group, medium in grouped:
+            events.append(KVEvent(log.next_seq, epoch, kind, hashes, group, medium))
             log.next_seq += 1
         log.buffer.extend(events)
         for listener in list(log.listeners):

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from services.blockmgr.errors import BlockManagerError, ErrorCode, invalid, not_found, precondition
+from services.blockmgr.host_tier import HostTier
 from services.blockmgr.kv_groups import group_key, grow, longest_group_hit, windows_of
 from services.blockmgr.pool import BlockPool
 from services.blockmgr.retention import DEFAULT_RETENTION_STEPS
@@ -34,6 +35,7 @@ from services.blockmgr.types import (
     AdmitResult,
     AttentionKindName,
     BlockCopy,
+    BlockMove,
     Commit,
     CommitResult,
     EvictionPolicyName,
@@ -109,6 +111,7 @@ class KVBlockManager:
         sliding_window: int = 0,
         groups: Sequence[KVCacheGroup] = (),
         retention_steps: int = DEFAULT_RETENTION_STEPS,
+        host_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         if not groups:
@@ -118,7 +121,10 @@ class KVBlockManager:
         self.num_groups = len(self.windows)
         self.any_sliding = any(self.windows)
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, eviction_policy, retention_steps)
+        if host_blocks and (self.num_groups > 1 or self.any_sliding):
+            raise invalid("host_blocks: a host tier serves pools of one full-attention group")
+        self.pool = BlockPool(num_blocks, eviction_policy, retention_steps, host_blocks)
+        self.host_hits_tokens = 0
         self.seqs: dict[int, SeqState] = {}
         self._recently_freed: OrderedDict[int, None] = OrderedDict()
         self.prefix_queries_tokens = 0
@@ -151,6 +157,8 @@ class KVBlockManager:
     def step(self, ops: Sequence[Operation]) -> list[OpResult]:
         validate_step(ops, self.seqs, self._recently_freed, self.block_size)
         self.pool.tick()
+        if self.pool.host is not None:
+            self.pool.host.begin_step()
         failed: set[int] = set()
         results: list[OpResult] = []
         for op in ops:
@@ -176,6 +184,7 @@ class KVBlockManager:
         num_hit = 0
         lives = [0] * self.num_groups
         hits: list[list[int]] = [[] for _ in lives]  # per group: blocks live .. num_hit - 1
+        onboard: list[tuple[bytes, int]] = []  # (hash, host slot) past the device hit
         if self.enable_prefix_caching:
             max_hits = (op.num_prompt_tokens - 1) // bs  # never cover the last prompt token
             if self.num_groups > 1 or self.any_sliding:
@@ -191,12 +200,15 @@ class KVBlockManager:
                         break
                     found.append(block_id)
                 num_hit = len(found)
-        num_cached = num_hit * bs
+                if pool.host is not None:  # the prefix may go on in the host tier
+                    onboard = _host_run(pool.host, op.block_hashes[num_hit:max_hits])
+        num_cached = (num_hit + len(onboard)) * bs
         num_tokens = num_cached + min(op.num_prompt_tokens - num_cached, op.max_new_tokens)
-        need = blocks_for_tokens(num_tokens, bs) - num_hit
+        need = blocks_for_tokens(num_tokens, bs) - num_hit - len(onboard)
         refcount = pool.refcount
         revived = sum(1 for group_hits in hits for b in group_hits if refcount[b] == 0)
-        if need * self.num_groups + op.reserve_blocks > pool.num_free - revived:
+        cost = need * self.num_groups + len(onboard)
+        if cost + op.reserve_blocks > pool.num_free - revived:
             failed.add(op.seq_id)
             return AdmitResult(OpStatus.RESOURCE_EXHAUSTED)
         tables: list[list[int]] = []
@@ -208,6 +220,8 @@ class KVBlockManager:
                 if priority:
                     pool.retain(block_id, priority)
             table = [NULL_BLOCK] * live + group_hits if live else group_hits
+            if onboard:
+                table.extend(self._onboard(onboard, priority))
             table.extend(pool.allocate() for _ in range(need))
             tables.append(table)
         self.seqs[op.seq_id] = SeqState(tables, num_tokens, lives, priority)
@@ -217,6 +231,30 @@ class KVBlockManager:
             self.prefix_hits_tokens += num_cached
         ids = tuple(tables[0]) if len(tables) == 1 else tuple(b for t in tables for b in t)
         return AdmitResult(OpStatus.OK, ids, num_cached, num_tokens)
+
+    def _onboard(self, run: list[tuple[bytes, int]], priority: int) -> list[int]:
+        """New device blocks for ``run`` (hash, host slot), to be filled from the host tier:
+        matchable on the device at once (the executor fills them before any forward)."""
+        pool = self.pool
+        host = pool.host
+        assert host is not None
+        for _, slot in run:  # read in this Step: no offload of it may take these slots
+            host.pin(slot)
+        blocks = []
+        for block_hash, slot in run:
+            block_id = pool.allocate()
+            host.onboard(slot, block_id)
+            pool.store(block_id, block_hash)
+            if priority:
+                pool.retain(block_id, priority)
+            blocks.append(block_id)
+        self.host_hits_tokens += len(run) * self.block_size
+        return blocks
+
+    def take_moves(self) -> tuple[tuple[BlockMove, ...], tuple[BlockMove, ...]]:
+        """The host tier's (offloads, onboards) of the Step just applied."""
+        host = self.pool.host
+        return host.moves() if host is not None else ((), ())
 
     def _grow(self, op: Grow, failed: set[int]) -> GrowResult:
         if self.num_groups > 1 or self.any_sliding:
@@ -429,6 +467,17 @@ class KVBlockManager:
                 "is still in the window and cannot be null"
             )
         return live
+
+
+def _host_run(host: HostTier, block_hashes: Sequence[bytes]) -> list[tuple[bytes, int]]:
+    """The leading run of ``block_hashes`` the host tier holds: (hash, slot) each."""
+    run = []
+    for block_hash in block_hashes:
+        slot = host.lookup(block_hash)
+        if slot is None:
+            break
+        run.append((block_hash, slot))
+    return run
 
 
 __all__ = ["BlockManagerError", "ErrorCode", "KVBlockManager"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from services.blockmgr.host_tier import HostTier
 from services.blockmgr.retention import DEFAULT_RETENTION_STEPS, RetentionLevels
 from services.blockmgr.types import EvictionPolicyName, KVEventKind, PendingEvent
 from services.common.blocks import usable_blocks
@@ -25,6 +26,7 @@ class BlockPool:
         num_blocks: int,
         eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU,
         retention_steps: int = DEFAULT_RETENTION_STEPS,
+        host_blocks: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
         self.refcount = [0] * num_blocks
@@ -43,6 +45,8 @@ class BlockPool:
         # so the hash stays matchable while any copy of it lives.
         self._duplicates: dict[bytes, set[int]] = {}
         self._duplicate_of: dict[int, bytes] = {}
+        # The host tier, if any: blocks evicted here are offloaded there (host_tier.py).
+        self.host = HostTier(host_blocks) if host_blocks else None
 
     @property
     def num_usable(self) -> int:
@@ -64,6 +68,8 @@ class BlockPool:
             block_id = self._uncached.popleft()
         else:
             block_id = self._policy.pop()
+            if self.host is not None:
+                self._offload(block_id)
             self._drop_hash(block_id)
             self.num_evicted += 1
         self._policy.clear(block_id)
@@ -89,6 +95,14 @@ class BlockPool:
         else:
             self._policy.push(block_id)
         return True
+
+    def _offload(self, block_id: int) -> None:
+        """An evicted block's content goes to the host tier, unless a live copy of it keeps
+        its hash here (a duplicate takes it over)."""
+        key = self.block_hash[block_id]
+        if key is not None and not self._duplicates.get(key):
+            assert self.host is not None
+            self.host.offload(block_id, key)
 
     def retain(self, block_id: int, priority: int) -> None:
         """An in-use block is to be kept with at least this retention priority once freed."""

@@ -68,6 +68,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             eviction_policy=convert.policy_from_pb(request.eviction_policy),
             owner_token=request.owner_token,
             groups=convert.groups_from_pb(request.groups),
+            host_blocks=request.host_blocks,
         )
         log.info(
             "pool_registered",
@@ -78,6 +79,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             eviction_policy=info.eviction_policy,
             enable_prefix_caching=info.enable_prefix_caching,
             groups=[(g.kind.value, g.sliding_window) for g in info.groups],
+            host_blocks=info.host_blocks,
         )
         return pb.RegisterPoolResponse(
             pool=convert.pool_info_to_pb(info), owner_token=info.owner_token, lease_s=info.lease_s

@@ -66,6 +66,11 @@ class OpStatus(enum.IntEnum):
 EVENTS_LIVE_HEADER = "x-pagedserve-events"
 
 
+class KVMedium(enum.IntEnum):
+    DEVICE = 0  # the executor's device pool (the KV cache)
+    HOST = 1  # the pool's host tier
+
+
 class KVEventKind(enum.IntEnum):
     STORED = 1  # a block hash became matchable
     REMOVED = 2  # a cached block was reused: its hash is no longer matchable
@@ -188,9 +193,22 @@ class PoolCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockMove:
+    """A move between a pool's device blocks and its host tier's slots (the executor's host
+    memory); which way depends on the list it comes in (:class:`StepResult`)."""
+
+    device_block: int
+    host_slot: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     results: tuple[OpResult, ...]
     counters: PoolCounters
+    # The host tier's moves, to perform before the forward, offloads first: device blocks
+    # copied down before their reuse, then device blocks filled from the tier (admissions).
+    offloads: tuple[BlockMove, ...] = ()
+    onboards: tuple[BlockMove, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +245,7 @@ class PoolInfo:
     owner_token: str = field(default="", repr=False, compare=False)
     lease_s: float = field(default=0.0, compare=False)
     groups: tuple[KVCacheGroup, ...] = (FULL_GROUP,)  # as registered (one FULL group: none given)
+    host_blocks: int = 0  # the host tier's slots (0: none)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -257,6 +276,13 @@ class PoolStats:
     num_cow_copies: int
     num_steps: int
     last_event_seq: int
+    # The host tier: prompt tokens served from it at admission (also in hits_tokens), blocks
+    # moved down and up, slots reused for other content, slots holding a block now.
+    host_hits_tokens: int = 0
+    num_offloaded_blocks: int = 0
+    num_onboarded_blocks: int = 0
+    num_host_evicted_blocks: int = 0
+    num_host_cached_blocks: int = 0
 
 
 # (kind, cache key: the block hash, and its group's byte after it in groups > 0): a plain
@@ -271,3 +297,4 @@ class KVEvent:
     kind: KVEventKind
     block_hashes: tuple[bytes, ...] = field(default=())
     group: int = 0  # the KV-cache group of the hashes (its index in PoolInfo.groups)
+    medium: KVMedium = KVMedium.DEVICE  # where: the device pool, or the host tier

@@ -5,7 +5,7 @@ Two sources feed the index of each pool:
 - **confirmed** hashes, from the block manager's KV events (STORED adds, REMOVED drops,
   CLEARED empties: a new epoch, or the pool is gone). A hybrid pool (several KV-cache groups)
   stores and evicts a hash per group: it counts as held while any group holds it (its
-  full-attention groups keep a prefix longest);
+  full-attention groups keep a prefix longest), on the device or in the pool's host tier;
 - **provisional** hashes, from this gateway's own routing: a prompt sent to an executor will be
   cached there as soon as its prefill runs, a step or more before the STORED event arrives, so
   a burst of requests sharing a system prompt follows the first one instead of scattering.
@@ -101,7 +101,9 @@ class PrefixIndex:
                 pool.clear()
             pool.epoch = ev.epoch
             pool.last_seq = ev.seq
-            stored, bit = pool.stored, 1 << ev.group
+            # One bit per (group, medium): a hash is held while any group holds it, on the
+            # device or in its host tier (onboarding it costs far less than a prefill).
+            stored, bit = pool.stored, 1 << (ev.group + 64 * ev.medium)
             if ev.kind == KVEventKind.STORED:
                 for h in ev.block_hashes:
                     stored[h] = stored.get(h, 0) | bit

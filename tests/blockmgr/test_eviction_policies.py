@@ -98,7 +98,7 @@ def _retained_run(m: KVBlockManager, priority: int, one_offs: int) -> int:
     blocks; the prefix's cached tokens when asked again."""
     system = list(range(1000, 1016))
     h = hashes([*system, 1, 2, 3, 4], BS)
-    (r,) = m.step([Admit(0, 20, 20, h, 0, priority)])
+    m.step([Admit(0, 20, 20, h, 0, priority)])
     m.step([Commit(0, 0, h), Free((0,))])
     for j in range(one_offs):
         _turn(m, 100 + j, list(range(2000 + 100 * j, 2000 + 100 * j + 12)))

@@ -40,6 +40,7 @@ class PoolMachine(RuleBasedStateMachine):
     policy = "lru"
     windows: tuple[int, ...] = (0,)  # one per KV-cache group: > 0 slides over that many tokens
     retention_steps = 4096
+    host_blocks = 0  # > 0: a host tier of that many slots (one full group only)
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,6 +59,7 @@ class PoolMachine(RuleBasedStateMachine):
             eviction_policy=self.policy,
             groups=groups,
             retention_steps=self.retention_steps,
+            host_blocks=self.host_blocks,
         )
 
     def _tables(self, m: KVBlockManager | None = None) -> Tables:
@@ -257,6 +259,22 @@ class S3FIFOPoolMachine(PoolMachine):
     policy = "s3fifo"
 
 
+class HostTierPoolMachine(PoolMachine):
+    host_blocks = 6  # evictions offload, admissions onboard
+
+    @invariant()
+    def the_host_map_is_one_to_one_and_onboards_land_in_fresh_tables(self) -> None:
+        host = self.m.pool.host
+        assert host is not None
+        for key, slot in host.slot_of.items():
+            assert host.key_of[slot] == key
+        assert host.occupied() <= host.num_slots
+        _, onboards = host.moves()
+        assert len({m.host_slot for m in onboards}) == len(onboards)
+        for m in onboards:  # filled from the tier, matchable on the device at once
+            assert self.m.pool.block_hash[m.device_block] is not None
+
+
 class SlidingPoolMachine(PoolMachine):
     windows = (6,)  # not a multiple of the block size: the window straddles blocks
 
@@ -295,6 +313,8 @@ TestPoolInvariantsARC = ARCPoolMachine.TestCase
 TestPoolInvariantsARC.settings = _adaptive_settings
 TestPoolInvariantsS3FIFO = S3FIFOPoolMachine.TestCase
 TestPoolInvariantsS3FIFO.settings = _adaptive_settings
+TestHostTierInvariants = HostTierPoolMachine.TestCase
+TestHostTierInvariants.settings = _adaptive_settings
 _sliding_settings = settings(_settings, max_examples=60)
 TestSlidingPoolInvariantsLRU = SlidingPoolMachine.TestCase
 TestSlidingPoolInvariantsLRU.settings = _sliding_settings
