@@ -47,6 +47,21 @@ class FakePagedRunner:
         assert 0 < block < self.num_blocks, f"block {block} out of range or reserved"
         return block * self.block_size + pos % self.block_size
 
+    def move_blocks(
+        self, offloads: Sequence[tuple[int, int]], onboards: Sequence[tuple[int, int]]
+    ) -> None:
+        host = self.__dict__.setdefault("host", {})
+        for block, slot in offloads:
+            for off in range(self.block_size):
+                host[(slot, off)] = self.cache.get(block * self.block_size + off)
+        for block, slot in onboards:
+            for off in range(self.block_size):
+                value = host.get((slot, off))
+                if value is None:
+                    self.cache.pop(block * self.block_size + off, None)
+                else:
+                    self.cache[block * self.block_size + off] = value
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         for src, dst in pairs:
             self.num_copies += 1

@@ -152,4 +152,6 @@ class AheadScheduling:
             seq.num_ahead_slots = k
             append(ScheduledChunk(seq, k, seq.num_computed_tokens + k == len(seq.token_ids)))
         self.num_free_blocks = result.counters.num_free_blocks
-        return ScheduledBatch(chunks, [])
+        offloads = tuple((m.device_block, m.host_slot) for m in result.offloads)
+        onboards = tuple((m.device_block, m.host_slot) for m in result.onboards)
+        return ScheduledBatch(chunks, [], offloads, onboards)

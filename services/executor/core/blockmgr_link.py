@@ -48,6 +48,7 @@ class PoolSpec:
     eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
     owner_token: str | None = None  # a stable one lets a restarted executor take its pool back
     groups: tuple[KVCacheGroup, ...] = ()  # none: one full-attention group
+    host_blocks: int = 0  # slots of the pool's host tier (the runner's host memory)
     retry_s: float = 0.05
     max_backoff_s: float = 0.5  # serving again within a second of the block manager coming back
 
@@ -165,6 +166,7 @@ class BlockManagerLink:
             eviction_policy=s.eviction_policy,
             owner_token=s.owner_token,
             groups=s.groups,
+            host_blocks=s.host_blocks,
         )
 
     def _resync(self, state: list[RestoredSequence]) -> None:

@@ -22,6 +22,7 @@ from services.executor.model.forward_batch import PreparedForward
 if TYPE_CHECKING:
     from services.executor.core.config import EngineSettings
     from services.executor.core.plan import ScheduledChunk
+    from services.executor.core.runner import Runner
     from services.executor.core.scheduler import Scheduler
 
 __all__ = ["AheadEngine", "PreparedBatch"]
@@ -48,6 +49,7 @@ class AheadEngine:
         settings: EngineSettings
         link: BlockManagerLink
         scheduler: Scheduler
+        runner: Runner
         num_steps_ahead: int
         num_ahead_failures: int
         num_batches_prepared: int
@@ -69,6 +71,8 @@ class AheadEngine:
         running = SeqStatus.RUNNING
         chunks = [c for c in batch.chunks if c.seq.status is running]
         if not chunks:
+            if batch.has_moves:  # the pool's host tier counts on them, batch or not
+                self.runner.move_blocks(batch.offloads, batch.onboards)
             return None, None
         self.num_steps_ahead += 1
         if prepared is not None:
@@ -85,7 +89,7 @@ class AheadEngine:
                         if alive:
                             prepared.rows.append(row)
                         row += 1
-        return ScheduledBatch(chunks, batch.copies), prepared
+        return ScheduledBatch(chunks, batch.copies, batch.offloads, batch.onboards), prepared
 
     def _prepare(self, batch: ScheduledBatch) -> PreparedBatch:
         """Build ``batch``'s host batch now, before this step's sampling: a chunk of a

@@ -115,6 +115,14 @@ class ScheduledBatch:
 
     chunks: list[ScheduledChunk]  # decodes first, then prefill chunks
     copies: list[tuple[int, int]]  # copy-on-write (src, dst) block pairs
+    # The host tier's moves, (device block, host slot): offloads first, then onboards; made
+    # before the copies (a copy may write into a block just offloaded).
+    offloads: tuple[tuple[int, int], ...] = ()
+    onboards: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def has_moves(self) -> bool:
+        return bool(self.offloads or self.onboards)
 
 
 def split_tables(block_ids: tuple[int, ...], num_groups: int) -> list[list[int]]:

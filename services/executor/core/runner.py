@@ -27,6 +27,12 @@ class Runner(Protocol):
 
     def execute(self, chunks: Sequence[SeqChunk]) -> Tensor: ...
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
+    def move_blocks(
+        self, offloads: Sequence[tuple[int, int]], onboards: Sequence[tuple[int, int]]
+    ) -> None:
+        """The host tier's moves, ``(device block, host slot)`` each: offloads (device to
+        host) first, then onboards (host to device)."""
+        ...
 
 
 @runtime_checkable

@@ -258,7 +258,7 @@ class Scheduler(AheadScheduling):
             ScheduledChunk(s, k, s.num_computed_tokens + k == len(s.token_ids))
             for s, k in itertools.chain(grows, new_prefills)
         ]
-        return ScheduledBatch(chunks, copies)
+        return ScheduledBatch(chunks, copies, *_moves(result))
 
     def _apply_admissions(
         self, plan: SchedulePlan, admitted: list[AdmitResult]
@@ -500,6 +500,16 @@ class Scheduler(AheadScheduling):
             num_tokens=seq.num_tokens,
             num_preemptions=seq.num_preemptions,
         )
+
+
+def _moves(
+    result: StepResult,
+) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """The host tier's (offloads, onboards) of a Step, as (device block, host slot) pairs."""
+    return (
+        tuple((m.device_block, m.host_slot) for m in result.offloads),
+        tuple((m.device_block, m.host_slot) for m in result.onboards),
+    )
 
 
 def _sort_key(seq: Sequence) -> tuple[int, int, int]:

@@ -27,9 +27,11 @@ from services.executor.model.cuda_graphs import (
     GraphBackendName,
 )
 from services.executor.model.errors import ModelLoadError
+from services.executor.model.host_kv import HostKVCache
 from services.executor.model.kv_cache import allocate_kv_cache, size_kv_cache
 from services.executor.model.kv_layout import plan_kv_layout
 from services.executor.model.loader import load_model, resolve_device
+from services.executor.model.models import DecoderLM
 from services.executor.model.parallel import Comm, DistComm, ShardPlan, SingleComm
 from services.executor.model.runner import ModelRunner
 from services.executor.model.runner_config import RunnerConfig
@@ -126,13 +128,38 @@ def _build(
         device,
         model.kv_layout.num_slots,
     )
-    runner = ModelRunner(model, kv_cache, config.block_size, workers)
+    host = None
+    if config.cache.host_tier_bytes:
+        host = _host_tier(model, kv_cache, config.cache.host_tier_bytes, comm)
+    runner = ModelRunner(model, kv_cache, config.block_size, workers, host)
     if graph_backend is None and device.type == "cuda":
         graph_backend = "cuda"
     if graph_backend is not None and graph_sizes:
         backend = CudaGraphBackend() if graph_backend == "cuda" else EagerGraphBackend()
         runner.capture(graph_sizes, backend)  # every rank, in step
     return runner
+
+
+def _host_tier(model: DecoderLM, kv_cache: torch.Tensor, budget: int, comm: Comm) -> HostKVCache:
+    """The host tier's slots in ``budget`` bytes (``--kv-offloading-size``): one rank, one
+    full-attention KV-cache group (what the block manager's tier serves)."""
+    layout = model.kv_layout
+    if comm.size > 1:
+        raise ModelLoadError("--kv-offloading-size: not yet with --tensor-parallel-size > 1")
+    if layout.num_groups > 1 or layout.sliding_window:
+        raise ModelLoadError(
+            "--kv-offloading-size: the host tier serves models of one full-attention KV-cache "
+            "group (this one slides, or is hybrid: try --disable-hybrid-kv-cache-manager)"
+        )
+    per_block = kv_cache[:, :, 0].numel() * kv_cache.element_size()
+    num_slots = budget // per_block
+    if num_slots < 1:
+        raise ModelLoadError(
+            f"--kv-offloading-size: {budget} bytes hold no block of {per_block} bytes"
+        )
+    host = HostKVCache(kv_cache, num_slots)
+    log.info("host_tier_allocated", num_slots=num_slots, bytes=host.bytes)
+    return host
 
 
 def _exit_with_parent() -> None:

@@ -26,6 +26,7 @@ from services.executor.model.forward_batch import (
     PreparedForward,
     SeqChunk,
 )
+from services.executor.model.host_kv import HostKVCache
 from services.executor.model.models import DecoderLM
 from services.executor.model.workers import (
     CopyBlocksHeader,
@@ -51,6 +52,7 @@ class ModelRunner:
         kv_cache: Tensor,
         block_size: int,
         workers: WorkerGroup | None = None,
+        host: HostKVCache | None = None,
     ) -> None:
         lc = model.local_config  # this rank's KV heads
         slots = model.kv_layout.num_slots
@@ -65,6 +67,7 @@ class ModelRunner:
         self.device: torch.device = kv_cache.device
         self.dtype: torch.dtype = model.dtype
         self.workers = workers
+        self.host = host  # the block manager's host tier, if any (one rank only)
         self.graphs: DecodeGraphs | None = None
         self.builder = BatchBuilder(
             block_size,
@@ -171,6 +174,14 @@ class ModelRunner:
         ops.copy_blocks(self.kv_cache, ids[0], ids[1])
         if self.workers is not None:
             self.workers.done()
+
+    def move_blocks(
+        self, offloads: Sequence[tuple[int, int]], onboards: Sequence[tuple[int, int]]
+    ) -> None:
+        """The host tier's moves of a Step, offloads first (see :mod:`.host_kv`)."""
+        if self.host is None:
+            raise RuntimeError("the block manager ordered host-tier moves; this runner has none")
+        self.host.move(self.kv_cache, offloads, onboards)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do for one rank)."""

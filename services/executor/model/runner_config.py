@@ -32,6 +32,9 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None
     hybrid_kv_cache: bool = True
+    # Bytes of host memory for the block manager's host tier (--kv-offloading-size): blocks
+    # evicted from the KV cache are copied there, and back on a prefix hit. 0: none.
+    host_tier_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -62,6 +63,10 @@ class ExecutorConfig:
     # Keep every block of every layer in a model with sliding-window and full-attention layers
     # (vLLM's flag), instead of KV-cache groups whose sliding layers give blocks back.
     disable_hybrid_kv_cache_manager: bool = False
+    # GiB of host memory for the block manager's host tier (vLLM's --kv-offloading-size):
+    # blocks evicted from the KV cache are offloaded there, and onboarded on a prefix hit.
+    kv_offloading_size: float = 0.0
+    kv_offloading_backend: str = "native"
     eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
     blockmgr: BlockManagerMode = BlockManagerMode.INPROC  # grpc: at blockmgr_address
     blockmgr_address: str | None = None
@@ -107,6 +112,20 @@ class ExecutorConfig:
             help="KV-cache bytes (e.g. 512MiB); the CPU default is 256MiB",
         )
         a("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
+        a(
+            "--kv-offloading-size",
+            type=float,
+            default=0.0,
+            metavar="GIB",
+            help="GiB of host memory for a KV tier behind the KV cache: evicted blocks are "
+            "offloaded there and onboarded on a prefix hit (0: none)",
+        )
+        a(
+            "--kv-offloading-backend",
+            default="native",
+            choices=["native"],
+            help="how blocks move to and from the host tier (native: copies between tensors)",
+        )
         a(
             "--disable-hybrid-kv-cache-manager",
             action="store_true",
@@ -222,6 +241,10 @@ class ExecutorConfig:
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be >= 1")
+        if not (math.isfinite(self.kv_offloading_size) and self.kv_offloading_size >= 0):
+            raise ValueError(
+                f"--kv-offloading-size must be >= 0 GiB, got {self.kv_offloading_size}"
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -271,6 +294,7 @@ class ExecutorConfig:
                 kv_cache_memory=self.kv_cache_memory,
                 num_kv_blocks=self.num_kv_blocks,
                 hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
+                host_tier_bytes=int(self.kv_offloading_size * 2**30),
             ),
             dtype=self.dtype,
             device=self.device,

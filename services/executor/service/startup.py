@@ -127,6 +127,7 @@ def _build_engine(
         enable_prefix_caching=config.enable_prefix_caching,
         eviction_policy=config.eviction_policy,
         groups=groups,
+        host_blocks=runner.host.num_slots if runner.host is not None else 0,
     )
     client = blockmgr or connect_blockmgr(config)
     if len(groups) > 1:
@@ -141,6 +142,13 @@ def _build_engine(
                 "one that serves hybrid pools, or pass --disable-hybrid-kv-cache-manager"
             )
     link = BlockManagerLink(client, pool, on_health=on_health)
+    if pool.host_blocks and link.pool.host_blocks != pool.host_blocks:
+        log.warning(
+            "host_tier_not_served",
+            asked=pool.host_blocks,
+            granted=link.pool.host_blocks,
+            consequence="blocks evicted from the KV cache are dropped",
+        )
     try:
         window = _granted_window(groups, link.pool.groups, bs, usable, mc.max_model_len, layout)
     except ModelLoadError:
