@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from services.blockmgr.types import AdmitResult, Fork, GrowResult, OpStatus, StepResult
 from services.common.blocks import blocks_to_grow, needs_cow
-from services.executor.core.plan import ScheduledBatch, ScheduledChunk, SchedulePlan
+from services.executor.core.plan import ScheduledBatch, ScheduledChunk, SchedulePlan, step_moves
 from services.executor.core.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -152,6 +152,4 @@ class AheadScheduling:
             seq.num_ahead_slots = k
             append(ScheduledChunk(seq, k, seq.num_computed_tokens + k == len(seq.token_ids)))
         self.num_free_blocks = result.counters.num_free_blocks
-        offloads = tuple((m.device_block, m.host_slot) for m in result.offloads)
-        onboards = tuple((m.device_block, m.host_slot) for m in result.onboards)
-        return ScheduledBatch(chunks, [], offloads, onboards)
+        return ScheduledBatch(chunks, [], *step_moves(result))

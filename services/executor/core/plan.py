@@ -33,6 +33,7 @@ __all__ = [
     "check_answer",
     "extend_tables",
     "split_tables",
+    "step_moves",
 ]
 
 
@@ -123,6 +124,17 @@ class ScheduledBatch:
     @property
     def has_moves(self) -> bool:
         return bool(self.offloads or self.onboards)
+
+
+Moves = tuple[tuple[int, int], ...]
+
+
+def step_moves(result: StepResult) -> tuple[Moves, Moves]:
+    """The host tier's (offloads, onboards) of a Step, as (device block, host slot) pairs."""
+    return (
+        tuple((m.device_block, m.host_slot) for m in result.offloads),
+        tuple((m.device_block, m.host_slot) for m in result.onboards),
+    )
 
 
 def split_tables(block_ids: tuple[int, ...], num_groups: int) -> list[list[int]]:

@@ -40,7 +40,7 @@ from services.blockmgr.types import (
     RestoredSequence,
     StepResult,
 )
-from services.common.blocks import NULL_BLOCK, blocks_to_grow, first_live_block, needs_cow
+from services.common.blocks import NULL_BLOCK, first_live_block
 from services.executor.core.admission import plan_admissions
 from services.executor.core.ahead import AheadScheduling
 from services.executor.core.config import SchedulerConfig
@@ -52,8 +52,10 @@ from services.executor.core.plan import (
     check_answer,
     extend_tables,
     split_tables,
+    step_moves,
 )
 from services.executor.core.sequence import FinishReason, SeqStatus, Sequence
+from services.executor.core.table_mirror import TableMirror
 
 __all__ = [
     "BadAnswer",
@@ -67,7 +69,7 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 
-class Scheduler(AheadScheduling):
+class Scheduler(AheadScheduling, TableMirror):
     def __init__(self, config: SchedulerConfig, counters: PoolCounters) -> None:
         self.config = config
         self.waiting: list[Sequence] = []  # sorted by sort_key
@@ -258,7 +260,7 @@ class Scheduler(AheadScheduling):
             ScheduledChunk(s, k, s.num_computed_tokens + k == len(s.token_ids))
             for s, k in itertools.chain(grows, new_prefills)
         ]
-        return ScheduledBatch(chunks, copies, *_moves(result))
+        return ScheduledBatch(chunks, copies, *step_moves(result))
 
     def _apply_admissions(
         self, plan: SchedulePlan, admitted: list[AdmitResult]
@@ -389,63 +391,6 @@ class Scheduler(AheadScheduling):
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _cow_groups(self, seq: Sequence, k: int) -> tuple[int, ...]:
-        """The groups whose last block ``seq`` must copy before writing ``k`` tokens."""
-        if not seq.tables[0]:
-            return ()
-        bs, computed, refs = self.config.block_size, seq.num_computed_tokens, self.refs
-        return tuple(g for g, t in enumerate(seq.tables) if needs_cow(computed, k, bs, refs[t[-1]]))
-
-    def _blocks_needed(self, seq: Sequence, k: int) -> int:
-        bs = self.config.block_size
-        need = blocks_to_grow(seq.num_computed_tokens, k, len(seq.tables[0]), bs)
-        return need * len(seq.tables) + len(self._cow_groups(seq, k))
-
-    def _first_live_after(self, seq: Sequence, held: int) -> int:
-        """``seq``'s first live block once a grow from ``held`` slots (its next query is at
-        that position) has released what left that query's window."""
-        first = first_live_block(held, self.config.sliding_window, self.config.block_size)
-        return max(first, seq.first_live_block)
-
-    def _slide(self, seq: Sequence, held: int) -> int:
-        """Mirror a sliding-window pool's release at ``seq``'s grow from ``held`` slots: the
-        blocks out of the window of its next query become the null block, and our references
-        to them go. Returns how many blocks that frees (0 for full attention). A table is
-        slid only once the step that reads it has been built (the batch copies it)."""
-        if not self.config.sliding_window:
-            return 0
-        return self._release_to(seq, self._first_live_after(seq, held))
-
-    def _release_to(self, seq: Sequence, first: int) -> int:
-        """Null ``seq``'s table entries before ``first`` and drop our references to them;
-        returns how many blocks that frees."""
-        start = seq.first_live_block
-        if first <= start:
-            return 0
-        freed = 0
-        for g, slides in enumerate(self.config.group_slides):
-            if slides:
-                table = list(seq.tables[g])  # a new list: runners mirror tables that only grow
-                freed += self._release(table[start:first])
-                table[start:first] = [NULL_BLOCK] * (first - start)
-                seq.tables[g] = table
-        seq.first_live_block = first
-        return freed
-
-    def _release(self, table: Iterable[int]) -> int:
-        """Drop one reference to each block of ``table`` (null entries hold none); return
-        how many became free."""
-        freed = 0
-        refs = self.refs
-        for b in table:
-            if b == NULL_BLOCK:
-                continue
-            refs[b] -= 1
-            if refs[b] == 0:
-                del refs[b]
-                freed += 1
-        return freed
-
     def _drop_blocks(self, seq: Sequence) -> int:
         """Give up ``seq``'s blocks. A fork not yet sent is cancelled: nothing to free in the
         pool, and the blocks that only it held in our mirror are free now (returned). Otherwise
@@ -500,16 +445,6 @@ class Scheduler(AheadScheduling):
             num_tokens=seq.num_tokens,
             num_preemptions=seq.num_preemptions,
         )
-
-
-def _moves(
-    result: StepResult,
-) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
-    """The host tier's (offloads, onboards) of a Step, as (device block, host slot) pairs."""
-    return (
-        tuple((m.device_block, m.host_slot) for m in result.offloads),
-        tuple((m.device_block, m.host_slot) for m in result.onboards),
-    )
 
 
 def _sort_key(seq: Sequence) -> tuple[int, int, int]:

@@ -1,0 +1,174 @@
+"""Multi-turn chat against the KV-cache tiers: no tier, a host tier, and an "infinite" device
+cache, in one run.
+
+    .venv/bin/python bench/multiturn_bench.py [--conversations 48] [--turns 6]
+
+N conversations of T turns. Each turn sends the conversation's whole history plus a new user
+message of 100-300 tokens and asks for 50-150 tokens (greedy, ``ignore_eos``); every
+conversation's turn ``t`` is sent at once, then turn ``t + 1`` once they are all answered, so
+the conversations interleave and the working set (every history) grows to several times the
+device cache. The engine runs in-process over a random Llama (hidden 256, 4 layers, CPU,
+fp32), its block manager in-process.
+
+- ``no tier``: a device cache of ``--device-share`` of the final working set;
+- ``host tier``: the same device cache and a host tier ``--host-factor`` times its size;
+- ``infinite``: a device cache holding every history.
+
+Reported per configuration: the prompt-token hit ratio (and its host share), prompt tokens
+computed, TTFT p50 / p99 (from a turn's submission to its first token, in-process), output
+tok/s over the run, and whether the tokens equal the infinite cache's. Prints markdown.
+Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from pagedserve.tools.tiny_model import write_tiny_model
+from services.blockmgr.client import InProcessClient
+from services.common.sampling_params import SamplingParams
+from services.executor.core.sequence import RequestKey
+from services.executor.model.kv_cache import bytes_per_block
+from services.executor.model.launch import build_runner
+from services.executor.service.config import ExecutorConfig
+from services.executor.service.startup import build_engine
+
+
+def run(config: ExecutorConfig, plan: list[list[tuple[int, int]]], seed: int) -> dict[str, Any]:
+    engine, _ = build_engine(
+        config, runner=build_runner(config.runner_config()), blockmgr=InProcessClient()
+    )
+    rng = random.Random(seed)
+    vocab = engine.settings.vocab_size
+    histories = [[1] for _ in plan]
+    ttfts: list[float] = []
+    outputs: dict[str, list[int]] = {}
+    num_output = 0
+    start = time.perf_counter()
+    for turn in range(len(plan[0])):
+        sent: dict[str, float] = {}
+        for c, conv in enumerate(plan):
+            message, n = conv[turn]
+            histories[c].extend(rng.randrange(3, vocab) for _ in range(message))
+            rid = f"c{c}t{turn}"
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            engine.add_request(RequestKey(0, rid), list(histories[c]), params)
+            sent[rid] = time.perf_counter()
+        while engine.has_work:
+            for o in engine.step():
+                rid = o.req_id.request_id
+                if rid not in outputs:
+                    ttfts.append(time.perf_counter() - sent[rid])
+                outputs.setdefault(rid, []).extend(o.token_ids)
+                num_output += len(o.token_ids)
+        for c in range(len(plan)):
+            histories[c].extend(outputs[f"c{c}t{turn}"])
+    wall = time.perf_counter() - start
+    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    ttfts.sort()
+    return {
+        "hit": stats.prefix_cache_hits_tokens / stats.prefix_cache_queries_tokens,
+        "host_hit": stats.host_hits_tokens / stats.prefix_cache_queries_tokens,
+        "computed": stats.prefix_cache_queries_tokens - stats.prefix_cache_hits_tokens,
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "tok_s": num_output / wall,
+        "outputs": outputs,
+        "offloaded": stats.num_offloaded_blocks,
+        "onboarded": stats.num_onboarded_blocks,
+        "preemptions": engine.scheduler.num_preemptions,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--conversations", type=int, default=48)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--device-share", type=float, default=0.25)
+    p.add_argument("--host-factor", type=float, default=3.0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    rng = random.Random(args.seed)
+    bs = args.block_size
+    plan = [
+        [(rng.randrange(100, 301), rng.randrange(50, 151)) for _ in range(args.turns)]
+        for _ in range(args.conversations)
+    ]
+    finals = [1 + sum(m + o for m, o in conv) for conv in plan]
+    working_set = sum(-(-n // bs) for n in finals)
+    device = max(int(working_set * args.device_share), 2 * (max(finals) // bs + 2))
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_tiny_model(
+            Path(tmp) / "llama",
+            hidden_size=256,
+            num_layers=4,
+            num_heads=8,
+            num_kv_heads=2,
+            intermediate_size=512,
+            max_position_embeddings=4096,
+        )
+        common: dict[str, Any] = {
+            "model": str(model),
+            "dtype": "float32",
+            "device": "cpu",
+            "block_size": bs,
+            "max_model_len": max(finals) + 16,
+            "max_num_batched_tokens": 2048,
+            "max_num_seqs": 64,
+            "cpu_threads": args.threads,
+        }
+        probe = ExecutorConfig(**common, num_kv_blocks=device + 1)
+        mc = build_runner(probe.runner_config()).model.local_config
+        host_gib = args.host_factor * device * bytes_per_block(mc, bs, torch.float32) / 2**30
+        configs = {
+            "no tier": ExecutorConfig(**common, num_kv_blocks=device + 1),
+            "host tier": ExecutorConfig(
+                **common, num_kv_blocks=device + 1, kv_offloading_size=host_gib
+            ),
+            "infinite": ExecutorConfig(**common, num_kv_blocks=2 * working_set + 1),
+        }
+        results = {name: run(cfg, plan, args.seed) for name, cfg in configs.items()}
+    print(
+        f"# Multi-turn: {args.conversations} conversations x {args.turns} turns, working set "
+        f"{working_set} blocks of {bs}; device cache {device} blocks "
+        f"({args.device_share:.0%}), host tier {args.host_factor:g}x the device cache\n"
+    )
+    print(
+        "| configuration | prompt-token hit ratio | of which from host | prompt tokens computed "
+        "| TTFT p50 / p99 s | output tok/s | offloaded / onboarded blocks | preemptions | "
+        "same tokens |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    reference = results["infinite"]["outputs"]
+    for name, r in results.items():
+        print(
+            f"| {name} | {r['hit']:.1%} | {r['host_hit']:.1%} | {r['computed']:,} | "
+            f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {r['tok_s']:,.0f} | "
+            f"{r['offloaded']:,} / {r['onboarded']:,} | {r['preemptions']} | "
+            f"{r['outputs'] == reference} |"
+        )
+    host, none, inf = results["host tier"], results["no tier"], results["infinite"]
+    print(
+        f"\nhost tier vs infinite hit ratio: {host['hit'] / inf['hit']:.1%}; prompt tokens "
+        f"computed vs no tier: {host['computed'] / none['computed']:.1%}; output tok/s vs no "
+        f"tier: {host['tok_s'] / none['tok_s']:.2f}x"
+    )
+    same = all(r["outputs"] == reference for r in results.values())
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
