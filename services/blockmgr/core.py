@@ -225,6 +225,7 @@ class BlockManagerCore:
                     eviction_policy,
                     pool_groups,
                     self.retention_steps,
+                    host_blocks,
                 )
             log = self._events.setdefault(pool_id, _EventLog(self._event_buffer))
             # Every new epoch starts with CLEARED, the first one too: a consumer that knew the

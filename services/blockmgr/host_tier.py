@@ -11,7 +11,9 @@ its forward:
    of this Step reads.
 2. **onboards** (host slot -> device block): an admission whose prefix continues in the tier
    past its device hit gets new device blocks for those blocks, filled from the tier; they
-   count as cached tokens.
+   count as cached tokens. The tier is exclusive: an onboarded block leaves it (its slot is
+   free again once the Step is over), so device and tier together hold as many distinct
+   blocks as they have slots; evicted from the device again, it is offloaded again.
 
 Offloads are performed before onboards and copy-on-write copies (an onboard or a copy may
 write into a device block just evicted), and a slot an onboard reads is pinned until the
@@ -38,6 +40,7 @@ class HostTier:
         self._free = list(range(num_slots - 1, -1, -1))
         self._lru: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recent first
         self._pinned: set[int] = set()
+        self._released: list[int] = []  # onboarded this Step: free from the next one
         self.events: list[PendingEvent] = []  # KV events of the tier (medium: host)
         self.offloads: list[BlockMove] = []
         self.onboards: list[BlockMove] = []
@@ -66,9 +69,17 @@ class HostTier:
         self.events.append((KVEventKind.STORED, key))
 
     def onboard(self, slot: int, block_id: int) -> None:
-        """Fill device block ``block_id`` from ``slot`` (pinned until the Step ends)."""
+        """Fill device block ``block_id`` from ``slot``, which then leaves the tier: its key
+        at once (the device block holds it now), the slot itself once the Step is over (the
+        copy reads it)."""
         self._pinned.add(slot)
-        self._lru.move_to_end(slot)
+        key = self.key_of[slot]
+        if key is not None:
+            del self.slot_of[key]
+            self.key_of[slot] = None
+            self.events.append((KVEventKind.REMOVED, key))
+        del self._lru[slot]
+        self._released.append(slot)
         self.onboards.append(BlockMove(block_id, slot))
         self.num_onboarded += 1
 
@@ -80,6 +91,8 @@ class HostTier:
         self.offloads.clear()
         self.onboards.clear()
         self._pinned.clear()
+        self._free.extend(self._released)
+        self._released.clear()
 
     def moves(self) -> tuple[tuple[BlockMove, ...], tuple[BlockMove, ...]]:
         """This Step's (offloads, onboards)."""

@@ -63,6 +63,9 @@ class ReplayResult:
     num_cow_copies: int = 0
     num_dropped: int = 0  # running sequences the replayed pool could not hold (grow, restore)
     num_refused_admissions: int = 0  # admissions refused (live too, where they were then)
+    host_hits_tokens: int = 0  # of hits_tokens, onboarded from the host tier
+    num_offloaded_blocks: int = 0
+    num_onboarded_blocks: int = 0
     seconds: float = 0.0
 
     @property
@@ -72,7 +75,11 @@ class ReplayResult:
 
 class _ReplayedPool:
     def __init__(
-        self, record: RegisterRecord, policy: EvictionPolicyName | None, num_blocks: int | None
+        self,
+        record: RegisterRecord,
+        policy: EvictionPolicyName | None,
+        num_blocks: int | None,
+        host_blocks: int | None = None,
     ) -> None:
         self.manager = KVBlockManager(
             num_blocks or record.num_blocks,
@@ -81,6 +88,7 @@ class _ReplayedPool:
             eviction_policy=policy or record.eviction_policy,
             groups=record.groups,
             retention_steps=record.retention_steps,
+            host_blocks=record.host_blocks if host_blocks is None else host_blocks,
         )
         self.num_dropped = 0
         self.num_refused_admissions = 0
@@ -157,8 +165,10 @@ def replay(
     *,
     policy: EvictionPolicyName | None = None,
     num_blocks: int | None = None,
+    host_blocks: int | None = None,
 ) -> ReplayResult:
-    """Run ``records`` through fresh pools (see the module docstring)."""
+    """Run ``records`` through fresh pools (see the module docstring); ``host_blocks``: each
+    pool's host tier instead of the recorded one (0: none)."""
     result = ReplayResult(policy.value if policy else "recorded", num_blocks)
     pools: dict[str, _ReplayedPool] = {}
     done: list[_ReplayedPool] = []
@@ -167,7 +177,7 @@ def replay(
         if isinstance(record, RegisterRecord):
             if record.pool_id in pools:
                 done.append(pools[record.pool_id])
-            pools[record.pool_id] = _ReplayedPool(record, policy, num_blocks)
+            pools[record.pool_id] = _ReplayedPool(record, policy, num_blocks, host_blocks)
             continue
         pool = pools.get(record.pool_id)
         if pool is None:
@@ -190,6 +200,10 @@ def replay(
         result.num_cow_copies += m.num_cow_copies
         result.num_dropped += pool.num_dropped
         result.num_refused_admissions += pool.num_refused_admissions
+        result.host_hits_tokens += m.host_hits_tokens
+        if m.pool.host is not None:
+            result.num_offloaded_blocks += m.pool.host.num_offloaded
+            result.num_onboarded_blocks += m.pool.host.num_onboarded
     result.seconds = time.perf_counter() - start
     return result
 
@@ -213,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="each pool's num_blocks (the null block included) instead of the recorded one",
     )
+    p.add_argument(
+        "--host-blocks",
+        type=int,
+        default=None,
+        help="each pool's host tier in blocks instead of the recorded one (0: none)",
+    )
     args = p.parse_args(argv)
     try:
         names = [x.strip() for x in args.policy.split(",") if x.strip()]
@@ -221,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     if args.device_blocks is not None and args.device_blocks < 2:
         p.error("--device-blocks must be >= 2")
+    if args.host_blocks is not None and args.host_blocks < 0:
+        p.error("--host-blocks must be >= 0")
     try:
         records = list(read_trace(args.trace))
     except (OSError, ValueError) as exc:
@@ -230,15 +252,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"trace {args.trace}: {len(records)} records, {num_ops} operations\n")
     print(
         "| policy | device blocks | prompt tokens looked up | hit tokens | hit ratio | "
-        "evicted blocks | copy-on-write | admissions refused | dropped sequences | replay s |"
+        "host hit tokens | offloaded / onboarded | evicted blocks | copy-on-write | "
+        "admissions refused | dropped sequences | replay s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for policy in policies:
-        r = replay(records, policy=policy, num_blocks=args.device_blocks)
+        r = replay(
+            records, policy=policy, num_blocks=args.device_blocks, host_blocks=args.host_blocks
+        )
         blocks = "recorded" if r.num_blocks is None else str(r.num_blocks)
         print(
             f"| {r.policy} | {blocks} | {r.queries_tokens:,} | {r.hits_tokens:,} | "
-            f"{r.hit_ratio:.1%} | {r.num_evicted_blocks:,} | {r.num_cow_copies:,} | "
+            f"{r.hit_ratio:.1%} | {r.host_hits_tokens:,} | "
+            f"{r.num_offloaded_blocks:,} / {r.num_onboarded_blocks:,} | "
+            f"{r.num_evicted_blocks:,} | {r.num_cow_copies:,} | "
             f"{r.num_refused_admissions:,} | {r.num_dropped:,} | {r.seconds:.2f} |"
         )
     return 0

@@ -61,6 +61,7 @@ class RegisterRecord:
     eviction_policy: EvictionPolicyName
     groups: tuple[KVCacheGroup, ...]
     retention_steps: int = DEFAULT_RETENTION_STEPS
+    host_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,7 @@ class TraceWriter:
         eviction_policy: EvictionPolicyName,
         groups: Sequence[KVCacheGroup],
         retention_steps: int = DEFAULT_RETENTION_STEPS,
+        host_blocks: int = 0,
     ) -> None:
         self._write(
             {
@@ -162,6 +164,7 @@ class TraceWriter:
                 "policy": eviction_policy.value,
                 "groups": [[g.kind.value, g.sliding_window, list(g.layers)] for g in groups],
                 "retention_steps": retention_steps,
+                "host_blocks": host_blocks,
             }
         )
 
@@ -216,6 +219,7 @@ def _record(d: dict[str, Any]) -> TraceRecord:
             EvictionPolicyName.parse(d["policy"]),
             groups,
             int(d.get("retention_steps", DEFAULT_RETENTION_STEPS)),
+            int(d.get("host_blocks", 0)),
         )
     if kind == "restore":
         seqs = tuple(RestoredSequence(s[0], s[1], tuple(s[2]), _unb64(s[3])) for s in d["seqs"])

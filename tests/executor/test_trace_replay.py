@@ -86,6 +86,10 @@ def test_a_recorded_trace_replays_to_the_live_runs_hits_and_evictions(
     # Room for everything: nothing refused, dropped or evicted. (Not more hits for sure: the
     # live run's retried admissions, which hit what others committed meanwhile, went through
     # at their first attempt here.)
+    # The same device pool with a host tier: what is evicted goes down to it.
+    tiered = replay(records, host_blocks=64)
+    assert tiered.num_offloaded_blocks == live.num_evicted_blocks
+    assert tiered.hits_tokens >= again.hits_tokens
     bigger = replay(records, policy=EvictionPolicyName.ARC, num_blocks=200)
     assert (bigger.num_refused_admissions, bigger.num_dropped, bigger.num_evicted_blocks) == (
         0,
