@@ -5,7 +5,8 @@ a hash are always reused first by the pool: they carry nothing worth keeping.
 
 Contract: ``push`` when a cached block's refcount drops to 0, ``remove`` when a prefix hit takes
 it back, ``pop`` to choose a victim, ``touch`` when an in-use block is hit (for policies that
-count use), ``forget`` when a block's hash is dropped (it was evicted, or a restore took it),
+count use), ``discard`` to take a block out without counting a hit (a demotion, a restore),
+``forget`` when a block's hash is dropped (it was evicted, or a restore took it),
 ``missed`` when a lookup found no block for a key (for policies with ghosts:
 :mod:`services.blockmgr.eviction_adaptive`). Every method is O(1) amortised or O(log n).
 
@@ -33,6 +34,7 @@ class EvictionPolicy(Protocol):
 
     def push(self, block_id: int) -> None: ...
     def remove(self, block_id: int) -> None: ...
+    def discard(self, block_id: int) -> None: ...
     def pop(self) -> int: ...
     def touch(self, block_id: int) -> None: ...
     def forget(self, block_id: int, key: bytes) -> None: ...
@@ -56,6 +58,9 @@ class LRUPolicy:
         self._queue[block_id] = None
 
     def remove(self, block_id: int) -> None:
+        del self._queue[block_id]
+
+    def discard(self, block_id: int) -> None:
         del self._queue[block_id]
 
     def pop(self) -> int:
@@ -105,8 +110,11 @@ class LFUPolicy:
         heapq.heappush(self._heap, entry)
 
     def remove(self, block_id: int) -> None:
-        del self._entry[block_id]  # lazily deleted from the heap...
+        self.discard(block_id)
         self._hits[block_id] = self._hits.get(block_id, 0) + 1
+
+    def discard(self, block_id: int) -> None:
+        del self._entry[block_id]  # lazily deleted from the heap...
         if len(self._heap) > 2 * len(self._entry) + 64:  # ...which is rebuilt before the
             self._heap = list(self._entry.values())  # stale entries outnumber live ones
             heapq.heapify(self._heap)

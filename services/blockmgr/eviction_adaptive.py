@@ -74,9 +74,12 @@ class ARCPolicy:
         (self._t2 if self._hits.get(block_id, 0) else self._t1)[block_id] = None
 
     def remove(self, block_id: int) -> None:
+        self.discard(block_id)
+        self._hits[block_id] = self._hits.get(block_id, 0) + 1
+
+    def discard(self, block_id: int) -> None:
         if self._t1.pop(block_id, 0) is not None:
             self._t2.pop(block_id, None)
-        self._hits[block_id] = self._hits.get(block_id, 0) + 1
 
     def pop(self) -> int:
         t1, t2 = self._t1, self._t2
@@ -126,9 +129,12 @@ class S3FIFOPolicy:
         (self._main if ghost or self._uses.get(block_id) else self._small)[block_id] = None
 
     def remove(self, block_id: int) -> None:
+        self.discard(block_id)
+        self.touch(block_id)
+
+    def discard(self, block_id: int) -> None:
         if self._small.pop(block_id, 0) is not None:
             self._main.pop(block_id, None)
-        self.touch(block_id)
 
     def pop(self) -> int:
         small, main, uses = self._small, self._main, self._uses

@@ -41,6 +41,8 @@ class HostTier:
         self._lru: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recent first
         self._pinned: set[int] = set()
         self._released: list[int] = []  # onboarded this Step: free from the next one
+        self._onboarded: dict[int, int] = {}  # device block -> the slot it is filled from
+        self._written: dict[int, int] = {}  # slot -> its offload of this Step (index)
         self.events: list[PendingEvent] = []  # KV events of the tier (medium: host)
         self.offloads: list[BlockMove] = []
         self.onboards: list[BlockMove] = []
@@ -58,14 +60,25 @@ class HostTier:
         if slot is not None:
             self._lru.move_to_end(slot)
             return
+        slot = self._onboarded.pop(block_id, None)
+        if slot is not None:
+            # Filled from ``slot`` in this very Step (the onboard runs after the offloads):
+            # its content is still the slot's, which simply stays in the tier.
+            self._released.remove(slot)
+            self._keep(slot, key)
+            return
         slot = self._take_slot()
         if slot is None:
             return
+        self._keep(slot, key)
+        self._written[slot] = len(self.offloads)
+        self.offloads.append(BlockMove(block_id, slot))
+        self.num_offloaded += 1
+
+    def _keep(self, slot: int, key: bytes) -> None:
         self.slot_of[key] = slot
         self.key_of[slot] = key
         self._lru[slot] = None
-        self.offloads.append(BlockMove(block_id, slot))
-        self.num_offloaded += 1
         self.events.append((KVEventKind.STORED, key))
 
     def onboard(self, slot: int, block_id: int) -> None:
@@ -80,6 +93,7 @@ class HostTier:
             self.events.append((KVEventKind.REMOVED, key))
         del self._lru[slot]
         self._released.append(slot)
+        self._onboarded[block_id] = slot
         self.onboards.append(BlockMove(block_id, slot))
         self.num_onboarded += 1
 
@@ -93,10 +107,15 @@ class HostTier:
         self._pinned.clear()
         self._free.extend(self._released)
         self._released.clear()
+        self._onboarded.clear()
+        self._written.clear()
 
     def moves(self) -> tuple[tuple[BlockMove, ...], tuple[BlockMove, ...]]:
-        """This Step's (offloads, onboards)."""
-        return tuple(self.offloads), tuple(self.onboards)
+        """This Step's (offloads, onboards): an offload into a slot that a later one of the
+        Step took again is left out (nothing reads it)."""
+        live = set(self._written.values())
+        offloads = tuple(m for i, m in enumerate(self.offloads) if i in live)
+        return offloads, tuple(self.onboards)
 
     def _take_slot(self) -> int | None:
         if self._free:
@@ -112,6 +131,7 @@ class HostTier:
             del self.slot_of[key]
             self.events.append((KVEventKind.REMOVED, key))
         self.num_evicted += 1
+        self._written.pop(slot, None)  # written earlier in this Step: that offload is void
         return slot
 
     def occupied(self) -> int:

@@ -245,6 +245,7 @@ class KVBlockManager:
             block_id = pool.allocate()
             host.onboard(slot, block_id)
             pool.store(block_id, block_hash)
+            pool.note_hit(block_id)  # a prefix hit, from the tier
             if priority:
                 pool.retain(block_id, priority)
             blocks.append(block_id)
@@ -344,6 +345,10 @@ class KVBlockManager:
             if seq_id in self.seqs:
                 freed += self._release(seq_id)
         return FreeResult(freed)
+
+    def release(self, seq_ids: Sequence[int]) -> int:
+        """Free live sequences outside a Step (offline replay); returns the blocks freed."""
+        return sum(self._release(s) for s in seq_ids if s in self.seqs)
 
     def _release(self, seq_id: int) -> int:
         """Group by group: a full group frees its table tail first, so a chain's tail is

@@ -111,7 +111,7 @@ class BlockPool:
 
     def tick(self) -> None:
         """One Step of the pool went by (retention priorities expire in Steps)."""
-        self._policy.step += 1
+        self._policy.tick()
 
     @property
     def num_demoted(self) -> int:
@@ -154,8 +154,9 @@ class BlockPool:
         their refcounts are left at 0 for the caller to set."""
         for block_id in block_ids:
             if block_id in self._policy:
-                self._policy.remove(block_id)
+                self._policy.discard(block_id)
                 self._drop_hash(block_id)
+            self._policy.clear(block_id)  # no retention priority carries over
         self._uncached = deque(b for b in self._uncached if b not in block_ids)
 
     def _drop_hash(self, block_id: int) -> None:

@@ -81,6 +81,7 @@ class _ReplayedPool:
         num_blocks: int | None,
         host_blocks: int | None = None,
     ) -> None:
+        tier_ok = len(record.groups) == 1 and not record.groups[0].sliding_window
         self.manager = KVBlockManager(
             num_blocks or record.num_blocks,
             record.block_size,
@@ -88,7 +89,8 @@ class _ReplayedPool:
             eviction_policy=policy or record.eviction_policy,
             groups=record.groups,
             retention_steps=record.retention_steps,
-            host_blocks=record.host_blocks if host_blocks is None else host_blocks,
+            # (an override of the tier applies to the pools that can have one)
+            host_blocks=host_blocks if host_blocks is not None and tier_ok else record.host_blocks,
         )
         self.num_dropped = 0
         self.num_refused_admissions = 0
@@ -97,9 +99,7 @@ class _ReplayedPool:
         """Apply the recorded ``ops`` that still make sense here; returns how many."""
         m = self.manager
         kept = self._kept(ops)
-        if not kept:
-            return 0
-        results = m.step(kept)
+        results = m.step(kept)  # (empty too: a Step is also the pool's clock)
         self._drop_refused(kept, results)
         return len(kept)
 
@@ -156,7 +156,7 @@ class _ReplayedPool:
                     if status is OpStatus.RESOURCE_EXHAUSTED and s in m.seqs
                 )
                 if refused:
-                    m.step([Free(refused)])
+                    m.release(refused)  # (not a Step of the pool: no tick)
                     self.num_dropped += len(refused)
 
 

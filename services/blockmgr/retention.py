@@ -67,8 +67,16 @@ class RetentionLevels:
         self.levels[self.priority.get(block_id, 0)].remove(block_id)
         self._freed_at.pop(block_id, None)
 
-    def pop(self) -> int:
+    def discard(self, block_id: int) -> None:
+        self.levels[self.priority.get(block_id, 0)].discard(block_id)
+        self._freed_at.pop(block_id, None)
+
+    def tick(self) -> None:
+        """One Step of the pool went by: priorities past their bound expire now."""
+        self.step += 1
         self._demote_expired()
+
+    def pop(self) -> int:
         for level in self.levels:
             if len(level):
                 block_id = level.pop()
@@ -80,7 +88,11 @@ class RetentionLevels:
         self.levels[self.priority.get(block_id, 0)].touch(block_id)
 
     def forget(self, block_id: int, key: bytes) -> None:
-        self.levels[self.priority.pop(block_id, 0)].forget(block_id, key)
+        # Every level: the block may have been hit at one priority and freed at another; only
+        # the level that popped it keeps a ghost of ``key``.
+        self.priority.pop(block_id, None)
+        for level in self.levels:
+            level.forget(block_id, key)
 
     def missed(self, key: bytes) -> None:
         for level in self.levels:
@@ -100,6 +112,6 @@ class RetentionLevels:
                 continue  # taken back (a hit) or evicted since: a stale entry
             del self._freed_at[block_id]
             level = self.priority.pop(block_id)
-            self.levels[level].remove(block_id)
+            self.levels[level].discard(block_id)
             self.levels[0].push(block_id)
             self.num_demoted += 1

@@ -1,8 +1,9 @@
 """Workload traces of a block manager: what its pools were asked, in order, to replay offline.
 
 ``pagedserve blockmgr --record-trace FILE`` appends one JSON line per call that changed a pool
-(a Register, an accepted Step, a Restore, an Unregister or a lease expiry); a Step refused as a
-whole changed nothing and is not written. Hashes are base64. A line::
+(a Register, an accepted Step, empty ones included since a Step is also the pool's clock, a
+Restore, an Unregister or a lease expiry); a Step refused as a whole changed nothing and is not
+written. Lines are written whole (line-buffered). Hashes are base64. A line::
 
     {"t": "register", "pool": "p", "num_blocks": 257, "block_size": 16, "prefix": true,
      "policy": "lru", "groups": [["sliding", 64, [0, 1]], ["full", 0, [2]]],
@@ -133,7 +134,7 @@ class TraceWriter:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._file: IO[str] = self.path.open("a", encoding="utf-8")
+        self._file: IO[str] = self.path.open("a", encoding="utf-8", buffering=1)
         self._lock = threading.Lock()
         self.num_records = 0
 
@@ -169,8 +170,7 @@ class TraceWriter:
         )
 
     def step(self, pool_id: str, ops: Sequence[Operation]) -> None:
-        if ops:
-            self._write({"t": "step", "pool": pool_id, "ops": [_op_json(op) for op in ops]})
+        self._write({"t": "step", "pool": pool_id, "ops": [_op_json(op) for op in ops]})
 
     def restore(self, pool_id: str, sequences: Sequence[RestoredSequence]) -> None:
         seqs = [

@@ -121,3 +121,20 @@ def test_a_retention_priority_beyond_the_bound_is_invalid_argument_naming_the_fi
     with pytest.raises(BlockManagerError, match=r"ops\[0\].admit.retention_priority"):
         m.step([Admit(1, 8, 8, (), 0, 4)])
     assert not m.seqs
+
+
+@pytest.mark.parametrize("policy", ["lfu", "arc", "s3fifo"])
+def test_a_demoted_block_is_not_taken_for_a_hit_block(policy):
+    """Demotion moves a retained block to level 0 without counting a hit: it is evicted before
+    a newer block that was never hit either."""
+    m = KVBlockManager(4, BS, eviction_policy=policy, retention_steps=2)  # 3 usable
+    retained, newer = list(range(100, 104)), list(range(200, 204))
+    h_ret = hashes(retained, BS)
+    m.step([Admit(1, 5, 5, hashes([*retained, 9], BS), 0, 3)])
+    m.step([Commit(1, 0, h_ret), Free((1,))])
+    m.step([])
+    m.step([])  # the retention ran out
+    _turn(m, 2, [*newer, 9])
+    m.step([Admit(3, 8, 8, ())])  # 2 blocks: the uncached one, then one eviction
+    assert m.pool.lookup(h_ret[0]) is None
+    assert m.pool.lookup(hashes(newer, BS)[0]) is not None

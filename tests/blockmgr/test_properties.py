@@ -269,8 +269,10 @@ class HostTierPoolMachine(PoolMachine):
         for key, slot in host.slot_of.items():
             assert host.key_of[slot] == key
         assert host.occupied() <= host.num_slots
-        _, onboards = host.moves()
+        offloads, onboards = host.moves()
         assert len({m.host_slot for m in onboards}) == len(onboards)
+        assert len({m.host_slot for m in offloads}) == len(offloads)
+        assert not {m.device_block for m in offloads} & {m.device_block for m in onboards}
         for m in onboards:  # filled from the tier, matchable on the device at once
             assert self.m.pool.block_hash[m.device_block] is not None
 

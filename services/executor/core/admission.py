@@ -73,7 +73,7 @@ def plan_admissions(
             if not cfg.enable_prefix_caching or speculative:
                 break
             speculative = True
-        priority = seq.params.kv_retention_priority
+        priority = min(seq.params.kv_retention_priority, cfg.max_retention_priority)
         admits.append((seq, Admit(seq.seq_id, total, k_max, hashes, reserve, priority)))
         computing.update(hashes)
         free -= min(upper, free)
@@ -124,7 +124,7 @@ def _admit_group(
             share or seq.num_tokens,
             hashes,
             res,
-            seq.params.kv_retention_priority,
+            min(seq.params.kv_retention_priority, cfg.max_retention_priority),
         )
         plan.admits.append((seq, admit))
     return uppers, sum(firsts)

@@ -31,6 +31,9 @@ class SchedulerConfig:
     # True where it slides over ``sliding_window``; empty: one group, sliding iff the window
     # is set.
     kv_group_slides: tuple[bool, ...] = ()
+    # The highest retention priority the block manager serves (its Info): a request's
+    # kv_retention_priority is capped to it (0: priorities are not sent).
+    max_retention_priority: int = 3
 
     @property
     def group_slides(self) -> tuple[bool, ...]:

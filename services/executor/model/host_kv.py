@@ -3,9 +3,11 @@ K and V in one contiguous region (the copies run in whole blocks across all laye
 pinned memory on CUDA, plain memory on the CPU.
 
 The block manager decides every move; :meth:`HostKVCache.move` performs a Step's, offloads
-(device to host) first, then onboards (host to device). On CUDA both are issued on the
-current stream, so they are ordered before the forward that reads the onboarded blocks and
-the Step's later moves, and the device never waits for the host.
+(device to host) first, then onboards (host to device). Each is one gather or scatter of whole
+blocks. Both are synchronous for now: an offload's bytes are in the slots, and an onboard's in
+the cache, when it returns, so no later write (a copy-on-write, the forward, the next Step's
+offload into the same slot) can overtake them. Overlapping them with the forward on their own
+CUDA streams, with events guarding the slots, is the next step (not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ class HostKVCache:
             blocks, slots = _ids(offloads)
             # [S, 2, n, BS, Hkv, D] -> [n, S, 2, BS, Hkv, D]: one region per block
             data = kv_cache[:, :, blocks.to(device)].permute(2, 0, 1, 3, 4, 5)
-            self.slots[slots] = data.to("cpu", non_blocking=device.type == "cuda")
+            self.slots[slots] = data.to("cpu")  # blocking: the bytes are there on return
         if onboards:
             blocks, slots = _ids(onboards)
-            data = self.slots[slots].to(device, non_blocking=True)
+            data = self.slots[slots].to(device)
             kv_cache[:, :, blocks.to(device)] = data.permute(1, 2, 0, 3, 4, 5)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
 
 
 def _ids(pairs: Sequence[tuple[int, int]]) -> tuple[Tensor, Tensor]:

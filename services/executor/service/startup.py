@@ -17,6 +17,7 @@ from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessCl
 from services.blockmgr.errors import BlockManagerError
 from services.blockmgr.types import AttentionKindName, KVCacheGroup
 from services.common.blocks import usable_blocks
+from services.common.limits import MAX_KV_RETENTION_PRIORITY
 from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
 from services.executor.core.config import EngineSettings
 from services.executor.core.engine import Engine
@@ -130,17 +131,17 @@ def _build_engine(
         host_blocks=runner.host.num_slots if runner.host is not None else 0,
     )
     client = blockmgr or connect_blockmgr(config)
-    if len(groups) > 1:
-        try:
-            max_groups = client.info().max_kv_cache_groups
-        except BlockManagerError:  # not reachable yet: the link waits, the registration checks
-            max_groups = len(groups)
-        if max_groups < len(groups):
-            raise ModelLoadError(
-                f"this model's KV cache is {len(groups)} KV-cache groups (sliding-window and "
-                f"full-attention layers) and the block manager serves {max_groups} per pool: run "
-                "one that serves hybrid pools, or pass --disable-hybrid-kv-cache-manager"
-            )
+    try:
+        offered = client.info()
+        max_groups, max_retention = offered.max_kv_cache_groups, offered.max_retention_priority
+    except BlockManagerError:  # not reachable yet: the link waits, the registration checks
+        max_groups, max_retention = len(groups), MAX_KV_RETENTION_PRIORITY
+    if len(groups) > 1 and max_groups < len(groups):
+        raise ModelLoadError(
+            f"this model's KV cache is {len(groups)} KV-cache groups (sliding-window and "
+            f"full-attention layers) and the block manager serves {max_groups} per pool: run "
+            "one that serves hybrid pools, or pass --disable-hybrid-kv-cache-manager"
+        )
     link = BlockManagerLink(client, pool, on_health=on_health)
     if pool.host_blocks and link.pool.host_blocks != pool.host_blocks:
         log.warning(
@@ -167,6 +168,7 @@ def _build_engine(
             watermark_blocks=max(1, int(config.watermark * usable)) if config.watermark else 0,
             sliding_window=window,
             kv_group_slides=layout.group_slides if len(groups) > 1 else (),
+            max_retention_priority=max_retention,
         ),
         seed=config.seed,
         async_scheduling=config.async_scheduling,

@@ -128,3 +128,26 @@ def test_host_slots_are_reused_least_recently_used_first(client, pool_id):
     ]
     assert removed and removed[0] == hashes(list(range(0, 4)), BS)[0]  # the oldest offload
     assert client.stats(pool_id).num_host_cached_blocks == 2
+
+
+def test_a_block_onboarded_and_evicted_in_one_step_is_never_read_before_it_is_filled(
+    client, pool_id
+):
+    """[Admit (onboards K into D), Free, Admit (evicts D)] in one Step: the offloads run
+    before the onboards, so none may read D; K stays in its slot."""
+    epoch = _register(client, pool_id, 3, 4)  # 2 usable device blocks
+    _cache(client, pool_id, epoch, 1, PROMPT[:4])
+    _admit(client, pool_id, epoch, 2, list(range(700, 708)))  # evicts it: offloaded
+    client.step(pool_id, epoch, [Free((2,))])
+    ops = [
+        Admit(3, 5, 5, hashes([*PROMPT[:4], 1], BS)),  # onboards PROMPT[:4]
+        Free((3,)),
+        Admit(4, 8, 8, hashes(list(range(800, 808)), BS)),  # 2 blocks: evicts the onboarded
+    ]
+    r = client.step(pool_id, epoch, ops)
+    onboarded = {m.device_block for m in r.onboards}
+    assert onboarded and not onboarded & {m.device_block for m in r.offloads}
+    assert len({m.host_slot for m in r.offloads}) == len(r.offloads)
+    client.step(pool_id, epoch, [Free((4,))])
+    again = _admit(client, pool_id, epoch, 5, [*PROMPT[:4], 1])
+    assert again.results[0].num_cached_tokens == 4 and len(again.onboards) == 1
