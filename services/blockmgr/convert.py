@@ -424,6 +424,8 @@ def stats_to_pb(s: PoolStats) -> pb.PoolStats:
         num_onboarded_blocks=s.num_onboarded_blocks,
         num_host_evicted_blocks=s.num_host_evicted_blocks,
         num_host_cached_blocks=s.num_host_cached_blocks,
+        eviction_age_steps=s.eviction_age_steps,
+        eviction_reuse=s.eviction_reuse,
     )
 
 
@@ -442,6 +444,8 @@ def stats_from_pb(s: pb.PoolStats) -> PoolStats:
         s.num_onboarded_blocks,
         s.num_host_evicted_blocks,
         s.num_host_cached_blocks,
+        s.eviction_age_steps,
+        s.eviction_reuse,
     )
 
 

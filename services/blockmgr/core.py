@@ -297,6 +297,8 @@ class BlockManagerCore:
                 num_onboarded_blocks=host.num_onboarded if host else 0,
                 num_host_evicted_blocks=host.num_evicted if host else 0,
                 num_host_cached_blocks=host.occupied() if host else 0,
+                eviction_age_steps=m.pool.eviction_age_steps,
+                eviction_reuse=m.pool.eviction_reuse,
             )
 
     def block_table(self, pool_id: str, seq_id: int) -> list[int]:

@@ -45,6 +45,12 @@ class BlockPool:
         # so the hash stays matchable while any copy of it lives.
         self._duplicates: dict[bytes, set[int]] = {}
         self._duplicate_of: dict[int, bytes] = {}
+        # Per block: the Step it was last freed at, and the prefix hits its content served;
+        # summed over evictions (the age of a block at eviction, its reuse).
+        self._freed_at = [0] * num_blocks
+        self._reuse = [0] * num_blocks
+        self.eviction_age_steps = 0
+        self.eviction_reuse = 0
         # The host tier, if any: blocks evicted here are offloaded there (host_tier.py).
         self.host = HostTier(host_blocks) if host_blocks else None
 
@@ -72,6 +78,9 @@ class BlockPool:
                 self._offload(block_id)
             self._drop_hash(block_id)
             self.num_evicted += 1
+            self.eviction_age_steps += self._policy.step - self._freed_at[block_id]
+            self.eviction_reuse += self._reuse[block_id]
+        self._reuse[block_id] = 0
         self._policy.clear(block_id)
         self.refcount[block_id] = 1
         return block_id
@@ -94,6 +103,7 @@ class BlockPool:
             self._uncached.append(block_id)
         else:
             self._policy.push(block_id)
+            self._freed_at[block_id] = self._policy.step
         return True
 
     def _offload(self, block_id: int) -> None:
@@ -127,6 +137,8 @@ class BlockPool:
         return block_id
 
     def note_hit(self, block_id: int) -> None:
+        """A prefix hit on the block (before its incref): counted for its reuse."""
+        self._reuse[block_id] += 1
         if self.refcount[block_id]:
             self._policy.touch(block_id)
 

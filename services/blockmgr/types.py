@@ -283,6 +283,10 @@ class PoolStats:
     num_onboarded_blocks: int = 0
     num_host_evicted_blocks: int = 0
     num_host_cached_blocks: int = 0
+    # Over the blocks evicted from the device: the Steps they had spent free, and the prefix
+    # hits their content served, summed (divide by num_evicted_blocks for the means).
+    eviction_age_steps: int = 0
+    eviction_reuse: int = 0
 
 
 # (kind, cache key: the block hash, and its group's byte after it in groups > 0): a plain

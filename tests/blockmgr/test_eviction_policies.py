@@ -138,3 +138,15 @@ def test_a_demoted_block_is_not_taken_for_a_hit_block(policy):
     m.step([Admit(3, 8, 8, ())])  # 2 blocks: the uncached one, then one eviction
     assert m.pool.lookup(h_ret[0]) is None
     assert m.pool.lookup(hashes(newer, BS)[0]) is not None
+
+
+def test_evictions_report_the_age_and_the_reuse_of_what_they_took():
+    m = KVBlockManager(3, BS)  # 2 usable
+    a = list(range(10, 18))
+    m.step([Admit(1, 8, 8, hashes(a, BS))])  # step 1
+    m.step([Commit(1, 0, hashes(a, BS)), Free((1,))])  # step 2: both blocks cached, freed
+    m.step([Admit(2, 5, 5, hashes([*a[:4], 9], BS))])  # 3: hits a0, evicts a1 (age 1)
+    m.step([Free((2,))])  # 4: a0 freed again
+    m.step([Admit(3, 8, 8, ())])  # 5: the uncached block, then a0 (age 1, reused once)
+    assert m.pool.num_evicted == 2
+    assert (m.pool.eviction_age_steps, m.pool.eviction_reuse) == (2, 1)
