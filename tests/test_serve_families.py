@@ -47,10 +47,11 @@ TENSOR_PARALLEL = {"qwen3_tp2": 2, "qwen3_moe_tp2": 2}
 # Phi-4-mini's LongRoPE: served within its original context (64), the short factors, as
 # transformers uses for these prompts.
 MAX_MODEL_LEN = {"phi4_mini": 64}
-# Gemma's hybrid KV cache (a sliding and a full group, a block of one layer each): 19 blocks
-# of half the size, so that one 88-token sequence fits (11 full + 6 sliding blocks) and the 4
-# prompts together do not.
-NUM_KV_BLOCKS = {"gemma2": 20, "gemma3": 20}
+# Hybrid KV caches (a sliding and a full group, a block of one layer each: Gemma's, and
+# Qwen2's with use_sliding_window, full below max_window_layers): 19 blocks of half the size,
+# so that one 88-token sequence fits (11 full + 6 sliding blocks) and the 4 prompts together
+# do not.
+NUM_KV_BLOCKS = {"gemma2": 20, "gemma3": 20, "qwen2": 20}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -100,7 +101,7 @@ def test_family_serves_transformers_greedy_tokens_through_the_stack(family) -> N
         assert any(r.get("event") == "tensor_parallel_started" for r in stack.lines), name
     if name in NUM_KV_BLOCKS:  # served from a hybrid pool: a sliding and a full group
         (groups,) = [r for r in stack.lines if r.get("event") == "kv_cache_groups"]
-        assert groups["kinds"] == ["sliding", "full"], groups
+        assert sorted(groups["kinds"]) == ["full", "sliding"], groups
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with grpc.insecure_channel(stack.address) as channel:
