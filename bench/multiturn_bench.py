@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from bench.multiturn import final_lengths, turn_plan
 from pagedserve.tools.tiny_model import write_tiny_model
 from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
@@ -103,11 +104,8 @@ def main() -> int:
     args = p.parse_args()
     rng = random.Random(args.seed)
     bs = args.block_size
-    plan = [
-        [(rng.randrange(100, 301), rng.randrange(50, 151)) for _ in range(args.turns)]
-        for _ in range(args.conversations)
-    ]
-    finals = [1 + sum(m + o for m, o in conv) for conv in plan]
+    plan = turn_plan(rng, args.conversations, args.turns)
+    finals = [1 + n for n in final_lengths(plan)]  # BOS included
     working_set = sum(-(-n // bs) for n in finals)
     device = max(int(working_set * args.device_share), 2 * (max(finals) // bs + 2))
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.multiturn import final_lengths, turn_plan
 from pagedserve.tools.tiny_model import write_tiny_model
 from services.blockmgr.client import InProcessClient
 from services.blockmgr.core import BlockManagerCore
@@ -50,12 +51,8 @@ def main() -> int:
     args = p.parse_args()
     rng = random.Random(args.seed)
     bs = args.block_size
-    # Every conversation's final history: the working set the cache is sized against.
-    plan = [
-        [(rng.randrange(100, 301), rng.randrange(50, 151)) for _ in range(args.turns)]
-        for _ in range(args.conversations)
-    ]
-    final_tokens = [sum(m + o for m, o in conv) for conv in plan]
+    plan = turn_plan(rng, args.conversations, args.turns)
+    final_tokens = final_lengths(plan)
     working_set = sum(-(-n // bs) for n in final_tokens)
     num_blocks = max(int(working_set * args.device_share), max(final_tokens) // bs + 2) + 1
     with tempfile.TemporaryDirectory() as tmp:

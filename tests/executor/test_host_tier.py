@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
@@ -16,6 +15,8 @@ from services.executor.model.errors import ModelLoadError
 from services.executor.model.launch import build_runner
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
+
+from .greedy import hf_greedy
 
 
 def _config(tiny_checkpoint, name: str = "llama", **kw) -> ExecutorConfig:
@@ -30,17 +31,6 @@ def _config(tiny_checkpoint, name: str = "llama", **kw) -> ExecutorConfig:
         kv_offloading_size=64 * 2**20 / 2**30,  # 64 MiB: every block ever evicted
         **kw,
     )
-
-
-@torch.inference_mode()
-def _hf(model, prompt: list[int], n: int) -> list[int]:
-    ids = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=n,
-        do_sample=False,
-    )
-    return ids[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -65,7 +55,7 @@ def test_a_conversation_evicted_to_the_host_tier_comes_back_on_its_next_turn(
             while engine.has_work:
                 for o in engine.step():
                     got.extend(o.token_ids)
-            assert got == _hf(hf_model("llama"), history, 4), (c, turn)
+            assert got == hf_greedy(hf_model("llama"), history, 4)[0], (c, turn)
             history.extend(got)
     stats = engine.link.client.stats(engine.link.spec.pool_id)
     assert stats.pool.host_blocks > 0 and stats.num_offloaded_blocks > 0
