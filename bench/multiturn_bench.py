@@ -23,6 +23,7 @@ Not a test.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -40,6 +41,7 @@ from pagedserve.tools.tiny_model import write_tiny_model
 from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
 from services.executor.core.sequence import RequestKey
+from services.executor.model.config import ModelConfig
 from services.executor.model.kv_cache import bytes_per_block
 from services.executor.model.launch import build_runner
 from services.executor.service.config import ExecutorConfig
@@ -128,8 +130,7 @@ def main() -> int:
             "max_num_seqs": 64,
             "cpu_threads": args.threads,
         }
-        probe = ExecutorConfig(**common, num_kv_blocks=device + 1)
-        mc = build_runner(probe.runner_config()).model.local_config
+        mc = ModelConfig.from_hf_config(json.loads((Path(model) / "config.json").read_text()))
         host_gib = args.host_factor * device * bytes_per_block(mc, bs, torch.float32) / 2**30
         configs = {
             "no tier": ExecutorConfig(**common, num_kv_blocks=device + 1),
