@@ -18,7 +18,7 @@ import grpc
 
 from pagedserve.v1 import blockmgr_pb2 as pb
 from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
-from services.blockmgr import convert
+from services.blockmgr import convert, convert_results
 from services.blockmgr.core import BlockManagerCore
 from services.blockmgr.errors import BlockManagerError, ErrorCode
 from services.blockmgr.types import (
@@ -245,7 +245,7 @@ class _GrpcStepCall:
 
     def result(self) -> StepResult:
         try:
-            return convert.step_from_pb(self._future.result())
+            return convert_results.step_from_pb(self._future.result())
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -329,7 +329,7 @@ class GrpcClient:
 
     def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult:
         request = self._step_request(pool_id, epoch, ops)
-        return convert.step_from_pb(self._call(self._stub.Step, request))
+        return convert_results.step_from_pb(self._call(self._stub.Step, request))
 
     def step_async(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepCall:
         """The request is serialized here; the round trip runs in gRPC's own threads, without

@@ -6,37 +6,32 @@ from collections.abc import Sequence
 from typing import cast
 
 from pagedserve.v1 import blockmgr_pb2 as pb
+from services.blockmgr.convert_results import (  # re-exported: one module to import
+    counters_from_pb,
+    counters_to_pb,
+)
 from services.blockmgr.errors import BlockManagerError, ErrorCode
 from services.blockmgr.types import (
     FULL_GROUP,
     Admit,
-    AdmitResult,
     AttentionKindName,
-    BlockCopy,
-    BlockMove,
     Commit,
-    CommitResult,
     EvictionPolicyName,
     Fork,
-    ForkResult,
     Free,
-    FreeResult,
     Grow,
-    GrowResult,
     KVCacheGroup,
     KVEvent,
     KVEventKind,
     KVMedium,
     Operation,
-    OpResult,
-    OpStatus,
-    PoolCounters,
     PoolInfo,
     PoolStats,
     RestoredSequence,
     RestoreResult,
     ServiceInfo,
-    StepResult,
+    SwapIn,
+    SwapOut,
 )
 
 POLICY_TO_PB: dict[EvictionPolicyName, pb.EvictionPolicy] = {
@@ -109,16 +104,6 @@ def groups_from_pb(
     return tuple(out)
 
 
-# The domain enums (IntEnum) carry the proto's values (checked in tests/test_protos.py):
-# handing them over needs no mapping, only a type.
-def _pb_status(status: OpStatus) -> pb.OpStatus:
-    return cast(pb.OpStatus, status)
-
-
-def _pb_statuses(statuses: Sequence[OpStatus]) -> Sequence[pb.OpStatus]:
-    return cast(Sequence[pb.OpStatus], statuses)
-
-
 # ---- requests ----------------------------------------------------------------------------
 
 
@@ -156,6 +141,10 @@ def ops_to_pb(ops: Sequence[Operation]) -> list[pb.Operation]:
                     fork=pb.ForkOp(parent_seq_id=op.parent_seq_id, child_seq_id=op.child_seq_id)
                 )
             )
+        elif isinstance(op, SwapOut):
+            out.append(pb.Operation(swap_out=pb.SwapOutOp(seq_ids=op.seq_ids)))
+        elif isinstance(op, SwapIn):
+            out.append(pb.Operation(swap_in=pb.SwapInOp(seq_ids=op.seq_ids)))
         else:
             raise TypeError(f"not a block manager operation: {op!r}")
     return out
@@ -187,6 +176,10 @@ def ops_from_pb(ops: Sequence[pb.Operation]) -> list[Operation]:
             )
         elif kind == "fork":
             out.append(Fork(op.fork.parent_seq_id, op.fork.child_seq_id))
+        elif kind == "swap_out":
+            out.append(SwapOut(tuple(op.swap_out.seq_ids)))
+        elif kind == "swap_in":
+            out.append(SwapIn(tuple(op.swap_in.seq_ids)))
         else:
             raise BlockManagerError(ErrorCode.INVALID_ARGUMENT, f"ops[{i}]: no operation set")
     return out
@@ -199,6 +192,7 @@ def restored_to_pb(seqs: Sequence[RestoredSequence]) -> list[pb.RestoredSequence
             num_tokens=s.num_tokens,
             block_ids=s.block_ids,
             block_hashes=s.block_hashes,
+            host_slots=s.host_slots,
         )
         for s in seqs
     ]
@@ -206,142 +200,15 @@ def restored_to_pb(seqs: Sequence[RestoredSequence]) -> list[pb.RestoredSequence
 
 def restored_from_pb(seqs: Sequence[pb.RestoredSequence]) -> list[RestoredSequence]:
     return [
-        RestoredSequence(s.seq_id, s.num_tokens, tuple(s.block_ids), tuple(s.block_hashes))
+        RestoredSequence(
+            s.seq_id,
+            s.num_tokens,
+            tuple(s.block_ids),
+            tuple(s.block_hashes),
+            tuple(s.host_slots),
+        )
         for s in seqs
     ]
-
-
-# ---- results -----------------------------------------------------------------------------
-
-
-def counters_to_pb(c: PoolCounters) -> pb.PoolCounters:
-    return pb.PoolCounters(
-        num_usable_blocks=c.num_usable_blocks,
-        num_free_blocks=c.num_free_blocks,
-        num_cached_free_blocks=c.num_cached_free_blocks,
-        num_in_use_blocks=c.num_in_use_blocks,
-        num_sequences=c.num_sequences,
-    )
-
-
-def counters_from_pb(c: pb.PoolCounters) -> PoolCounters:
-    return PoolCounters(
-        c.num_usable_blocks,
-        c.num_free_blocks,
-        c.num_cached_free_blocks,
-        c.num_in_use_blocks,
-        c.num_sequences,
-    )
-
-
-def result_to_pb(r: OpResult) -> pb.OpResult:
-    if isinstance(r, GrowResult):
-        return pb.OpResult(
-            grow=pb.GrowResult(
-                statuses=_pb_statuses(r.statuses),
-                num_new_blocks=[len(ids) for ids in r.new_block_ids],
-                new_block_ids=[b for ids in r.new_block_ids for b in ids],
-                copies=[
-                    pb.BlockCopy(
-                        entry_index=c.entry,
-                        block_index=c.block_index,
-                        src_block_id=c.src,
-                        dst_block_id=c.dst,
-                        group=c.group,
-                    )
-                    for c in r.copies
-                ],
-                first_live_blocks=r.first_live_blocks,
-            )
-        )
-    if isinstance(r, FreeResult):
-        return pb.OpResult(free=pb.FreeResult(num_freed_blocks=r.num_freed_blocks))
-    if isinstance(r, CommitResult):
-        return pb.OpResult(
-            commit=pb.CommitResult(
-                status=_pb_status(r.status), num_stored_blocks=r.num_stored_blocks
-            )
-        )
-    if isinstance(r, AdmitResult):
-        return pb.OpResult(
-            admit=pb.AdmitResult(
-                status=_pb_status(r.status),
-                block_ids=r.block_ids,
-                num_cached_tokens=r.num_cached_tokens,
-                num_tokens=r.num_tokens,
-            )
-        )
-    return pb.OpResult(
-        fork=pb.ForkResult(status=_pb_status(r.status), num_shared_blocks=r.num_shared_blocks)
-    )
-
-
-_STATUSES = (None, OpStatus.OK, OpStatus.RESOURCE_EXHAUSTED, OpStatus.SKIPPED)
-_NO_BLOCKS: tuple[int, ...] = ()
-
-
-def _status(value: int) -> OpStatus:
-    if 0 < value < len(_STATUSES):
-        return _STATUSES[value]  # type: ignore[return-value]
-    raise ValueError(f"unknown OpStatus {value}")
-
-
-def result_from_pb(r: pb.OpResult) -> OpResult:
-    kind = r.WhichOneof("result")
-    if kind == "grow":
-        g = r.grow
-        ids = list(g.new_block_ids)
-        new_ids: list[tuple[int, ...]] = []
-        pos = 0
-        for n in g.num_new_blocks:  # mostly 0 in decode: share one empty tuple
-            if n:
-                new_ids.append(tuple(ids[pos : pos + n]))
-                pos += n
-            else:
-                new_ids.append(_NO_BLOCKS)
-        return GrowResult(
-            tuple(map(_status, g.statuses)),
-            tuple(new_ids),
-            tuple(
-                BlockCopy(c.entry_index, c.block_index, c.src_block_id, c.dst_block_id, c.group)
-                for c in g.copies
-            ),
-            tuple(g.first_live_blocks),
-        )
-    if kind == "free":
-        return FreeResult(r.free.num_freed_blocks)
-    if kind == "commit":
-        return CommitResult(_status(r.commit.status), r.commit.num_stored_blocks)
-    if kind == "admit":
-        a = r.admit
-        return AdmitResult(_status(a.status), tuple(a.block_ids), a.num_cached_tokens, a.num_tokens)
-    if kind == "fork":
-        return ForkResult(_status(r.fork.status), r.fork.num_shared_blocks)
-    raise ValueError(f"operation result with no kind: {r!r}")
-
-
-def step_to_pb(result: StepResult) -> pb.StepResponse:
-    return pb.StepResponse(
-        results=[result_to_pb(r) for r in result.results],
-        counters=counters_to_pb(result.counters),
-        offloads=[
-            pb.BlockMove(device_block=m.device_block, host_slot=m.host_slot)
-            for m in result.offloads
-        ],
-        onboards=[
-            pb.BlockMove(device_block=m.device_block, host_slot=m.host_slot)
-            for m in result.onboards
-        ],
-    )
-
-
-def step_from_pb(resp: pb.StepResponse) -> StepResult:
-    return StepResult(
-        tuple(result_from_pb(r) for r in resp.results),
-        counters_from_pb(resp.counters),
-        tuple(BlockMove(m.device_block, m.host_slot) for m in resp.offloads),
-        tuple(BlockMove(m.device_block, m.host_slot) for m in resp.onboards),
-    )
 
 
 def restore_to_pb(r: RestoreResult) -> pb.RestoreResponse:
@@ -426,6 +293,9 @@ def stats_to_pb(s: PoolStats) -> pb.PoolStats:
         num_host_cached_blocks=s.num_host_cached_blocks,
         eviction_age_steps=s.eviction_age_steps,
         eviction_reuse=s.eviction_reuse,
+        num_swapped_out_blocks=s.num_swapped_out_blocks,
+        num_swapped_in_blocks=s.num_swapped_in_blocks,
+        num_swapped_sequences=s.num_swapped_sequences,
     )
 
 
@@ -446,6 +316,9 @@ def stats_from_pb(s: pb.PoolStats) -> PoolStats:
         s.num_host_cached_blocks,
         s.eviction_age_steps,
         s.eviction_reuse,
+        s.num_swapped_out_blocks,
+        s.num_swapped_in_blocks,
+        s.num_swapped_sequences,
     )
 
 

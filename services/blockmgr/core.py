@@ -299,6 +299,9 @@ class BlockManagerCore:
                 num_host_cached_blocks=host.occupied() if host else 0,
                 eviction_age_steps=m.pool.eviction_age_steps,
                 eviction_reuse=m.pool.eviction_reuse,
+                num_swapped_out_blocks=host.num_swapped_out if host else 0,
+                num_swapped_in_blocks=host.num_swapped_in if host else 0,
+                num_swapped_sequences=len(m.swapped),
             )
 
     def block_table(self, pool_id: str, seq_id: int) -> list[int]:

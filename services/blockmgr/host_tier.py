@@ -21,6 +21,11 @@ Step ends (no offload of the same Step overwrites it). A Step's moves are done b
 Step is applied (the executor runs them in order, ahead of the forward that needs them), so
 pins need not outlive the Step. The tier map is dropped with the pool (a new registration):
 after a block-manager restart its slots are simply not cached, never wrong.
+
+Preemption by swapping (:mod:`services.blockmgr.swap`) takes slots of the same tier: a
+swapped-out sequence's slots are held for it (refcounted: sequences swapped out together
+share a block's slot), out of the cache's eviction order, until it is swapped in or freed.
+Restore rebuilds them from the executor's view (it still holds their content).
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ class HostTier:
         self.num_offloaded = 0
         self.num_onboarded = 0
         self.num_evicted = 0
+        self._swap_refs: dict[int, int] = {}  # slot -> swapped-out tables holding it
+        self.swap_key: dict[int, bytes] = {}  # swapped slot -> its block's cache key, if any
+        self.num_swapped_out = 0
+        self.num_swapped_in = 0
 
     def lookup(self, key: bytes) -> int | None:
         return self.slot_of.get(key)
@@ -116,6 +125,67 @@ class HostTier:
         live = set(self._written.values())
         offloads = tuple(m for i, m in enumerate(self.offloads) if i in live)
         return offloads, tuple(self.onboards)
+
+    # ---- preemption by swapping ------------------------------------------------------------
+
+    def swap_room(self) -> int:
+        """Slots a swap-out may take now: the free ones and the cached ones no move of this
+        Step reads."""
+        return len(self._free) + sum(1 for slot in self._lru if slot not in self._pinned)
+
+    def swap_out(self, block_id: int, key: bytes | None) -> int:
+        """A slot held for device block ``block_id`` of a sequence being swapped out, its
+        copy recorded as an offload of this Step (the caller checked :meth:`swap_room`)."""
+        slot = self._take_slot()
+        assert slot is not None
+        self._swap_refs[slot] = 1
+        if key is not None:
+            self.swap_key[slot] = key
+        self._written[slot] = len(self.offloads)
+        self.offloads.append(BlockMove(block_id, slot))
+        self.num_swapped_out += 1
+        return slot
+
+    def share_swapped(self, slot: int) -> None:
+        self._swap_refs[slot] += 1
+
+    def swap_in(self, slot: int, block_id: int) -> None:
+        """Fill device block ``block_id`` from swapped ``slot`` (an onboard of this Step)."""
+        self._pinned.add(slot)
+        self.onboards.append(BlockMove(block_id, slot))
+        self.num_swapped_in += 1
+
+    def release_swapped(self, slot: int) -> None:
+        """A swapped-out table gives ``slot`` up; once none holds it, it is free from the next
+        Step (a move of this Step may still read it)."""
+        ref = self._swap_refs[slot] - 1
+        if ref:
+            self._swap_refs[slot] = ref
+            return
+        del self._swap_refs[slot]
+        self.swap_key.pop(slot, None)
+        self._released.append(slot)
+
+    def hold_swapped(self, slot: int, key: bytes | None) -> None:
+        """Restore: ``slot`` (in range, checked) holds a block of a swapped-out sequence."""
+        if slot in self._swap_refs:
+            self._swap_refs[slot] += 1
+            return
+        if slot in self._lru:  # a cached block: dropped, as an eviction would
+            del self._lru[slot]
+            old = self.key_of[slot]
+            if old is not None:
+                del self.slot_of[old]
+                self.key_of[slot] = None
+                self.events.append((KVEventKind.REMOVED, old))
+        else:
+            self._free.remove(slot)
+        self._swap_refs[slot] = 1
+        if key is not None:
+            self.swap_key[slot] = key
+
+    def num_swapped_slots(self) -> int:
+        return len(self._swap_refs)
 
     def _take_slot(self) -> int | None:
         if self._free:

@@ -18,18 +18,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from services.blockmgr.errors import BlockManagerError, ErrorCode, invalid, not_found, precondition
+from services.blockmgr.errors import BlockManagerError, ErrorCode, invalid, not_found
 from services.blockmgr.host_tier import HostTier
 from services.blockmgr.kv_groups import group_key, grow, longest_group_hit, windows_of
 from services.blockmgr.pool import BlockPool
+from services.blockmgr.restore import restore
 from services.blockmgr.retention import DEFAULT_RETENTION_STEPS
 from services.blockmgr.step_checks import (
-    MAX_TOKENS,
-    check_block_ids,
-    check_hashes,
-    check_seq_id,
     validate_step,
 )
+from services.blockmgr.swap import SwappedSeq, free_swapped, swap_in, swap_out
 from services.blockmgr.types import (
     Admit,
     AdmitResult,
@@ -51,12 +49,12 @@ from services.blockmgr.types import (
     OpStatus,
     PoolCounters,
     RestoredSequence,
+    SwapOut,
 )
 from services.common.blocks import (
     NULL_BLOCK,
     blocks_for_tokens,
     blocks_to_grow,
-    first_live_block,
     needs_cow,
 )
 
@@ -126,6 +124,7 @@ class KVBlockManager:
         self.pool = BlockPool(num_blocks, eviction_policy, retention_steps, host_blocks)
         self.host_hits_tokens = 0
         self.seqs: dict[int, SeqState] = {}
+        self.swapped: dict[int, SwappedSeq] = {}  # swapped out (services.blockmgr.swap)
         self._recently_freed: OrderedDict[int, None] = OrderedDict()
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
@@ -155,7 +154,14 @@ class KVBlockManager:
     # ---- Step -----------------------------------------------------------------------------
 
     def step(self, ops: Sequence[Operation]) -> list[OpResult]:
-        validate_step(ops, self.seqs, self._recently_freed, self.block_size)
+        validate_step(
+            ops,
+            self.seqs,
+            self._recently_freed,
+            self.block_size,
+            self.swapped,
+            has_host=self.pool.host is not None,
+        )
         self.pool.tick()
         if self.pool.host is not None:
             self.pool.host.begin_step()
@@ -170,8 +176,12 @@ class KVBlockManager:
                 results.append(self._commit(op, failed))
             elif isinstance(op, Admit):
                 results.append(self._admit(op, failed))
-            else:
+            elif isinstance(op, Fork):
                 results.append(self._fork(op, failed))
+            elif isinstance(op, SwapOut):
+                results.append(swap_out(self, op, failed))
+            else:
+                results.append(swap_in(self, op, failed))
         return results
 
     # ---- operations -----------------------------------------------------------------------
@@ -340,15 +350,19 @@ class KVBlockManager:
     def _free(self, op: Free, failed: set[int]) -> FreeResult:
         """Free applies to every live sequence, even one whose grow failed earlier in this
         step; only a sequence whose admission or fork failed (so never existed) is skipped."""
-        freed = 0
-        for seq_id in op.seq_ids:
-            if seq_id in self.seqs:
-                freed += self._release(seq_id)
-        return FreeResult(freed)
+        return FreeResult(self.release(op.seq_ids))
 
     def release(self, seq_ids: Sequence[int]) -> int:
-        """Free live sequences outside a Step (offline replay); returns the blocks freed."""
-        return sum(self._release(s) for s in seq_ids if s in self.seqs)
+        """Free live or swapped-out sequences (a swap-out, offline replay); returns the
+        device blocks freed."""
+        freed = 0
+        for seq_id in seq_ids:
+            if seq_id in self.seqs:
+                freed += self._release(seq_id)
+            elif seq_id in self.swapped:
+                free_swapped(self, seq_id)
+                self._forget(seq_id)
+        return freed
 
     def _release(self, seq_id: int) -> int:
         """Group by group: a full group frees its table tail first, so a chain's tail is
@@ -361,10 +375,26 @@ class KVBlockManager:
         for table, live, window in zip(state.tables, state.first_lives, self.windows, strict=True):
             for block_id in table[live:] if window else reversed(table):
                 freed += decref(block_id)
+        self._forget(seq_id)
+        return freed
+
+    def _forget(self, seq_id: int) -> None:
         self._recently_freed[seq_id] = None
         if len(self._recently_freed) > _RECENTLY_FREED:
             self._recently_freed.popitem(last=False)
-        return freed
+
+    def adopt(
+        self,
+        seq_id: int,
+        tables: list[list[int]],
+        num_tokens: int,
+        first_lives: list[int],
+        priority: int = 0,
+    ) -> None:
+        """A sequence swapped back in or restored holds ``tables`` from now on (their
+        references already taken)."""
+        self.seqs[seq_id] = SeqState(tables, num_tokens, first_lives, priority)
+        self._recently_freed.pop(seq_id, None)
 
     def _commit(self, op: Commit, failed: set[int]) -> CommitResult:
         """Every group's blocks in the range are stored under their group's keys; an entry
@@ -387,91 +417,9 @@ class KVBlockManager:
     # ---- recovery -------------------------------------------------------------------------
 
     def restore(self, sequences: Sequence[RestoredSequence]) -> int:
-        """Rebuild live sequences' tables in an empty pool (after a block-manager restart).
-        All or nothing. Returns how many blocks became matchable.
-
-        ``block_ids`` are the sequence's tables, group-major. A sliding group's table may
-        start with a run of null entries (its first_live); the hashes of null entries are
-        skipped. A block is in one group only: sequences may share it within that group."""
-        if self.seqs:
-            raise precondition(
-                f"restore needs a pool without live sequences; this one has {len(self.seqs)}"
-            )
-        bs, nb, num_groups = self.block_size, self.pool.num_blocks, self.num_groups
-        seen: set[int] = set()
-        group_of: dict[int, int] = {}
-        parsed: list[tuple[list[list[int]], list[int]]] = []  # per sequence: tables, lives
-        for i, seq in enumerate(sequences):
-            where = f"sequences[{i}]"
-            check_seq_id(seq.seq_id, f"{where}.seq_id")
-            if seq.seq_id in seen:
-                raise precondition(f"{where}.seq_id {seq.seq_id} appears twice")
-            seen.add(seq.seq_id)
-            if not 0 <= seq.num_tokens <= MAX_TOKENS:
-                raise invalid(f"{where}.num_tokens must be >= 0")
-            n = blocks_for_tokens(seq.num_tokens, bs)
-            if len(seq.block_ids) != n * num_groups:
-                raise invalid(
-                    f"{where}.block_ids: {seq.num_tokens} tokens need {n} blocks in each of "
-                    f"{num_groups} group(s), got {len(seq.block_ids)}"
-                )
-            tables: list[list[int]] = []
-            lives: list[int] = []
-            for g in range(num_groups):
-                table = list(seq.block_ids[g * n : (g + 1) * n])
-                live = self._restored_first_live(table, g, seq.num_tokens, f"{where}.block_ids")
-                held = table[live:]
-                check_block_ids(held, nb, f"{where}.block_ids", offset=g * n + live)
-                if len(set(held)) != len(held):
-                    raise invalid(f"{where}.block_ids holds a block twice")
-                for j, b in enumerate(held):
-                    if group_of.setdefault(b, g) != g:
-                        raise invalid(
-                            f"{where}.block_ids[{g * n + live + j}]: block {b} is in group "
-                            f"{group_of[b]} elsewhere; a block serves one group"
-                        )
-                tables.append(table)
-                lives.append(live)
-            check_hashes(seq.block_hashes, f"{where}.block_hashes")
-            if len(seq.block_hashes) > seq.num_tokens // bs:
-                raise invalid(f"{where}.block_hashes: more hashes than full blocks")
-            parsed.append((tables, lives))
-        self.pool.take_free(set(group_of))
-        stored = 0
-        refcount, store = self.pool.refcount, self.pool.store
-        for seq, (tables, lives) in zip(sequences, parsed, strict=True):
-            for table, live in zip(tables, lives, strict=True):
-                for block_id in table[live:]:
-                    refcount[block_id] += 1
-            self.seqs[seq.seq_id] = SeqState(tables, seq.num_tokens, lives)
-            if self.enable_prefix_caching:
-                for g, table in enumerate(tables):
-                    for block_id, block_hash in zip(table, seq.block_hashes, strict=False):
-                        if block_id != NULL_BLOCK:
-                            stored += store(block_id, group_key(block_hash, g))
-        return stored
-
-    def _restored_first_live(
-        self, table: list[int], group: int, num_tokens: int, where: str
-    ) -> int:
-        """The leading null entries of a restored sliding group's table (0 in a full group,
-        where :func:`~.step_checks.check_block_ids` refuses any null entry). The last block
-        must not be null, unless the window has already passed every block (W = 1 after a
-        grow by 0)."""
-        window = self.windows[group]
-        if not window:
-            return 0
-        live = 0
-        while live < len(table) and table[live] == NULL_BLOCK:
-            live += 1
-        window_start = first_live_block(num_tokens, window, self.block_size)
-        if table and live == len(table) and live > window_start:
-            offset = group * len(table)
-            raise invalid(
-                f"{where}[{offset + live - 1}]: block 0 is reserved; the last block of a table "
-                "is still in the window and cannot be null"
-            )
-        return live
+        """Rebuild live (and swapped-out) sequences in an empty pool, after a block-manager
+        restart (:func:`services.blockmgr.restore.restore`)."""
+        return restore(self, sequences)
 
 
 def _host_run(host: HostTier, block_hashes: Sequence[bytes]) -> list[tuple[bytes, int]]:

@@ -161,6 +161,11 @@ class BlockPool:
         self.events.append((KVEventKind.STORED, block_hash))
         return True
 
+    def cache_key(self, block_id: int) -> bytes | None:
+        """The key the block's content is matchable under (or would be, as a duplicate)."""
+        key = self.block_hash[block_id]
+        return key if key is not None else self._duplicate_of.get(block_id)
+
     def take_free(self, block_ids: set[int]) -> None:
         """Take specific free blocks out of the free structures (restore), dropping their hashes;
         their refcounts are left at 0 for the caller to set."""

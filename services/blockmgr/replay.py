@@ -43,6 +43,10 @@ from services.blockmgr.types import (
     Operation,
     OpResult,
     OpStatus,
+    SwapIn,
+    SwapInResult,
+    SwapOut,
+    SwapOutResult,
 )
 from services.common.blocks import full_blocks
 
@@ -66,6 +70,8 @@ class ReplayResult:
     host_hits_tokens: int = 0  # of hits_tokens, onboarded from the host tier
     num_offloaded_blocks: int = 0
     num_onboarded_blocks: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
     seconds: float = 0.0
 
     @property
@@ -108,6 +114,7 @@ class _ReplayedPool:
         simulated through the step, as the pool validates it."""
         m, bs = self.manager, self.manager.block_size
         tokens: dict[int, int] = {s: st.num_tokens for s, st in m.seqs.items()}  # the live ones
+        swapped: dict[int, int] = {s: st.num_tokens for s, st in m.swapped.items()}
         kept: list[Operation] = []
         for op in ops:
             if isinstance(op, Grow):
@@ -119,11 +126,26 @@ class _ReplayedPool:
                 if entries:
                     kept.append(Grow(tuple(s for s, _ in entries), tuple(n for _, n in entries)))
             elif isinstance(op, Free):
-                live = tuple(s for s in op.seq_ids if s in tokens)
+                live = tuple(s for s in op.seq_ids if s in tokens or s in swapped)
                 for s in live:
-                    del tokens[s]
+                    tokens.pop(s, None)
+                    swapped.pop(s, None)
                 if live:
                     kept.append(Free(live))
+            elif isinstance(op, SwapOut):
+                live = tuple(s for s in op.seq_ids if s in tokens)
+                for s in live:
+                    if m.pool.host is not None:
+                        swapped[s] = tokens[s]
+                    del tokens[s]
+                if live:  # without a host tier here: recomputed (a Free)
+                    kept.append(SwapOut(live) if m.pool.host is not None else Free(live))
+            elif isinstance(op, SwapIn):
+                back = tuple(s for s in op.seq_ids if s in swapped)
+                for s in back:
+                    tokens[s] = swapped.pop(s)
+                if back:
+                    kept.append(SwapIn(back))
             elif isinstance(op, Commit):
                 if op.seq_id in tokens:
                     room = full_blocks(tokens[op.seq_id], bs) - op.start_block
@@ -144,11 +166,23 @@ class _ReplayedPool:
         return kept
 
     def _drop_refused(self, ops: Sequence[Operation], results: Sequence[OpResult]) -> None:
-        """Free the sequences whose grow no longer fits; count them and refused admissions."""
+        """Free the sequences whose grow, swap-out or swap-in no longer fits (the recorded
+        run went on with them; this one cannot); count them and refused admissions."""
         m = self.manager
         for op, result in zip(ops, results, strict=True):
             if isinstance(op, Admit) and result.status is not OpStatus.OK:  # type: ignore[union-attr]
                 self.num_refused_admissions += 1
+            elif isinstance(op, SwapOut | SwapIn) and isinstance(
+                result, SwapOutResult | SwapInResult
+            ):
+                refused = tuple(
+                    s
+                    for s, status in zip(op.seq_ids, result.statuses, strict=True)
+                    if status is OpStatus.RESOURCE_EXHAUSTED
+                )
+                if refused:
+                    m.release(refused)
+                    self.num_dropped += len(refused)
             elif isinstance(op, Grow) and isinstance(result, GrowResult):
                 refused = tuple(
                     s
@@ -204,6 +238,8 @@ def replay(
         if m.pool.host is not None:
             result.num_offloaded_blocks += m.pool.host.num_offloaded
             result.num_onboarded_blocks += m.pool.host.num_onboarded
+            result.num_swapped_out_blocks += m.pool.host.num_swapped_out
+            result.num_swapped_in_blocks += m.pool.host.num_swapped_in
     result.seconds = time.perf_counter() - start
     return result
 

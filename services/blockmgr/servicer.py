@@ -12,7 +12,7 @@ import structlog
 
 from pagedserve.v1 import blockmgr_pb2 as pb
 from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
-from services.blockmgr import convert
+from services.blockmgr import convert, convert_results
 from services.blockmgr.core import BlockManagerCore
 from services.blockmgr.errors import BlockManagerError, ErrorCode
 from services.blockmgr.types import EVENTS_LIVE_HEADER, KVEvent
@@ -96,7 +96,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     @_maps_errors
     async def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
         ops = convert.ops_from_pb(request.ops)
-        return convert.step_to_pb(
+        return convert_results.step_to_pb(
             self.core.step(request.pool_id, request.epoch, ops, request.owner_token)
         )
 

@@ -9,7 +9,7 @@ from typing import Protocol
 from services.blockmgr.errors import invalid, not_found, precondition
 from services.blockmgr.hashing import HASH_SIZE
 from services.blockmgr.retention import MAX_RETENTION_PRIORITY
-from services.blockmgr.types import Admit, Commit, Fork, Free, Grow, Operation
+from services.blockmgr.types import Admit, Commit, Fork, Free, Grow, Operation, SwapIn, SwapOut
 from services.common.blocks import NULL_BLOCK, full_blocks
 
 MAX_SEQ_ID = 2**64 - 1
@@ -25,12 +25,27 @@ def validate_step(
     seqs: Mapping[int, SeqLike],
     recently_freed: Container[int],
     block_size: int,
+    swapped: Mapping[int, SeqLike] | None = None,
+    *,
+    has_host: bool = False,
 ) -> None:
     """Reject the whole step on any malformed op, simulating liveness and token counts in
-    order as if every entry succeeded (a capacity failure only ever removes effects)."""
+    order as if every entry succeeded (a capacity failure only ever removes effects).
+    ``swapped``: the swapped-out sequences; ``has_host``: the pool has a host tier."""
     overlay: dict[int, int | None] = {}  # seq_id -> simulated num_tokens, None = freed
+    swapped = swapped or {}
+    out: dict[int, int | None] = {}  # seq_id -> num_tokens if swapped out now, None if not
+    touched: set[int] = set()  # admitted, forked, grown or swapped in earlier in this step
+
+    def swapped_tokens(seq_id: int) -> int | None:
+        if seq_id in out:
+            return out[seq_id]
+        state = swapped.get(seq_id)
+        return None if state is None else state.num_tokens
 
     def tokens_of(seq_id: int, where: str) -> int:
+        if swapped and swapped_tokens(seq_id) is not None:
+            raise precondition(f"{where}: seq_id {seq_id} is swapped out")
         if seq_id in overlay:
             n = overlay[seq_id]
             if n is None:
@@ -46,7 +61,7 @@ def validate_step(
     def absent(seq_id: int, where: str) -> None:
         check_seq_id(seq_id, where)
         live = overlay[seq_id] is not None if seq_id in overlay else seq_id in seqs
-        if live:
+        if live or swapped_tokens(seq_id) is not None:
             raise precondition(f"{where}: seq_id {seq_id} already exists")
 
     for i, op in enumerate(ops):
@@ -61,13 +76,18 @@ def validate_step(
                 if not 0 <= n <= MAX_TOKENS:
                     raise invalid(f"{where}.grow.num_tokens[{j}] must be >= 0, got {n}")
                 state = seqs.get(seq_id)  # fast path: a live sequence untouched so far
-                if state is not None and seq_id not in overlay:
+                if state is not None and seq_id not in overlay and not swapped:
                     overlay[seq_id] = state.num_tokens + n
                 else:
                     overlay[seq_id] = tokens_of(seq_id, f"{where}.grow.seq_ids[{j}]") + n
+            if has_host:
+                touched.update(op.seq_ids)
         elif isinstance(op, Free):
             for j, seq_id in enumerate(op.seq_ids):
-                tokens_of(seq_id, f"{where}.free.seq_ids[{j}]")
+                if swapped_tokens(seq_id) is not None:
+                    out[seq_id] = None
+                else:
+                    tokens_of(seq_id, f"{where}.free.seq_ids[{j}]")
                 overlay[seq_id] = None
         elif isinstance(op, Commit):
             n = tokens_of(op.seq_id, f"{where}.commit.seq_id")
@@ -107,10 +127,38 @@ def validate_step(
             # The hit length is only known at apply time; min(P, M) is the fewest slots a
             # successful admission holds, so later commits are checked against that.
             overlay[op.seq_id] = min(op.num_prompt_tokens, op.max_new_tokens)
+            touched.add(op.seq_id)
         elif isinstance(op, Fork):
             n = tokens_of(op.parent_seq_id, f"{where}.fork.parent_seq_id")
             absent(op.child_seq_id, f"{where}.fork.child_seq_id")
             overlay[op.child_seq_id] = n
+            touched.add(op.child_seq_id)
+        elif isinstance(op, SwapOut | SwapIn):
+            name = "swap_out" if isinstance(op, SwapOut) else "swap_in"
+            if not has_host:
+                raise precondition(f"{where}.{name}: the pool has no host tier (host_blocks)")
+            if len(set(op.seq_ids)) != len(op.seq_ids):
+                dup = next(x for j, x in enumerate(op.seq_ids) if x in op.seq_ids[:j])
+                raise invalid(f"{where}.{name}.seq_ids: seq_id {dup} is listed twice")
+            for j, seq_id in enumerate(op.seq_ids):
+                field = f"{where}.{name}.seq_ids[{j}]"
+                if isinstance(op, SwapOut):
+                    n = tokens_of(seq_id, field)
+                    if seq_id in touched:
+                        # Its blocks are copied out before this Step's fills (onboards,
+                        # copies) are made: it must not have got any in this Step.
+                        raise precondition(
+                            f"{field}: seq_id {seq_id} was admitted, forked, grown or swapped "
+                            "in earlier in this Step; swap it out in a Step of its own"
+                        )
+                    overlay[seq_id], out[seq_id] = None, n
+                else:
+                    n_out = swapped_tokens(seq_id)
+                    if n_out is None:
+                        tokens_of(seq_id, field)  # unknown or freed: that error
+                        raise precondition(f"{field}: seq_id {seq_id} is not swapped out")
+                    overlay[seq_id], out[seq_id] = n_out, None
+                    touched.add(seq_id)
         else:
             raise invalid(f"{where}: unknown operation {type(op).__name__}")
 

@@ -11,8 +11,8 @@ written. Lines are written whole (line-buffered). Hashes are base64. A line::
     {"t": "step", "pool": "p", "ops": [{"admit": [seq, prompt, max_new, [hash...], reserve,
      retention_priority]},
      {"grow": [[seq...], [n...]]}, {"fork": [parent, child]}, {"free": [seq...]},
-     {"commit": [seq, start, [hash...]]}]}
-    {"t": "restore", "pool": "p", "seqs": [[seq, num_tokens, [block...], [hash...]]]}
+     {"commit": [seq, start, [hash...]]}, {"swap_out": [seq...]}, {"swap_in": [seq...]}]}
+    {"t": "restore", "pool": "p", "seqs": [[seq, num_tokens, [block...], [hash...], [slot...]]]}
     {"t": "unregister", "pool": "p"}
 
 :func:`read_trace` gives the records back as domain objects; :mod:`.replay` runs them.
@@ -40,6 +40,8 @@ from services.blockmgr.types import (
     KVCacheGroup,
     Operation,
     RestoredSequence,
+    SwapIn,
+    SwapOut,
 )
 
 __all__ = [
@@ -111,6 +113,10 @@ def _op_json(op: Operation) -> dict[str, Any]:
                 op.retention_priority,
             ]
         }
+    if isinstance(op, SwapOut):
+        return {"swap_out": list(op.seq_ids)}
+    if isinstance(op, SwapIn):
+        return {"swap_in": list(op.seq_ids)}
     return {"fork": [op.parent_seq_id, op.child_seq_id]}
 
 
@@ -126,6 +132,10 @@ def _op_from_json(d: dict[str, Any]) -> Operation:
         return Admit(v[0], v[1], v[2], _unb64(v[3]), v[4], v[5] if len(v) > 5 else 0)
     if kind == "fork":
         return Fork(v[0], v[1])
+    if kind == "swap_out":
+        return SwapOut(tuple(v))
+    if kind == "swap_in":
+        return SwapIn(tuple(v))
     raise ValueError(f"unknown operation {kind!r}")
 
 
@@ -174,7 +184,8 @@ class TraceWriter:
 
     def restore(self, pool_id: str, sequences: Sequence[RestoredSequence]) -> None:
         seqs = [
-            [s.seq_id, s.num_tokens, list(s.block_ids), _b64(s.block_hashes)] for s in sequences
+            [s.seq_id, s.num_tokens, list(s.block_ids), _b64(s.block_hashes), list(s.host_slots)]
+            for s in sequences
         ]
         self._write({"t": "restore", "pool": pool_id, "seqs": seqs})
 
@@ -222,7 +233,12 @@ def _record(d: dict[str, Any]) -> TraceRecord:
             int(d.get("host_blocks", 0)),
         )
     if kind == "restore":
-        seqs = tuple(RestoredSequence(s[0], s[1], tuple(s[2]), _unb64(s[3])) for s in d["seqs"])
+        seqs = tuple(
+            RestoredSequence(
+                s[0], s[1], tuple(s[2]), _unb64(s[3]), tuple(s[4] if len(s) > 4 else ())
+            )
+            for s in d["seqs"]
+        )
         return RestoreRecord(pool_id, seqs)
     if kind == "unregister":
         return UnregisterRecord(pool_id)

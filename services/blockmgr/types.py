@@ -127,7 +127,23 @@ class Commit:
     block_hashes: tuple[bytes, ...]
 
 
-Operation = Admit | Grow | Fork | Free | Commit
+@dataclass(frozen=True, slots=True)
+class SwapOut:
+    """Preemption by swapping (a pool with a host tier): each sequence's blocks are copied to
+    host slots held for it, then its device blocks are released as a Free releases them. The
+    sequence stays, swapped out, until :class:`SwapIn` or Free."""
+
+    seq_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SwapIn:
+    """Swapped-out sequences come back: device blocks filled from their host slots."""
+
+    seq_ids: tuple[int, ...]
+
+
+Operation = Admit | Grow | Fork | Free | Commit | SwapOut | SwapIn
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +196,22 @@ class CommitResult:
     num_stored_blocks: int = 0
 
 
-OpResult = AdmitResult | GrowResult | ForkResult | FreeResult | CommitResult
+@dataclass(frozen=True, slots=True)
+class SwapOutResult:
+    statuses: tuple[OpStatus, ...]
+    host_slots: tuple[tuple[int, ...], ...]  # per entry: the slots holding its table, in order
+    num_freed_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SwapInResult:
+    statuses: tuple[OpStatus, ...]
+    block_ids: tuple[tuple[int, ...], ...]  # per entry: its table (empty unless OK)
+
+
+OpResult = (
+    AdmitResult | GrowResult | ForkResult | FreeResult | CommitResult | SwapOutResult | SwapInResult
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,12 +247,14 @@ class RestoredSequence:
     """A live sequence's tables to rebuild, group-major in ``block_ids``. A SLIDING group's
     table may start with a run of 0 (its entries released out of the window);
     ``block_hashes[i]`` names block ``i`` of every table and the hashes of null entries are
-    skipped."""
+    skipped. A swapped-out sequence has no ``block_ids`` but ``host_slots``: the host-tier
+    slots its table was swapped to (the executor still holds their content)."""
 
     seq_id: int
     num_tokens: int
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...] = ()  # hashes of its first committed full blocks
+    host_slots: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +320,10 @@ class PoolStats:
     # hits their content served, summed (divide by num_evicted_blocks for the means).
     eviction_age_steps: int = 0
     eviction_reuse: int = 0
+    # Preemption by swapping: blocks copied to the host and back, sequences swapped out now.
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_swapped_sequences: int = 0
 
 
 # (kind, cache key: the block hash, and its group's byte after it in groups > 0): a plain

@@ -23,6 +23,8 @@ from services.blockmgr.types import (
     KVCacheGroup,
     OpStatus,
     RestoredSequence,
+    SwapIn,
+    SwapOut,
 )
 from services.common.blocks import first_live_block as first_live
 from tests.blockmgr.helpers import hashes
@@ -277,6 +279,130 @@ class HostTierPoolMachine(PoolMachine):
             assert self.m.pool.block_hash[m.device_block] is not None
 
 
+def _content(tokens: list[int], i: int) -> tuple[int, ...]:
+    """What block ``i`` of a sequence of ``tokens`` holds: its whole prefix (a chained hash)."""
+    return tuple(tokens[: (i + 1) * BS])
+
+
+class SwapPoolMachine(HostTierPoolMachine):
+    """Preemption by swapping on top of the host tier, with the KV content modelled: every
+    Step's moves and copies are applied to a model of the device and host memory, then the
+    "forward" writes what every live sequence's blocks hold. A sequence swapped back in must
+    find exactly its content in its new table, whatever was offloaded meanwhile."""
+
+    def __init__(self) -> None:
+        self.swapped: dict[int, list[int]] = {}  # swapped-out sequences' tokens
+        self.dev: dict[int, tuple[int, ...]] = {}  # device block -> content
+        self.hostmem: dict[int, tuple[int, ...]] = {}  # host slot -> content
+        super().__init__()
+
+    def _manager(self) -> KVBlockManager:
+        m = super()._manager()
+        inner = m.step
+
+        def step(ops):  # type: ignore[no-untyped-def]
+            results = inner(ops)
+            offloads, onboards = m.take_moves()
+            for mv in offloads:
+                self.hostmem[mv.host_slot] = self.dev.get(mv.device_block, ())
+            for mv in onboards:
+                self.dev[mv.device_block] = self.hostmem[mv.host_slot]
+            for r in results:
+                for c in getattr(r, "copies", ()):
+                    self.dev[c.dst] = self.dev.get(c.src, ())
+            return results
+
+        m.step = step  # type: ignore[method-assign]
+        return m
+
+    def _forward(self) -> None:
+        for seq_id, state in self.m.seqs.items():
+            for i, b in enumerate(state.tables[0]):
+                self.dev[b] = _content(self.tokens[seq_id], i)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        self._forward()
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        before = self._tables()[seq_id]
+        (r,) = self.m.step([SwapOut((seq_id,))])
+        if r.statuses[0] is OpStatus.OK:
+            assert len(r.host_slots[0]) == len(before[0][0])
+            self.swapped[seq_id] = self.tokens.pop(seq_id)
+        else:
+            assert self._tables()[seq_id] == before
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        self._forward()
+        seq_id = data.draw(st.sampled_from(sorted(self.swapped)))
+        (r,) = self.m.step([SwapIn((seq_id,))])
+        if r.statuses[0] is OpStatus.OK:
+            tokens = self.tokens[seq_id] = self.swapped.pop(seq_id)
+            for i, b in enumerate(r.block_ids[0]):
+                assert self.dev.get(b) == _content(tokens, i), (seq_id, i, b)
+        else:
+            assert seq_id in self.m.swapped
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def free_swapped(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.swapped)))
+        self.m.step([Free((seq_id,))])
+        del self.swapped[seq_id]
+
+    @rule()
+    def restart_and_restore(self) -> None:
+        """Rebuild the pool, swapped-out sequences included, as an executor does."""
+        self._forward()
+        seqs = [
+            RestoredSequence(s, st_.num_tokens, tuple(self.m.block_table(s)))
+            for s, st_ in self.m.seqs.items()
+        ] + [
+            RestoredSequence(s, sw.num_tokens, (), (), tuple(sw.slots))
+            for s, sw in self.m.swapped.items()
+        ]
+        fresh = self._manager()
+        fresh.restore(seqs)
+        assert fresh.pool.refcount == self.m.pool.refcount
+        assert self._tables() == self._tables(fresh)
+        assert {s: w.slots for s, w in fresh.swapped.items()} == {
+            s: w.slots for s, w in self.m.swapped.items()
+        }
+        self.m = fresh
+
+    @invariant()
+    def the_host_map_is_one_to_one_and_onboards_land_in_fresh_tables(self) -> None:
+        """As the host tier's, but a swap-in's onboard may fill a block that had no hash."""
+        host = self.m.pool.host
+        assert host is not None
+        for key, slot in host.slot_of.items():
+            assert host.key_of[slot] == key
+        offloads, onboards = host.moves()
+        assert len({m.host_slot for m in onboards}) == len(onboards)
+        assert len({m.host_slot for m in offloads}) == len(offloads)
+        assert not {m.device_block for m in offloads} & {m.device_block for m in onboards}
+
+    @invariant()
+    def swapped_slots_are_held_once_per_table_and_never_cached(self) -> None:
+        host = self.m.pool.host
+        assert host is not None
+        assert set(self.m.swapped) == set(self.swapped)
+        refs = Counter(slot for sw in self.m.swapped.values() for slot in sw.slots)
+        assert refs == Counter(host._swap_refs)
+        assert not set(refs) & set(host.slot_of.values()) and not set(refs) & set(host._free)
+        for seq_id, sw in self.m.swapped.items():
+            assert sw.num_tokens == len(self.swapped[seq_id])
+            assert len(sw.slots) == -(-sw.num_tokens // BS)
+
+    def teardown(self) -> None:
+        if self.m.swapped:
+            self.m.step([Free(tuple(self.m.swapped))])
+        super().teardown()
+
+
 class SlidingPoolMachine(PoolMachine):
     windows = (6,)  # not a multiple of the block size: the window straddles blocks
 
@@ -317,6 +443,8 @@ TestPoolInvariantsS3FIFO = S3FIFOPoolMachine.TestCase
 TestPoolInvariantsS3FIFO.settings = _adaptive_settings
 TestHostTierInvariants = HostTierPoolMachine.TestCase
 TestHostTierInvariants.settings = _adaptive_settings
+TestSwapInvariants = SwapPoolMachine.TestCase
+TestSwapInvariants.settings = settings(_settings, max_examples=80)
 _sliding_settings = settings(_settings, max_examples=60)
 TestSlidingPoolInvariantsLRU = SlidingPoolMachine.TestCase
 TestSlidingPoolInvariantsLRU.settings = _sliding_settings

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from pagedserve.v1 import blockmgr_pb2 as pb
 from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
-from services.blockmgr import convert
+from services.blockmgr import convert, convert_results
 from services.blockmgr.client import GrpcClient
 from services.blockmgr.kv_groups import MAX_KV_CACHE_GROUPS
 from services.blockmgr.types import (
@@ -244,7 +244,7 @@ def test_conversion_round_trips_groups_first_live_blocks_and_event_groups():
     info = ServiceInfo("x", "1", "sha256-chain-v1", 32, (EvictionPolicyName.LRU,), (pool,), 1)
     assert convert.info_from_pb(convert.info_to_pb(info)) == info
     grow = GrowResult((OpStatus.OK, OpStatus.SKIPPED), ((3,), ()), (BlockCopy(0, 1, 2, 3),), (2, 0))
-    assert convert.result_from_pb(convert.result_to_pb(grow)) == grow
+    assert convert_results.result_from_pb(convert_results.result_to_pb(grow)) == grow
     events = [KVEvent(5, 7, KVEventKind.STORED, (bytes(32),), group=1)]
     assert convert.events_from_pb(convert.events_to_pb("p", events)) == events
     # A server predating groups: no groups means one full-attention group, 0 groups served.

@@ -7,8 +7,18 @@ from __future__ import annotations
 from services.blockmgr.client import InProcessClient
 from services.blockmgr.core import BlockManagerCore
 from services.blockmgr.replay import replay
-from services.blockmgr.trace import TraceWriter, read_trace
-from services.blockmgr.types import Admit, AttentionKindName, Commit, Free, KVCacheGroup
+from services.blockmgr.trace import RestoreRecord, StepRecord, TraceWriter, read_trace
+from services.blockmgr.types import (
+    Admit,
+    AttentionKindName,
+    Commit,
+    Free,
+    Grow,
+    KVCacheGroup,
+    RestoredSequence,
+    SwapIn,
+    SwapOut,
+)
 from tests.blockmgr.helpers import hashes
 
 BS = 4
@@ -48,3 +58,32 @@ def test_a_host_tier_override_leaves_sliding_pools_without_one(tmp_path):
     trace.close()
     result = replay(list(read_trace(tmp_path / "t.jsonl")), host_blocks=4)
     assert result.num_offloaded_blocks == 0 and result.queries_tokens == 16
+
+
+def test_swaps_and_swapped_restores_are_recorded_and_replayed_as_live(tmp_path):
+    trace = TraceWriter(tmp_path / "t.jsonl")
+    core = InProcessClient(BlockManagerCore(trace=trace))
+    epoch = core.register("p", 9, BS, host_blocks=8).epoch
+    tokens = list(range(14))
+    h = hashes(tokens, BS)
+    core.step("p", epoch, [Admit(1, 14, 14, h), Commit(1, 0, h)])
+    out = core.step("p", epoch, [SwapOut((1,))]).results[0]
+    epoch = core.register("p", 9, BS, host_blocks=8).epoch  # restarted: restored from slots
+    core.restore("p", epoch, [RestoredSequence(1, 14, (), h, out.host_slots[0])])
+    core.step("p", epoch, [SwapIn((1,)), Grow((1,), (2,))])
+    core.step("p", epoch, [SwapOut((1,))])
+    core.step("p", epoch, [Free((1,))])
+    live = core.stats("p")
+    trace.close()
+    records = list(read_trace(tmp_path / "t.jsonl"))
+    assert any(isinstance(r, RestoreRecord) and r.sequences[0].host_slots for r in records)
+    again = replay(records)
+    assert again.num_dropped == 0
+    # Both epochs: 4 blocks out, restored, 4 in, 4 out again (the live stats: this epoch's).
+    assert (again.num_swapped_out_blocks, again.num_swapped_in_blocks) == (8, 4)
+    assert (live.num_swapped_out_blocks, live.num_swapped_in_blocks) == (4, 4)
+    # Without a host tier, a swap-out is replayed as a Free (the sequence recomputed): its
+    # later operations are skipped, not refused.
+    assert replay(records, host_blocks=0).num_ops < sum(
+        len(r.ops) for r in records if isinstance(r, StepRecord)
+    )

@@ -125,8 +125,8 @@ def run_across_a_blockmgr_restart(
     released: Callable[[Engine], bool],
 ) -> None:
     """Run ``workload`` on an engine over a block-manager service that is stopped once
-    ``released(engine)`` holds after 12 steps and started again half a second later: the
-    tokens are transformers' and the pool is restored once, empty at the end."""
+    ``released(engine)`` holds (after 12 steps at least) and started again half a second
+    later: the tokens are transformers' and the pool is restored once, empty at the end."""
     port = free_port()
     config = BlockManagerServiceConfig(port=port, grace_period_s=0.1)
     server = ThreadedServer(config)
@@ -136,7 +136,9 @@ def run_across_a_blockmgr_restart(
     for i, (prompt, max_tokens, _) in enumerate(workload):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
-    for _ in range(12):  # past the first windows: tables hold released entries
+    for step in range(500):  # past the first windows: tables hold released entries
+        if step >= 12 and released(engine):
+            break
         for o in engine.step():
             got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
     assert released(engine)

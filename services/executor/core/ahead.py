@@ -27,6 +27,7 @@ class AheadScheduling:
         config: SchedulerConfig
         waiting: list[Sequence]
         running: list[Sequence]
+        swapped: list[Sequence]
         refs: Counter[int]
         num_free_blocks: int
         _forks: dict[int, Fork]
@@ -61,8 +62,8 @@ class AheadScheduling:
         copy-on-write, too few free blocks without a preemption, or (``prompt_logprobs``: some
         request asks for them) a prompt whose every logits row is read. Admissions that only the
         blocks freed by this step's finished sequences would make fit wait one step."""
-        if not batch.chunks or self._forks:
-            return None
+        if not batch.chunks or self._forks or self.swapped:
+            return None  # (swapped-out sequences come back in a step planned after sampling)
         if prompt_logprobs and any(
             s.num_computed_tokens < s.prompt_len and s.wants_prompt_logprobs()
             for s in itertools.chain(self.running, self.waiting)

@@ -34,6 +34,10 @@ class SchedulerConfig:
     # The highest retention priority the block manager serves (its Info): a request's
     # kv_retention_priority is capped to it (0: priorities are not sent).
     max_retention_priority: int = 3
+    # Preemption by swapping (> 0): the host tier's slots, which swapped-out sequences share
+    # with the blocks cached there; a sequence preempted while its table fits in the slots no
+    # other swapped-out sequence holds is swapped out instead of recomputed (0: recompute).
+    swap_slots: int = 0
 
     @property
     def group_slides(self) -> tuple[bool, ...]:

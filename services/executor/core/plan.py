@@ -21,6 +21,10 @@ from services.blockmgr.types import (
     OpStatus,
     RestoredSequence,
     StepResult,
+    SwapIn,
+    SwapInResult,
+    SwapOut,
+    SwapOutResult,
 )
 from services.common.blocks import NULL_BLOCK, blocks_for_tokens, first_live_block
 from services.executor.core.sequence import Sequence
@@ -73,27 +77,48 @@ class SchedulePlan:
     fork_ids: set[int] = field(default_factory=set)  # children forked by this plan
     # Grows the mirror counted as copy-on-write: seq_id -> the KV-cache groups to copy in.
     cow_ids: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # Preemption by swapping: the sequences swapped out (with their table's length) and in.
+    swap_outs: list[tuple[Sequence, int]] = field(default_factory=list)
+    swap_ins: list[Sequence] = field(default_factory=list)
 
     def ops(self) -> list[Operation]:
         """The Step's operations: commits, forks (before frees: a parent finished in the last
-        step still lends its blocks), frees, one grow, admissions."""
+        step still lends its blocks), frees, swap-outs, one grow, swap-ins, admissions."""
         ops: list[Operation] = [*self.commits, *self.forks]
         if self.free_seq_ids:
             ops.append(Free(tuple(self.free_seq_ids)))
+        if self.swap_outs:
+            ops.append(SwapOut(tuple(s.seq_id for s, _ in self.swap_outs)))
         if self.grows:
             ops.append(
                 Grow(tuple(s.seq_id for s, _ in self.grows), tuple(k for _, k in self.grows))
             )
+        if self.swap_ins:
+            ops.append(SwapIn(tuple(s.seq_id for s in self.swap_ins)))
         ops.extend(admit for _, admit in self.admits)
         return ops
+
+    def swap_answers(self, result: StepResult) -> tuple[SwapOutResult | None, SwapInResult | None]:
+        """The swap-out and swap-in results (after :meth:`answers` checked the layout)."""
+        first = len(self.commits) + len(self.forks) + bool(self.free_seq_ids)
+        out = result.results[first] if self.swap_outs else None
+        at = first + bool(self.swap_outs) + bool(self.grows)
+        back = result.results[at] if self.swap_ins else None
+        if not isinstance(out, SwapOutResult | None) or not isinstance(back, SwapInResult | None):
+            raise BadAnswer("swap results of the wrong kinds", self.swap_ids())
+        return out, back
+
+    def swap_ids(self) -> set[int]:
+        return {s.seq_id for s, _ in self.swap_outs} | {s.seq_id for s in self.swap_ins}
 
     def answers(self, result: StepResult) -> tuple[GrowResult | None, list[AdmitResult]]:
         """This plan's grow and admission results out of the answer to :meth:`ops`."""
         first = len(self.commits) + len(self.forks) + bool(self.free_seq_ids)
-        expected = first + bool(self.grows) + len(self.admits)
+        first += bool(self.swap_outs)
+        expected = first + bool(self.grows) + bool(self.swap_ins) + len(self.admits)
         found = result.results[first] if self.grows and len(result.results) > first else None
         grow = found if isinstance(found, GrowResult) else None
-        admits = list(result.results[first + bool(self.grows) :])
+        admits = list(result.results[first + bool(self.grows) + bool(self.swap_ins) :])
         if (
             len(result.results) != expected
             or (self.grows and grow is None)
@@ -105,7 +130,9 @@ class SchedulePlan:
         ):
             raise BadAnswer(
                 f"{len(result.results)} results for {expected} operations, or of the wrong kinds",
-                {s.seq_id for s, _ in self.grows} | {s.seq_id for s, _ in self.admits},
+                {s.seq_id for s, _ in self.grows}
+                | {s.seq_id for s, _ in self.admits}
+                | self.swap_ids(),
             )
         return grow, admits  # type: ignore[return-value]
 

@@ -55,6 +55,7 @@ from services.executor.core.plan import (
     step_moves,
 )
 from services.executor.core.sequence import FinishReason, SeqStatus, Sequence
+from services.executor.core.swapping import Swapping
 from services.executor.core.table_mirror import TableMirror
 
 __all__ = [
@@ -69,7 +70,7 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 
-class Scheduler(AheadScheduling, TableMirror):
+class Scheduler(AheadScheduling, TableMirror, Swapping):
     def __init__(self, config: SchedulerConfig, counters: PoolCounters) -> None:
         self.config = config
         self.waiting: list[Sequence] = []  # sorted by sort_key
@@ -81,12 +82,15 @@ class Scheduler(AheadScheduling, TableMirror):
         self._forks: dict[int, Fork] = {}  # child seq_id -> pending Fork, sent next Step
         self._commits: list[Commit] = []
         self.num_preemptions = 0
+        self.swapped: list[Sequence] = []  # swapped out (swapping.py), sorted by sort_key
+        self.swap_slots_used = 0
+        self.num_swapped_out = 0
 
     # ---- queue management -----------------------------------------------------------------
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._to_free or self._commits)
+        return bool(self.waiting or self.running or self.swapped or self._to_free or self._commits)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence for admission."""
@@ -125,6 +129,8 @@ class Scheduler(AheadScheduling, TableMirror):
             return
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SeqStatus.SWAPPED:
+            self._free_swapped(seq)
         else:
             self.running.remove(seq)
             self._drop_blocks(seq)
@@ -206,9 +212,13 @@ class Scheduler(AheadScheduling, TableMirror):
         plan.forks = list(self._forks.values())
         plan.fork_ids = set(self._forks)
         self._forks = {}
-        # No admissions in a step that had to preempt: the pool is under pressure.
+        # No admissions in a step that had to preempt: the pool is under pressure. Swapped-out
+        # sequences come back before anything new is admitted.
         if not preempted:
-            self._plan_admissions(plan, free, budget)
+            if self.swapped:
+                self._plan_swap_ins(plan, free)
+            else:
+                self._plan_admissions(plan, free, budget)
         return plan
 
     def _open_plan(self) -> tuple[SchedulePlan, int]:
@@ -248,6 +258,9 @@ class Scheduler(AheadScheduling, TableMirror):
         :meth:`abandon`)."""
         grow, admitted = plan.answers(result)
         self._check_answer(plan, grow, admitted)
+        if plan.swap_outs or plan.swap_ins:
+            self._check_swaps(plan, result)
+            self._apply_swaps(plan, result)
         copies: list[tuple[int, int]] = []
         grows = plan.grows
         if grow is not None:
@@ -345,6 +358,8 @@ class Scheduler(AheadScheduling, TableMirror):
             if seq.tables[0]:
                 for g in plan.cow_ids.get(seq.seq_id, ()):
                     self.refs[seq.tables[g][-1]] += 1
+        if plan.swap_outs:
+            self._unswap(plan)
 
     # ---- after the forward ----------------------------------------------------------------
 
@@ -369,7 +384,16 @@ class Scheduler(AheadScheduling, TableMirror):
     # ---- recovery -------------------------------------------------------------------------
 
     def pool_view(self, seq: Sequence) -> RestoredSequence:
-        """What the block manager holds for ``seq``: its slots, table and committed hashes."""
+        """What the block manager holds for ``seq``: its slots, table and committed hashes
+        (a swapped-out sequence: its host slots instead of a table)."""
+        if seq.status is SeqStatus.SWAPPED:
+            return RestoredSequence(
+                seq.seq_id,
+                seq.num_computed_tokens,
+                (),
+                tuple(seq.block_hashes[: seq.num_committed_blocks]),
+                seq.host_slots,
+            )
         return RestoredSequence(
             seq.seq_id,
             seq.num_computed_tokens + seq.num_ahead_slots,
@@ -387,6 +411,8 @@ class Scheduler(AheadScheduling, TableMirror):
         else:
             forked, released = plan.fork_ids, plan.released
         live = [self.pool_view(s) for s in self.running if s.tables[0] and s.seq_id not in forked]
+        if self.swapped:
+            live += self.swapped_views()
         return live + released
 
     # ---- internals ------------------------------------------------------------------------
@@ -406,6 +432,8 @@ class Scheduler(AheadScheduling, TableMirror):
     def _preempt_for_room(self, seq: Sequence, plan: SchedulePlan) -> int:
         """Preempt a running sequence while planning: its Free joins this step's operations.
         Returns how many blocks this frees now."""
+        if self._can_swap(seq):
+            return self._swap_out(seq, plan)
         if seq.tables[0] and seq.seq_id not in self._forks:
             plan.free_seq_ids.append(seq.seq_id)
             plan.released.append(self.pool_view(seq))

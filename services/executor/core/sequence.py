@@ -21,6 +21,7 @@ class RequestKey(NamedTuple):
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swapping: its blocks in the host tier, computed kept
     FINISHED = "finished"
 
 
@@ -68,6 +69,8 @@ class Sequence:
     first_live_block: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks
     num_committed_blocks: int = 0
+    # Swapped out: the host-tier slots its table went to, in order (services.blockmgr.swap).
+    host_slots: tuple[int, ...] = ()
     # Slots the pool granted beyond ``num_computed_tokens`` for a step that has not run yet
     # (async scheduling grants the next step's slot while this step's forward runs).
     num_ahead_slots: int = 0

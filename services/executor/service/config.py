@@ -67,6 +67,10 @@ class ExecutorConfig:
     # blocks evicted from the KV cache are offloaded there, and onboarded on a prefix hit.
     kv_offloading_size: float = 0.0
     kv_offloading_backend: str = "native"
+    # How a sequence is preempted when the KV cache runs out (vLLM's --preemption-mode):
+    # recompute (its blocks freed, its tokens computed again) or swap (its blocks copied to
+    # the host tier and back; needs --kv-offloading-size).
+    preemption_mode: str = "recompute"
     eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
     blockmgr: BlockManagerMode = BlockManagerMode.INPROC  # grpc: at blockmgr_address
     blockmgr_address: str | None = None
@@ -125,6 +129,14 @@ class ExecutorConfig:
             default="native",
             choices=["native"],
             help="how blocks move to and from the host tier (native: copies between tensors)",
+        )
+        a(
+            "--preemption-mode",
+            default="recompute",
+            choices=["recompute", "swap"],
+            help="how a sequence is preempted when the KV cache runs out: recompute (its "
+            "blocks are freed, its tokens computed again) or swap (its blocks are copied to "
+            "the host tier and back; needs --kv-offloading-size)",
         )
         a(
             "--disable-hybrid-kv-cache-manager",
@@ -244,6 +256,15 @@ class ExecutorConfig:
         if not (math.isfinite(self.kv_offloading_size) and self.kv_offloading_size >= 0):
             raise ValueError(
                 f"--kv-offloading-size must be >= 0 GiB, got {self.kv_offloading_size}"
+            )
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}"
+            )
+        if self.preemption_mode == "swap" and not self.kv_offloading_size:
+            raise ValueError(
+                "--preemption-mode swap needs --kv-offloading-size > 0: swapped-out blocks "
+                "go to the host tier"
             )
         if self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be >= 1")

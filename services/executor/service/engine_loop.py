@@ -213,7 +213,7 @@ class EngineLoop:
         s = e.scheduler
         return Load(
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            num_waiting=len(s.waiting) + len(s.swapped),
             num_free_blocks=s.num_free_blocks,
             num_usable_blocks=s.num_usable_blocks,
             num_preemptions=s.num_preemptions,

@@ -169,6 +169,7 @@ def _build_engine(
             sliding_window=window,
             kv_group_slides=layout.group_slides if len(groups) > 1 else (),
             max_retention_priority=max_retention,
+            swap_slots=link.pool.host_blocks if config.preemption_mode == "swap" else 0,
         ),
         seed=config.seed,
         async_scheduling=config.async_scheduling,

@@ -1,0 +1,201 @@
+"""Preemption by swapping (pure logic, no I/O): a sequence's blocks go to the host tier and
+come back, instead of being recomputed (the PagedAttention paper's other option).
+
+**SwapOut** copies every block of a live sequence's table to a host slot held for it (an
+offload of the Step; a block listed by several sequences of one SwapOut gets one slot, shared),
+then releases its device blocks as a Free does: its committed blocks stay matchable on the
+device while they are not evicted. The sequence is then *swapped out*: its id stays taken, and
+only SwapIn or Free may name it. An entry is all or nothing: RESOURCE_EXHAUSTED when the tier
+has fewer slots than it needs that no swapped-out sequence holds and no move of this Step
+reads (it stays live, unchanged).
+
+**SwapIn** gives it back a table of the same length and the same token slots: a block whose
+hash is still cached on the device is shared (no copy), every other one gets a new device block
+filled from its slot (an onboard of the Step) and, if it had a hash, is matchable again at once.
+RESOURCE_EXHAUSTED (it stays swapped out) when the pool has too few free blocks.
+
+Only pools of one full-attention group have a host tier, so a table here is one list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from services.blockmgr.errors import invalid
+from services.blockmgr.step_checks import check_hashes, check_seq_id
+from services.blockmgr.types import (
+    OpStatus,
+    RestoredSequence,
+    SwapIn,
+    SwapInResult,
+    SwapOut,
+    SwapOutResult,
+)
+from services.common.blocks import blocks_for_tokens
+
+if TYPE_CHECKING:
+    from services.blockmgr.kv_manager import KVBlockManager
+
+__all__ = [
+    "SwappedSeq",
+    "check_swapped",
+    "free_swapped",
+    "restore_swapped",
+    "swap_in",
+    "swap_out",
+]
+
+
+class SwappedSeq:
+    """A swapped-out sequence: the host slots of its table, in order, and its token slots."""
+
+    __slots__ = ("num_tokens", "priority", "slots")
+
+    def __init__(self, slots: list[int], num_tokens: int, priority: int = 0) -> None:
+        self.slots = slots
+        self.num_tokens = num_tokens
+        self.priority = priority
+
+
+def swap_out(m: KVBlockManager, op: SwapOut, failed: set[int]) -> SwapOutResult:
+    pool = m.pool
+    host = pool.host
+    assert host is not None  # validated: the pool has a host tier
+    statuses: list[OpStatus] = []
+    slots_out: list[tuple[int, ...]] = []
+    freed = 0
+    placed: dict[int, int] = {}  # device block -> its slot, within this op
+    for seq_id in op.seq_ids:
+        if seq_id in failed:
+            statuses.append(OpStatus.SKIPPED)
+            slots_out.append(())
+            continue
+        state = m.seqs[seq_id]
+        table = state.tables[0]
+        if sum(1 for b in set(table) if b not in placed) > host.swap_room():
+            failed.add(seq_id)
+            statuses.append(OpStatus.RESOURCE_EXHAUSTED)
+            slots_out.append(())
+            continue
+        slots = []
+        for block_id in table:
+            slot = placed.get(block_id)
+            if slot is None:
+                slot = host.swap_out(block_id, pool.cache_key(block_id))
+                placed[block_id] = slot
+            else:
+                host.share_swapped(slot)
+            slots.append(slot)
+        m.swapped[seq_id] = SwappedSeq(slots, state.num_tokens, state.priority)
+        freed += m.release([seq_id])
+        statuses.append(OpStatus.OK)
+        slots_out.append(tuple(slots))
+    return SwapOutResult(tuple(statuses), tuple(slots_out), freed)
+
+
+def swap_in(m: KVBlockManager, op: SwapIn, failed: set[int]) -> SwapInResult:
+    pool = m.pool
+    host = pool.host
+    assert host is not None
+    statuses: list[OpStatus] = []
+    tables: list[tuple[int, ...]] = []
+    placed: dict[int, int] = {}  # slot -> its device block, within this op
+    refcount, cached = pool.refcount, pool.hash_to_block
+    caching = m.enable_prefix_caching
+    for seq_id in op.seq_ids:
+        if seq_id in failed:
+            statuses.append(OpStatus.SKIPPED)
+            tables.append(())
+            continue
+        swapped = m.swapped[seq_id]
+        # Blocks still cached on the device are shared; the others need a free block each.
+        found: dict[int, int] = {}
+        cost = 0
+        for slot in set(swapped.slots):
+            if slot in placed:
+                continue
+            key = host.swap_key.get(slot) if caching else None
+            block_id = cached.get(key) if key is not None else None
+            if block_id is not None:
+                found[slot] = block_id
+                cost += refcount[block_id] == 0
+            else:
+                cost += 1
+        if cost > pool.num_free:
+            failed.add(seq_id)
+            statuses.append(OpStatus.RESOURCE_EXHAUSTED)
+            tables.append(())
+            continue
+        for slot, block_id in found.items():  # first: no allocation below may evict them
+            pool.incref(block_id)
+            placed[slot] = block_id
+        table = []
+        for slot in swapped.slots:
+            block_id = placed.get(slot)
+            if block_id is None:
+                block_id = pool.allocate()
+                host.swap_in(slot, block_id)
+                key = host.swap_key.get(slot) if caching else None
+                if key is not None:
+                    pool.store(block_id, key)
+                placed[slot] = block_id
+            elif slot not in found:  # placed by an earlier entry: shared
+                pool.incref(block_id)
+            if swapped.priority:
+                pool.retain(block_id, swapped.priority)
+            host.release_swapped(slot)
+            table.append(block_id)
+        del m.swapped[seq_id]
+        m.adopt(seq_id, [table], swapped.num_tokens, [0], swapped.priority)
+        statuses.append(OpStatus.OK)
+        tables.append(tuple(table))
+    return SwapInResult(tuple(statuses), tuple(tables))
+
+
+def free_swapped(m: KVBlockManager, seq_id: int) -> None:
+    """A swapped-out sequence is freed: its slots are given up."""
+    host = m.pool.host
+    assert host is not None
+    for slot in m.swapped.pop(seq_id).slots:
+        host.release_swapped(slot)
+
+
+def check_swapped(m: KVBlockManager, sequences: Sequence[RestoredSequence]) -> None:
+    """Validate the swapped-out ones of ``sequences`` to restore (those with ``host_slots``);
+    INVALID_ARGUMENT naming the field. Ids are checked with the live ones."""
+    host = m.pool.host
+    for i, seq in enumerate(sequences):
+        if not seq.host_slots:
+            continue
+        where = f"sequences[{i}]"
+        if host is None:
+            raise invalid(f"{where}.host_slots: the pool has no host tier (host_blocks)")
+        check_seq_id(seq.seq_id, f"{where}.seq_id")
+        if seq.block_ids:
+            raise invalid(f"{where}: a swapped-out sequence has host_slots, not block_ids")
+        n = blocks_for_tokens(seq.num_tokens, m.block_size)
+        if len(seq.host_slots) != n:
+            raise invalid(
+                f"{where}.host_slots: {seq.num_tokens} tokens need {n} slots, "
+                f"got {len(seq.host_slots)}"
+            )
+        if len(set(seq.host_slots)) != n:
+            raise invalid(f"{where}.host_slots holds a slot twice")
+        for j, slot in enumerate(seq.host_slots):
+            if not 0 <= slot < host.num_slots:
+                raise invalid(f"{where}.host_slots[{j}] = {slot} is out of range")
+        check_hashes(seq.block_hashes, f"{where}.block_hashes")
+
+
+def restore_swapped(m: KVBlockManager, sequences: Sequence[RestoredSequence]) -> None:
+    """Rebuild the swapped-out ones of ``sequences`` (checked by :func:`check_swapped`)."""
+    host = m.pool.host
+    for seq in sequences:
+        if not seq.host_slots:
+            continue
+        assert host is not None
+        for j, slot in enumerate(seq.host_slots):
+            key = seq.block_hashes[j] if j < len(seq.block_hashes) else None
+            host.hold_swapped(slot, key)
+        m.swapped[seq.seq_id] = SwappedSeq(list(seq.host_slots), seq.num_tokens)

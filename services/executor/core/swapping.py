@@ -1,0 +1,184 @@
+"""Preemption by swapping (``--preemption-mode swap``), the PagedAttention paper's other
+option: a preempted sequence's blocks go to the host tier (a SwapOut) and come back (a SwapIn)
+instead of being computed again. A part of :class:`~.scheduler.Scheduler`.
+
+A running sequence the scheduler must preempt while planning is swapped out when its table
+fits in the host slots no other swapped-out sequence holds (counted here, so the block manager
+never refuses), it is not a beam of a search nor a fork not yet sent; otherwise it is
+recomputed. A swapped-out sequence keeps its computed tokens and its committed blocks. Swapped
+sequences come back first, in priority order, as soon as their blocks fit beside the running
+ones' headroom; no new admission is planned while one is still out. A swapped-in sequence
+runs from the next step on.
+
+Everything else holds as for recomputation: a finished or aborted swapped-out sequence is
+freed (its slots), a resync restores swapped-out sequences from their slots (the runner still
+holds their content), and an answer that contradicts the plan turns the plan's swap-outs into
+recomputations (the pool is then rebuilt from our state, where they hold nothing).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+import structlog
+
+from services.blockmgr.types import OpStatus, RestoredSequence, StepResult
+from services.common.blocks import NULL_BLOCK
+from services.executor.core.plan import BadAnswer, SchedulePlan
+from services.executor.core.sequence import SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from collections import Counter
+    from collections.abc import Iterable
+
+    from services.blockmgr.types import Fork
+    from services.executor.core.config import SchedulerConfig
+
+__all__ = ["Swapping"]
+
+log = structlog.get_logger(__name__)
+
+
+def _sort_key(seq: Sequence) -> tuple[int, int, int]:
+    return seq.sort_key
+
+
+class Swapping:
+    if TYPE_CHECKING:  # provided by Scheduler
+        config: SchedulerConfig
+        running: list[Sequence]
+        waiting: list[Sequence]
+        refs: Counter[int]
+        num_preemptions: int
+        _forks: dict[int, Fork]
+        _to_free: list[RestoredSequence]
+
+        def pool_view(self, seq: Sequence) -> RestoredSequence: ...
+        def _release(self, table: Iterable[int]) -> int: ...
+
+    swapped: list[Sequence]  # sorted by sort_key
+    swap_slots_used: int  # host slots our swapped-out sequences hold (at most)
+    num_swapped_out: int
+    num_usable_blocks: int
+
+    def _can_swap(self, seq: Sequence) -> bool:
+        cfg = self.config
+        return bool(
+            cfg.swap_slots
+            and seq.tables[0]
+            and seq.seq_id not in self._forks
+            and not seq.params.use_beam_search
+            and len(seq.tables[0]) <= cfg.swap_slots - self.swap_slots_used
+        )
+
+    def _swap_out(self, seq: Sequence, plan: SchedulePlan) -> int:
+        """Swap ``seq`` out with this plan's Step; returns how many blocks that frees."""
+        n = len(seq.tables[0])
+        plan.swap_outs.append((seq, n))
+        plan.released.append(self.pool_view(seq))
+        freed = self._release(seq.tables[0])
+        seq.tables = [[]]
+        self.swap_slots_used += n
+        self.running.remove(seq)
+        seq.status = SeqStatus.SWAPPED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.num_swapped_out += 1
+        bisect.insort(self.swapped, seq, key=_sort_key)
+        log.warning(
+            "sequence_swapped_out",
+            req_id=seq.req_id,
+            seq_id=seq.seq_id,
+            num_blocks=n,
+            num_computed_tokens=seq.num_computed_tokens,
+        )
+        return freed
+
+    def _plan_swap_ins(self, plan: SchedulePlan, free: int) -> None:
+        """Swap sequences back in, in priority order, while they fit ``free`` blocks beside
+        the headroom the running ones need (as an admission leaves it)."""
+        cfg = self.config
+        for seq in self.swapped:
+            others = len(self.running) + len(plan.swap_ins)
+            if others >= cfg.max_num_seqs:
+                return
+            need = len(seq.host_slots)
+            reserve = cfg.watermark_blocks + others if others else 0
+            if need + reserve > free:
+                return
+            plan.swap_ins.append(seq)
+            free -= need
+
+    def _check_swaps(self, plan: SchedulePlan, result: StepResult) -> None:
+        """Raise :class:`BadAnswer` unless every swap-out went through with one slot per
+        block, in range, and every swap-in that did got a table of its length."""
+        out, back = plan.swap_answers(result)
+        slots = self.config.swap_slots
+        if out is not None:
+            if len(out.statuses) != len(plan.swap_outs) or len(out.host_slots) != len(
+                plan.swap_outs
+            ):
+                raise BadAnswer("a swap-out answer of the wrong length", plan.swap_ids())
+            for (seq, n), status, got in zip(
+                plan.swap_outs, out.statuses, out.host_slots, strict=True
+            ):
+                if status is not OpStatus.OK or len(got) != n:
+                    raise BadAnswer(f"swap-out {status.name}, {len(got)} slots", {seq.seq_id})
+                if not all(0 <= s < slots for s in got):
+                    raise BadAnswer("a swap-out slot out of range", {seq.seq_id})
+        if back is not None:
+            if len(back.statuses) != len(plan.swap_ins) or len(back.block_ids) != len(
+                plan.swap_ins
+            ):
+                raise BadAnswer("a swap-in answer of the wrong length", plan.swap_ids())
+            for seq, status, ids in zip(plan.swap_ins, back.statuses, back.block_ids, strict=True):
+                if status is not OpStatus.OK:
+                    continue
+                if len(ids) != len(seq.host_slots) or len(set(ids)) != len(ids):
+                    raise BadAnswer("a swapped-in table of the wrong length", {seq.seq_id})
+                if NULL_BLOCK in ids or not all(0 < b <= self.num_usable_blocks for b in ids):
+                    raise BadAnswer("a swapped-in block out of range", {seq.seq_id})
+
+    def _apply_swaps(self, plan: SchedulePlan, result: StepResult) -> None:
+        """Take the (checked) swap results: slots of the swapped-out sequences, tables of the
+        swapped-in ones, which run from the next step on."""
+        out, back = plan.swap_answers(result)
+        if out is not None:
+            for (seq, _), slots in zip(plan.swap_outs, out.host_slots, strict=True):
+                seq.host_slots = slots
+        if back is None:
+            return
+        for seq, status, ids in zip(plan.swap_ins, back.statuses, back.block_ids, strict=True):
+            if status is not OpStatus.OK:
+                continue  # no room after all: it stays out
+            self.swapped.remove(seq)
+            self.swap_slots_used -= len(seq.host_slots)
+            seq.host_slots = ()
+            seq.tables = [list(ids)]
+            for b in ids:
+                self.refs[b] += 1
+            seq.status = SeqStatus.RUNNING
+            bisect.insort(self.running, seq, key=_sort_key)
+
+    def _unswap(self, plan: SchedulePlan) -> None:
+        """The answer to ``plan`` was rejected: its swap-outs become recomputations."""
+        for seq, n in plan.swap_outs:
+            if seq.status is not SeqStatus.SWAPPED or seq.host_slots:
+                continue
+            self.swapped.remove(seq)
+            self.swap_slots_used -= n
+            seq.num_computed_tokens = 0
+            seq.num_committed_blocks = 0
+            seq.status = SeqStatus.WAITING
+            bisect.insort(self.waiting, seq, key=_sort_key)
+
+    def _free_swapped(self, seq: Sequence) -> None:
+        """A swapped-out sequence finished (aborted): its slots are freed with the next Step."""
+        self.swapped.remove(seq)
+        self.swap_slots_used -= len(seq.host_slots)
+        self._to_free.append(self.pool_view(seq))
+
+    def swapped_views(self) -> list[RestoredSequence]:
+        """The pool's view of the swapped-out sequences whose swap-out was answered."""
+        return [self.pool_view(s) for s in self.swapped if s.host_slots]

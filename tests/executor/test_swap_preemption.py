@@ -1,0 +1,135 @@
+"""Preemption by swapping (``--preemption-mode swap``) through a real engine: a KV cache too
+small for its batch swaps sequences out to the host tier and back, the tokens are
+transformers' and the same as with recomputation, fewer prompt tokens are computed again, and
+a block-manager restart with sequences swapped out restores them from their slots."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from transformers import PreTrainedModel
+
+from services.blockmgr.client import BlockManagerClient, InProcessClient
+from services.common.sampling_params import SamplingParams
+from services.executor.core.engine import Engine
+from services.executor.core.sequence import RequestKey
+from services.executor.service.config import ExecutorConfig
+from services.executor.service.startup import build_engine
+
+from .conftest import CheckpointFactory
+from .windowed import (
+    Workload,
+    assert_pool_empty,
+    run_across_a_blockmgr_restart,
+    windowed_workload,
+)
+
+NAME, BS = "llama", 8
+
+
+@pytest.fixture(scope="module")
+def workload(hf_model: Callable[[str], PreTrainedModel]) -> Workload:
+    """8 requests, prompts 20-60 tokens (half sharing a 24-token prefix), 24-48 new tokens."""
+    return windowed_workload(hf_model(NAME), seed=11, num_requests=8, bos=1, max_tokens=(24, 48))
+
+
+def _engine(
+    tiny_checkpoint: CheckpointFactory,
+    client: BlockManagerClient | None = None,
+    *,
+    mode: str = "swap",
+    **kw,
+) -> Engine:
+    config = ExecutorConfig(
+        model=str(tiny_checkpoint(NAME)),
+        dtype="float32",
+        device="cpu",
+        block_size=BS,
+        num_kv_blocks=kw.pop("num_kv_blocks", 33),  # 32 blocks: about 3 sequences at their end
+        max_model_len=128,
+        max_num_batched_tokens=64,
+        kv_offloading_size=16 * 2**20 / 2**30,
+        preemption_mode=mode,
+        **kw,
+    )
+    engine, _ = build_engine(config, blockmgr=client or InProcessClient())
+    return engine
+
+
+def _run(engine: Engine, workload: Workload) -> dict[str, list[int]]:
+    for i, (prompt, max_tokens, _) in enumerate(workload):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
+    got: dict[str, list[int]] = {}
+    while engine.has_work:
+        for o in engine.step():
+            got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
+    return got
+
+
+def test_swapped_sequences_match_transformers_and_recompute_fewer_prompt_tokens(
+    tiny_checkpoint, workload
+) -> None:
+    runs = {}
+    for mode in ("swap", "recompute"):
+        engine = _engine(tiny_checkpoint, mode=mode)
+        got = _run(engine, workload)
+        for i, (_, _, expected) in enumerate(workload):
+            assert got[f"r{i}"] == expected, (mode, f"r{i}")
+        assert engine.scheduler.num_preemptions > 0 and not engine.scheduler.swapped
+        assert_pool_empty(engine)
+        runs[mode] = engine
+    swap, recompute = runs["swap"], runs["recompute"]
+    assert swap.scheduler.num_swapped_out > 0 and recompute.scheduler.num_swapped_out == 0
+    stats = swap.link.client.stats(swap.link.spec.pool_id)
+    assert stats.num_swapped_out_blocks > 0 and stats.num_swapped_in_blocks > 0
+    assert stats.num_swapped_sequences == 0
+    # A swapped sequence keeps its computed tokens: it is never admitted again, where a
+    # recomputed one is (its whole prompt and output looked up and computed past the hit).
+    again = recompute.link.client.stats(recompute.link.spec.pool_id)
+    assert stats.prefix_cache_queries_tokens == sum(len(p) for p, _, _ in workload)
+    assert again.prefix_cache_queries_tokens > stats.prefix_cache_queries_tokens
+    assert swap.num_prompt_tokens <= recompute.num_prompt_tokens
+
+
+def test_async_scheduling_with_swap_preemption_matches_transformers(
+    tiny_checkpoint, workload
+) -> None:
+    engine = _engine(tiny_checkpoint, async_scheduling=True)
+    got = _run(engine, workload)
+    for i, (_, _, expected) in enumerate(workload):
+        assert got[f"r{i}"] == expected, f"r{i}"
+    assert engine.scheduler.num_swapped_out > 0
+    assert_pool_empty(engine)
+
+
+def test_an_aborted_swapped_out_sequence_gives_its_slots_back(tiny_checkpoint, workload) -> None:
+    engine = _engine(tiny_checkpoint)
+    for i, (prompt, max_tokens, _) in enumerate(workload):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
+    while not engine.scheduler.swapped:
+        engine.step()
+    victim = engine.scheduler.swapped[0]
+    assert engine.abort_request(victim.req_id)
+    while engine.has_work:
+        engine.step()
+    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    assert stats.num_swapped_sequences == 0 and engine.scheduler.swap_slots_used == 0
+    assert_pool_empty(engine)
+
+
+def test_a_block_manager_restart_restores_swapped_out_sequences(tiny_checkpoint, workload):
+    run_across_a_blockmgr_restart(
+        lambda client: _engine(tiny_checkpoint, client),
+        workload,
+        lambda engine: bool(engine.scheduler.swapped),
+    )
+
+
+def test_swap_mode_needs_a_host_tier(tiny_checkpoint) -> None:
+    with pytest.raises(ValueError, match="--kv-offloading-size"):
+        ExecutorConfig(model=str(tiny_checkpoint(NAME)), preemption_mode="swap")
+    with pytest.raises(ValueError, match="--preemption-mode"):
+        ExecutorConfig(model=str(tiny_checkpoint(NAME)), preemption_mode="sometimes")
