@@ -156,15 +156,19 @@ class HostTier:
         self.num_swapped_in += 1
 
     def release_swapped(self, slot: int) -> None:
-        """A swapped-out table gives ``slot`` up; once none holds it, it is free from the next
-        Step (a move of this Step may still read it)."""
+        """A swapped-out table gives ``slot`` up; once none holds it, it is free at once, or
+        from the next Step if an onboard of this Step reads it. (An offload of this Step into
+        it is void once another takes it: :meth:`moves` keeps the last write of a slot.)"""
         ref = self._swap_refs[slot] - 1
         if ref:
             self._swap_refs[slot] = ref
             return
         del self._swap_refs[slot]
         self.swap_key.pop(slot, None)
-        self._released.append(slot)
+        if slot in self._pinned:
+            self._released.append(slot)
+        else:
+            self._free.append(slot)
 
     def hold_swapped(self, slot: int, key: bytes | None) -> None:
         """Restore: ``slot`` (in range, checked) holds a block of a swapped-out sequence."""

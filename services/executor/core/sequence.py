@@ -71,6 +71,7 @@ class Sequence:
     num_committed_blocks: int = 0
     # Swapped out: the host-tier slots its table went to, in order (services.blockmgr.swap).
     host_slots: tuple[int, ...] = ()
+    num_swap_slots: int = 0  # the slots counted for it when it was swapped out
     # Slots the pool granted beyond ``num_computed_tokens`` for a step that has not run yet
     # (async scheduling grants the next step's slot while this step's forward runs).
     num_ahead_slots: int = 0

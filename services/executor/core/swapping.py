@@ -79,6 +79,7 @@ class Swapping:
         plan.released.append(self.pool_view(seq))
         freed = self._release(seq.tables[0])
         seq.tables = [[]]
+        seq.num_swap_slots = n
         self.swap_slots_used += n
         self.running.remove(seq)
         seq.status = SeqStatus.SWAPPED
@@ -146,15 +147,16 @@ class Swapping:
         out, back = plan.swap_answers(result)
         if out is not None:
             for (seq, _), slots in zip(plan.swap_outs, out.host_slots, strict=True):
-                seq.host_slots = slots
+                if seq.status is SeqStatus.SWAPPED:  # (not finished meanwhile)
+                    seq.host_slots = slots
         if back is None:
             return
         for seq, status, ids in zip(plan.swap_ins, back.statuses, back.block_ids, strict=True):
             if status is not OpStatus.OK:
                 continue  # no room after all: it stays out
             self.swapped.remove(seq)
-            self.swap_slots_used -= len(seq.host_slots)
-            seq.host_slots = ()
+            self.swap_slots_used -= seq.num_swap_slots
+            seq.host_slots, seq.num_swap_slots = (), 0
             seq.tables = [list(ids)]
             for b in ids:
                 self.refs[b] += 1
@@ -163,11 +165,12 @@ class Swapping:
 
     def _unswap(self, plan: SchedulePlan) -> None:
         """The answer to ``plan`` was rejected: its swap-outs become recomputations."""
-        for seq, n in plan.swap_outs:
+        for seq, _ in plan.swap_outs:
             if seq.status is not SeqStatus.SWAPPED or seq.host_slots:
                 continue
             self.swapped.remove(seq)
-            self.swap_slots_used -= n
+            self.swap_slots_used -= seq.num_swap_slots
+            seq.num_swap_slots = 0
             seq.num_computed_tokens = 0
             seq.num_committed_blocks = 0
             seq.status = SeqStatus.WAITING
@@ -176,7 +179,8 @@ class Swapping:
     def _free_swapped(self, seq: Sequence) -> None:
         """A swapped-out sequence finished (aborted): its slots are freed with the next Step."""
         self.swapped.remove(seq)
-        self.swap_slots_used -= len(seq.host_slots)
+        self.swap_slots_used -= seq.num_swap_slots
+        seq.num_swap_slots = 0
         self._to_free.append(self.pool_view(seq))
 
     def swapped_views(self) -> list[RestoredSequence]:

@@ -212,3 +212,14 @@ def test_restore_rebuilds_swapped_out_sequences_from_their_slots(client, pool_id
     back, step = _swap_in(client, pool_id, epoch, 1)
     assert back.statuses == (OpStatus.OK,)
     assert sorted(m.host_slot for m in step.onboards) == sorted(slots)
+
+
+def test_slots_freed_with_a_swapped_out_sequence_serve_a_swap_out_of_the_same_step(client, pool_id):
+    epoch = _register(client, pool_id, 12, 4)  # 4 slots: one sequence's table
+    _admit(client, pool_id, epoch, 1)
+    _admit(client, pool_id, epoch, 2, list(range(300, 314)))
+    _swap_out(client, pool_id, epoch, 1)
+    step = client.step(pool_id, epoch, [Free((1,)), SwapOut((2,))])
+    out = step.results[1]
+    assert isinstance(out, SwapOutResult) and out.statuses == (OpStatus.OK,)
+    assert len(step.offloads) == 4
