@@ -5,6 +5,7 @@ a block-manager restart with sequences swapped out restores them from their slot
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
@@ -12,12 +13,15 @@ from transformers import PreTrainedModel
 
 from services.blockmgr.client import BlockManagerClient, InProcessClient
 from services.common.sampling_params import SamplingParams
+from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
+from services.executor.core.config import EngineSettings, SchedulerConfig
 from services.executor.core.engine import Engine
 from services.executor.core.sequence import RequestKey
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
 
 from .conftest import CheckpointFactory
+from .fake_runner import VOCAB, FakePagedRunner, reference_tokens
 from .windowed import (
     Workload,
     assert_pool_empty,
@@ -82,6 +86,8 @@ def test_swapped_sequences_match_transformers_and_recompute_fewer_prompt_tokens(
         runs[mode] = engine
     swap, recompute = runs["swap"], runs["recompute"]
     assert swap.scheduler.num_swapped_out > 0 and recompute.scheduler.num_swapped_out == 0
+    # A sequence comes back only with room for its next chunk: no swap in and out each step.
+    assert swap.scheduler.num_preemptions <= recompute.scheduler.num_preemptions
     stats = swap.link.client.stats(swap.link.spec.pool_id)
     assert stats.num_swapped_out_blocks > 0 and stats.num_swapped_in_blocks > 0
     assert stats.num_swapped_sequences == 0
@@ -133,3 +139,52 @@ def test_swap_mode_needs_a_host_tier(tiny_checkpoint) -> None:
         ExecutorConfig(model=str(tiny_checkpoint(NAME)), preemption_mode="swap")
     with pytest.raises(ValueError, match="--preemption-mode"):
         ExecutorConfig(model=str(tiny_checkpoint(NAME)), preemption_mode="sometimes")
+
+
+def _fake_engine(swap: bool) -> Engine:
+    """A model-free engine (its runner checks every context read back through the tables)
+    over 24 blocks of 4 tokens, chunked prefill of 16 tokens, a host tier of 64 slots."""
+    runner = FakePagedRunner(25, 4)
+    spec = PoolSpec("fake", 25, 4, True, host_blocks=64, retry_s=0.001)
+    settings = EngineSettings(
+        max_model_len=256,
+        vocab_size=VOCAB,
+        eos_token_ids=(2,),
+        scheduler=SchedulerConfig(
+            block_size=4,
+            max_num_seqs=8,
+            max_num_batched_tokens=16,
+            watermark_blocks=0,
+            swap_slots=64 if swap else 0,
+        ),
+    )
+    return Engine(settings, runner, BlockManagerLink(InProcessClient(), spec))
+
+
+def test_a_sequence_swapped_back_in_makes_progress_before_it_is_swapped_out_again() -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(20, 60))] for _ in range(10)]
+    runs = {}
+    for swap in (True, False):
+        engine = _fake_engine(swap)
+        swapped_at: list[tuple[int, int]] = []  # (seq_id, computed tokens) at each swap-out
+        swap_out = engine.scheduler._swap_out
+
+        def counting(seq, plan, swap_out=swap_out, swapped_at=swapped_at):  # type: ignore[no-untyped-def]
+            swapped_at.append((seq.seq_id, seq.num_computed_tokens))
+            return swap_out(seq, plan)
+
+        engine.scheduler._swap_out = counting  # type: ignore[method-assign]
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
+        got: dict[str, list[int]] = {}
+        while engine.has_work:
+            for o in engine.step():
+                got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
+        for i, prompt in enumerate(prompts):
+            assert got[f"r{i}"] == reference_tokens(prompt, 24), (swap, i)
+        runs[swap] = (engine.scheduler.num_preemptions, swapped_at)
+    (swap_preemptions, swapped_at), (recompute_preemptions, _) = runs[True], runs[False]
+    assert swapped_at and len(set(swapped_at)) == len(swapped_at)
+    assert swap_preemptions <= recompute_preemptions

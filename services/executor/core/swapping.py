@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from services.blockmgr.types import OpStatus, RestoredSequence, StepResult
-from services.common.blocks import NULL_BLOCK
+from services.common.blocks import NULL_BLOCK, blocks_to_grow
 from services.executor.core.plan import BadAnswer, SchedulePlan
 from services.executor.core.sequence import SeqStatus, Sequence
 
@@ -98,13 +98,27 @@ class Swapping:
 
     def _plan_swap_ins(self, plan: SchedulePlan, free: int) -> None:
         """Swap sequences back in, in priority order, while they fit ``free`` blocks beside
-        the headroom the running ones need (as an admission leaves it)."""
+        the headroom the running ones need (as an admission leaves it), once every running
+        sequence is decoding."""
         cfg = self.config
+        # Not while a running sequence still has prompt chunks to compute: their blocks come
+        # first, and would preempt what came back at once (a swap in and out every step).
+        chunk = {s.seq_id: k for s, k in plan.grows}
+        if any(
+            len(s.token_ids) - s.num_computed_tokens - chunk.get(s.seq_id, 0) > 1
+            for s in self.running
+        ):
+            return
         for seq in self.swapped:
             others = len(self.running) + len(plan.swap_ins)
             if others >= cfg.max_num_seqs:
                 return
-            need = len(seq.host_slots)
+            # Its blocks, and those of its next prompt chunk if it was prefilling (else that
+            # chunk would preempt it again at once).
+            held = len(seq.host_slots)
+            left = len(seq.token_ids) - seq.num_computed_tokens
+            k = min(left, cfg.max_num_batched_tokens) if left > 1 else 0
+            need = held + blocks_to_grow(seq.num_computed_tokens, k, held, cfg.block_size)
             reserve = cfg.watermark_blocks + others if others else 0
             if need + reserve > free:
                 return
