@@ -1,5 +1,5 @@
-"""Multi-turn chat against the KV-cache tiers: no tier, a host tier, and an "infinite" device
-cache, in one run.
+"""Multi-turn chat against the KV-cache tiers: no tier, a host tier, a smaller host tier over a
+disk tier, and an "infinite" device cache, in one run.
 
     .venv/bin/python bench/multiturn_bench.py [--conversations 48] [--turns 6]
 
@@ -12,6 +12,8 @@ fp32), its block manager in-process.
 
 - ``no tier``: a device cache of ``--device-share`` of the final working set;
 - ``host tier``: the same device cache and a host tier ``--host-factor`` times its size;
+- ``host + disk``: the same device cache, a host tier of the device cache's size and a disk
+  tier (a file in a temporary directory) making up the rest of ``--host-factor``;
 - ``infinite``: a device cache holding every history.
 
 Reported per configuration: the prompt-token hit ratio (and its host share), prompt tokens
@@ -83,6 +85,9 @@ def run(config: ExecutorConfig, plan: list[list[tuple[int, int]]], seed: int) ->
     return {
         "hit": stats.prefix_cache_hits_tokens / stats.prefix_cache_queries_tokens,
         "host_hit": stats.host_hits_tokens / stats.prefix_cache_queries_tokens,
+        "disk_hit": stats.disk_hits_tokens / stats.prefix_cache_queries_tokens,
+        "spilled": stats.num_spilled_blocks,
+        "loaded": stats.num_loaded_blocks,
         "computed": stats.prefix_cache_queries_tokens - stats.prefix_cache_hits_tokens,
         "ttft_p50": statistics.median(ttfts),
         "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
@@ -137,6 +142,13 @@ def main() -> int:
             "host tier": ExecutorConfig(
                 **common, num_kv_blocks=device + 1, kv_offloading_size=host_gib
             ),
+            "host + disk": ExecutorConfig(
+                **common,
+                num_kv_blocks=device + 1,
+                kv_offloading_size=host_gib / args.host_factor,
+                kv_offloading_disk_path=str(Path(tmp) / "disk-tier"),
+                kv_offloading_disk_size=host_gib * (args.host_factor - 1) / args.host_factor,
+            ),
             "infinite": ExecutorConfig(**common, num_kv_blocks=2 * working_set + 1),
         }
         results = {name: run(cfg, plan, args.seed) for name, cfg in configs.items()}
@@ -146,25 +158,28 @@ def main() -> int:
         f"({args.device_share:.0%}), host tier {args.host_factor:g}x the device cache\n"
     )
     print(
-        "| configuration | prompt-token hit ratio | of which from host | prompt tokens computed "
-        "| TTFT p50 / p99 s | output tok/s | offloaded / onboarded blocks | preemptions | "
-        "same tokens |"
+        "| configuration | prompt-token hit ratio | of which from host / disk | prompt tokens "
+        "computed | TTFT p50 / p99 s | output tok/s | offloaded / onboarded blocks | spilled / "
+        "loaded blocks | preemptions | same tokens |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     reference = results["infinite"]["outputs"]
     for name, r in results.items():
         print(
-            f"| {name} | {r['hit']:.1%} | {r['host_hit']:.1%} | {r['computed']:,} | "
-            f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {r['tok_s']:,.0f} | "
-            f"{r['offloaded']:,} / {r['onboarded']:,} | {r['preemptions']} | "
+            f"| {name} | {r['hit']:.1%} | {r['host_hit']:.1%} / {r['disk_hit']:.1%} | "
+            f"{r['computed']:,} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
+            f"{r['tok_s']:,.0f} | {r['offloaded']:,} / {r['onboarded']:,} | "
+            f"{r['spilled']:,} / {r['loaded']:,} | {r['preemptions']} | "
             f"{r['outputs'] == reference} |"
         )
-    host, none, inf = results["host tier"], results["no tier"], results["infinite"]
-    print(
-        f"\nhost tier vs infinite hit ratio: {host['hit'] / inf['hit']:.1%}; prompt tokens "
-        f"computed vs no tier: {host['computed'] / none['computed']:.1%}; output tok/s vs no "
-        f"tier: {host['tok_s'] / none['tok_s']:.2f}x"
-    )
+    none, inf = results["no tier"], results["infinite"]
+    for name in ("host tier", "host + disk"):
+        r = results[name]
+        print(
+            f"\n{name} vs infinite hit ratio: {r['hit'] / inf['hit']:.1%}; prompt tokens "
+            f"computed vs no tier: {r['computed'] / none['computed']:.1%}; output tok/s vs no "
+            f"tier: {r['tok_s'] / none['tok_s']:.2f}x"
+        )
     same = all(r["outputs"] == reference for r in results.values())
     return 0 if same else 1
 

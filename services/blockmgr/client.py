@@ -65,10 +65,12 @@ class BlockManagerClient(Protocol):
         owner_token: str | None = None,
         groups: Sequence[KVCacheGroup] = (),
         host_blocks: int = 0,
+        disk_blocks: int = 0,
     ) -> PoolInfo:
         """Create or replace a pool (see the proto's Register). ``groups``: its KV-cache groups
         (none: one full-attention group); at most ``info().max_kv_cache_groups``.
-        ``host_blocks``: slots of a host tier (0: none)."""
+        ``host_blocks``: slots of a host tier (0: none); ``disk_blocks``: slots of a disk
+        tier below it (0: none)."""
         ...
 
     def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult: ...
@@ -155,6 +157,7 @@ class InProcessClient:
         owner_token: str | None = None,
         groups: Sequence[KVCacheGroup] = (),
         host_blocks: int = 0,
+        disk_blocks: int = 0,
     ) -> PoolInfo:
         """``owner_token``: the token to own the pool with; by default the one of our last
         registration of it (none: the block manager picks). ``groups``: the pool's KV-cache
@@ -168,6 +171,7 @@ class InProcessClient:
             owner_token=owner_token or self._tokens.get(pool_id, ""),
             groups=groups,
             host_blocks=host_blocks,
+            disk_blocks=disk_blocks,
         )
         self._tokens[pool_id] = info.owner_token
         return info
@@ -296,6 +300,7 @@ class GrpcClient:
         owner_token: str | None = None,
         groups: Sequence[KVCacheGroup] = (),
         host_blocks: int = 0,
+        disk_blocks: int = 0,
     ) -> PoolInfo:
         try:
             policy = convert.POLICY_TO_PB[EvictionPolicyName.parse(eviction_policy)]
@@ -312,6 +317,7 @@ class GrpcClient:
                 owner_token=owner_token or self._tokens.get(pool_id, ""),
                 groups=convert.groups_to_pb(groups),
                 host_blocks=host_blocks,
+                disk_blocks=disk_blocks,
             ),
         )
         self._tokens[pool_id] = resp.owner_token

@@ -234,6 +234,7 @@ def pool_info_to_pb(p: PoolInfo) -> pb.PoolInfo:
         eviction_policy=POLICY_TO_PB[p.eviction_policy],
         groups=groups_to_pb(p.groups),
         host_blocks=p.host_blocks,
+        disk_blocks=p.disk_blocks,
     )
 
 
@@ -247,6 +248,7 @@ def pool_info_from_pb(p: pb.PoolInfo) -> PoolInfo:
         policy_from_pb(p.eviction_policy),
         groups=groups_from_pb(p.groups) or (FULL_GROUP,),  # none: a server predating groups
         host_blocks=p.host_blocks,
+        disk_blocks=p.disk_blocks,
     )
 
 
@@ -296,6 +298,10 @@ def stats_to_pb(s: PoolStats) -> pb.PoolStats:
         num_swapped_out_blocks=s.num_swapped_out_blocks,
         num_swapped_in_blocks=s.num_swapped_in_blocks,
         num_swapped_sequences=s.num_swapped_sequences,
+        disk_hits_tokens=s.disk_hits_tokens,
+        num_spilled_blocks=s.num_spilled_blocks,
+        num_loaded_blocks=s.num_loaded_blocks,
+        num_disk_cached_blocks=s.num_disk_cached_blocks,
     )
 
 
@@ -319,6 +325,10 @@ def stats_from_pb(s: pb.PoolStats) -> PoolStats:
         s.num_swapped_out_blocks,
         s.num_swapped_in_blocks,
         s.num_swapped_sequences,
+        s.disk_hits_tokens,
+        s.num_spilled_blocks,
+        s.num_loaded_blocks,
+        s.num_disk_cached_blocks,
     )
 
 

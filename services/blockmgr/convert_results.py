@@ -18,6 +18,7 @@ from services.blockmgr.types import (
     OpResult,
     OpStatus,
     PoolCounters,
+    SlotMove,
     StepResult,
     SwapInResult,
     SwapOutResult,
@@ -201,6 +202,8 @@ def step_to_pb(result: StepResult) -> pb.StepResponse:
             pb.BlockMove(device_block=m.device_block, host_slot=m.host_slot)
             for m in result.onboards
         ],
+        spills=[pb.SlotMove(src=m.src, dst=m.dst) for m in result.spills],
+        loads=[pb.SlotMove(src=m.src, dst=m.dst) for m in result.loads],
     )
 
 
@@ -210,4 +213,6 @@ def step_from_pb(resp: pb.StepResponse) -> StepResult:
         counters_from_pb(resp.counters),
         tuple(BlockMove(m.device_block, m.host_slot) for m in resp.offloads),
         tuple(BlockMove(m.device_block, m.host_slot) for m in resp.onboards),
+        tuple(SlotMove(m.src, m.dst) for m in resp.spills),
+        tuple(SlotMove(m.src, m.dst) for m in resp.loads),
     )

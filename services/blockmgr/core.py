@@ -140,6 +140,7 @@ class BlockManagerCore:
         owner_token: str = "",
         groups: Sequence[KVCacheGroup] = (),
         host_blocks: int = 0,
+        disk_blocks: int = 0,
     ) -> PoolInfo:
         """Create a pool, or replace one's own (``owner_token`` from its registration). A new
         epoch is issued; the previous epoch's sequences and cached hashes are dropped and its
@@ -168,6 +169,11 @@ class BlockManagerCore:
             raise invalid(
                 f"host_blocks must be in [0, {self.max_pool_blocks}] (--max-pool-blocks), "
                 f"got {host_blocks}"
+            )
+        if not 0 <= disk_blocks <= self.max_pool_blocks:
+            raise invalid(
+                f"disk_blocks must be in [0, {self.max_pool_blocks}] (--max-pool-blocks), "
+                f"got {disk_blocks}"
             )
         if owner_token and not MIN_OWNER_TOKEN_LEN <= len(owner_token) <= MAX_OWNER_TOKEN_LEN:
             raise invalid(
@@ -200,6 +206,7 @@ class BlockManagerCore:
                 groups=pool_groups,
                 retention_steps=self.retention_steps,
                 host_blocks=host_blocks,
+                disk_blocks=disk_blocks,
             )
             # Epochs are unique across restarts of this process too (time-based floor), so an
             # executor holding an epoch from before a restart can never be mistaken for current.
@@ -214,6 +221,7 @@ class BlockManagerCore:
                 eviction_policy,
                 groups=pool_groups,
                 host_blocks=host_blocks,
+                disk_blocks=disk_blocks,
             )
             self._pools[pool_id] = _Pool(info, manager, token, self._lease_end())
             if self.trace is not None:
@@ -226,6 +234,7 @@ class BlockManagerCore:
                     pool_groups,
                     self.retention_steps,
                     host_blocks,
+                    disk_blocks,
                 )
             log = self._events.setdefault(pool_id, _EventLog(self._event_buffer))
             # Every new epoch starts with CLEARED, the first one too: a consumer that knew the
@@ -253,12 +262,12 @@ class BlockManagerCore:
             try:
                 results = manager.step(ops)
             finally:
-                offloads, onboards = manager.take_moves()
+                moves = manager.take_moves()
                 self._flush_events(pool_id, pool)
             if self.trace is not None:
                 self.trace.step(pool_id, ops)
             pool.num_steps += 1
-            return StepResult(tuple(results), manager.counters(), offloads, onboards)
+            return StepResult(tuple(results), manager.counters(), *moves)
 
     def restore(
         self,
@@ -282,7 +291,7 @@ class BlockManagerCore:
             self._sweep()
             pool = self._pool(pool_id)
             m = pool.manager
-            host = m.pool.host
+            host, disk = m.pool.host, m.pool.disk
             return PoolStats(
                 pool=pool.info,
                 counters=m.counters(),
@@ -302,6 +311,10 @@ class BlockManagerCore:
                 num_swapped_out_blocks=host.num_swapped_out if host else 0,
                 num_swapped_in_blocks=host.num_swapped_in if host else 0,
                 num_swapped_sequences=len(m.swapped),
+                disk_hits_tokens=m.disk_hits_tokens,
+                num_spilled_blocks=disk.num_offloaded if disk else 0,
+                num_loaded_blocks=disk.num_onboarded if disk else 0,
+                num_disk_cached_blocks=disk.occupied() if disk else 0,
             )
 
     def block_table(self, pool_id: str, seq_id: int) -> list[int]:
@@ -391,10 +404,11 @@ class BlockManagerCore:
 
     def _flush_events(self, pool_id: str, pool: _Pool) -> None:
         grouped: list[tuple[KVEventKind, tuple[bytes, ...], int, KVMedium]] = []
-        host = pool.manager.pool.host
+        host, disk = pool.manager.pool.host, pool.manager.pool.disk
         for pending, medium in (
             (pool.manager.pool.events, KVMedium.DEVICE),
             (host.events if host is not None else [], KVMedium.HOST),
+            (disk.events if disk is not None else [], KVMedium.DISK),
         ):
             if not pending:
                 continue

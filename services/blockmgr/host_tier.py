@@ -26,6 +26,14 @@ Preemption by swapping (:mod:`services.blockmgr.swap`) takes slots of the same t
 swapped-out sequence's slots are held for it (refcounted: sequences swapped out together
 share a block's slot), out of the cache's eviction order, until it is swapped in or freed.
 Restore rebuilds them from the executor's view (it still holds their content).
+
+A **disk tier** (``below``) is another instance of this class under the host tier: a cached
+host slot evicted for other content is *spilled* there (host slot -> disk slot, an offload of
+the disk tier) instead of dropped, unless an offload of this Step wrote it (its bytes are not
+in the slot yet when the spills run). A prefix hit in the disk tier is loaded straight into a
+device block (an onboard of the disk tier). The executor runs a Step's moves in this order:
+spills, offloads, host onboards, disk loads; so a spill reads a host slot before an offload
+overwrites it, and a load reads a disk slot after a spill of the Step filled it.
 """
 
 from __future__ import annotations
@@ -38,8 +46,10 @@ __all__ = ["HostTier"]
 
 
 class HostTier:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, below: HostTier | None = None) -> None:
+        """``below``: the disk tier this one spills into, if any."""
         self.num_slots = num_slots
+        self.below = below
         self.slot_of: dict[bytes, int] = {}
         self.key_of: list[bytes | None] = [None] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
@@ -48,6 +58,7 @@ class HostTier:
         self._released: list[int] = []  # onboarded this Step: free from the next one
         self._onboarded: dict[int, int] = {}  # device block -> the slot it is filled from
         self._written: dict[int, int] = {}  # slot -> its offload of this Step (index)
+        self._swapped_in: set[int] = set()  # device blocks a swap-in of this Step fills
         self.events: list[PendingEvent] = []  # KV events of the tier (medium: host)
         self.offloads: list[BlockMove] = []
         self.onboards: list[BlockMove] = []
@@ -69,6 +80,10 @@ class HostTier:
         if slot is not None:
             self._lru.move_to_end(slot)
             return
+        if block_id in self._swapped_in:
+            return  # filled by a swap-in of this Step, after the offloads: nothing to copy yet
+        if self.below is not None and self.below.lookup(key) is not None:
+            return  # the disk tier holds it already (the tiers are exclusive)
         slot = self._onboarded.pop(block_id, None)
         if slot is not None:
             # Filled from ``slot`` in this very Step (the onboard runs after the offloads):
@@ -82,6 +97,35 @@ class HostTier:
         self._keep(slot, key)
         self._written[slot] = len(self.offloads)
         self.offloads.append(BlockMove(block_id, slot))
+        self.num_offloaded += 1
+
+    def reclaim_load(self, block_id: int, key: bytes) -> bool:
+        """(The disk tier.) Device block ``block_id``, to be loaded from a slot of this tier
+        in this very Step, is evicted before the load ran: the slot keeps the block, and the
+        load is cancelled (a fill of the block later in the Step must not be overwritten)."""
+        slot = self._onboarded.pop(block_id, None)
+        if slot is None:
+            return False
+        self.onboards = [m for m in self.onboards if m.device_block != block_id]
+        self.num_onboarded -= 1
+        self._released.remove(slot)
+        self._keep(slot, key)
+        return True
+
+    def spill(self, host_slot: int, key: bytes) -> None:
+        """(The disk tier.) Host slot ``host_slot``, cached under ``key``, is about to be
+        reused: keep its block here (nothing when the key is here already or every slot is
+        pinned)."""
+        slot = self.slot_of.get(key)
+        if slot is not None:
+            self._lru.move_to_end(slot)
+            return
+        slot = self._take_slot()
+        if slot is None:
+            return
+        self._keep(slot, key)
+        self._written[slot] = len(self.offloads)
+        self.offloads.append(BlockMove(host_slot, slot))
         self.num_offloaded += 1
 
     def _keep(self, slot: int, key: bytes) -> None:
@@ -118,6 +162,7 @@ class HostTier:
         self._released.clear()
         self._onboarded.clear()
         self._written.clear()
+        self._swapped_in.clear()
 
     def moves(self) -> tuple[tuple[BlockMove, ...], tuple[BlockMove, ...]]:
         """This Step's (offloads, onboards): an offload into a slot that a later one of the
@@ -153,6 +198,7 @@ class HostTier:
         """Fill device block ``block_id`` from swapped ``slot`` (an onboard of this Step)."""
         self._pinned.add(slot)
         self.onboards.append(BlockMove(block_id, slot))
+        self._swapped_in.add(block_id)
         self.num_swapped_in += 1
 
     def release_swapped(self, slot: int) -> None:
@@ -204,6 +250,8 @@ class HostTier:
         if key is not None:
             del self.slot_of[key]
             self.events.append((KVEventKind.REMOVED, key))
+            if self.below is not None and slot not in self._written:
+                self.below.spill(slot, key)
         self.num_evicted += 1
         self._written.pop(slot, None)  # written earlier in this Step: that offload is void
         return slot

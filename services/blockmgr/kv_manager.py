@@ -19,7 +19,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from services.blockmgr.errors import BlockManagerError, ErrorCode, invalid, not_found
-from services.blockmgr.host_tier import HostTier
 from services.blockmgr.kv_groups import group_key, grow, longest_group_hit, windows_of
 from services.blockmgr.pool import BlockPool
 from services.blockmgr.restore import restore
@@ -28,12 +27,12 @@ from services.blockmgr.step_checks import (
     validate_step,
 )
 from services.blockmgr.swap import SwappedSeq, free_swapped, swap_in, swap_out
+from services.blockmgr.tiers import TierMoves, TierRun, fill_from_tiers, take_moves, tier_run
 from services.blockmgr.types import (
     Admit,
     AdmitResult,
     AttentionKindName,
     BlockCopy,
-    BlockMove,
     Commit,
     CommitResult,
     EvictionPolicyName,
@@ -110,6 +109,7 @@ class KVBlockManager:
         groups: Sequence[KVCacheGroup] = (),
         retention_steps: int = DEFAULT_RETENTION_STEPS,
         host_blocks: int = 0,
+        disk_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         if not groups:
@@ -121,8 +121,13 @@ class KVBlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         if host_blocks and (self.num_groups > 1 or self.any_sliding):
             raise invalid("host_blocks: a host tier serves pools of one full-attention group")
-        self.pool = BlockPool(num_blocks, eviction_policy, retention_steps, host_blocks)
+        if disk_blocks and not host_blocks:
+            raise invalid("disk_blocks: a disk tier needs a host tier above it (host_blocks)")
+        self.pool = BlockPool(
+            num_blocks, eviction_policy, retention_steps, host_blocks, disk_blocks
+        )
         self.host_hits_tokens = 0
+        self.disk_hits_tokens = 0
         self.seqs: dict[int, SeqState] = {}
         self.swapped: dict[int, SwappedSeq] = {}  # swapped out (services.blockmgr.swap)
         self._recently_freed: OrderedDict[int, None] = OrderedDict()
@@ -165,6 +170,8 @@ class KVBlockManager:
         self.pool.tick()
         if self.pool.host is not None:
             self.pool.host.begin_step()
+            if self.pool.disk is not None:
+                self.pool.disk.begin_step()
         failed: set[int] = set()
         results: list[OpResult] = []
         for op in ops:
@@ -194,7 +201,7 @@ class KVBlockManager:
         num_hit = 0
         lives = [0] * self.num_groups
         hits: list[list[int]] = [[] for _ in lives]  # per group: blocks live .. num_hit - 1
-        onboard: list[tuple[bytes, int]] = []  # (hash, host slot) past the device hit
+        onboard: TierRun = []  # past the device hit: (hash, tier, slot)
         if self.enable_prefix_caching:
             max_hits = (op.num_prompt_tokens - 1) // bs  # never cover the last prompt token
             if self.num_groups > 1 or self.any_sliding:
@@ -210,8 +217,8 @@ class KVBlockManager:
                         break
                     found.append(block_id)
                 num_hit = len(found)
-                if pool.host is not None:  # the prefix may go on in the host tier
-                    onboard = _host_run(pool.host, op.block_hashes[num_hit:max_hits])
+                if pool.host is not None:  # the prefix may go on in the tiers below
+                    onboard = tier_run(pool, op.block_hashes[num_hit:max_hits])
         num_cached = (num_hit + len(onboard)) * bs
         num_tokens = num_cached + min(op.num_prompt_tokens - num_cached, op.max_new_tokens)
         need = blocks_for_tokens(num_tokens, bs) - num_hit - len(onboard)
@@ -242,30 +249,15 @@ class KVBlockManager:
         ids = tuple(tables[0]) if len(tables) == 1 else tuple(b for t in tables for b in t)
         return AdmitResult(OpStatus.OK, ids, num_cached, num_tokens)
 
-    def _onboard(self, run: list[tuple[bytes, int]], priority: int) -> list[int]:
-        """New device blocks for ``run`` (hash, host slot), to be filled from the host tier:
-        matchable on the device at once (the executor fills them before any forward)."""
-        pool = self.pool
-        host = pool.host
-        assert host is not None
-        for _, slot in run:  # read in this Step: no offload of it may take these slots
-            host.pin(slot)
-        blocks = []
-        for block_hash, slot in run:
-            block_id = pool.allocate()
-            host.onboard(slot, block_id)
-            pool.store(block_id, block_hash)
-            pool.note_hit(block_id)  # a prefix hit, from the tier
-            if priority:
-                pool.retain(block_id, priority)
-            blocks.append(block_id)
-        self.host_hits_tokens += len(run) * self.block_size
+    def _onboard(self, run: TierRun, priority: int) -> list[int]:
+        blocks, from_disk = fill_from_tiers(self.pool, run, priority)
+        self.host_hits_tokens += (len(run) - from_disk) * self.block_size
+        self.disk_hits_tokens += from_disk * self.block_size
         return blocks
 
-    def take_moves(self) -> tuple[tuple[BlockMove, ...], tuple[BlockMove, ...]]:
-        """The host tier's (offloads, onboards) of the Step just applied."""
-        host = self.pool.host
-        return host.moves() if host is not None else ((), ())
+    def take_moves(self) -> TierMoves:
+        """The tiers' (offloads, onboards, spills, loads) of the Step just applied."""
+        return take_moves(self.pool)
 
     def _grow(self, op: Grow, failed: set[int]) -> GrowResult:
         if self.num_groups > 1 or self.any_sliding:
@@ -420,17 +412,6 @@ class KVBlockManager:
         """Rebuild live (and swapped-out) sequences in an empty pool, after a block-manager
         restart (:func:`services.blockmgr.restore.restore`)."""
         return restore(self, sequences)
-
-
-def _host_run(host: HostTier, block_hashes: Sequence[bytes]) -> list[tuple[bytes, int]]:
-    """The leading run of ``block_hashes`` the host tier holds: (hash, slot) each."""
-    run = []
-    for block_hash in block_hashes:
-        slot = host.lookup(block_hash)
-        if slot is None:
-            break
-        run.append((block_hash, slot))
-    return run
 
 
 __all__ = ["BlockManagerError", "ErrorCode", "KVBlockManager"]

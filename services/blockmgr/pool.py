@@ -27,6 +27,7 @@ class BlockPool:
         eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU,
         retention_steps: int = DEFAULT_RETENTION_STEPS,
         host_blocks: int = 0,
+        disk_blocks: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
         self.refcount = [0] * num_blocks
@@ -52,7 +53,9 @@ class BlockPool:
         self.eviction_age_steps = 0
         self.eviction_reuse = 0
         # The host tier, if any: blocks evicted here are offloaded there (host_tier.py).
-        self.host = HostTier(host_blocks) if host_blocks else None
+        # and those the host tier evicts are spilled to the disk tier below it, if any.
+        self.disk = HostTier(disk_blocks) if disk_blocks else None
+        self.host = HostTier(host_blocks, self.disk) if host_blocks else None
 
     @property
     def num_usable(self) -> int:
@@ -111,6 +114,8 @@ class BlockPool:
         its hash here (a duplicate takes it over)."""
         key = self.block_hash[block_id]
         if key is not None and not self._duplicates.get(key):
+            if self.disk is not None and self.disk.reclaim_load(block_id, key):
+                return
             assert self.host is not None
             self.host.offload(block_id, key)
 

@@ -72,6 +72,7 @@ class ReplayResult:
     num_onboarded_blocks: int = 0
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
+    disk_hits_tokens: int = 0  # of hits_tokens, loaded from the disk tier
     seconds: float = 0.0
 
     @property
@@ -97,6 +98,8 @@ class _ReplayedPool:
             retention_steps=record.retention_steps,
             # (an override of the tier applies to the pools that can have one)
             host_blocks=host_blocks if host_blocks is not None and tier_ok else record.host_blocks,
+            # (the disk tier as recorded, while the pool keeps a host tier above it)
+            disk_blocks=record.disk_blocks if host_blocks != 0 else 0,
         )
         self.num_dropped = 0
         self.num_refused_admissions = 0
@@ -240,6 +243,7 @@ def replay(
             result.num_onboarded_blocks += m.pool.host.num_onboarded
             result.num_swapped_out_blocks += m.pool.host.num_swapped_out
             result.num_swapped_in_blocks += m.pool.host.num_swapped_in
+        result.disk_hits_tokens += m.disk_hits_tokens
     result.seconds = time.perf_counter() - start
     return result
 

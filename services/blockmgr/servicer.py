@@ -69,6 +69,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             owner_token=request.owner_token,
             groups=convert.groups_from_pb(request.groups),
             host_blocks=request.host_blocks,
+            disk_blocks=request.disk_blocks,
         )
         log.info(
             "pool_registered",
@@ -80,6 +81,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             enable_prefix_caching=info.enable_prefix_caching,
             groups=[(g.kind.value, g.sliding_window) for g in info.groups],
             host_blocks=info.host_blocks,
+            disk_blocks=info.disk_blocks,
         )
         return pb.RegisterPoolResponse(
             pool=convert.pool_info_to_pb(info), owner_token=info.owner_token, lease_s=info.lease_s

@@ -65,6 +65,7 @@ class RegisterRecord:
     groups: tuple[KVCacheGroup, ...]
     retention_steps: int = DEFAULT_RETENTION_STEPS
     host_blocks: int = 0
+    disk_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,7 @@ class TraceWriter:
         groups: Sequence[KVCacheGroup],
         retention_steps: int = DEFAULT_RETENTION_STEPS,
         host_blocks: int = 0,
+        disk_blocks: int = 0,
     ) -> None:
         self._write(
             {
@@ -176,6 +178,7 @@ class TraceWriter:
                 "groups": [[g.kind.value, g.sliding_window, list(g.layers)] for g in groups],
                 "retention_steps": retention_steps,
                 "host_blocks": host_blocks,
+                "disk_blocks": disk_blocks,
             }
         )
 
@@ -231,6 +234,7 @@ def _record(d: dict[str, Any]) -> TraceRecord:
             groups,
             int(d.get("retention_steps", DEFAULT_RETENTION_STEPS)),
             int(d.get("host_blocks", 0)),
+            int(d.get("disk_blocks", 0)),
         )
     if kind == "restore":
         seqs = tuple(

@@ -69,6 +69,7 @@ EVENTS_LIVE_HEADER = "x-pagedserve-events"
 class KVMedium(enum.IntEnum):
     DEVICE = 0  # the executor's device pool (the KV cache)
     HOST = 1  # the pool's host tier
+    DISK = 2  # the pool's disk tier
 
 
 class KVEventKind(enum.IntEnum):
@@ -233,13 +234,26 @@ class BlockMove:
 
 
 @dataclass(frozen=True, slots=True)
+class SlotMove:
+    """A move between tiers below the device: host slot ``src`` to disk slot ``dst`` (a spill);
+    or, for a load, disk slot ``src`` into device block ``dst``."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     results: tuple[OpResult, ...]
     counters: PoolCounters
-    # The host tier's moves, to perform before the forward, offloads first: device blocks
-    # copied down before their reuse, then device blocks filled from the tier (admissions).
+    # The tiers' moves, to perform before the forward in this order: spills (host slot to
+    # disk slot, before the host slot is reused), offloads (device blocks copied down before
+    # their reuse), onboards (device blocks filled from the host tier), loads (device blocks
+    # filled from the disk tier).
     offloads: tuple[BlockMove, ...] = ()
     onboards: tuple[BlockMove, ...] = ()
+    spills: tuple[SlotMove, ...] = ()
+    loads: tuple[SlotMove, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +293,7 @@ class PoolInfo:
     lease_s: float = field(default=0.0, compare=False)
     groups: tuple[KVCacheGroup, ...] = (FULL_GROUP,)  # as registered (one FULL group: none given)
     host_blocks: int = 0  # the host tier's slots (0: none)
+    disk_blocks: int = 0  # the disk tier's slots, below the host tier (0: none)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -324,6 +339,12 @@ class PoolStats:
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     num_swapped_sequences: int = 0
+    # The disk tier: prompt tokens loaded from it at admission (also in hits_tokens), blocks
+    # spilled into it from the host tier, loaded from it, slots holding a block now.
+    disk_hits_tokens: int = 0
+    num_spilled_blocks: int = 0
+    num_loaded_blocks: int = 0
+    num_disk_cached_blocks: int = 0
 
 
 # (kind, cache key: the block hash, and its group's byte after it in groups > 0): a plain

@@ -43,6 +43,8 @@ class PoolMachine(RuleBasedStateMachine):
     windows: tuple[int, ...] = (0,)  # one per KV-cache group: > 0 slides over that many tokens
     retention_steps = 4096
     host_blocks = 0  # > 0: a host tier of that many slots (one full group only)
+    disk_blocks = 0  # > 0: a disk tier below the host tier
+    num_blocks = NUM_BLOCKS
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,12 +58,13 @@ class PoolMachine(RuleBasedStateMachine):
             for w in self.windows
         ]
         return KVBlockManager(
-            NUM_BLOCKS,
+            self.num_blocks,
             BS,
             eviction_policy=self.policy,
             groups=groups,
             retention_steps=self.retention_steps,
             host_blocks=self.host_blocks,
+            disk_blocks=self.disk_blocks,
         )
 
     def _tables(self, m: KVBlockManager | None = None) -> Tables:
@@ -184,7 +187,7 @@ class PoolMachine(RuleBasedStateMachine):
         held = Counter(b for s in self.m.seqs.values() for t in s.tables for b in t if b)
         pool = self.m.pool
         assert pool.refcount[0] == 0
-        for b in range(1, NUM_BLOCKS):
+        for b in range(1, self.num_blocks):
             assert pool.refcount[b] == held.get(b, 0)
 
     @invariant()
@@ -203,9 +206,9 @@ class PoolMachine(RuleBasedStateMachine):
         free = pool.free_block_ids()
         assert len(free) == len(set(free)) == pool.num_free
         assert all(pool.refcount[b] == 0 for b in free)
-        in_use = sum(1 for b in range(1, NUM_BLOCKS) if pool.refcount[b] > 0)
+        in_use = sum(1 for b in range(1, self.num_blocks) if pool.refcount[b] > 0)
         c = self.m.counters()
-        assert c.num_free_blocks + c.num_in_use_blocks == c.num_usable_blocks == NUM_BLOCKS - 1
+        assert c.num_free_blocks + c.num_in_use_blocks == c.num_usable_blocks == self.num_blocks - 1
         assert in_use == c.num_in_use_blocks
         assert c.num_cached_free_blocks <= c.num_free_blocks
 
@@ -245,7 +248,7 @@ class PoolMachine(RuleBasedStateMachine):
         if self.m.seqs:
             self.m.step([Free(tuple(self.m.seqs))])
         c = self.m.counters()
-        assert c.num_in_use_blocks == 0 and c.num_free_blocks == NUM_BLOCKS - 1
+        assert c.num_in_use_blocks == 0 and c.num_free_blocks == self.num_blocks - 1
 
 
 class LFUPoolMachine(PoolMachine):
@@ -275,7 +278,6 @@ class HostTierPoolMachine(PoolMachine):
         offloads, onboards = host.moves()
         assert len({m.host_slot for m in onboards}) == len(onboards)
         assert len({m.host_slot for m in offloads}) == len(offloads)
-        assert not {m.device_block for m in offloads} & {m.device_block for m in onboards}
         for m in onboards if not self.swaps else ():  # from the tier: matchable at once
             assert self.m.pool.block_hash[m.device_block] is not None
 
@@ -297,6 +299,7 @@ class SwapPoolMachine(HostTierPoolMachine):
         self.swapped: dict[int, list[int]] = {}  # swapped-out sequences' tokens
         self.dev: dict[int, tuple[int, ...]] = {}  # device block -> content
         self.hostmem: dict[int, tuple[int, ...]] = {}  # host slot -> content
+        self.diskmem: dict[int, tuple[int, ...]] = {}  # disk slot -> content
         super().__init__()
 
     def _manager(self) -> KVBlockManager:
@@ -304,12 +307,23 @@ class SwapPoolMachine(HostTierPoolMachine):
         inner = m.step
 
         def step(ops):  # type: ignore[no-untyped-def]
+            self._forward()  # the last step's forward ran before this Step's moves
             results = inner(ops)
-            offloads, onboards = m.take_moves()
+            offloads, onboards, spills, loads = m.take_moves()  # done in this order
+            for sp in spills:
+                self.diskmem[sp.dst] = self.hostmem[sp.src]
             for mv in offloads:
                 self.hostmem[mv.host_slot] = self.dev.get(mv.device_block, ())
             for mv in onboards:
                 self.dev[mv.device_block] = self.hostmem[mv.host_slot]
+            for ld in loads:
+                self.dev[ld.dst] = self.diskmem[ld.src]
+            # A block filled from a tier holds the content its hash names.
+            filled = [mv.device_block for mv in onboards] + [ld.dst for ld in loads]
+            for b in filled:
+                h = m.pool.block_hash[b]
+                if h is not None:
+                    assert hashes(list(self.dev[b]), BS)[-1] == h, b
             for r in results:
                 for c in getattr(r, "copies", ()):
                     self.dev[c.dst] = self.dev.get(c.src, ())
@@ -394,6 +408,45 @@ class SwapPoolMachine(HostTierPoolMachine):
         super().teardown()
 
 
+class DiskTierPoolMachine(SwapPoolMachine):
+    """A small host tier over a disk tier: evicted host slots spill to disk, hits load from
+    either (the content model checks every block filled from a tier)."""
+
+    num_blocks = 10  # a small device pool: cached blocks are evicted to the tiers often
+    host_blocks = 3
+    disk_blocks = 5
+
+    @rule(tokens=st.lists(st.integers(0, 9), min_size=5, max_size=24))
+    def turn(self, tokens: list[int]) -> None:
+        """A whole request: admitted, its full blocks committed, freed (cached, then evicted
+        down the tiers by later turns); remembered to come back."""
+        self.prompts.append(tokens)
+        seq_id = self._new_id()
+        (r,) = self.m.step([Admit(seq_id, len(tokens), len(tokens), hashes(tokens, BS))])
+        if r.status is OpStatus.OK:
+            self.tokens[seq_id] = tokens  # computed by the next step's forward
+            self.m.step([Commit(seq_id, 0, hashes(tokens, BS))])
+            self.m.step([Free((seq_id,))])
+            del self.tokens[seq_id]
+
+    @precondition(lambda self: self.prompts)
+    @rule(data=st.data(), extra=st.integers(0, 9))
+    def turn_again(self, data: st.DataObject, extra: int) -> None:
+        """An earlier prompt plus a token: its prefix hits the device or the tiers below."""
+        self.turn([*data.draw(st.sampled_from(self.prompts)), extra])
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.__dict__.setdefault("_prompts", [])
+
+    @invariant()
+    def the_tiers_hold_disjoint_keys(self) -> None:
+        host, disk = self.m.pool.host, self.m.pool.disk
+        assert host is not None and disk is not None
+        assert not set(host.slot_of) & set(disk.slot_of)
+        assert disk.occupied() <= disk.num_slots
+
+
 class SlidingPoolMachine(PoolMachine):
     windows = (6,)  # not a multiple of the block size: the window straddles blocks
 
@@ -436,6 +489,8 @@ TestHostTierInvariants = HostTierPoolMachine.TestCase
 TestHostTierInvariants.settings = _adaptive_settings
 TestSwapInvariants = SwapPoolMachine.TestCase
 TestSwapInvariants.settings = settings(_settings, max_examples=80)
+TestDiskTierInvariants = DiskTierPoolMachine.TestCase
+TestDiskTierInvariants.settings = settings(_settings, max_examples=80)
 _sliding_settings = settings(_settings, max_examples=60)
 TestSlidingPoolInvariantsLRU = SlidingPoolMachine.TestCase
 TestSlidingPoolInvariantsLRU.settings = _sliding_settings

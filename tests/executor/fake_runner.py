@@ -48,15 +48,30 @@ class FakePagedRunner:
         return block * self.block_size + pos % self.block_size
 
     def move_blocks(
-        self, offloads: Sequence[tuple[int, int]], onboards: Sequence[tuple[int, int]]
+        self,
+        offloads: Sequence[tuple[int, int]],
+        onboards: Sequence[tuple[int, int]],
+        spills: Sequence[tuple[int, int]] = (),
+        loads: Sequence[tuple[int, int]] = (),
     ) -> None:
         host = self.__dict__.setdefault("host", {})
+        disk = self.__dict__.setdefault("disk", {})
+        for src, dst in spills:
+            for off in range(self.block_size):
+                disk[(dst, off)] = host.get((src, off))
         for block, slot in offloads:
             for off in range(self.block_size):
                 host[(slot, off)] = self.cache.get(block * self.block_size + off)
         for block, slot in onboards:
             for off in range(self.block_size):
                 value = host.get((slot, off))
+                if value is None:
+                    self.cache.pop(block * self.block_size + off, None)
+                else:
+                    self.cache[block * self.block_size + off] = value
+        for slot, block in loads:
+            for off in range(self.block_size):
+                value = disk.get((slot, off))
                 if value is None:
                     self.cache.pop(block * self.block_size + off, None)
                 else:

@@ -4,14 +4,18 @@ turn's prefix hit, and the tokens stay transformers' (sync and async scheduling)
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
+import torch
 
 from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
 from services.executor.core.sequence import RequestKey
+from services.executor.model.config import ModelConfig
 from services.executor.model.errors import ModelLoadError
+from services.executor.model.kv_cache import bytes_per_block
 from services.executor.model.launch import build_runner
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
@@ -21,6 +25,7 @@ from .greedy import hf_greedy
 
 def _config(tiny_checkpoint, name: str = "llama", **kw) -> ExecutorConfig:
     kw.setdefault("num_kv_blocks", 14)  # 13 blocks of 8: two conversations do not fit
+    kw.setdefault("kv_offloading_size", 64 * 2**20 / 2**30)  # 64 MiB: every block evicted
     return ExecutorConfig(
         model=str(tiny_checkpoint(name)),
         dtype="float32",
@@ -28,7 +33,6 @@ def _config(tiny_checkpoint, name: str = "llama", **kw) -> ExecutorConfig:
         block_size=8,
         max_model_len=104,
         max_num_batched_tokens=32,
-        kv_offloading_size=64 * 2**20 / 2**30,  # 64 MiB: every block ever evicted
         **kw,
     )
 
@@ -66,3 +70,50 @@ def test_a_host_tier_is_refused_for_a_model_whose_layers_slide(tiny_checkpoint) 
     config = _config(tiny_checkpoint, "mistral_window", num_kv_blocks=40)
     with pytest.raises(ModelLoadError, match="--kv-offloading-size"):
         build_runner(config.runner_config())
+
+
+def test_host_blocks_spill_to_a_disk_tier_and_load_back_with_transformers_tokens(
+    tiny_checkpoint, hf_model, tmp_path
+) -> None:
+    """A host tier of 6 blocks over a disk tier: a conversation's history, evicted from the
+    device and then from the host, comes back from the disk on its next turn."""
+    model = tiny_checkpoint("llama")
+    mc = ModelConfig.from_hf_config(json.loads((model / "config.json").read_text()))
+    per_block = bytes_per_block(mc, 8, torch.float32)
+    config = _config(
+        tiny_checkpoint,
+        kv_offloading_size=6 * per_block / 2**30,
+        kv_offloading_disk_path=str(tmp_path / "tier"),
+        kv_offloading_disk_size=256 * per_block / 2**30,
+    )
+    engine, _ = build_engine(config, blockmgr=InProcessClient())
+    (tier_file,) = (tmp_path / "tier").iterdir()
+    rng = random.Random(4)
+    histories = [[1] + [rng.randrange(3, 600) for _ in range(30)] for _ in range(3)]
+    for turn in range(3):
+        for c, history in enumerate(histories):
+            history.extend(rng.randrange(3, 600) for _ in range(6))
+            engine.add_request(
+                RequestKey(0, f"c{c}t{turn}"),
+                list(history),
+                SamplingParams(temperature=0.0, max_tokens=4),
+            )
+            got: list[int] = []
+            while engine.has_work:
+                for o in engine.step():
+                    got.extend(o.token_ids)
+            assert got == hf_greedy(hf_model("llama"), history, 4)[0], (c, turn)
+            history.extend(got)
+    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    assert (stats.pool.host_blocks, stats.pool.disk_blocks) == (6, 256)
+    assert stats.num_spilled_blocks > 0 and stats.num_loaded_blocks > 0
+    assert stats.disk_hits_tokens > 0
+    engine.runner.close()
+    assert not tier_file.exists()
+
+
+def test_a_disk_tier_needs_a_host_tier_and_a_path(tiny_checkpoint) -> None:
+    with pytest.raises(ValueError, match="--kv-offloading-size"):
+        ExecutorConfig(model="m", kv_offloading_disk_path="/tmp/x", kv_offloading_disk_size=1)
+    with pytest.raises(ValueError, match="--kv-offloading-disk-path"):
+        ExecutorConfig(model="m", kv_offloading_size=1, kv_offloading_disk_size=1)

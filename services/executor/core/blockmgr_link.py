@@ -49,6 +49,7 @@ class PoolSpec:
     owner_token: str | None = None  # a stable one lets a restarted executor take its pool back
     groups: tuple[KVCacheGroup, ...] = ()  # none: one full-attention group
     host_blocks: int = 0  # slots of the pool's host tier (the runner's host memory)
+    disk_blocks: int = 0  # slots of the disk tier below it (the runner's file)
     retry_s: float = 0.05
     max_backoff_s: float = 0.5  # serving again within a second of the block manager coming back
 
@@ -167,6 +168,7 @@ class BlockManagerLink:
             owner_token=s.owner_token,
             groups=s.groups,
             host_blocks=s.host_blocks,
+            disk_blocks=s.disk_blocks,
         )
 
     def _resync(self, state: list[RestoredSequence]) -> None:

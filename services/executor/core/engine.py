@@ -257,7 +257,7 @@ class Engine(AheadEngine, BeamSearchEngine):
                 self.num_steps += 1
                 return outputs + self._take_pending()
         if batch.has_moves:  # offloads read blocks a copy or the forward may overwrite
-            self.runner.move_blocks(batch.offloads, batch.onboards)
+            self.runner.move_blocks(*batch.moves)
         if batch.copies:
             self.runner.copy_blocks(batch.copies)
         # Plan and send the next Step while the forward runs: after the launch where it

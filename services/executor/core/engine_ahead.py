@@ -72,7 +72,7 @@ class AheadEngine:
         chunks = [c for c in batch.chunks if c.seq.status is running]
         if not chunks:
             if batch.has_moves:  # the pool's host tier counts on them, batch or not
-                self.runner.move_blocks(batch.offloads, batch.onboards)
+                self.runner.move_blocks(*batch.moves)
             return None, None
         self.num_steps_ahead += 1
         if prepared is not None:
@@ -89,7 +89,7 @@ class AheadEngine:
                         if alive:
                             prepared.rows.append(row)
                         row += 1
-        return ScheduledBatch(chunks, batch.copies, batch.offloads, batch.onboards), prepared
+        return ScheduledBatch(chunks, batch.copies, *batch.moves), prepared
 
     def _prepare(self, batch: ScheduledBatch) -> PreparedBatch:
         """Build ``batch``'s host batch now, before this step's sampling: a chunk of a

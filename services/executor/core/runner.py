@@ -28,10 +28,15 @@ class Runner(Protocol):
     def execute(self, chunks: Sequence[SeqChunk]) -> Tensor: ...
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
     def move_blocks(
-        self, offloads: Sequence[tuple[int, int]], onboards: Sequence[tuple[int, int]]
+        self,
+        offloads: Sequence[tuple[int, int]],
+        onboards: Sequence[tuple[int, int]],
+        spills: Sequence[tuple[int, int]] = (),
+        loads: Sequence[tuple[int, int]] = (),
     ) -> None:
-        """The host tier's moves, ``(device block, host slot)`` each: offloads (device to
-        host) first, then onboards (host to device)."""
+        """The tiers' moves of a Step, in this order: spills ``(host slot, disk slot)``,
+        offloads (device to host) and onboards (host to device) ``(device block, host slot)``,
+        loads ``(disk slot, device block)``."""
         ...
 
 

@@ -8,19 +8,52 @@ blocks. Both are synchronous for now: an offload's bytes are in the slots, and a
 the cache, when it returns, so no later write (a copy-on-write, the forward, the next Step's
 offload into the same slot) can overtake them. Overlapping them with the forward on their own
 CUDA streams, with events guarding the slots, is the next step (not yet run on a GPU).
+
+The disk tier below it (:class:`DiskKVStore`, ``--kv-offloading-disk-path``) is one file of
+slots of the same shape, memory-mapped: a spill copies a host slot into a disk slot (a host
+slot the block manager evicts for other content), a load a disk slot into a device block. The
+kernel writes the file back in its own time; a restarted executor starts with an empty tier
+(the block manager's tier map lives with the pool), so nothing is read back across processes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-__all__ = ["HostKVCache"]
+__all__ = ["DiskKVStore", "HostKVCache"]
+
+
+class DiskKVStore:
+    def __init__(self, path: Path, like: Tensor, num_slots: int) -> None:
+        """``num_slots`` slots shaped like ``like``'s (a host tier's ``[n, ...]`` slots) in the
+        file ``path``, created (or truncated) to size and mapped."""
+        per_slot = tuple(like.shape[1:])
+        numel = num_slots * math.prod(per_slot)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("wb") as f:
+            f.truncate(numel * like.element_size())
+        self.path = path
+        flat = torch.from_file(str(path), shared=True, size=numel, dtype=like.dtype)
+        self.slots = flat.view(num_slots, *per_slot)
+        self.num_slots = num_slots
+
+    @property
+    def bytes(self) -> int:
+        return self.slots.numel() * self.slots.element_size()
+
+    def close(self) -> None:
+        """Remove the file (its content is the pool's, which ends with this executor)."""
+        self.path.unlink(missing_ok=True)
 
 
 class HostKVCache:
+    disk: DiskKVStore | None = None  # the disk tier below, if any
+
     def __init__(self, kv_cache: Tensor, num_slots: int) -> None:
         """Slots shaped like one block of ``kv_cache`` (``[S, 2, NB, BS, Hkv, D]``)."""
         per_slot = (kv_cache.shape[0], 2, *kv_cache.shape[3:])  # [S, 2, BS, Hkv, D]
@@ -40,9 +73,18 @@ class HostKVCache:
         kv_cache: Tensor,
         offloads: Sequence[tuple[int, int]],
         onboards: Sequence[tuple[int, int]],
+        spills: Sequence[tuple[int, int]] = (),
+        loads: Sequence[tuple[int, int]] = (),
     ) -> None:
-        """``(device block, host slot)`` pairs: offloads first, then onboards."""
+        """In this order: spills ``(host slot, disk slot)``; offloads, then onboards,
+        ``(device block, host slot)``; loads ``(disk slot, device block)``."""
         device = kv_cache.device
+        if (spills or loads) and self.disk is None:
+            raise RuntimeError("the block manager ordered disk-tier moves; this runner has none")
+        if spills:
+            assert self.disk is not None
+            src, dst = _ids(spills)
+            self.disk.slots[dst] = self.slots[src]
         if offloads:
             blocks, slots = _ids(offloads)
             # [S, 2, n, BS, Hkv, D] -> [n, S, 2, BS, Hkv, D]: one region per block
@@ -52,8 +94,13 @@ class HostKVCache:
             blocks, slots = _ids(onboards)
             data = self.slots[slots].to(device)
             kv_cache[:, :, blocks.to(device)] = data.permute(1, 2, 0, 3, 4, 5)
-            if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()
+        if loads:
+            assert self.disk is not None
+            slots, blocks = _ids(loads)
+            data = self.disk.slots[slots].to(device)
+            kv_cache[:, :, blocks.to(device)] = data.permute(1, 2, 0, 3, 4, 5)
+        if (onboards or loads) and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
 
 def _ids(pairs: Sequence[tuple[int, int]]) -> tuple[Tensor, Tensor]:

@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -27,7 +28,7 @@ from services.executor.model.cuda_graphs import (
     GraphBackendName,
 )
 from services.executor.model.errors import ModelLoadError
-from services.executor.model.host_kv import HostKVCache
+from services.executor.model.host_kv import DiskKVStore, HostKVCache
 from services.executor.model.kv_cache import allocate_kv_cache, size_kv_cache
 from services.executor.model.kv_layout import plan_kv_layout
 from services.executor.model.loader import load_model, resolve_device
@@ -131,6 +132,8 @@ def _build(
     host = None
     if config.cache.host_tier_bytes:
         host = _host_tier(model, kv_cache, config.cache.host_tier_bytes, comm)
+        if config.cache.disk_tier_bytes:
+            host.disk = _disk_tier(host, config.cache.disk_tier_bytes, config.cache.disk_tier_path)
     runner = ModelRunner(model, kv_cache, config.block_size, workers, host)
     if graph_backend is None and device.type == "cuda":
         graph_backend = "cuda"
@@ -160,6 +163,26 @@ def _host_tier(model: DecoderLM, kv_cache: torch.Tensor, budget: int, comm: Comm
     host = HostKVCache(kv_cache, num_slots)
     log.info("host_tier_allocated", num_slots=num_slots, bytes=host.bytes)
     return host
+
+
+def _disk_tier(host: HostKVCache, budget: int, path: str | None) -> DiskKVStore:
+    """The disk tier's slots in ``budget`` bytes (``--kv-offloading-disk-size``), in one file
+    under ``path`` (``--kv-offloading-disk-path``)."""
+    if not path:
+        raise ModelLoadError("--kv-offloading-disk-size needs --kv-offloading-disk-path")
+    per_slot = host.slots[0].numel() * host.slots.element_size()
+    num_slots = budget // per_slot
+    if num_slots < 1:
+        raise ModelLoadError(
+            f"--kv-offloading-disk-size: {budget} bytes hold no block of {per_slot} bytes"
+        )
+    file = Path(path) / f"kv-tier-{os.getpid()}.bin"
+    try:
+        disk = DiskKVStore(file, host.slots, num_slots)
+    except OSError as exc:
+        raise ModelLoadError(f"--kv-offloading-disk-path: cannot create {file}: {exc}") from None
+    log.info("disk_tier_allocated", num_slots=num_slots, bytes=disk.bytes, path=str(file))
+    return disk
 
 
 def _exit_with_parent() -> None:

@@ -176,17 +176,23 @@ class ModelRunner:
             self.workers.done()
 
     def move_blocks(
-        self, offloads: Sequence[tuple[int, int]], onboards: Sequence[tuple[int, int]]
+        self,
+        offloads: Sequence[tuple[int, int]],
+        onboards: Sequence[tuple[int, int]],
+        spills: Sequence[tuple[int, int]] = (),
+        loads: Sequence[tuple[int, int]] = (),
     ) -> None:
-        """The host tier's moves of a Step, offloads first (see :mod:`.host_kv`)."""
+        """The tiers' moves of a Step, in order (see :mod:`.host_kv`)."""
         if self.host is None:
             raise RuntimeError("the block manager ordered host-tier moves; this runner has none")
-        self.host.move(self.kv_cache, offloads, onboards)
+        self.host.move(self.kv_cache, offloads, onboards, spills, loads)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do for one rank)."""
+        """Stop the other tensor-parallel ranks, remove the disk tier's file."""
         if self.workers is not None:
             self.workers.close()
+        if self.host is not None and self.host.disk is not None:
+            self.host.disk.close()
 
     @torch.inference_mode()
     def serve_rank(self, channel: StepChannel) -> None:

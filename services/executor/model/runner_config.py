@@ -35,6 +35,10 @@ class CacheConfig:
     # Bytes of host memory for the block manager's host tier (--kv-offloading-size): blocks
     # evicted from the KV cache are copied there, and back on a prefix hit. 0: none.
     host_tier_bytes: int = 0
+    # A disk tier below the host tier (--kv-offloading-disk-path/-size): host slots evicted
+    # for other content are spilled into this file, and loaded back on a prefix hit. 0: none.
+    disk_tier_bytes: int = 0
+    disk_tier_path: str | None = None
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,9 @@ class ExecutorConfig:
     # blocks evicted from the KV cache are offloaded there, and onboarded on a prefix hit.
     kv_offloading_size: float = 0.0
     kv_offloading_backend: str = "native"
+    # A disk tier below the host tier: GiB of one file under this directory.
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: float = 0.0
     # How a sequence is preempted when the KV cache runs out (vLLM's --preemption-mode):
     # recompute (its blocks freed, its tokens computed again) or swap (its blocks copied to
     # the host tier and back; needs --kv-offloading-size).
@@ -129,6 +132,22 @@ class ExecutorConfig:
             default="native",
             choices=["native"],
             help="how blocks move to and from the host tier (native: copies between tensors)",
+        )
+        a(
+            "--kv-offloading-disk-path",
+            default=None,
+            metavar="DIR",
+            help="directory for a KV tier on disk below the host tier (one file of "
+            "--kv-offloading-disk-size GiB): host-tier blocks evicted for others are spilled "
+            "there and loaded back on a prefix hit",
+        )
+        a(
+            "--kv-offloading-disk-size",
+            type=float,
+            default=0.0,
+            metavar="GIB",
+            help="GiB of the disk tier (0: none; needs --kv-offloading-size and "
+            "--kv-offloading-disk-path)",
         )
         a(
             "--preemption-mode",
@@ -257,6 +276,17 @@ class ExecutorConfig:
             raise ValueError(
                 f"--kv-offloading-size must be >= 0 GiB, got {self.kv_offloading_size}"
             )
+        if not (math.isfinite(self.kv_offloading_disk_size) and self.kv_offloading_disk_size >= 0):
+            raise ValueError(
+                f"--kv-offloading-disk-size must be >= 0 GiB, got {self.kv_offloading_disk_size}"
+            )
+        if self.kv_offloading_disk_size and not self.kv_offloading_size:
+            raise ValueError(
+                "--kv-offloading-disk-size needs --kv-offloading-size > 0: the disk tier sits "
+                "below the host tier"
+            )
+        if self.kv_offloading_disk_size and not self.kv_offloading_disk_path:
+            raise ValueError("--kv-offloading-disk-size needs --kv-offloading-disk-path")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}"
@@ -316,6 +346,8 @@ class ExecutorConfig:
                 num_kv_blocks=self.num_kv_blocks,
                 hybrid_kv_cache=not self.disable_hybrid_kv_cache_manager,
                 host_tier_bytes=int(self.kv_offloading_size * 2**30),
+                disk_tier_bytes=int(self.kv_offloading_disk_size * 2**30),
+                disk_tier_path=self.kv_offloading_disk_path,
             ),
             dtype=self.dtype,
             device=self.device,

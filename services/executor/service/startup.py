@@ -129,6 +129,7 @@ def _build_engine(
         eviction_policy=config.eviction_policy,
         groups=groups,
         host_blocks=runner.host.num_slots if runner.host is not None else 0,
+        disk_blocks=runner.host.disk.num_slots if runner.host and runner.host.disk else 0,
     )
     client = blockmgr or connect_blockmgr(config)
     try:
@@ -143,6 +144,13 @@ def _build_engine(
             "one that serves hybrid pools, or pass --disable-hybrid-kv-cache-manager"
         )
     link = BlockManagerLink(client, pool, on_health=on_health)
+    if pool.disk_blocks and link.pool.disk_blocks != pool.disk_blocks:
+        log.warning(
+            "disk_tier_not_served",
+            asked=pool.disk_blocks,
+            granted=link.pool.disk_blocks,
+            consequence="blocks evicted from the host tier are dropped",
+        )
     if pool.host_blocks and link.pool.host_blocks != pool.host_blocks:
         log.warning(
             "host_tier_not_served",
