@@ -80,17 +80,8 @@ class HostTier:
         if slot is not None:
             self._lru.move_to_end(slot)
             return
-        if block_id in self._swapped_in:
-            return  # filled by a swap-in of this Step, after the offloads: nothing to copy yet
-        if self.below is not None and self.below.lookup(key) is not None:
+        if self.below is not None and self.below.touch(key):
             return  # the disk tier holds it already (the tiers are exclusive)
-        slot = self._onboarded.pop(block_id, None)
-        if slot is not None:
-            # Filled from ``slot`` in this very Step (the onboard runs after the offloads):
-            # its content is still the slot's, which simply stays in the tier.
-            self._released.remove(slot)
-            self._keep(slot, key)
-            return
         slot = self._take_slot()
         if slot is None:
             return
@@ -99,17 +90,32 @@ class HostTier:
         self.offloads.append(BlockMove(block_id, slot))
         self.num_offloaded += 1
 
-    def reclaim_load(self, block_id: int, key: bytes) -> bool:
-        """(The disk tier.) Device block ``block_id``, to be loaded from a slot of this tier
-        in this very Step, is evicted before the load ran: the slot keeps the block, and the
-        load is cancelled (a fill of the block later in the Step must not be overwritten)."""
-        slot = self._onboarded.pop(block_id, None)
+    def touch(self, key: bytes) -> bool:
+        """Whether the tier holds ``key`` (then it is the most recently used)."""
+        slot = self.slot_of.get(key)
         if slot is None:
             return False
+        self._lru.move_to_end(slot)
+        return True
+
+    def cancel_fill(self, block_id: int, key: bytes | None) -> bool:
+        """Device block ``block_id``, to be filled from this tier by a move of this very Step,
+        is reused (evicted, or freed uncached) before that move ran: the move is cancelled (a
+        later fill of the block in the Step must not be overwritten by it). An onboarded
+        slot keeps its block under ``key``, as if never read; a swap-in's is simply not
+        cached. Returns whether there was such a move."""
+        slot = self._onboarded.pop(block_id, None)
+        if slot is None:
+            if block_id not in self._swapped_in:
+                return False
+            self._swapped_in.discard(block_id)
+            self.num_swapped_in -= 1
+        else:
+            self.num_onboarded -= 1
+            if key is not None and key not in self.slot_of:
+                self._released.remove(slot)
+                self._keep(slot, key)
         self.onboards = [m for m in self.onboards if m.device_block != block_id]
-        self.num_onboarded -= 1
-        self._released.remove(slot)
-        self._keep(slot, key)
         return True
 
     def spill(self, host_slot: int, key: bytes) -> None:

@@ -75,6 +75,8 @@ class BlockPool:
         The caller has checked ``num_free``; evicting a cached block drops its hash."""
         if self._uncached:
             block_id = self._uncached.popleft()
+            if self.host is not None:  # a swap-in of this Step may fill it yet: cancelled
+                self._cancel_fills(block_id, None)
         else:
             block_id = self._policy.pop()
             if self.host is not None:
@@ -111,13 +113,20 @@ class BlockPool:
 
     def _offload(self, block_id: int) -> None:
         """An evicted block's content goes to the host tier, unless a live copy of it keeps
-        its hash here (a duplicate takes it over)."""
+        its hash here (a duplicate takes it over), or a tier's move of this Step was to fill
+        it (cancelled: that tier's slot keeps the block)."""
         key = self.block_hash[block_id]
+        if self._cancel_fills(block_id, key):
+            return
         if key is not None and not self._duplicates.get(key):
-            if self.disk is not None and self.disk.reclaim_load(block_id, key):
-                return
             assert self.host is not None
             self.host.offload(block_id, key)
+
+    def _cancel_fills(self, block_id: int, key: bytes | None) -> bool:
+        assert self.host is not None
+        if self.disk is not None and self.disk.cancel_fill(block_id, key):
+            return True
+        return self.host.cancel_fill(block_id, key)
 
     def retain(self, block_id: int, priority: int) -> None:
         """An in-use block is to be kept with at least this retention priority once freed."""

@@ -431,6 +431,26 @@ class DiskTierPoolMachine(SwapPoolMachine):
 
     @precondition(lambda self: self.prompts)
     @rule(data=st.data(), extra=st.integers(0, 9))
+    def admit_free_and_admit_in_one_step(self, data: st.DataObject, extra: int) -> None:
+        """A block filled from a tier, freed and reused within one Step: its fill is
+        cancelled, never left to overwrite the next content (the wrapper checks every
+        filled block against its hash, in the executor's order of moves)."""
+        first = [*data.draw(st.sampled_from(self.prompts)), extra]
+        # Long enough to evict what the first one was just given.
+        second = [*data.draw(st.sampled_from(self.prompts)), *[extra + 1] * 20]
+        a, b = self._new_id(), self._new_id()
+        h1, h2 = hashes(first, BS), hashes(second, BS)
+        results = self.m.step(
+            [Admit(a, len(first), len(first), h1), Free((a,)), Admit(b, len(second), 64, h2)]
+        )
+        _, onboards, _, loads = self.m.take_moves()
+        filled = [mv.device_block for mv in onboards] + [ld.dst for ld in loads]
+        assert len(set(filled)) == len(filled)  # one fill per block and Step
+        if results[2].status is OpStatus.OK:
+            self.tokens[b] = second[: results[2].num_tokens]
+
+    @precondition(lambda self: self.prompts)
+    @rule(data=st.data(), extra=st.integers(0, 9))
     def turn_again(self, data: st.DataObject, extra: int) -> None:
         """An earlier prompt plus a token: its prefix hits the device or the tiers below."""
         self.turn([*data.draw(st.sampled_from(self.prompts)), extra])

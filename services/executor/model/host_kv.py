@@ -12,13 +12,15 @@ CUDA streams, with events guarding the slots, is the next step (not yet run on a
 The disk tier below it (:class:`DiskKVStore`, ``--kv-offloading-disk-path``) is one file of
 slots of the same shape, memory-mapped: a spill copies a host slot into a disk slot (a host
 slot the block manager evicts for other content), a load a disk slot into a device block. The
-kernel writes the file back in its own time; a restarted executor starts with an empty tier
-(the block manager's tier map lives with the pool), so nothing is read back across processes.
+file is unlinked once mapped (the kernel writes it back in its own time): a restarted executor
+starts with an empty tier, as the block manager's tier map lives with the pool.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,26 +31,27 @@ __all__ = ["DiskKVStore", "HostKVCache"]
 
 
 class DiskKVStore:
-    def __init__(self, path: Path, like: Tensor, num_slots: int) -> None:
-        """``num_slots`` slots shaped like ``like``'s (a host tier's ``[n, ...]`` slots) in the
-        file ``path``, created (or truncated) to size and mapped."""
+    def __init__(self, directory: Path, like: Tensor, num_slots: int) -> None:
+        """``num_slots`` slots shaped like ``like``'s (a host tier's ``[n, ...]`` slots) in a
+        new file under ``directory``: its blocks allocated up front (a full disk is an error
+        now, not a SIGBUS in the middle of a Step), mapped, then unlinked, so that it is this
+        process's alone and goes with it however it ends. OSError when that fails."""
         per_slot = tuple(like.shape[1:])
         numel = num_slots * math.prod(per_slot)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("wb") as f:
-            f.truncate(numel * like.element_size())
-        self.path = path
-        flat = torch.from_file(str(path), shared=True, size=numel, dtype=like.dtype)
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix="kv-tier-", suffix=".bin", dir=directory)
+        try:
+            os.posix_fallocate(fd, 0, numel * like.element_size())
+            flat = torch.from_file(name, shared=True, size=numel, dtype=like.dtype)
+        finally:
+            os.close(fd)
+            os.unlink(name)
         self.slots = flat.view(num_slots, *per_slot)
         self.num_slots = num_slots
 
     @property
     def bytes(self) -> int:
         return self.slots.numel() * self.slots.element_size()
-
-    def close(self) -> None:
-        """Remove the file (its content is the pool's, which ends with this executor)."""
-        self.path.unlink(missing_ok=True)
 
 
 class HostKVCache:

@@ -176,12 +176,11 @@ def _disk_tier(host: HostKVCache, budget: int, path: str | None) -> DiskKVStore:
         raise ModelLoadError(
             f"--kv-offloading-disk-size: {budget} bytes hold no block of {per_slot} bytes"
         )
-    file = Path(path) / f"kv-tier-{os.getpid()}.bin"
     try:
-        disk = DiskKVStore(file, host.slots, num_slots)
+        disk = DiskKVStore(Path(path), host.slots, num_slots)
     except OSError as exc:
-        raise ModelLoadError(f"--kv-offloading-disk-path: cannot create {file}: {exc}") from None
-    log.info("disk_tier_allocated", num_slots=num_slots, bytes=disk.bytes, path=str(file))
+        raise ModelLoadError(f"--kv-offloading-disk-path {path}: {exc}") from None
+    log.info("disk_tier_allocated", num_slots=num_slots, bytes=disk.bytes, path=path)
     return disk
 
 

@@ -188,11 +188,9 @@ class ModelRunner:
         self.host.move(self.kv_cache, offloads, onboards, spills, loads)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks, remove the disk tier's file."""
+        """Stop the other tensor-parallel ranks (nothing to do for one rank)."""
         if self.workers is not None:
             self.workers.close()
-        if self.host is not None and self.host.disk is not None:
-            self.host.disk.close()
 
     @torch.inference_mode()
     def serve_rank(self, channel: StepChannel) -> None:

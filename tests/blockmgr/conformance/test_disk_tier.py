@@ -83,3 +83,33 @@ def test_a_block_evicted_again_and_again_is_found_once_and_hit(client, pool_id):
     r = _admit(client, pool_id, epoch, 99, [*block, 1])
     assert r.results[0].num_cached_tokens == 4
     assert len(r.onboards) + len(r.loads) == 1  # from one tier, one copy
+
+
+def test_a_block_loaded_and_reused_in_one_step_keeps_its_disk_slot_and_is_not_loaded(
+    client, pool_id
+):
+    """[Admit (loads K into B), Free, Admit (evicts B)] in one Step: the load of B is
+    cancelled (it would overwrite B's next content) and K stays on disk."""
+    epoch = _register(client, pool_id, 5, 2, 4)  # 4 usable device blocks, 2 host slots
+    block = PROMPT[:4]
+    _cache(client, pool_id, epoch, 1, block)  # K cached on the device
+    _cache(client, pool_id, epoch, 2, list(range(500, 516)))  # K offloaded to the host
+    _cache(client, pool_id, epoch, 3, list(range(600, 616)))  # host full: K spilled to disk
+    assert client.stats(pool_id).num_disk_cached_blocks >= 1
+    step = client.step(
+        pool_id,
+        epoch,
+        [
+            Admit(4, 5, 5, hashes([*block, 1], BS)),
+            Free((4,)),
+            Admit(5, 16, 16, hashes(list(range(700, 716)), BS)),
+        ],
+    )
+    first, _, second = step.results
+    assert first.num_cached_tokens == 4 and second.num_cached_tokens == 0
+    loaded_into = first.block_ids[0]
+    assert loaded_into in second.block_ids  # reused at once
+    assert loaded_into not in {m.dst for m in step.loads}
+    client.step(pool_id, epoch, [Free((5,))])
+    again = _admit(client, pool_id, epoch, 6, [*block, 2])
+    assert again.results[0].num_cached_tokens == 4 and len(again.loads) == 1

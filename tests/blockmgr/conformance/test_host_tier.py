@@ -134,7 +134,8 @@ def test_a_block_onboarded_and_evicted_in_one_step_is_never_read_before_it_is_fi
     client, pool_id
 ):
     """[Admit (onboards K into D), Free, Admit (evicts D)] in one Step: the offloads run
-    before the onboards, so none may read D; K stays in its slot."""
+    before the onboards, so none may read D, and D's onboard is cancelled (D's next content
+    comes after it); K stays in its slot."""
     epoch = _register(client, pool_id, 3, 4)  # 2 usable device blocks
     _cache(client, pool_id, epoch, 1, PROMPT[:4])
     _admit(client, pool_id, epoch, 2, list(range(700, 708)))  # evicts it: offloaded
@@ -145,8 +146,11 @@ def test_a_block_onboarded_and_evicted_in_one_step_is_never_read_before_it_is_fi
         Admit(4, 8, 8, hashes(list(range(800, 808)), BS)),  # 2 blocks: evicts the onboarded
     ]
     r = client.step(pool_id, epoch, ops)
+    (first, _, second) = r.results
+    assert first.num_cached_tokens == 4 and first.block_ids[0] in second.block_ids
     onboarded = {m.device_block for m in r.onboards}
-    assert onboarded and not onboarded & {m.device_block for m in r.offloads}
+    assert first.block_ids[0] not in onboarded
+    assert not onboarded & {m.device_block for m in r.offloads}
     assert len({m.host_slot for m in r.offloads}) == len(r.offloads)
     client.step(pool_id, epoch, [Free((4,))])
     again = _admit(client, pool_id, epoch, 5, [*PROMPT[:4], 1])

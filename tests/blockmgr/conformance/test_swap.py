@@ -223,3 +223,28 @@ def test_slots_freed_with_a_swapped_out_sequence_serve_a_swap_out_of_the_same_st
     out = step.results[1]
     assert isinstance(out, SwapOutResult) and out.statuses == (OpStatus.OK,)
     assert len(step.offloads) == 4
+
+
+def test_a_swapped_in_block_freed_and_refilled_in_one_step_is_filled_once(client, pool_id):
+    """[SwapIn (fills B from its slot), Free, Admit (a host hit fills B again)] in one Step:
+    the swap-in's fill of B is cancelled, so B is written once, with the hit's block."""
+    epoch = _register(client, pool_id, 4, 4)  # 3 usable device blocks
+    _admit(client, pool_id, epoch, 1, [7, 8, 9])  # one partial block
+    _swap_out(client, pool_id, epoch, 1)
+    prompt = list(range(200, 204))
+    _admit(client, pool_id, epoch, 2, prompt)
+    client.step(pool_id, epoch, [Commit(2, 0, hashes(prompt, BS)), Free((2,))])
+    other = list(range(300, 312))
+    _admit(client, pool_id, epoch, 3, other)  # evicts it to the host
+    # Cached free: the block the swap-in frees will be the only uncached one, taken first.
+    client.step(pool_id, epoch, [Commit(3, 0, hashes(other, BS)), Free((3,))])
+    step = client.step(
+        pool_id,
+        epoch,
+        [SwapIn((1,)), Free((1,)), Admit(4, 5, 5, hashes([*prompt, 1], BS))],
+    )
+    back, _, hit = step.results
+    assert back.statuses == (OpStatus.OK,) and hit.num_cached_tokens == 4
+    filled = [m.device_block for m in step.onboards]
+    assert len(filled) == len(set(filled))
+    assert hit.block_ids[0] in filled
