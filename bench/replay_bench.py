@@ -129,7 +129,18 @@ def main() -> int:
                 f"| {name} | {size} | {r.hit_ratio:.1%} | {r.num_evicted_blocks:,} | "
                 f"{r.num_refused_admissions:,} | {r.num_dropped:,} | {r.seconds:.2f} |"
             )
-    print(f"\nAll {2 * len(EvictionPolicyName) + 1} replays: {total:.1f} s.")
+    print(f"\nAll {2 * len(EvictionPolicyName) + 1} replays: {total:.1f} s.\n")
+    # The tiers' own policy: the recorded device cache (LRU) over a host tier of its size.
+    host = num_blocks - 1
+    print(f"Device cache as recorded (LRU), a host tier of {host} blocks:\n")
+    print("| tier policy | hit ratio | host hit ratio | offloaded / onboarded | replay s |")
+    print("|---|---:|---:|---:|---:|")
+    for tier in EvictionPolicyName:
+        r = replay(records, host_blocks=host, tier_policy=tier)
+        print(
+            f"| {tier.value} | {r.hit_ratio:.1%} | {r.host_hits_tokens / r.queries_tokens:.1%} "
+            f"| {r.num_offloaded_blocks:,} / {r.num_onboarded_blocks:,} | {r.seconds:.2f} |"
+        )
     return 0
 
 

@@ -66,11 +66,12 @@ class BlockManagerClient(Protocol):
         groups: Sequence[KVCacheGroup] = (),
         host_blocks: int = 0,
         disk_blocks: int = 0,
+        tier_eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
     ) -> PoolInfo:
         """Create or replace a pool (see the proto's Register). ``groups``: its KV-cache groups
         (none: one full-attention group); at most ``info().max_kv_cache_groups``.
         ``host_blocks``: slots of a host tier (0: none); ``disk_blocks``: slots of a disk
-        tier below it (0: none)."""
+        tier below it (0: none); ``tier_eviction_policy``: the order the tiers reuse slots."""
         ...
 
     def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult: ...
@@ -158,6 +159,7 @@ class InProcessClient:
         groups: Sequence[KVCacheGroup] = (),
         host_blocks: int = 0,
         disk_blocks: int = 0,
+        tier_eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
     ) -> PoolInfo:
         """``owner_token``: the token to own the pool with; by default the one of our last
         registration of it (none: the block manager picks). ``groups``: the pool's KV-cache
@@ -172,6 +174,7 @@ class InProcessClient:
             groups=groups,
             host_blocks=host_blocks,
             disk_blocks=disk_blocks,
+            tier_eviction_policy=tier_eviction_policy,
         )
         self._tokens[pool_id] = info.owner_token
         return info
@@ -301,9 +304,11 @@ class GrpcClient:
         groups: Sequence[KVCacheGroup] = (),
         host_blocks: int = 0,
         disk_blocks: int = 0,
+        tier_eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
     ) -> PoolInfo:
         try:
             policy = convert.POLICY_TO_PB[EvictionPolicyName.parse(eviction_policy)]
+            tier_policy = convert.POLICY_TO_PB[EvictionPolicyName.parse(tier_eviction_policy)]
         except ValueError as exc:
             raise BlockManagerError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
         resp = self._call(
@@ -318,6 +323,7 @@ class GrpcClient:
                 groups=convert.groups_to_pb(groups),
                 host_blocks=host_blocks,
                 disk_blocks=disk_blocks,
+                tier_eviction_policy=tier_policy,
             ),
         )
         self._tokens[pool_id] = resp.owner_token

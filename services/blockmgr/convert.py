@@ -235,6 +235,7 @@ def pool_info_to_pb(p: PoolInfo) -> pb.PoolInfo:
         groups=groups_to_pb(p.groups),
         host_blocks=p.host_blocks,
         disk_blocks=p.disk_blocks,
+        tier_eviction_policy=POLICY_TO_PB[p.tier_eviction_policy],
     )
 
 
@@ -249,6 +250,7 @@ def pool_info_from_pb(p: pb.PoolInfo) -> PoolInfo:
         groups=groups_from_pb(p.groups) or (FULL_GROUP,),  # none: a server predating groups
         host_blocks=p.host_blocks,
         disk_blocks=p.disk_blocks,
+        tier_eviction_policy=policy_from_pb(p.tier_eviction_policy, "tier_eviction_policy"),
     )
 
 

@@ -141,6 +141,7 @@ class BlockManagerCore:
         groups: Sequence[KVCacheGroup] = (),
         host_blocks: int = 0,
         disk_blocks: int = 0,
+        tier_eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
     ) -> PoolInfo:
         """Create a pool, or replace one's own (``owner_token`` from its registration). A new
         epoch is issued; the previous epoch's sequences and cached hashes are dropped and its
@@ -162,6 +163,7 @@ class BlockManagerCore:
             raise invalid(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
         try:
             eviction_policy = EvictionPolicyName.parse(eviction_policy)
+            tier_eviction_policy = EvictionPolicyName.parse(tier_eviction_policy)
         except ValueError as exc:
             raise invalid(str(exc)) from None
         pool_groups = validated_groups(groups)
@@ -207,6 +209,7 @@ class BlockManagerCore:
                 retention_steps=self.retention_steps,
                 host_blocks=host_blocks,
                 disk_blocks=disk_blocks,
+                tier_eviction_policy=tier_eviction_policy,
             )
             # Epochs are unique across restarts of this process too (time-based floor), so an
             # executor holding an epoch from before a restart can never be mistaken for current.
@@ -222,6 +225,7 @@ class BlockManagerCore:
                 groups=pool_groups,
                 host_blocks=host_blocks,
                 disk_blocks=disk_blocks,
+                tier_eviction_policy=tier_eviction_policy,
             )
             self._pools[pool_id] = _Pool(info, manager, token, self._lease_end())
             if self.trace is not None:
@@ -235,6 +239,7 @@ class BlockManagerCore:
                     self.retention_steps,
                     host_blocks,
                     disk_blocks,
+                    tier_eviction_policy,
                 )
             log = self._events.setdefault(pool_id, _EventLog(self._event_buffer))
             # Every new epoch starts with CLEARED, the first one too: a consumer that knew the

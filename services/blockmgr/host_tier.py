@@ -38,22 +38,29 @@ overwrites it, and a load reads a disk slot after a spill of the Step filled it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
-from services.blockmgr.types import BlockMove, KVEventKind, PendingEvent
+from services.blockmgr.eviction import EvictionPolicy, make_policy
+from services.blockmgr.types import BlockMove, EvictionPolicyName, KVEventKind, PendingEvent
 
 __all__ = ["HostTier"]
 
 
 class HostTier:
-    def __init__(self, num_slots: int, below: HostTier | None = None) -> None:
-        """``below``: the disk tier this one spills into, if any."""
+    def __init__(
+        self,
+        num_slots: int,
+        below: HostTier | None = None,
+        policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
+    ) -> None:
+        """``below``: the disk tier this one spills into, if any. ``policy``: the order in
+        which cached slots are reused (a hit in the tier, an offload or a spill of a key it
+        holds, counts as a use)."""
         self.num_slots = num_slots
         self.below = below
         self.slot_of: dict[bytes, int] = {}
         self.key_of: list[bytes | None] = [None] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
-        self._lru: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recent first
+        # The cached slots (neither free, pinned nor swapped out), in eviction order.
+        self._order: EvictionPolicy = make_policy(policy, num_slots, self.key_of.__getitem__)
         self._pinned: set[int] = set()
         self._released: list[int] = []  # onboarded this Step: free from the next one
         self._onboarded: dict[int, int] = {}  # device block -> the slot it is filled from
@@ -71,14 +78,21 @@ class HostTier:
         self.num_swapped_in = 0
 
     def lookup(self, key: bytes) -> int | None:
-        return self.slot_of.get(key)
+        slot = self.slot_of.get(key)
+        if slot is None:
+            self._order.missed(key)
+        return slot
+
+    def _used(self, slot: int) -> None:
+        self._order.remove(slot)
+        self._order.push(slot)
 
     def offload(self, block_id: int, key: bytes) -> None:
         """Device block ``block_id``, cached under ``key``, is about to be reused: keep a copy
         in the tier (nothing when the key is there already or every slot is pinned)."""
         slot = self.slot_of.get(key)
         if slot is not None:
-            self._lru.move_to_end(slot)
+            self._used(slot)
             return
         if self.below is not None and self.below.touch(key):
             return  # the disk tier holds it already (the tiers are exclusive)
@@ -95,7 +109,7 @@ class HostTier:
         slot = self.slot_of.get(key)
         if slot is None:
             return False
-        self._lru.move_to_end(slot)
+        self._used(slot)
         return True
 
     def cancel_fill(self, block_id: int, key: bytes | None) -> bool:
@@ -124,7 +138,7 @@ class HostTier:
         pinned)."""
         slot = self.slot_of.get(key)
         if slot is not None:
-            self._lru.move_to_end(slot)
+            self._used(slot)
             return
         slot = self._take_slot()
         if slot is None:
@@ -137,26 +151,30 @@ class HostTier:
     def _keep(self, slot: int, key: bytes) -> None:
         self.slot_of[key] = slot
         self.key_of[slot] = key
-        self._lru[slot] = None
+        self._order.push(slot)
         self.events.append((KVEventKind.STORED, key))
 
     def onboard(self, slot: int, block_id: int) -> None:
         """Fill device block ``block_id`` from ``slot``, which then leaves the tier: its key
         at once (the device block holds it now), the slot itself once the Step is over (the
         copy reads it)."""
-        self._pinned.add(slot)
+        self.pin(slot)
         key = self.key_of[slot]
         if key is not None:
             del self.slot_of[key]
             self.key_of[slot] = None
             self.events.append((KVEventKind.REMOVED, key))
-        del self._lru[slot]
+            self._order.forget(slot, key)
         self._released.append(slot)
         self._onboarded[block_id] = slot
         self.onboards.append(BlockMove(block_id, slot))
         self.num_onboarded += 1
 
     def pin(self, slot: int) -> None:
+        """``slot`` is read by a move of this Step: out of the eviction order until the Step
+        is over (a read is a use of its block)."""
+        if slot in self._order:
+            self._order.remove(slot)
         self._pinned.add(slot)
 
     def begin_step(self) -> None:
@@ -182,7 +200,7 @@ class HostTier:
     def swap_room(self) -> int:
         """Slots a swap-out may take now: the free ones and the cached ones no move of this
         Step reads."""
-        return len(self._free) + sum(1 for slot in self._lru if slot not in self._pinned)
+        return len(self._free) + len(self._order)
 
     def swap_out(self, block_id: int, key: bytes | None) -> int:
         """A slot held for device block ``block_id`` of a sequence being swapped out, its
@@ -227,13 +245,14 @@ class HostTier:
         if slot in self._swap_refs:
             self._swap_refs[slot] += 1
             return
-        if slot in self._lru:  # a cached block: dropped, as an eviction would
-            del self._lru[slot]
+        if slot in self._order:  # a cached block: dropped, as an eviction would
+            self._order.discard(slot)
             old = self.key_of[slot]
             if old is not None:
                 del self.slot_of[old]
                 self.key_of[slot] = None
                 self.events.append((KVEventKind.REMOVED, old))
+                self._order.forget(slot, old)
         else:
             self._free.remove(slot)
         self._swap_refs[slot] = 1
@@ -246,16 +265,14 @@ class HostTier:
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
-        for slot in self._lru:  # least recently used first, skipping the pinned
-            if slot not in self._pinned:
-                break
-        else:
-            return None
-        del self._lru[slot]
+        if not self._order:
+            return None  # every slot is free-to-be, pinned or swapped out
+        slot = self._order.pop()
         key = self.key_of[slot]
         if key is not None:
             del self.slot_of[key]
             self.events.append((KVEventKind.REMOVED, key))
+            self._order.forget(slot, key)
             if self.below is not None and slot not in self._written:
                 self.below.spill(slot, key)
         self.num_evicted += 1

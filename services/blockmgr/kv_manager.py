@@ -110,6 +110,7 @@ class KVBlockManager:
         retention_steps: int = DEFAULT_RETENTION_STEPS,
         host_blocks: int = 0,
         disk_blocks: int = 0,
+        tier_eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU,
     ) -> None:
         self.block_size = block_size
         if not groups:
@@ -124,7 +125,12 @@ class KVBlockManager:
         if disk_blocks and not host_blocks:
             raise invalid("disk_blocks: a disk tier needs a host tier above it (host_blocks)")
         self.pool = BlockPool(
-            num_blocks, eviction_policy, retention_steps, host_blocks, disk_blocks
+            num_blocks,
+            eviction_policy,
+            retention_steps,
+            host_blocks,
+            disk_blocks,
+            tier_eviction_policy,
         )
         self.host_hits_tokens = 0
         self.disk_hits_tokens = 0

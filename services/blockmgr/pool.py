@@ -28,6 +28,7 @@ class BlockPool:
         retention_steps: int = DEFAULT_RETENTION_STEPS,
         host_blocks: int = 0,
         disk_blocks: int = 0,
+        tier_policy: EvictionPolicyName = EvictionPolicyName.LRU,
     ) -> None:
         self.num_blocks = num_blocks
         self.refcount = [0] * num_blocks
@@ -54,8 +55,8 @@ class BlockPool:
         self.eviction_reuse = 0
         # The host tier, if any: blocks evicted here are offloaded there (host_tier.py).
         # and those the host tier evicts are spilled to the disk tier below it, if any.
-        self.disk = HostTier(disk_blocks) if disk_blocks else None
-        self.host = HostTier(host_blocks, self.disk) if host_blocks else None
+        self.disk = HostTier(disk_blocks, policy=tier_policy) if disk_blocks else None
+        self.host = HostTier(host_blocks, self.disk, tier_policy) if host_blocks else None
 
     @property
     def num_usable(self) -> int:

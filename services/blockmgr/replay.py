@@ -87,6 +87,7 @@ class _ReplayedPool:
         policy: EvictionPolicyName | None,
         num_blocks: int | None,
         host_blocks: int | None = None,
+        tier_policy: EvictionPolicyName | None = None,
     ) -> None:
         tier_ok = len(record.groups) == 1 and not record.groups[0].sliding_window
         self.manager = KVBlockManager(
@@ -100,6 +101,7 @@ class _ReplayedPool:
             host_blocks=host_blocks if host_blocks is not None and tier_ok else record.host_blocks,
             # (the disk tier as recorded, while the pool keeps a host tier above it)
             disk_blocks=record.disk_blocks if host_blocks != 0 else 0,
+            tier_eviction_policy=tier_policy or record.tier_policy,
         )
         self.num_dropped = 0
         self.num_refused_admissions = 0
@@ -203,9 +205,11 @@ def replay(
     policy: EvictionPolicyName | None = None,
     num_blocks: int | None = None,
     host_blocks: int | None = None,
+    tier_policy: EvictionPolicyName | None = None,
 ) -> ReplayResult:
     """Run ``records`` through fresh pools (see the module docstring); ``host_blocks``: each
-    pool's host tier instead of the recorded one (0: none)."""
+    pool's host tier instead of the recorded one (0: none); ``tier_policy``: the tiers' eviction
+    policy instead of the recorded one."""
     result = ReplayResult(policy.value if policy else "recorded", num_blocks)
     pools: dict[str, _ReplayedPool] = {}
     done: list[_ReplayedPool] = []
@@ -214,7 +218,9 @@ def replay(
         if isinstance(record, RegisterRecord):
             if record.pool_id in pools:
                 done.append(pools[record.pool_id])
-            pools[record.pool_id] = _ReplayedPool(record, policy, num_blocks, host_blocks)
+            pools[record.pool_id] = _ReplayedPool(
+                record, policy, num_blocks, host_blocks, tier_policy
+            )
             continue
         pool = pools.get(record.pool_id)
         if pool is None:
@@ -273,10 +279,20 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="each pool's host tier in blocks instead of the recorded one (0: none)",
     )
+    p.add_argument(
+        "--tier-policy",
+        default=None,
+        help="comma-separated eviction policies of the host and disk tiers, one row each "
+        "with every --policy (default: the recorded one)",
+    )
     args = p.parse_args(argv)
     try:
         names = [x.strip() for x in args.policy.split(",") if x.strip()]
         policies = [None if x == "recorded" else EvictionPolicyName.parse(x) for x in names]
+        tier_names = [x.strip() for x in (args.tier_policy or "").split(",") if x.strip()]
+        tier_policies: list[EvictionPolicyName | None] = [
+            EvictionPolicyName.parse(x) for x in tier_names
+        ] or [None]
     except ValueError as exc:
         p.error(str(exc))
     if args.device_blocks is not None and args.device_blocks < 2:
@@ -291,19 +307,24 @@ def main(argv: list[str] | None = None) -> int:
     num_ops = sum(len(r.ops) for r in records if isinstance(r, StepRecord))
     print(f"trace {args.trace}: {len(records)} records, {num_ops} operations\n")
     print(
-        "| policy | device blocks | prompt tokens looked up | hit tokens | hit ratio | "
-        "host hit tokens | offloaded / onboarded | evicted blocks | copy-on-write | "
-        "admissions refused | dropped sequences | replay s |"
+        "| policy | tier policy | device blocks | prompt tokens looked up | hit tokens | hit "
+        "ratio | host / disk hit tokens | offloaded / onboarded | evicted blocks | "
+        "copy-on-write | admissions refused | dropped sequences | replay s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for policy in policies:
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for policy, tier in [(p_, t) for p_ in policies for t in tier_policies]:
         r = replay(
-            records, policy=policy, num_blocks=args.device_blocks, host_blocks=args.host_blocks
+            records,
+            policy=policy,
+            num_blocks=args.device_blocks,
+            host_blocks=args.host_blocks,
+            tier_policy=tier,
         )
         blocks = "recorded" if r.num_blocks is None else str(r.num_blocks)
         print(
-            f"| {r.policy} | {blocks} | {r.queries_tokens:,} | {r.hits_tokens:,} | "
-            f"{r.hit_ratio:.1%} | {r.host_hits_tokens:,} | "
+            f"| {r.policy} | {tier.value if tier else 'recorded'} | {blocks} | "
+            f"{r.queries_tokens:,} | {r.hits_tokens:,} | {r.hit_ratio:.1%} | "
+            f"{r.host_hits_tokens:,} / {r.disk_hits_tokens:,} | "
             f"{r.num_offloaded_blocks:,} / {r.num_onboarded_blocks:,} | "
             f"{r.num_evicted_blocks:,} | {r.num_cow_copies:,} | "
             f"{r.num_refused_admissions:,} | {r.num_dropped:,} | {r.seconds:.2f} |"

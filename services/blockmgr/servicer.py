@@ -70,6 +70,9 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             groups=convert.groups_from_pb(request.groups),
             host_blocks=request.host_blocks,
             disk_blocks=request.disk_blocks,
+            tier_eviction_policy=convert.policy_from_pb(
+                request.tier_eviction_policy, "tier_eviction_policy"
+            ),
         )
         log.info(
             "pool_registered",
@@ -82,6 +85,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             groups=[(g.kind.value, g.sliding_window) for g in info.groups],
             host_blocks=info.host_blocks,
             disk_blocks=info.disk_blocks,
+            tier_eviction_policy=info.tier_eviction_policy,
         )
         return pb.RegisterPoolResponse(
             pool=convert.pool_info_to_pb(info), owner_token=info.owner_token, lease_s=info.lease_s

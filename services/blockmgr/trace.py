@@ -66,6 +66,7 @@ class RegisterRecord:
     retention_steps: int = DEFAULT_RETENTION_STEPS
     host_blocks: int = 0
     disk_blocks: int = 0
+    tier_policy: EvictionPolicyName = EvictionPolicyName.LRU
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ class TraceWriter:
         retention_steps: int = DEFAULT_RETENTION_STEPS,
         host_blocks: int = 0,
         disk_blocks: int = 0,
+        tier_policy: EvictionPolicyName = EvictionPolicyName.LRU,
     ) -> None:
         self._write(
             {
@@ -179,6 +181,7 @@ class TraceWriter:
                 "retention_steps": retention_steps,
                 "host_blocks": host_blocks,
                 "disk_blocks": disk_blocks,
+                "tier_policy": tier_policy.value,
             }
         )
 
@@ -235,6 +238,7 @@ def _record(d: dict[str, Any]) -> TraceRecord:
             int(d.get("retention_steps", DEFAULT_RETENTION_STEPS)),
             int(d.get("host_blocks", 0)),
             int(d.get("disk_blocks", 0)),
+            EvictionPolicyName.parse(d.get("tier_policy", "lru")),
         )
     if kind == "restore":
         seqs = tuple(

@@ -294,6 +294,7 @@ class PoolInfo:
     groups: tuple[KVCacheGroup, ...] = (FULL_GROUP,)  # as registered (one FULL group: none given)
     host_blocks: int = 0  # the host tier's slots (0: none)
     disk_blocks: int = 0  # the disk tier's slots, below the host tier (0: none)
+    tier_eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU  # the tiers' order
 
     @property
     def num_usable_blocks(self) -> int:

@@ -45,6 +45,7 @@ class PoolMachine(RuleBasedStateMachine):
     host_blocks = 0  # > 0: a host tier of that many slots (one full group only)
     disk_blocks = 0  # > 0: a disk tier below the host tier
     num_blocks = NUM_BLOCKS
+    tier_policy = "lru"  # the host and disk tiers' eviction policy
 
     def __init__(self) -> None:
         super().__init__()
@@ -65,6 +66,7 @@ class PoolMachine(RuleBasedStateMachine):
             retention_steps=self.retention_steps,
             host_blocks=self.host_blocks,
             disk_blocks=self.disk_blocks,
+            tier_eviction_policy=self.tier_policy,
         )
 
     def _tables(self, m: KVBlockManager | None = None) -> Tables:
@@ -467,6 +469,14 @@ class DiskTierPoolMachine(SwapPoolMachine):
         assert disk.occupied() <= disk.num_slots
 
 
+class DiskTierARCPoolMachine(DiskTierPoolMachine):
+    tier_policy = "arc"
+
+
+class DiskTierS3FIFOPoolMachine(DiskTierPoolMachine):
+    tier_policy = "s3fifo"
+
+
 class SlidingPoolMachine(PoolMachine):
     windows = (6,)  # not a multiple of the block size: the window straddles blocks
 
@@ -511,6 +521,10 @@ TestSwapInvariants = SwapPoolMachine.TestCase
 TestSwapInvariants.settings = settings(_settings, max_examples=80)
 TestDiskTierInvariants = DiskTierPoolMachine.TestCase
 TestDiskTierInvariants.settings = settings(_settings, max_examples=80)
+TestDiskTierARCInvariants = DiskTierARCPoolMachine.TestCase
+TestDiskTierARCInvariants.settings = settings(_settings, max_examples=40)
+TestDiskTierS3FIFOInvariants = DiskTierS3FIFOPoolMachine.TestCase
+TestDiskTierS3FIFOInvariants.settings = settings(_settings, max_examples=40)
 _sliding_settings = settings(_settings, max_examples=60)
 TestSlidingPoolInvariantsLRU = SlidingPoolMachine.TestCase
 TestSlidingPoolInvariantsLRU.settings = _sliding_settings

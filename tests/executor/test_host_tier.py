@@ -75,8 +75,8 @@ def test_a_host_tier_is_refused_for_a_model_whose_layers_slide(tiny_checkpoint) 
 def test_host_blocks_spill_to_a_disk_tier_and_load_back_with_transformers_tokens(
     tiny_checkpoint, hf_model, tmp_path
 ) -> None:
-    """A host tier of 6 blocks over a disk tier: a conversation's history, evicted from the
-    device and then from the host, comes back from the disk on its next turn."""
+    """A host tier of 6 blocks over a disk tier, both ARC: a conversation's history, evicted
+    from the device and then from the host, comes back from the disk on its next turn."""
     model = tiny_checkpoint("llama")
     mc = ModelConfig.from_hf_config(json.loads((model / "config.json").read_text()))
     per_block = bytes_per_block(mc, 8, torch.float32)
@@ -85,6 +85,7 @@ def test_host_blocks_spill_to_a_disk_tier_and_load_back_with_transformers_tokens
         kv_offloading_size=6 * per_block / 2**30,
         kv_offloading_disk_path=str(tmp_path / "tier"),
         kv_offloading_disk_size=256 * per_block / 2**30,
+        kv_offloading_eviction_policy="arc",
     )
     engine, _ = build_engine(config, blockmgr=InProcessClient())
     assert not list((tmp_path / "tier").iterdir())  # mapped, then unlinked: never left behind
@@ -106,6 +107,7 @@ def test_host_blocks_spill_to_a_disk_tier_and_load_back_with_transformers_tokens
             history.extend(got)
     stats = engine.link.client.stats(engine.link.spec.pool_id)
     assert (stats.pool.host_blocks, stats.pool.disk_blocks) == (6, 256)
+    assert stats.pool.tier_eviction_policy.value == "arc"
     assert stats.num_spilled_blocks > 0 and stats.num_loaded_blocks > 0
     assert stats.disk_hits_tokens > 0
 

@@ -108,6 +108,10 @@ def test_a_recorded_trace_replays_to_the_live_runs_hits_and_evictions(
             "recorded,lru,lfu,arc,s3fifo",
             "--device-blocks",
             "12",
+            "--host-blocks",
+            "8",
+            "--tier-policy",
+            "lru,s3fifo",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -116,12 +120,11 @@ def test_a_recorded_trace_replays_to_the_live_runs_hits_and_evictions(
         check=True,
     ).stdout
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
-    assert [r.split("|")[1].strip() for r in rows[1:]] == [
-        "recorded",
-        "lru",
-        "lfu",
-        "arc",
-        "s3fifo",
+    cells = [(r.split("|")[1].strip(), r.split("|")[2].strip()) for r in rows[1:]]
+    assert cells == [
+        (policy, tier)
+        for policy in ("recorded", "lru", "lfu", "arc", "s3fifo")
+        for tier in ("lru", "s3fifo")
     ]
 
 

@@ -50,6 +50,7 @@ class PoolSpec:
     groups: tuple[KVCacheGroup, ...] = ()  # none: one full-attention group
     host_blocks: int = 0  # slots of the pool's host tier (the runner's host memory)
     disk_blocks: int = 0  # slots of the disk tier below it (the runner's file)
+    tier_eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
     retry_s: float = 0.05
     max_backoff_s: float = 0.5  # serving again within a second of the block manager coming back
 
@@ -169,6 +170,7 @@ class BlockManagerLink:
             groups=s.groups,
             host_blocks=s.host_blocks,
             disk_blocks=s.disk_blocks,
+            tier_eviction_policy=s.tier_eviction_policy,
         )
 
     def _resync(self, state: list[RestoredSequence]) -> None:

@@ -70,6 +70,8 @@ class ExecutorConfig:
     # A disk tier below the host tier: GiB of one file under this directory.
     kv_offloading_disk_path: str | None = None
     kv_offloading_disk_size: float = 0.0
+    # The order the host and disk tiers reuse their cached slots.
+    kv_offloading_eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
     # How a sequence is preempted when the KV cache runs out (vLLM's --preemption-mode):
     # recompute (its blocks freed, its tokens computed again) or swap (its blocks copied to
     # the host tier and back; needs --kv-offloading-size).
@@ -148,6 +150,14 @@ class ExecutorConfig:
             metavar="GIB",
             help="GiB of the disk tier (0: none; needs --kv-offloading-size and "
             "--kv-offloading-disk-path)",
+        )
+        a(
+            "--kv-offloading-eviction-policy",
+            type=EvictionPolicyName,
+            default=cls.kv_offloading_eviction_policy,
+            choices=list(EvictionPolicyName),
+            help="the order in which the host and disk tiers reuse their cached slots (the "
+            "KV cache's own is --eviction-policy)",
         )
         a(
             "--preemption-mode",
@@ -263,6 +273,11 @@ class ExecutorConfig:
     def __post_init__(self) -> None:
         # Strings are accepted where the enums are expected (Python callers, tests).
         object.__setattr__(self, "eviction_policy", _enum(EvictionPolicyName, self.eviction_policy))
+        object.__setattr__(
+            self,
+            "kv_offloading_eviction_policy",
+            _enum(EvictionPolicyName, self.kv_offloading_eviction_policy),
+        )
         object.__setattr__(self, "blockmgr", _enum(BlockManagerMode, self.blockmgr))
         self.validate()
 

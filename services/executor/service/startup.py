@@ -130,6 +130,7 @@ def _build_engine(
         groups=groups,
         host_blocks=runner.host.num_slots if runner.host is not None else 0,
         disk_blocks=runner.host.disk.num_slots if runner.host and runner.host.disk else 0,
+        tier_eviction_policy=config.kv_offloading_eviction_policy,
     )
     client = blockmgr or connect_blockmgr(config)
     try:

@@ -113,3 +113,12 @@ def test_a_block_loaded_and_reused_in_one_step_keeps_its_disk_slot_and_is_not_lo
     client.step(pool_id, epoch, [Free((5,))])
     again = _admit(client, pool_id, epoch, 6, [*block, 2])
     assert again.results[0].num_cached_tokens == 4 and len(again.loads) == 1
+
+
+def test_the_tiers_eviction_policy_is_echoed_and_an_unknown_one_refused(client, pool_id):
+    info = client.register(pool_id, 8, BS, host_blocks=4, tier_eviction_policy="s3fifo")
+    if info.host_blocks != 4:
+        pytest.skip("this implementation serves no host tier")
+    assert client.stats(pool_id).pool.tier_eviction_policy.value == "s3fifo"
+    with raises_code(ErrorCode.INVALID_ARGUMENT, "eviction_policy"):
+        client.register(pool_id, 8, BS, host_blocks=4, tier_eviction_policy="fifo")
