@@ -72,24 +72,42 @@ def test_a_host_tier_is_refused_for_a_model_whose_layers_slide(tiny_checkpoint) 
         build_runner(config.runner_config())
 
 
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_host_blocks_spill_to_a_disk_tier_and_load_back_with_transformers_tokens(
-    tiny_checkpoint, hf_model, tmp_path
+    tiny_checkpoint, hf_model, tmp_path, tensor_parallel_size
 ) -> None:
     """A host tier of 6 blocks over a disk tier, both ARC: a conversation's history, evicted
-    from the device and then from the host, comes back from the disk on its next turn."""
+    from the device and then from the host, comes back from the disk on its next turn; at
+    2 ranks, each moves its shard of the blocks between its own tiers."""
     model = tiny_checkpoint("llama")
     mc = ModelConfig.from_hf_config(json.loads((model / "config.json").read_text()))
-    per_block = bytes_per_block(mc, 8, torch.float32)
+    # A rank holds its share of every block: these sizes are per rank.
+    per_block = bytes_per_block(mc, 8, torch.float32) / tensor_parallel_size
     config = _config(
         tiny_checkpoint,
         kv_offloading_size=6 * per_block / 2**30,
         kv_offloading_disk_path=str(tmp_path / "tier"),
         kv_offloading_disk_size=256 * per_block / 2**30,
         kv_offloading_eviction_policy="arc",
+        tensor_parallel_size=tensor_parallel_size,
     )
     engine, _ = build_engine(config, blockmgr=InProcessClient())
+    try:
+        _converse(engine, hf_model("llama"), seed=4)
+    finally:
+        engine.runner.close()
+    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    assert (stats.pool.host_blocks, stats.pool.disk_blocks) == (6, 256)
+    assert stats.pool.tier_eviction_policy.value == "arc"
+    assert stats.num_spilled_blocks > 0 and stats.num_loaded_blocks > 0
+    assert stats.disk_hits_tokens > 0
     assert not list((tmp_path / "tier").iterdir())  # mapped, then unlinked: never left behind
-    rng = random.Random(4)
+
+
+def _converse(engine, hf, *, seed: int) -> None:
+    """3 conversations taking 3 turns each, one request at a time; every answer is
+    transformers'."""
+    rng = random.Random(seed)
     histories = [[1] + [rng.randrange(3, 600) for _ in range(30)] for _ in range(3)]
     for turn in range(3):
         for c, history in enumerate(histories):
@@ -103,13 +121,8 @@ def test_host_blocks_spill_to_a_disk_tier_and_load_back_with_transformers_tokens
             while engine.has_work:
                 for o in engine.step():
                     got.extend(o.token_ids)
-            assert got == hf_greedy(hf_model("llama"), history, 4)[0], (c, turn)
+            assert got == hf_greedy(hf, history, 4)[0], (c, turn)
             history.extend(got)
-    stats = engine.link.client.stats(engine.link.spec.pool_id)
-    assert (stats.pool.host_blocks, stats.pool.disk_blocks) == (6, 256)
-    assert stats.pool.tier_eviction_policy.value == "arc"
-    assert stats.num_spilled_blocks > 0 and stats.num_loaded_blocks > 0
-    assert stats.disk_hits_tokens > 0
 
 
 def test_a_disk_tier_needs_a_host_tier_and_a_path(tiny_checkpoint) -> None:

@@ -131,7 +131,7 @@ def _build(
     )
     host = None
     if config.cache.host_tier_bytes:
-        host = _host_tier(model, kv_cache, config.cache.host_tier_bytes, comm)
+        host = _host_tier(model, kv_cache, config.cache.host_tier_bytes)
         if config.cache.disk_tier_bytes:
             host.disk = _disk_tier(host, config.cache.disk_tier_bytes, config.cache.disk_tier_path)
     runner = ModelRunner(model, kv_cache, config.block_size, workers, host)
@@ -143,12 +143,11 @@ def _build(
     return runner
 
 
-def _host_tier(model: DecoderLM, kv_cache: torch.Tensor, budget: int, comm: Comm) -> HostKVCache:
-    """The host tier's slots in ``budget`` bytes (``--kv-offloading-size``): one rank, one
-    full-attention KV-cache group (what the block manager's tier serves)."""
+def _host_tier(model: DecoderLM, kv_cache: torch.Tensor, budget: int) -> HostKVCache:
+    """The host tier's slots in ``budget`` bytes (``--kv-offloading-size``, per rank: each
+    holds its shard of every block, so every rank has as many slots), one full-attention
+    KV-cache group (what the block manager's tier serves)."""
     layout = model.kv_layout
-    if comm.size > 1:
-        raise ModelLoadError("--kv-offloading-size: not yet with --tensor-parallel-size > 1")
     if layout.num_groups > 1 or layout.sliding_window:
         raise ModelLoadError(
             "--kv-offloading-size: the host tier serves models of one full-attention KV-cache "

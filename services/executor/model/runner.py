@@ -7,6 +7,7 @@ those block tables, and the block pairs to copy for copy-on-write.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import structlog
@@ -31,6 +32,7 @@ from services.executor.model.models import DecoderLM
 from services.executor.model.workers import (
     CopyBlocksHeader,
     ForwardHeader,
+    MoveBlocksHeader,
     Op,
     StepChannel,
     WorkerGroup,
@@ -182,9 +184,28 @@ class ModelRunner:
         spills: Sequence[tuple[int, int]] = (),
         loads: Sequence[tuple[int, int]] = (),
     ) -> None:
-        """The tiers' moves of a Step, in order (see :mod:`.host_kv`)."""
+        """The tiers' moves of a Step, in order (see :mod:`.host_kv`), on every rank (each
+        between its shard of the KV cache and its own tiers)."""
         if self.host is None:
             raise RuntimeError("the block manager ordered host-tier moves; this runner has none")
+        if self.workers is not None:
+            counts = MoveBlocksHeader(len(offloads), len(onboards), len(spills), len(loads))
+            pairs = [*offloads, *onboards, *spills, *loads]
+            ids = torch.tensor(pairs, dtype=torch.int64, device=self.device).view(-1, 2)
+            self.workers.send(Op.MOVE_BLOCKS, counts, (ids,))
+        self.host.move(self.kv_cache, offloads, onboards, spills, loads)
+        if self.workers is not None:
+            self.workers.done()
+
+    def _move_on_this_rank(self, header: MoveBlocksHeader, channel: StepChannel) -> None:
+        ids = torch.empty(sum(header), 2, dtype=torch.int64, device=self.device)
+        channel.recv_payload((ids,))
+        pairs = [(int(a), int(b)) for a, b in ids.tolist()]
+        cuts = list(itertools.accumulate(header))
+        offloads, onboards, spills, loads = (
+            pairs[start:end] for start, end in zip([0, *cuts[:-1]], cuts, strict=True)
+        )
+        assert self.host is not None
         self.host.move(self.kv_cache, offloads, onboards, spills, loads)
 
     def close(self) -> None:
@@ -203,6 +224,9 @@ class ModelRunner:
                 ids = torch.empty(2, header.num_pairs, dtype=torch.int64, device=self.device)
                 channel.recv_payload((ids,))
                 ops.copy_blocks(self.kv_cache, ids[0], ids[1])
+                continue
+            if isinstance(header, MoveBlocksHeader):
+                self._move_on_this_rank(header, channel)
                 continue
             assert isinstance(header, ForwardHeader)
             size, max_query_len, max_seq_len = (

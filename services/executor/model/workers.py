@@ -68,6 +68,7 @@ class Op(IntEnum):
     FORWARD = 1
     COPY_BLOCKS = 2
     SHUTDOWN = 3
+    MOVE_BLOCKS = 4
 
 
 class ForwardHeader(NamedTuple):
@@ -90,11 +91,23 @@ class CopyBlocksHeader(NamedTuple):
     num_pairs: int
 
 
-OpHeader = ForwardHeader | CopyBlocksHeader | None
-_HEADER_TYPES: dict[Op, type[ForwardHeader] | type[CopyBlocksHeader] | None] = {
+class MoveBlocksHeader(NamedTuple):
+    """The fields of a ``MOVE_BLOCKS`` header: how many pairs of each kind of the tiers' moves
+    follow, in one ``[n, 2]`` tensor (offloads, onboards, spills, loads; see
+    :mod:`.host_kv`). Every rank moves its own shard of the blocks between its own tiers."""
+
+    num_offloads: int
+    num_onboards: int
+    num_spills: int
+    num_loads: int
+
+
+OpHeader = ForwardHeader | CopyBlocksHeader | MoveBlocksHeader | None
+_HEADER_TYPES: dict[Op, type[ForwardHeader | CopyBlocksHeader | MoveBlocksHeader] | None] = {
     Op.FORWARD: ForwardHeader,
     Op.COPY_BLOCKS: CopyBlocksHeader,
     Op.SHUTDOWN: None,
+    Op.MOVE_BLOCKS: MoveBlocksHeader,
 }
 assert max(len(t._fields) for t in _HEADER_TYPES.values() if t) < HEADER_LEN
 
