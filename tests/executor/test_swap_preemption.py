@@ -5,13 +5,22 @@ a block-manager restart with sequences swapped out restores them from their slot
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from transformers import PreTrainedModel
 
 from services.blockmgr.client import BlockManagerClient, InProcessClient
+from services.blockmgr.types import (
+    GrowResult,
+    OpStatus,
+    StepResult,
+    SwapInResult,
+    SwapOutResult,
+)
 from services.common.sampling_params import SamplingParams
 from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
 from services.executor.core.config import EngineSettings, SchedulerConfig
@@ -141,7 +150,7 @@ def test_swap_mode_needs_a_host_tier(tiny_checkpoint) -> None:
         ExecutorConfig(model=str(tiny_checkpoint(NAME)), preemption_mode="sometimes")
 
 
-def _fake_engine(swap: bool) -> Engine:
+def _fake_engine(swap: bool, client: Any = None) -> Engine:
     """A model-free engine (its runner checks every context read back through the tables)
     over 24 blocks of 4 tokens, chunked prefill of 16 tokens, a host tier of 64 slots."""
     runner = FakePagedRunner(25, 4)
@@ -158,7 +167,7 @@ def _fake_engine(swap: bool) -> Engine:
             swap_slots=64 if swap else 0,
         ),
     )
-    return Engine(settings, runner, BlockManagerLink(InProcessClient(), spec))
+    return Engine(settings, runner, BlockManagerLink(client or InProcessClient(), spec))
 
 
 def test_a_sequence_swapped_back_in_makes_progress_before_it_is_swapped_out_again() -> None:
@@ -188,3 +197,67 @@ def test_a_sequence_swapped_back_in_makes_progress_before_it_is_swapped_out_agai
     (swap_preemptions, swapped_at), (recompute_preemptions, _) = runs[True], runs[False]
     assert swapped_at and len(set(swapped_at)) == len(swapped_at)
     assert swap_preemptions <= recompute_preemptions
+
+
+def test_swap_preemption_at_two_ranks_matches_transformers(tiny_checkpoint, workload) -> None:
+    """Each rank swaps its shard of the blocks to its own host tier and back."""
+    engine = _engine(tiny_checkpoint, tensor_parallel_size=2)
+    try:
+        got = _run(engine, workload)
+    finally:
+        engine.runner.close()
+    for i, (_, _, expected) in enumerate(workload):
+        assert got[f"r{i}"] == expected, f"r{i}"
+    assert engine.scheduler.num_swapped_out > 0
+    assert_pool_empty(engine)
+
+
+class _LyingSwaps:
+    """The real block manager, whose first swap-out answer says RESOURCE_EXHAUSTED (it went
+    through) and whose first swap-in beside a grow's new block hands that block out again."""
+
+    def __init__(self) -> None:
+        self.inner = InProcessClient()
+        self.lied: set[str] = set()
+
+    def step(self, pool_id: str, epoch: int, ops: list) -> StepResult:
+        result = self.inner.step(pool_id, epoch, ops)
+        results = list(result.results)
+        granted = [
+            b for r in results if isinstance(r, GrowResult) for ids in r.new_block_ids for b in ids
+        ]
+        for i, r in enumerate(results):
+            if isinstance(r, SwapOutResult) and "out" not in self.lied:
+                self.lied.add("out")
+                statuses = (OpStatus.RESOURCE_EXHAUSTED,) * len(r.statuses)
+                results[i] = dataclasses.replace(r, statuses=statuses)
+            elif (
+                isinstance(r, SwapInResult) and granted and r.block_ids[0] and "in" not in self.lied
+            ):
+                self.lied.add("in")
+                table = (granted[0], *r.block_ids[0][1:])
+                results[i] = dataclasses.replace(r, block_ids=(table, *r.block_ids[1:]))
+        return dataclasses.replace(result, results=tuple(results))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_lying_swap_answers_are_rejected_and_nothing_is_lost() -> None:
+    client = _LyingSwaps()
+    engine = _fake_engine(True, client)
+    rng = random.Random(1)  # a workload that swaps in beside a grow's new block
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(20, 60))] for _ in range(10)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
+    got: dict[str, list[int]] = {}
+    while engine.has_work:
+        for o in engine.step():
+            got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
+    for i, prompt in enumerate(prompts):
+        assert got[f"r{i}"] == reference_tokens(prompt, 24), i
+    assert client.lied == {"out", "in"} and engine.num_bad_answers == 2
+    assert engine.link.num_recoveries == 2
+    c = client.inner.stats("fake").counters
+    assert c.num_in_use_blocks == 0 and client.inner.stats("fake").num_swapped_sequences == 0

@@ -127,7 +127,8 @@ class Swapping:
 
     def _check_swaps(self, plan: SchedulePlan, result: StepResult) -> None:
         """Raise :class:`BadAnswer` unless every swap-out went through with one slot per
-        block, in range, and every swap-in that did got a table of its length."""
+        block, in range, and every swap-in that did got a table of its length, of blocks in
+        range that no grow of the Step was given."""
         out, back = plan.swap_answers(result)
         slots = self.config.swap_slots
         if out is not None:
@@ -147,6 +148,12 @@ class Swapping:
                 plan.swap_ins
             ):
                 raise BadAnswer("a swap-in answer of the wrong length", plan.swap_ids())
+            grow, _ = plan.answers(result)
+            granted = (
+                {b for ids in grow.new_block_ids for b in ids} | {c.dst for c in grow.copies}
+                if grow is not None
+                else set()
+            )
             for seq, status, ids in zip(plan.swap_ins, back.statuses, back.block_ids, strict=True):
                 if status is not OpStatus.OK:
                     continue
@@ -154,6 +161,8 @@ class Swapping:
                     raise BadAnswer("a swapped-in table of the wrong length", {seq.seq_id})
                 if NULL_BLOCK in ids or not all(0 < b <= self.num_usable_blocks for b in ids):
                     raise BadAnswer("a swapped-in block out of range", {seq.seq_id})
+                if not granted.isdisjoint(ids):  # new to a grow of this Step, and to this table
+                    raise BadAnswer("a swapped-in block also granted to a grow", {seq.seq_id})
 
     def _apply_swaps(self, plan: SchedulePlan, result: StepResult) -> None:
         """Take the (checked) swap results: slots of the swapped-out sequences, tables of the
