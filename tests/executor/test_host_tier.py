@@ -45,22 +45,7 @@ def test_a_conversation_evicted_to_the_host_tier_comes_back_on_its_next_turn(
         _config(tiny_checkpoint, async_scheduling=async_scheduling),
         blockmgr=InProcessClient(),
     )
-    rng = random.Random(3)
-    histories = [[1] + [rng.randrange(3, 600) for _ in range(30)] for _ in range(3)]
-    for turn in range(3):  # the conversations take turns: each evicts the others' blocks
-        for c, history in enumerate(histories):
-            history.extend(rng.randrange(3, 600) for _ in range(6))
-            engine.add_request(
-                RequestKey(0, f"c{c}t{turn}"),
-                list(history),
-                SamplingParams(temperature=0.0, max_tokens=4),
-            )
-            got: list[int] = []
-            while engine.has_work:
-                for o in engine.step():
-                    got.extend(o.token_ids)
-            assert got == hf_greedy(hf_model("llama"), history, 4)[0], (c, turn)
-            history.extend(got)
+    _converse(engine, hf_model("llama"), seed=3)
     stats = engine.link.client.stats(engine.link.spec.pool_id)
     assert stats.pool.host_blocks > 0 and stats.num_offloaded_blocks > 0
     assert stats.num_onboarded_blocks > 0 and stats.host_hits_tokens > 0
@@ -105,8 +90,8 @@ def test_host_blocks_spill_to_a_disk_tier_and_load_back_with_transformers_tokens
 
 
 def _converse(engine, hf, *, seed: int) -> None:
-    """3 conversations taking 3 turns each, one request at a time; every answer is
-    transformers'."""
+    """3 conversations taking 3 turns each, one request at a time (each evicts the others'
+    blocks); every answer is transformers'."""
     rng = random.Random(seed)
     histories = [[1] + [rng.randrange(3, 600) for _ in range(30)] for _ in range(3)]
     for turn in range(3):

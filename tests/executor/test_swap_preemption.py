@@ -170,6 +170,19 @@ def _fake_engine(swap: bool, client: Any = None) -> Engine:
     return Engine(settings, runner, BlockManagerLink(client or InProcessClient(), spec))
 
 
+def _run_fake(engine: Engine, prompts: list[list[int]]) -> None:
+    """Every prompt at once, 24 tokens each: the fake model's reference tokens, each."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
+    got: dict[str, list[int]] = {}
+    while engine.has_work:
+        for o in engine.step():
+            got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
+    for i, prompt in enumerate(prompts):
+        assert got[f"r{i}"] == reference_tokens(prompt, 24), i
+
+
 def test_a_sequence_swapped_back_in_makes_progress_before_it_is_swapped_out_again() -> None:
     rng = random.Random(5)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(20, 60))] for _ in range(10)]
@@ -184,15 +197,7 @@ def test_a_sequence_swapped_back_in_makes_progress_before_it_is_swapped_out_agai
             return swap_out(seq, plan)
 
         engine.scheduler._swap_out = counting  # type: ignore[method-assign]
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
-        got: dict[str, list[int]] = {}
-        while engine.has_work:
-            for o in engine.step():
-                got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
-        for i, prompt in enumerate(prompts):
-            assert got[f"r{i}"] == reference_tokens(prompt, 24), (swap, i)
+        _run_fake(engine, prompts)
         runs[swap] = (engine.scheduler.num_preemptions, swapped_at)
     (swap_preemptions, swapped_at), (recompute_preemptions, _) = runs[True], runs[False]
     assert swapped_at and len(set(swapped_at)) == len(swapped_at)
@@ -248,15 +253,7 @@ def test_lying_swap_answers_are_rejected_and_nothing_is_lost() -> None:
     engine = _fake_engine(True, client)
     rng = random.Random(1)  # a workload that swaps in beside a grow's new block
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(20, 60))] for _ in range(10)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
-    got: dict[str, list[int]] = {}
-    while engine.has_work:
-        for o in engine.step():
-            got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
-    for i, prompt in enumerate(prompts):
-        assert got[f"r{i}"] == reference_tokens(prompt, 24), i
+    _run_fake(engine, prompts)
     assert client.lied == {"out", "in"} and engine.num_bad_answers == 2
     assert engine.link.num_recoveries == 2
     c = client.inner.stats("fake").counters
