@@ -7,8 +7,8 @@ its forward:
 
 1. **offloads** (device block -> host slot): a cached block evicted from the device (its slot
    reused for other content) is copied down first, instead of being dropped, when its key is
-   not in the tier yet. A free slot is taken, else the least recently used slot that no onboard
-   of this Step reads.
+   not in the tier yet. A free slot is taken, else the one the tier's eviction policy picks
+   (LRU by default) among the cached slots no move of this Step reads.
 2. **onboards** (host slot -> device block): an admission whose prefix continues in the tier
    past its device hit gets new device blocks for those blocks, filled from the tier; they
    count as cached tokens. The tier is exclusive: an onboarded block leaves it (its slot is
@@ -16,8 +16,9 @@ its forward:
    blocks as they have slots; evicted from the device again, it is offloaded again.
 
 Offloads are performed before onboards and copy-on-write copies (an onboard or a copy may
-write into a device block just evicted), and a slot an onboard reads is pinned until the
-Step ends (no offload of the same Step overwrites it). A Step's moves are done before the next
+write into a device block just evicted), a slot an onboard reads is pinned until the Step
+ends (no offload of the same Step overwrites it), and a fill of a device block that is reused
+before it ran is cancelled (:meth:`HostTier.cancel_fill`). A Step's moves are done before the next
 Step is applied (the executor runs them in order, ahead of the forward that needs them), so
 pins need not outlive the Step. The tier map is dropped with the pool (a new registration):
 after a block-manager restart its slots are simply not cached, never wrong.
@@ -258,9 +259,6 @@ class HostTier:
         self._swap_refs[slot] = 1
         if key is not None:
             self.swap_key[slot] = key
-
-    def num_swapped_slots(self) -> int:
-        return len(self._swap_refs)
 
     def _take_slot(self) -> int | None:
         if self._free:
