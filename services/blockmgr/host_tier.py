@@ -88,21 +88,18 @@ class HostTier:
         self._order.remove(slot)
         self._order.push(slot)
 
-    def offload(self, block_id: int, key: bytes) -> None:
-        """Device block ``block_id``, cached under ``key``, is about to be reused: keep a copy
-        in the tier (nothing when the key is there already or every slot is pinned)."""
-        slot = self.slot_of.get(key)
-        if slot is not None:
-            self._used(slot)
-            return
-        if self.below is not None and self.below.touch(key):
-            return  # the disk tier holds it already (the tiers are exclusive)
+    def offload(self, src: int, key: bytes) -> None:
+        """``src`` (a device block; in the disk tier, a host slot: a spill), cached under
+        ``key``, is about to be reused: keep a copy in this tier (nothing when the key is here
+        or in the tier below already, or every slot is pinned)."""
+        if self.touch(key) or (self.below is not None and self.below.touch(key)):
+            return  # (the tiers are exclusive)
         slot = self._take_slot()
         if slot is None:
             return
         self._keep(slot, key)
         self._written[slot] = len(self.offloads)
-        self.offloads.append(BlockMove(block_id, slot))
+        self.offloads.append(BlockMove(src, slot))
         self.num_offloaded += 1
 
     def touch(self, key: bytes) -> bool:
@@ -132,22 +129,6 @@ class HostTier:
                 self._keep(slot, key)
         self.onboards = [m for m in self.onboards if m.device_block != block_id]
         return True
-
-    def spill(self, host_slot: int, key: bytes) -> None:
-        """(The disk tier.) Host slot ``host_slot``, cached under ``key``, is about to be
-        reused: keep its block here (nothing when the key is here already or every slot is
-        pinned)."""
-        slot = self.slot_of.get(key)
-        if slot is not None:
-            self._used(slot)
-            return
-        slot = self._take_slot()
-        if slot is None:
-            return
-        self._keep(slot, key)
-        self._written[slot] = len(self.offloads)
-        self.offloads.append(BlockMove(host_slot, slot))
-        self.num_offloaded += 1
 
     def _keep(self, slot: int, key: bytes) -> None:
         self.slot_of[key] = slot
@@ -272,7 +253,7 @@ class HostTier:
             self.events.append((KVEventKind.REMOVED, key))
             self._order.forget(slot, key)
             if self.below is not None and slot not in self._written:
-                self.below.spill(slot, key)
+                self.below.offload(slot, key)  # a spill
         self.num_evicted += 1
         self._written.pop(slot, None)  # written earlier in this Step: that offload is void
         return slot

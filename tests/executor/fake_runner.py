@@ -63,29 +63,23 @@ class FakePagedRunner:
             for off in range(self.block_size):
                 host[(slot, off)] = self.cache.get(block * self.block_size + off)
         for block, slot in onboards:
-            for off in range(self.block_size):
-                value = host.get((slot, off))
-                if value is None:
-                    self.cache.pop(block * self.block_size + off, None)
-                else:
-                    self.cache[block * self.block_size + off] = value
+            self._fill(block, [host.get((slot, off)) for off in range(self.block_size)])
         for slot, block in loads:
-            for off in range(self.block_size):
-                value = disk.get((slot, off))
-                if value is None:
-                    self.cache.pop(block * self.block_size + off, None)
-                else:
-                    self.cache[block * self.block_size + off] = value
+            self._fill(block, [disk.get((slot, off)) for off in range(self.block_size)])
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        bs = self.block_size
         for src, dst in pairs:
             self.num_copies += 1
-            for off in range(self.block_size):
-                value = self.cache.get(src * self.block_size + off)
-                if value is None:
-                    self.cache.pop(dst * self.block_size + off, None)
-                else:
-                    self.cache[dst * self.block_size + off] = value
+            self._fill(dst, [self.cache.get(src * bs + off) for off in range(bs)])
+
+    def _fill(self, block: int, values: list[int | None]) -> None:
+        """Write a block's slots (None: never written, so unset)."""
+        for off, value in enumerate(values):
+            if value is None:
+                self.cache.pop(block * self.block_size + off, None)
+            else:
+                self.cache[block * self.block_size + off] = value
 
     def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         rows = []
