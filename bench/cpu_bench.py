@@ -16,8 +16,11 @@ two, the others a ``--sliding-window`` of 128 that the prompts cross: 9.56 M par
 Systems, each on ``--threads`` torch threads (default: every core this process may use):
 
 - ``ours``: the in-process engine (continuous batching, paged KV cache, the fast CPU
-  attention of ``kernels/cpu_attention.py``);
-- ``ours-reference-attention``: the same with the reference attention
+  attention of ``kernels/cpu_attention.py``, fp32 linear layers through oneDNN,
+  ``kernels/cpu_linear.py``);
+- ``ours-torch-linear``: the same with ``torch.nn.functional.linear`` (MKL) for the linear
+  layers (``PAGEDSERVE_CPU_LINEAR=torch``), as HF runs them;
+- ``ours-reference-attention``: the same as ``ours`` with the reference attention
   (``PAGEDSERVE_CPU_ATTENTION=reference``), the CPU path before the fast one;
 - ``hf-static``: ``model.generate()`` on one left-padded batch of all 64 (sdpa attention),
   running to the longest request (tokens past a request's ``max_tokens`` are not counted);
@@ -29,8 +32,8 @@ Output tok/s counts the tokens requested, over the wall clock of the whole set; 
 ``--repeats`` interleaved repeats. In fp32 the greedy tokens of ``ours`` must equal
 ``hf-static``'s; ``--dtype bfloat16`` runs every system in bf16 and reports the mismatches
 (rounding makes near-ties go either way). Then a
-decode step at 64 sequences is broken down: attention, linear layers (matmuls), the rest of
-the forward, and the engine's host work.
+decode step at 64 sequences is broken down, for ours and each ablation: attention, linear
+layers (matmuls), the rest of the forward, and the engine's host work.
 
 Usage: ``python bench/cpu_bench.py [--family llama] [--workloads fixed,variable]
 [--repeats 2] [--threads N]`` (``--num-requests 16`` for a quick smoke run). Not a test:
@@ -48,7 +51,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +73,7 @@ from engine_bench import (  # noqa: E402
 from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
 from kernels import ops  # noqa: E402
+from kernels.cpu_linear import CPU_LINEAR_ENV  # noqa: E402
 from services.common.logging import configure_logging  # noqa: E402
 from services.executor.model.runner_config import available_cores  # noqa: E402
 
@@ -146,16 +150,23 @@ def _requests(args: argparse.Namespace, workload: str, vocab: int) -> list[Req]:
 
 
 @contextmanager
-def _cpu_attention(name: str) -> Iterator[None]:
-    old = os.environ.get(ops.CPU_ATTENTION_ENV)
-    os.environ[ops.CPU_ATTENTION_ENV] = name
+def _env(variable: str, value: str) -> Iterator[None]:
+    old = os.environ.get(variable)
+    os.environ[variable] = value
     try:
         yield
     finally:
         if old is None:
-            del os.environ[ops.CPU_ATTENTION_ENV]
+            del os.environ[variable]
         else:
-            os.environ[ops.CPU_ATTENTION_ENV] = old
+            os.environ[variable] = old
+
+
+# The ablations of ours: the environment each runs under.
+ABLATIONS = {
+    "ours-torch-linear": (CPU_LINEAR_ENV, "torch"),
+    "ours-reference-attention": (ops.CPU_ATTENTION_ENV, "reference"),
+}
 
 
 def _timed(fn: Callable[[], dict[str, list[int]]]) -> tuple[float, dict[str, list[int]]]:
@@ -199,35 +210,38 @@ def run_hf_continuous(model: Any, reqs: list[Req]) -> dict[str, list[int]]:
 
 
 class _Timers:
-    """Wall time in the attention op and in linear layers while installed (the CPU runs
-    each op synchronously, so wall time is the op's time)."""
+    """Wall time in the attention op and in linear layers (``ops.linear``, and
+    ``torch.nn.functional.linear`` called elsewhere, e.g. by MoE experts) while installed
+    (the CPU runs each op synchronously, so wall time is the op's time)."""
 
     def __init__(self) -> None:
         self.attention = self.linear = 0.0
+        self._in_linear = False
+
+    def _timed(self, fn: Callable[..., Any], field: str) -> Callable[..., Any]:
+        def timed(*a: Any, **k: Any) -> Any:
+            if field == "linear" and self._in_linear:  # ops.linear calling F.linear
+                return fn(*a, **k)
+            t0 = time.perf_counter()
+            self._in_linear = field == "linear"
+            try:
+                return fn(*a, **k)
+            finally:
+                self._in_linear = False
+                setattr(self, field, getattr(self, field) + time.perf_counter() - t0)
+
+        return timed
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        attention, linear = ops.paged_attention, torch.nn.functional.linear
-
-        def timed_attention(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return attention(*a, **k)
-            finally:
-                self.attention += time.perf_counter() - t0
-
-        def timed_linear(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return linear(*a, **k)
-            finally:
-                self.linear += time.perf_counter() - t0
-
-        ops.paged_attention, torch.nn.functional.linear = timed_attention, timed_linear
+        saved = ops.paged_attention, ops.linear, torch.nn.functional.linear
+        ops.paged_attention = self._timed(saved[0], "attention")
+        ops.linear = self._timed(saved[1], "linear")
+        torch.nn.functional.linear = self._timed(saved[2], "linear")
         try:
             yield
         finally:
-            ops.paged_attention, torch.nn.functional.linear = attention, linear
+            ops.paged_attention, ops.linear, torch.nn.functional.linear = saved
 
 
 def decode_breakdown(system: OurSystem, reqs: list[Req], num_seqs: int) -> dict[str, float]:
@@ -306,11 +320,15 @@ def main(argv: list[str] | None = None) -> int:
                 "hf-static": lambda reqs=reqs: run_hf_static(hf, reqs, pad_id),
             }
 
-            def ours_reference(reqs: list[Req] = reqs) -> dict[str, list[int]]:
-                with _cpu_attention("reference"):
-                    return run_ours(ours, [reqs], pad_to_batch_max=False).outputs
+            for name, (variable, value) in ABLATIONS.items():
 
-            systems["ours-reference-attention"] = ours_reference
+                def ablation(
+                    reqs: list[Req] = reqs, variable: str = variable, value: str = value
+                ) -> dict[str, list[int]]:
+                    with _env(variable, value):
+                        return run_ours(ours, [reqs], pad_to_batch_max=False).outputs
+
+                systems[name] = ablation
             if has_cb and len({r.max_tokens for r in reqs}) == 1:
                 systems["hf-continuous"] = lambda reqs=reqs: run_hf_continuous(hf, reqs)
             walls: dict[str, list[float]] = {name: [] for name in systems}
@@ -337,11 +355,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {workload} | {name} | {rate[name]:.0f} | {ratio} | {bad} |")
         print()
         reqs = _requests(args, "fixed", vocab)
-        for attention in ("fast", "reference"):
-            with _cpu_attention(attention):
+        for name, env in {"ours": None, **ABLATIONS}.items():
+            with _env(*env) if env else nullcontext():
                 b = decode_breakdown(ours, reqs, args.num_requests)
             print(
-                f"- decode step at {args.num_requests} sequences, {attention} attention "
+                f"- decode step at {args.num_requests} sequences, {name} "
                 f"(mean of {b['steps']:.0f} steps): forward {b['forward']:.2f} ms = attention "
                 f"{b['attention']:.2f} + linear {b['linear']:.2f} + rest {b['rest']:.2f}; "
                 f"host {b['host']:.2f} ms a step (mean over the run)"

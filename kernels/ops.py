@@ -25,6 +25,7 @@ from torch import Tensor
 
 from kernels import reference
 from kernels.cpu_attention import paged_attention_cpu
+from kernels.cpu_linear import cpu_linear
 
 __all__ = [
     "CPU_ATTENTION_ENV",
@@ -34,6 +35,7 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_moe",
     "gelu_tanh_and_mul",
+    "linear",
     "paged_attention",
     "reshape_and_cache",
     "rotary_embedding",
@@ -107,6 +109,14 @@ def split_kv_heuristic(
         return 1
     by_length_pow2 = 1 << (by_length.bit_length() - 1)  # round down: keep splits long
     return min(want_pow2, by_length_pow2, _MAX_SPLITS)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight.T + bias``: on the CPU through :func:`kernels.cpu_linear.cpu_linear`
+    (oneDNN for fp32), elsewhere ``torch.nn.functional.linear`` (cuBLAS)."""
+    if x.is_cuda:
+        return torch.nn.functional.linear(x, weight, bias)
+    return cpu_linear(x, weight, bias)
 
 
 def reshape_and_cache(

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from kernels import ops, reference
-from kernels.cpu_attention import paged_attention_cpu
+from kernels import cpu_attention, ops, reference
+from kernels.cpu_attention import decode_buckets, paged_attention_cpu
 from kernels.testing import MIXED_BATCH, TOLERANCES, make_paged_batch
 
 HEADS = [(4, 4), (8, 2), (8, 1)]  # (query heads, KV heads): MHA, GQA, MQA
@@ -124,4 +124,48 @@ def test_fast_cpu_decode_with_window_gathers_only_the_window_blocks() -> None:
     batch.block_tables[0, :17] = 10**6  # row 0 (position 300) needs blocks 17 and 18 only
     batch.block_tables[2, :4] = 10**6  # row 2 (position 95) needs blocks 4 and 5 only
     got = paged_attention_cpu(*batch.args(), sliding_window=20)
+    torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+
+
+def test_decode_buckets_cut_rows_where_padding_would_cost_more_than_a_bucket() -> None:
+    assert decode_buckets([5] * 40, split=4, cap=10**6) == [40]  # equal lengths: one
+    assert decode_buckets([1, 1, 1, 20, 20], split=4, cap=10**6) == [3, 5]
+    assert decode_buckets([1, 2, 3, 4], split=100, cap=10**6) == [4]
+    # The cap bounds the blocks one bucket gathers, even without padding.
+    assert decode_buckets([4] * 10, split=100, cap=12) == [3, 6, 9, 10]
+    # Every row lands in exactly one bucket, in order.
+    rng = random.Random(0)
+    blocks = sorted(rng.randint(1, 30) for _ in range(200))
+    ends = decode_buckets(blocks, split=8, cap=400)
+    assert ends == sorted(set(ends)) and ends[-1] == 200 and ends[0] > 0
+    start = 0
+    for end in ends:
+        rows = blocks[start:end]
+        assert len(rows) * rows[-1] - sum(rows) <= 8
+        start = end
+
+
+@pytest.mark.parametrize("window", [None, 24], ids=["full", "window"])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), HEADS, ids=["mha", "gqa", "mqa"])
+def test_fast_cpu_decode_split_into_many_buckets_matches_the_reference(
+    monkeypatch: pytest.MonkeyPatch, window: int | None, num_q_heads: int, num_kv_heads: int
+) -> None:
+    """Thresholds of one block: every distinct length its own bucket, rows permuted back
+    to their places, decode rows mixed with prefill chunks and padding."""
+    monkeypatch.setattr(cpu_attention, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(cpu_attention, "MAX_BUCKET_BYTES", 1)
+    rng = random.Random(7)
+    seqs = [(rng.randint(1, 120), 1) for _ in range(14)] + [(30, 9), (0, 5)]
+    rng.shuffle(seqs)
+    batch = make_paged_batch(
+        seqs,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        block_size=8,
+        num_pad_tokens=1,
+    )
+    options = {"sliding_window": window}
+    want = reference.paged_attention(*batch.args(), **options)
+    got = paged_attention_cpu(*batch.args(), **batch.hints(), **options)
     torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from kernels import ops
 from services.executor.model.config import ModelConfig
 from services.executor.model.forward_batch import ForwardBatch
+from services.executor.model.layers.linear import Linear
 from services.executor.model.layers.norm import RMSNorm
 from services.executor.model.layers.rotary import RotaryEmbedding
 from services.executor.model.parallel import Comm
@@ -35,10 +36,10 @@ class Attention(nn.Module):
             0  # the KV-cache group whose block tables it reads (DecoderLM.use_kv_layout)
         )
         self.logits_soft_cap = config.attn_logit_softcap
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
         # QK-norm: one RMSNorm over head_dim shared by every head (replicated across ranks).
         self.q_norm = self.k_norm = None
         if config.qk_norm:

@@ -1,5 +1,6 @@
-"""Tensor-parallel pieces: the vocabulary-parallel embedding, and where a checkpoint tensor
-(or the slice of it that this rank holds) goes in a parameter."""
+"""Linear layers and tensor-parallel pieces: the linear layer of every projection, the
+vocabulary-parallel embedding, and where a checkpoint tensor (or the slice of it that this
+rank holds) goes in a parameter."""
 
 from __future__ import annotations
 
@@ -9,9 +10,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from kernels import ops
 from services.executor.model.parallel import Comm, ShardPlan
 
-__all__ = ["Placement", "VocabParallelEmbedding", "tensor_shape"]
+__all__ = ["Linear", "Placement", "VocabParallelEmbedding", "tensor_shape"]
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same checkpoint names) computed by
+    :func:`kernels.ops.linear`: oneDNN for fp32 on the CPU."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.linear(x, self.weight, self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from kernels import ops
 from services.executor.model.config import ModelConfig
+from services.executor.model.layers.linear import Linear
 from services.executor.model.parallel import Comm
 
 __all__ = ["MLP"]
@@ -25,10 +26,10 @@ class MLP(nn.Module):
         self.act_and_mul = (
             ops.gelu_tanh_and_mul if config.hidden_act == "gelu_tanh" else ops.silu_and_mul
         )
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias, dtype=dtype
         )
-        self.down_proj = nn.Linear(
+        self.down_proj = Linear(
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype
         )
 

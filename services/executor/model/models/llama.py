@@ -29,7 +29,12 @@ from services.executor.model.errors import ModelLoadError
 from services.executor.model.forward_batch import ForwardBatch
 from services.executor.model.kv_layout import KVCacheLayout, plan_kv_layout
 from services.executor.model.layers.attention import Attention
-from services.executor.model.layers.linear import Placement, VocabParallelEmbedding, tensor_shape
+from services.executor.model.layers.linear import (
+    Linear,
+    Placement,
+    VocabParallelEmbedding,
+    tensor_shape,
+)
 from services.executor.model.layers.mlp import MLP
 from services.executor.model.layers.moe import SparseMoE
 from services.executor.model.layers.norm import RMSNorm
@@ -127,7 +132,7 @@ class DecoderLM(nn.Module):
             self.layer_class(lc, dtype, self.comm, i) for i in range(lc.num_layers)
         )
         self.norm = hidden_norm(config, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, self.shard.vocab_rows, bias=False, dtype=dtype)
+        self.lm_head = Linear(config.hidden_size, self.shard.vocab_rows, bias=False, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len, dtype)
         # Gemma: sqrt(hidden), rounded to the model dtype as transformers rounds it.
         self.embed_scale: float | None = None
