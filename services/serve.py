@@ -39,6 +39,7 @@ import structlog
 
 from services.common.auth import API_KEY_ENV, INTERNAL_TOKEN_ENV
 from services.common.logging import CONFIG_ERROR_STATUS, configure_logging
+from services.executor.model.runner_config import available_cores
 
 DEFAULT_MODEL = Path("models/tiny-llama")
 PR_SET_PDEATHSIG = 1
@@ -79,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
         help="restarts of one service within --restart-window-s before giving up",
     )
     p.add_argument("--restart-window-s", type=float, default=300.0)
+    p.add_argument(
+        "--cpu-reserved-cores",
+        type=int,
+        default=1,
+        help="cores left to the gateway, the block manager and local clients: the executor "
+        "computes on the others (its --cpu-threads; not when OMP_NUM_THREADS is set)",
+    )
     p.add_argument(
         "executor_args",
         nargs=argparse.REMAINDER,
@@ -264,9 +272,25 @@ def _child_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def executor_defaults(args: argparse.Namespace) -> list[str]:
+    """The executor flags that go ahead of the caller's (a flag given after ``--`` wins):
+
+    - ``--async-scheduling``: the block manager is another process, so its round trip
+      overlaps the forward, as in ``compose.yaml``;
+    - ``--cpu-threads``: every core but ``--cpu-reserved-cores``, unless ``OMP_NUM_THREADS``
+      is set. On the CPU the forward's threads meet at a barrier in every op, so a thread
+      preempted by the gateway or a client stalls them all (vLLM's CPU backend reserves a
+      core the same way)."""
+    flags = ["--async-scheduling"]
+    if "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, available_cores() - max(0, args.cpu_reserved_cores))
+        flags += ["--cpu-threads", str(threads)]
+    return flags
+
+
 def _specs(args: argparse.Namespace, model: Path) -> dict[str, list[str]]:
     """The command line of each child, in start order."""
-    extra = [a for a in args.executor_args if a != "--"]
+    extra = [*executor_defaults(args), *(a for a in args.executor_args if a != "--")]
     py = [sys.executable, "-m", "services.cli"]
     common = ["--log-level", args.log_level]
     return {

@@ -16,6 +16,8 @@ import pytest
 
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from services import serve
+from services.executor.service.config import ExecutorConfig
 from tests.procs import ServeStack, free_ports, json_records, run_cli, serve_command, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,3 +255,29 @@ def test_no_secret_reaches_any_service_log(ctrl_c_run) -> None:
     for config in configs.values():
         assert config["security"] == {"internal_token": True, "mtls": False}
     assert configs["gateway"]["api_key"] == "***"
+
+
+def test_serve_gives_the_executor_async_scheduling_and_all_but_the_reserved_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The executor's defaults go first, so a flag after ``--`` overrides them; with
+    OMP_NUM_THREADS set, the environment decides the threads."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(serve, "available_cores", lambda: 8)
+    args = serve._parser().parse_args(["--", "--no-async-scheduling", "--max-num-seqs", "4"])
+    executor = serve._specs(args, Path("m"))["executor"]
+    tail = executor[-6:]
+    assert tail == [
+        "--async-scheduling",
+        "--cpu-threads",
+        "7",
+        "--no-async-scheduling",  # the caller's, later: it wins
+        "--max-num-seqs",
+        "4",
+    ]
+    config = ExecutorConfig.from_args(["--model", "m", *tail])
+    assert (config.async_scheduling, config.cpu_threads, config.max_num_seqs) == (False, 7, 4)
+    args = serve._parser().parse_args(["--cpu-reserved-cores", "8"])
+    assert serve.executor_defaults(args) == ["--async-scheduling", "--cpu-threads", "1"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert serve.executor_defaults(args) == ["--async-scheduling"]

@@ -202,7 +202,8 @@ class ExecutorConfig:
         )
         a(
             "--async-scheduling",
-            action="store_true",
+            action=argparse.BooleanOptionalAction,
+            default=cls.async_scheduling,
             help="plan the next step before this step's forward and send its block-manager "
             "Step without waiting, so the round trip overlaps the forward (outputs are "
             "unchanged; samples about to fork, copy-on-write and preemption still plan "
