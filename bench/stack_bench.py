@@ -17,7 +17,7 @@ stack's share of the in-process figure, TTFT and TPOT, and the cores each proces
 during the stack's runs (Linux ``/proc``; the client is this process).
 
     .venv/bin/python bench/stack_bench.py [--repeats 3] \\
-        [--variant default=] [--variant "async=--async-scheduling"]
+        [--variant default=] [--variant "sync=--no-async-scheduling"]
 """
 
 from __future__ import annotations
@@ -105,7 +105,11 @@ class Stack:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        wait_serving(self.address, timeout=120)
+        try:
+            wait_serving(self.address, timeout=120)
+        except BaseException:
+            self.stop()
+            raise
         self.services = _children(self.proc.pid)
 
     def cpu(self) -> dict[str, float]:
@@ -158,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging("stack_bench", "ERROR")
     variants = [v.split("=", 1) for v in args.variant or ["default="]]
+    if any(len(v) != 2 for v in variants):
+        raise SystemExit("--variant takes NAME=EXECUTOR FLAGS")
     requests = random_requests(
         args.num_prompts, args.input_len, args.output_len, args.range_ratio, VOCAB, args.seed
     )

@@ -114,9 +114,9 @@ def split_kv_heuristic(
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ weight.T + bias``: on the CPU through :func:`kernels.cpu_linear.cpu_linear`
     (oneDNN for fp32), elsewhere ``torch.nn.functional.linear`` (cuBLAS)."""
-    if x.is_cuda:
-        return torch.nn.functional.linear(x, weight, bias)
-    return cpu_linear(x, weight, bias)
+    if x.device.type == "cpu":
+        return cpu_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def reshape_and_cache(

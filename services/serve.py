@@ -52,6 +52,13 @@ TAIL_LINES = 50  # stderr lines kept per child to find why it exited
 _stderr_lock = threading.Lock()
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagedserve serve",
@@ -82,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-window-s", type=float, default=300.0)
     p.add_argument(
         "--cpu-reserved-cores",
-        type=int,
+        type=_non_negative,
         default=1,
         help="cores left to the gateway, the block manager and local clients: the executor "
         "computes on the others (its --cpu-threads; not when OMP_NUM_THREADS is set)",
@@ -283,7 +290,7 @@ def executor_defaults(args: argparse.Namespace) -> list[str]:
       core the same way)."""
     flags = ["--async-scheduling"]
     if "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, available_cores() - max(0, args.cpu_reserved_cores))
+        threads = max(1, available_cores() - args.cpu_reserved_cores)
         flags += ["--cpu-threads", str(threads)]
     return flags
 

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from services.blockmgr.errors import BlockManagerError, ErrorCode, invalid, not_found
+from services.blockmgr.host_tier import HostTier
 from services.blockmgr.kv_groups import group_key, grow, longest_group_hit, windows_of
 from services.blockmgr.pool import BlockPool
 from services.blockmgr.restore import restore
@@ -27,7 +28,14 @@ from services.blockmgr.step_checks import (
     validate_step,
 )
 from services.blockmgr.swap import SwappedSeq, free_swapped, swap_in, swap_out
-from services.blockmgr.tiers import TierMoves, TierRun, fill_from_tiers, take_moves, tier_run
+from services.blockmgr.tiers import (
+    TierMoves,
+    TierRun,
+    fill_from_tiers,
+    take_moves,
+    tier_lookup,
+    tier_run,
+)
 from services.blockmgr.types import (
     Admit,
     AdmitResult,
@@ -56,6 +64,9 @@ from services.common.blocks import (
     blocks_to_grow,
     needs_cow,
 )
+
+# In an admission's hits, a block found in a tier below the device (onboarded into a new one).
+IN_TIER = -2  # (-1 is longest_window_hit's "not looked up yet")
 
 _RECENTLY_FREED = 65536  # how many freed ids we remember to tell a double free from a typo
 
@@ -120,8 +131,6 @@ class KVBlockManager:
         self.num_groups = len(self.windows)
         self.any_sliding = any(self.windows)
         self.enable_prefix_caching = enable_prefix_caching
-        if host_blocks and (self.num_groups > 1 or self.any_sliding):
-            raise invalid("host_blocks: a host tier serves pools of one full-attention group")
         if disk_blocks and not host_blocks:
             raise invalid("disk_blocks: a disk tier needs a host tier above it (host_blocks)")
         self.pool = BlockPool(
@@ -172,6 +181,7 @@ class KVBlockManager:
             self.block_size,
             self.swapped,
             has_host=self.pool.host is not None,
+            one_full_group=self.num_groups == 1 and not self.any_sliding,
         )
         self.pool.tick()
         if self.pool.host is not None:
@@ -202,18 +212,20 @@ class KVBlockManager:
     def _admit(self, op: Admit, failed: set[int]) -> AdmitResult:
         """The longest prefix hit every group serves (:func:`longest_group_hit`: a full group
         needs every block of it, a sliding group the blocks its window reads, the table null
-        before them), then every group's table gets the same number of new blocks."""
+        before them), on the device or in the tiers below it (those blocks are onboarded
+        into new device blocks), then every group's table gets the same number of new
+        blocks."""
         pool, bs = self.pool, self.block_size
         num_hit = 0
         lives = [0] * self.num_groups
-        hits: list[list[int]] = [[] for _ in lives]  # per group: blocks live .. num_hit - 1
-        onboard: TierRun = []  # past the device hit: (hash, tier, slot)
+        # Per group: blocks live .. num_hit - 1, a device block or IN_TIER (onboarded from
+        # ``run``, which lists them group after group, in table order).
+        hits: list[list[int]] = [[] for _ in lives]
+        run: TierRun = []
         if self.enable_prefix_caching:
             max_hits = (op.num_prompt_tokens - 1) // bs  # never cover the last prompt token
             if self.num_groups > 1 or self.any_sliding:
-                num_hit, lives, hits = longest_group_hit(
-                    op.block_hashes[:max_hits], self.windows, bs, pool.lookup
-                )
+                num_hit, lives, hits, run = self._group_hit(op.block_hashes[:max_hits])
             else:  # one full group, the common case: the leading run of cached blocks
                 found = hits[0]
                 lookup = pool.lookup
@@ -222,29 +234,34 @@ class KVBlockManager:
                     if block_id is None:
                         break
                     found.append(block_id)
-                num_hit = len(found)
                 if pool.host is not None:  # the prefix may go on in the tiers below
-                    onboard = tier_run(pool, op.block_hashes[num_hit:max_hits])
-        num_cached = (num_hit + len(onboard)) * bs
+                    run = tier_run(pool, op.block_hashes[len(found) : max_hits])
+                    found.extend([IN_TIER] * len(run))
+                num_hit = len(found)
+        num_cached = num_hit * bs
         num_tokens = num_cached + min(op.num_prompt_tokens - num_cached, op.max_new_tokens)
-        need = blocks_for_tokens(num_tokens, bs) - num_hit - len(onboard)
+        need = blocks_for_tokens(num_tokens, bs) - num_hit
         refcount = pool.refcount
-        revived = sum(1 for group_hits in hits for b in group_hits if refcount[b] == 0)
-        cost = need * self.num_groups + len(onboard)
+        revived = sum(1 for group in hits for b in group if b != IN_TIER and refcount[b] == 0)
+        cost = need * self.num_groups + len(run)
         if cost + op.reserve_blocks > pool.num_free - revived:
             failed.add(op.seq_id)
             return AdmitResult(OpStatus.RESOURCE_EXHAUSTED)
-        tables: list[list[int]] = []
         priority = op.retention_priority
-        for live, group_hits in zip(lives, hits, strict=True):
+        # Every group's device hits are taken before any block is allocated: an allocation
+        # may evict a cached free block, and that must not be a hit of a later group.
+        for group_hits in hits:
             for block_id in group_hits:
-                pool.note_hit(block_id)
-                pool.incref(block_id)
-                if priority:
-                    pool.retain(block_id, priority)
-            table = [NULL_BLOCK] * live + group_hits if live else group_hits
-            if onboard:
-                table.extend(self._onboard(onboard, priority))
+                if block_id != IN_TIER:
+                    pool.note_hit(block_id)
+                    pool.incref(block_id)
+                    if priority:
+                        pool.retain(block_id, priority)
+        filled = iter(self._onboard(run, priority) if run else ())
+        tables: list[list[int]] = []
+        for live, group_hits in zip(lives, hits, strict=True):
+            table = [NULL_BLOCK] * live
+            table.extend(next(filled) if b == IN_TIER else b for b in group_hits)
             table.extend(pool.allocate() for _ in range(need))
             tables.append(table)
         self.seqs[op.seq_id] = SeqState(tables, num_tokens, lives, priority)
@@ -254,6 +271,36 @@ class KVBlockManager:
             self.prefix_hits_tokens += num_cached
         ids = tuple(tables[0]) if len(tables) == 1 else tuple(b for t in tables for b in t)
         return AdmitResult(OpStatus.OK, ids, num_cached, num_tokens)
+
+    def _group_hit(
+        self, block_hashes: Sequence[bytes]
+    ) -> tuple[int, list[int], list[list[int]], TierRun]:
+        """:func:`longest_group_hit` over the device and, with tiers, the tiers below it: a
+        block found only there is IN_TIER in its group's hits and listed in the run."""
+        pool = self.pool
+        if pool.host is None:
+            num_hit, lives, hits = longest_group_hit(
+                block_hashes, self.windows, self.block_size, pool.lookup
+            )
+            return num_hit, lives, hits, []
+        below: dict[bytes, tuple[HostTier, int]] = {}
+
+        def lookup(key: bytes) -> int | None:
+            block_id = pool.lookup(key)
+            if block_id is None and (where := tier_lookup(pool, key)) is not None:
+                below[key] = where
+                return IN_TIER
+            return block_id
+
+        windows, bs = self.windows, self.block_size
+        num_hit, lives, hits = longest_group_hit(block_hashes, windows, bs, lookup)
+        run: TierRun = []
+        for group, (live, group_hits) in enumerate(zip(lives, hits, strict=True)):
+            for i, block_id in enumerate(group_hits, start=live):
+                if block_id == IN_TIER:
+                    key = group_key(block_hashes[i], group)
+                    run.append((key, *below[key]))
+        return num_hit, lives, hits, run
 
     def _onboard(self, run: TierRun, priority: int) -> list[int]:
         blocks, from_disk = fill_from_tiers(self.pool, run, priority)

@@ -28,10 +28,12 @@ def validate_step(
     swapped: Mapping[int, SeqLike] | None = None,
     *,
     has_host: bool = False,
+    one_full_group: bool = True,
 ) -> None:
     """Reject the whole step on any malformed op, simulating liveness and token counts in
     order as if every entry succeeded (a capacity failure only ever removes effects).
-    ``swapped``: the swapped-out sequences; ``has_host``: the pool has a host tier."""
+    ``swapped``: the swapped-out sequences; ``has_host``: the pool has a host tier;
+    ``one_full_group``: the pool is one full-attention group (swapping needs that)."""
     overlay: dict[int, int | None] = {}  # seq_id -> simulated num_tokens, None = freed
     swapped = swapped or {}
     out: dict[int, int | None] = {}  # seq_id -> num_tokens if swapped out now, None if not
@@ -137,6 +139,10 @@ def validate_step(
             name = "swap_out" if isinstance(op, SwapOut) else "swap_in"
             if not has_host:
                 raise precondition(f"{where}.{name}: the pool has no host tier (host_blocks)")
+            if not one_full_group:
+                raise precondition(
+                    f"{where}.{name}: swapping serves pools of one full-attention group"
+                )
             if len(set(op.seq_ids)) != len(op.seq_ids):
                 dup = next(x for j, x in enumerate(op.seq_ids) if x in op.seq_ids[:j])
                 raise invalid(f"{where}.{name}.seq_ids: seq_id {dup} is listed twice")

@@ -14,7 +14,8 @@ hash is still cached on the device is shared (no copy), every other one gets a n
 filled from its slot (an onboard of the Step) and, if it had a hash, is matchable again at once.
 RESOURCE_EXHAUSTED (it stays swapped out) when the pool has too few free blocks.
 
-Only pools of one full-attention group have a host tier, so a table here is one list.
+Only pools of one full-attention group swap (FAILED_PRECONDITION otherwise), so a table
+here is one list.
 """
 
 from __future__ import annotations
@@ -171,6 +172,8 @@ def check_swapped(m: KVBlockManager, sequences: Sequence[RestoredSequence]) -> N
         where = f"sequences[{i}]"
         if host is None:
             raise invalid(f"{where}.host_slots: the pool has no host tier (host_blocks)")
+        if m.num_groups > 1 or m.any_sliding:
+            raise invalid(f"{where}.host_slots: swapping serves pools of one full-attention group")
         check_seq_id(seq.seq_id, f"{where}.seq_id")
         if seq.block_ids:
             raise invalid(f"{where}: a swapped-out sequence has host_slots, not block_ids")

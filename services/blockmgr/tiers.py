@@ -10,7 +10,7 @@ from services.blockmgr.host_tier import HostTier
 from services.blockmgr.pool import BlockPool
 from services.blockmgr.types import BlockMove, SlotMove
 
-__all__ = ["TierMoves", "TierRun", "fill_from_tiers", "take_moves", "tier_run"]
+__all__ = ["TierMoves", "TierRun", "fill_from_tiers", "take_moves", "tier_lookup", "tier_run"]
 
 TierRun = list[tuple[bytes, HostTier, int]]  # (hash, the tier holding it, its slot)
 TierMoves = tuple[
@@ -18,22 +18,30 @@ TierMoves = tuple[
 ]
 
 
+def tier_lookup(pool: BlockPool, key: bytes) -> tuple[HostTier, int] | None:
+    """The tier below the device holding ``key`` (a cache key), and its slot: the host tier,
+    else the disk tier, else None."""
+    host, disk = pool.host, pool.disk
+    assert host is not None
+    slot = host.lookup(key)
+    if slot is not None:
+        return host, slot
+    slot = disk.lookup(key) if disk is not None else None
+    if slot is None:
+        return None
+    assert disk is not None
+    return disk, slot
+
+
 def tier_run(pool: BlockPool, block_hashes: Sequence[bytes]) -> TierRun:
     """The leading run of ``block_hashes`` the host or the disk tier holds, each block in
     either."""
-    host, disk = pool.host, pool.disk
-    assert host is not None
     run: TierRun = []
     for block_hash in block_hashes:
-        slot = host.lookup(block_hash)
-        if slot is not None:
-            run.append((block_hash, host, slot))
-            continue
-        slot = disk.lookup(block_hash) if disk is not None else None
-        if slot is None:
+        where = tier_lookup(pool, block_hash)
+        if where is None:
             break
-        assert disk is not None
-        run.append((block_hash, disk, slot))
+        run.append((block_hash, *where))
     return run
 
 

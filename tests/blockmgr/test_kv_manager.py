@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from services.blockmgr.core import BlockManagerCore
 from services.blockmgr.errors import ErrorCode
+from services.blockmgr.kv_groups import group_key
 from services.blockmgr.kv_manager import KVBlockManager
 from services.blockmgr.types import (
     Admit,
+    AttentionKindName,
     BlockCopy,
     Commit,
     Fork,
     Free,
     Grow,
+    KVCacheGroup,
     KVEventKind,
     OpStatus,
     RestoredSequence,
@@ -230,3 +233,36 @@ def test_a_live_duplicate_takes_over_the_hash_when_the_hashed_copy_is_evicted():
     m.step([Free((3,))])
     res = _admit(m, 4, [*tokens, 7])
     assert res.num_cached_tokens == 8 and res.block_ids[:2] == tuple(copies)
+
+
+def test_a_hybrid_admission_never_allocates_a_block_another_of_its_groups_hit():
+    """Regression: a sliding group's new blocks were allocated before the full group's hits
+    were taken, so with no uncached block left the eviction could pick one of those hits:
+    the two groups then listed the same block for different content (admission 10 below)."""
+    base = [2, 1, 0, 1, 2, 0, 0, 2, 0, 2, 2, 0, 0, 2]
+    script = [  # (seq id, prompt, max new tokens, then free this id)
+        (1, [*base, 0], 4, 1),
+        (2, [*base, 1, 0, 2], 4, None),
+        (3, [*base[:10], 0, 2], 3, 2),
+        (4, [*base[:8], 1, 0, 2, 1], 1, None),
+        (5, base[:8], 1, None),
+        (6, [*base, 1], 4, None),
+        (7, [*base[:7], 1], 3, 6),
+        (8, [2, 1, 0, 1, 2, 0, 1, 2, 2, 2, 1, 2], 4, 3),
+        (9, [*base, 1, 2, 1, 0, 0, 1, 0, 2], 4, 8),
+        (10, [*base, 1, 0, 0, 2], 3, 4),
+    ]
+    groups = [KVCacheGroup(AttentionKindName.SLIDING, 6), KVCacheGroup()]
+    m = KVBlockManager(14, BS, groups=groups)
+    for seq_id, prompt, new, free in script:
+        h = hashes(prompt, BS)
+        (r,) = m.step([Admit(seq_id, len(prompt), new, h)])
+        if r.status is OpStatus.OK:
+            n = len(r.block_ids) // 2
+            sliding, full = r.block_ids[:n], r.block_ids[n:]
+            assert not (set(sliding) - {0}) & set(full), (seq_id, sliding, full)
+            for i in range(r.num_cached_tokens // BS):  # every hit holds its group's content
+                assert m.pool.block_hash[full[i]] == group_key(h[i], 1)
+            m.step([Commit(seq_id, 0, h[: r.num_tokens // BS])])
+        if free is not None:
+            m.step([Free((free,))])

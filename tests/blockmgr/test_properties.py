@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from services.blockmgr.errors import BlockManagerError
-from services.blockmgr.kv_groups import group_key
+from services.blockmgr.kv_groups import group_key, split_key
 from services.blockmgr.kv_manager import KVBlockManager
 from services.blockmgr.types import (
     Admit,
@@ -26,6 +26,7 @@ from services.blockmgr.types import (
     SwapIn,
     SwapOut,
 )
+from services.common.blocks import NULL_BLOCK
 from services.common.blocks import first_live_block as first_live
 from tests.blockmgr.helpers import hashes
 
@@ -284,6 +285,9 @@ class HostTierPoolMachine(PoolMachine):
             assert self.m.pool.block_hash[m.device_block] is not None
 
 
+Content = tuple[int, tuple[int, ...]]  # (group, what a block holds)
+
+
 def _content(tokens: list[int], i: int) -> tuple[int, ...]:
     """What block ``i`` of a sequence of ``tokens`` holds: its whole prefix (a chained hash)."""
     return tuple(tokens[: (i + 1) * BS])
@@ -299,9 +303,9 @@ class SwapPoolMachine(HostTierPoolMachine):
 
     def __init__(self) -> None:
         self.swapped: dict[int, list[int]] = {}  # swapped-out sequences' tokens
-        self.dev: dict[int, tuple[int, ...]] = {}  # device block -> content
-        self.hostmem: dict[int, tuple[int, ...]] = {}  # host slot -> content
-        self.diskmem: dict[int, tuple[int, ...]] = {}  # disk slot -> content
+        self.dev: dict[int, Content] = {}  # device block -> (group, content)
+        self.hostmem: dict[int, Content] = {}  # host slot -> (group, content)
+        self.diskmem: dict[int, Content] = {}  # disk slot -> (group, content)
         super().__init__()
 
     def _manager(self) -> KVBlockManager:
@@ -315,17 +319,19 @@ class SwapPoolMachine(HostTierPoolMachine):
             for sp in spills:
                 self.diskmem[sp.dst] = self.hostmem[sp.src]
             for mv in offloads:
-                self.hostmem[mv.host_slot] = self.dev.get(mv.device_block, ())
+                self.hostmem[mv.host_slot] = self.dev.get(mv.device_block, (-1, ()))
             for mv in onboards:
                 self.dev[mv.device_block] = self.hostmem[mv.host_slot]
             for ld in loads:
                 self.dev[ld.dst] = self.diskmem[ld.src]
-            # A block filled from a tier holds the content its hash names.
+            # A block filled from a tier holds the content its key names (its group's).
             filled = [mv.device_block for mv in onboards] + [ld.dst for ld in loads]
             for b in filled:
-                h = m.pool.block_hash[b]
-                if h is not None:
-                    assert hashes(list(self.dev[b]), BS)[-1] == h, b
+                key = m.pool.block_hash[b]
+                if key is not None:
+                    h, group = split_key(key)
+                    content_group, content = self.dev[b]
+                    assert (content_group, hashes(list(content), BS)[-1]) == (group, h), b
             for r in results:
                 for c in getattr(r, "copies", ()):
                     self.dev[c.dst] = self.dev.get(c.src, ())
@@ -336,8 +342,10 @@ class SwapPoolMachine(HostTierPoolMachine):
 
     def _forward(self) -> None:
         for seq_id, state in self.m.seqs.items():
-            for i, b in enumerate(state.tables[0]):
-                self.dev[b] = _content(self.tokens[seq_id], i)
+            for group, table in enumerate(state.tables):
+                for i, b in enumerate(table):
+                    if b != NULL_BLOCK:  # a sliding group's blocks before its window
+                        self.dev[b] = (group, _content(self.tokens[seq_id], i))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -361,7 +369,7 @@ class SwapPoolMachine(HostTierPoolMachine):
         if r.statuses[0] is OpStatus.OK:
             tokens = self.tokens[seq_id] = self.swapped.pop(seq_id)
             for i, b in enumerate(r.block_ids[0]):
-                assert self.dev.get(b) == _content(tokens, i), (seq_id, i, b)
+                assert self.dev.get(b) == (0, _content(tokens, i)), (seq_id, i, b)
         else:
             assert seq_id in self.m.swapped
 
@@ -469,6 +477,46 @@ class DiskTierPoolMachine(SwapPoolMachine):
         assert disk.occupied() <= disk.num_slots
 
 
+class HybridTierPoolMachine(DiskTierPoolMachine):
+    """Gemma-style groups (sliding windows around a full one) over host and disk tiers: an
+    admission's hit continues in the tiers group by group; every block filled from a tier
+    holds its own group's content. No swaps: they serve one full group only."""
+
+    windows = (6, 0, 6)
+    num_blocks = 16
+
+    @precondition(lambda self: False)
+    @rule()
+    def swap_out(self) -> None:  # type: ignore[override]
+        raise AssertionError("hybrid pools do not swap")
+
+    @precondition(lambda self: False)
+    @rule()
+    def swap_in(self) -> None:  # type: ignore[override]
+        raise AssertionError("hybrid pools do not swap")
+
+    @precondition(lambda self: False)
+    @rule()
+    def free_swapped(self) -> None:  # type: ignore[override]
+        raise AssertionError("hybrid pools do not swap")
+
+    @invariant()
+    def a_live_block_holds_one_content_whoever_lists_it(self) -> None:
+        _one_content_per_live_block(self.m, self.tokens)
+
+
+def _one_content_per_live_block(m: KVBlockManager, tokens: dict[int, list[int]]) -> None:
+    """No block is listed by two tables (or two groups) for different content: one
+    admission's allocations never take a cached block another of its groups hit."""
+    owner: dict[int, Content] = {}
+    for seq_id, state in m.seqs.items():
+        for group, table in enumerate(state.tables):
+            for i, b in enumerate(table):
+                if b != NULL_BLOCK:
+                    want = (group, _content(tokens[seq_id], i))
+                    assert owner.setdefault(b, want) == want, (seq_id, group, i, b)
+
+
 class DiskTierARCPoolMachine(DiskTierPoolMachine):
     tier_policy = "arc"
 
@@ -492,6 +540,10 @@ class SlidingWindowOfOnePoolMachine(PoolMachine):
 
 class HybridPoolMachine(PoolMachine):
     windows = (6, 0, 6)  # Gemma-style: sliding groups around a full one
+
+    @invariant()
+    def a_live_block_holds_one_content_whoever_lists_it(self) -> None:
+        _one_content_per_live_block(self.m, self.tokens)
 
 
 class HybridS3FIFOPoolMachine(PoolMachine):
@@ -523,6 +575,8 @@ TestDiskTierInvariants = DiskTierPoolMachine.TestCase
 TestDiskTierInvariants.settings = settings(_settings, max_examples=80)
 TestDiskTierARCInvariants = DiskTierARCPoolMachine.TestCase
 TestDiskTierARCInvariants.settings = settings(_settings, max_examples=40)
+TestHybridTierInvariants = HybridTierPoolMachine.TestCase
+TestHybridTierInvariants.settings = settings(_settings, max_examples=60)
 TestDiskTierS3FIFOInvariants = DiskTierS3FIFOPoolMachine.TestCase
 TestDiskTierS3FIFOInvariants.settings = settings(_settings, max_examples=40)
 _sliding_settings = settings(_settings, max_examples=60)

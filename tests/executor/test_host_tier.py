@@ -16,7 +16,6 @@ from services.executor.core.sequence import RequestKey
 from services.executor.model.config import ModelConfig
 from services.executor.model.errors import ModelLoadError
 from services.executor.model.kv_cache import bytes_per_block
-from services.executor.model.launch import build_runner
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
 
@@ -51,10 +50,24 @@ def test_a_conversation_evicted_to_the_host_tier_comes_back_on_its_next_turn(
     assert stats.num_onboarded_blocks > 0 and stats.host_hits_tokens > 0
 
 
-def test_a_host_tier_is_refused_for_a_model_whose_layers_slide(tiny_checkpoint) -> None:
-    config = _config(tiny_checkpoint, "mistral_window", num_kv_blocks=40)
-    with pytest.raises(ModelLoadError, match="--kv-offloading-size"):
-        build_runner(config.runner_config())
+@pytest.mark.parametrize(("name", "num_kv_blocks"), [("mistral_window", 10), ("gemma3", 24)])
+def test_sliding_and_hybrid_models_onboard_from_the_host_tier_with_transformers_tokens(
+    tiny_checkpoint, hf_model, name: str, num_kv_blocks: int
+) -> None:
+    """A sliding-window model (one sliding group) and a Gemma 3 one (sliding groups around
+    a full one): every group's evicted blocks come back from the tier."""
+    engine, _ = build_engine(
+        _config(tiny_checkpoint, name, num_kv_blocks=num_kv_blocks), blockmgr=InProcessClient()
+    )
+    _converse(engine, hf_model(name), seed=5)
+    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    assert stats.num_offloaded_blocks > 0 and stats.host_hits_tokens > 0
+
+
+def test_swap_preemption_is_refused_for_a_hybrid_model(tiny_checkpoint) -> None:
+    config = _config(tiny_checkpoint, "gemma3", num_kv_blocks=24, preemption_mode="swap")
+    with pytest.raises(ModelLoadError, match="--preemption-mode swap"):
+        build_engine(config, blockmgr=InProcessClient())
 
 
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])

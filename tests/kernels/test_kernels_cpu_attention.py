@@ -147,13 +147,30 @@ def test_decode_buckets_cut_rows_where_padding_would_cost_more_than_a_bucket() -
 
 @pytest.mark.parametrize("window", [None, 24], ids=["full", "window"])
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), HEADS, ids=["mha", "gqa", "mqa"])
-def test_fast_cpu_decode_split_into_many_buckets_matches_the_reference(
-    monkeypatch: pytest.MonkeyPatch, window: int | None, num_q_heads: int, num_kv_heads: int
+@pytest.mark.parametrize(("split", "cap"), [(1, 1), (3, 40)], ids=["one-row-each", "mixed"])
+def test_fast_cpu_decode_split_into_buckets_matches_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+    window: int | None,
+    num_q_heads: int,
+    num_kv_heads: int,
+    split: int,
+    cap: int,
 ) -> None:
-    """Thresholds of one block: every distinct length its own bucket, rows permuted back
-    to their places, decode rows mixed with prefill chunks and padding."""
-    monkeypatch.setattr(cpu_attention, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(cpu_attention, "MAX_BUCKET_BYTES", 1)
+    """Thresholds in blocks: one block (every row its own bucket), or buckets of several
+    rows of different lengths beside others; rows permuted back to their places, decode
+    rows mixed with prefill chunks and padding."""
+    block_bytes = 2 * 8 * num_kv_heads * 16 * 4  # K + V of a block: BS 8, D 16, fp32
+    monkeypatch.setattr(cpu_attention, "SPLIT_BYTES", split * block_bytes)
+    monkeypatch.setattr(cpu_attention, "MAX_BUCKET_BYTES", cap * block_bytes)
+    sizes: list[int] = []
+    cut = cpu_attention.decode_buckets
+
+    def recorded(blocks: list[int], s: int, c: int) -> list[int]:
+        ends = cut(blocks, s, c)
+        sizes.extend(b - a for a, b in zip([0, *ends[:-1]], ends, strict=True))
+        return ends
+
+    monkeypatch.setattr(cpu_attention, "decode_buckets", recorded)
     rng = random.Random(7)
     seqs = [(rng.randint(1, 120), 1) for _ in range(14)] + [(30, 9), (0, 5)]
     rng.shuffle(seqs)
@@ -169,3 +186,6 @@ def test_fast_cpu_decode_split_into_many_buckets_matches_the_reference(
     want = reference.paged_attention(*batch.args(), **options)
     got = paged_attention_cpu(*batch.args(), **batch.hints(), **options)
     torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+    assert len(sizes) > 1 and sum(sizes) == 14
+    if split > 1:
+        assert max(sizes) > 1

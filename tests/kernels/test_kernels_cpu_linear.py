@@ -7,10 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import ops
 from kernels.cpu_linear import CPU_LINEAR_ENV, cpu_linear_impl
+from services.executor.model.config import ModelConfig
 from services.executor.model.layers.linear import Linear
+from services.executor.model.models.llama import DecoderLM
 
 
 def _operands(dtype: torch.dtype, rows: int = 37) -> tuple[torch.Tensor, ...]:
@@ -21,14 +25,30 @@ def _operands(dtype: torch.dtype, rows: int = 37) -> tuple[torch.Tensor, ...]:
     return x, w, b
 
 
+class _Ops(TorchDispatchMode):
+    """Records the aten / mkldnn ops run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 @pytest.mark.parametrize("rows", [0, 1, 37, 300])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-def test_fp32_linear_goes_through_onednn_within_fp32_rounding(rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("bias", ["bias", "no-bias", "strided-bias"])
+def test_fp32_linear_goes_through_onednn_within_fp32_rounding(rows: int, bias: str) -> None:
     x, w, b = _operands(torch.float32, rows)
+    if bias == "strided-bias":  # a view oneDNN would misread unless packed
+        b = torch.randn(160, generator=torch.Generator().manual_seed(1))[::2]
     assert cpu_linear_impl() == "onednn"
-    got = ops.linear(x, w, b if bias else None)
-    want = (x.double() @ w.double().T + (b.double() if bias else 0)).float()
+    with _Ops() as seen:
+        got = ops.linear(x, w, None if bias == "no-bias" else b)
+    assert any("_linear_pointwise" in name for name in seen.names)
+    want = (x.double() @ w.double().T + (0 if bias == "no-bias" else b.double())).float()
     assert got.shape == (rows, 80) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -59,3 +79,22 @@ def test_the_linear_layer_keeps_nn_linear_parameters_and_computes_through_ops() 
     x = torch.randn(5, 96)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_every_projection_of_the_model_is_a_linear_layer_but_the_moe_router() -> None:
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6,
+    }
+    model = DecoderLM.empty(ModelConfig.from_hf_config(hf), torch.float32, "meta")
+    names = {n for n, m in model.named_modules() if type(m) is nn.Linear}
+    assert names <= {n for n, _ in model.named_modules() if n.endswith("mlp.gate")}
+    assert isinstance(model.lm_head, Linear)
+    assert all(isinstance(layer.self_attn.qkv_proj, Linear) for layer in model.layers)

@@ -145,14 +145,9 @@ def _build(
 
 def _host_tier(model: DecoderLM, kv_cache: torch.Tensor, budget: int) -> HostKVCache:
     """The host tier's slots in ``budget`` bytes (``--kv-offloading-size``, per rank: each
-    holds its shard of every block, so every rank has as many slots), one full-attention
-    KV-cache group (what the block manager's tier serves)."""
-    layout = model.kv_layout
-    if layout.num_groups > 1 or layout.sliding_window:
-        raise ModelLoadError(
-            "--kv-offloading-size: the host tier serves models of one full-attention KV-cache "
-            "group (this one slides, or is hybrid: try --disable-hybrid-kv-cache-manager)"
-        )
+    holds its shard of every block, so every rank has as many slots). A slot holds a block
+    in every slot of the cache: in a hybrid model, a block of one KV-cache group holds that
+    group's layers, so one slot serves a block of any group."""
     per_block = kv_cache[:, :, 0].numel() * kv_cache.element_size()
     num_slots = budget // per_block
     if num_slots < 1:

@@ -15,6 +15,7 @@ import pytest
 from services.blockmgr.client import BlockManagerClient
 from services.blockmgr.errors import ErrorCode
 from services.blockmgr.types import (
+    Admit,
     AdmitResult,
     AttentionKindName,
     Commit,
@@ -26,6 +27,7 @@ from services.blockmgr.types import (
     KVEventKind,
     OpStatus,
     RestoredSequence,
+    SwapOut,
 )
 from tests.blockmgr.conformance.ops import BS
 from tests.blockmgr.conformance.ops import admit as _admit
@@ -268,3 +270,39 @@ def test_restore_refuses_a_block_in_two_groups_across_sequences(client, pool_id,
     with raises_code(ErrorCode.INVALID_ARGUMENT, "sequences[1].block_ids[1]"):
         client.restore(pool_id, epoch, [a, b])
     assert _in_use(client, pool_id) == 0
+
+
+# ---- tiers below the device -------------------------------------------------------------------
+
+
+def test_a_hybrid_pool_onboards_every_groups_hit_from_the_host_tier(client, pool_id, hybrid):
+    """A conversation evicted from the device by another request is offloaded, group by
+    group, and its next turn hits its whole history again, its blocks onboarded into the
+    groups' tables (the sliding group only those its window reads)."""
+    epoch = _register(client, pool_id, num_blocks=18, host_blocks=32)
+    history, _ = _finished_turn(client, pool_id, epoch)
+    # 8 blocks a group for another request: the 3 never-cached blocks, then 13 of the 14
+    # cached ones are evicted (all but the full group's most recently freed), offloaded.
+    prompt = list(range(100, 132))
+    other = client.step(pool_id, epoch, [Admit(2, 32, 32, hashes(prompt, BS))])
+    assert other.results[0].status is OpStatus.OK
+    assert len({m.host_slot for m in other.offloads}) == len(other.offloads) == 13
+    client.step(pool_id, epoch, [Free((2,))])
+    again = client.step(pool_id, epoch, [Admit(3, 30, 2, hashes([*history, 60, 61], BS))])
+    (r,) = again.results
+    assert r.status is OpStatus.OK and r.num_cached_tokens == 28  # as if never evicted
+    sliding, full = _tables(r.block_ids)
+    assert sliding[:5] == (0,) * 5 and 0 not in sliding[5:] and 0 not in full
+    # The hit blocks not still on the device come from the tier: 6 full and 2 sliding ones.
+    onboarded = {m.device_block for m in again.onboards}
+    assert len(onboarded) == len(again.onboards) == 8
+    assert onboarded <= {*full[:7], *sliding[5:7]}
+    assert client.stats(pool_id).host_hits_tokens == 8 * BS
+
+
+def test_a_hybrid_pool_refuses_swapping_naming_the_op(client, pool_id, hybrid):
+    epoch = _register(client, pool_id, host_blocks=8)
+    _admit(client, pool_id, epoch, 1, list(range(12)))
+    with raises_code(ErrorCode.FAILED_PRECONDITION, "swap_out"):
+        client.step(pool_id, epoch, [SwapOut((1,))])
+    assert _in_use(client, pool_id) > 0  # nothing changed
