@@ -17,10 +17,9 @@ from services.executor.model.launch import build_runner  # noqa: E402
 from services.executor.service.config import ExecutorConfig  # noqa: E402
 
 
-def cpu_model(directory: Path, threads: int, **config: Any) -> tuple[ExecutorConfig, Any]:
-    """Write the model to ``directory``; its executor config (``config`` overrides) and a
-    runner (model + KV cache) to share between engines."""
-    model = write_tiny_model(
+def write_cpu_model(directory: Path) -> Path:
+    """Write the model (random weights, the tiny tokenizer) to ``directory``."""
+    return write_tiny_model(
         directory,
         hidden_size=512,
         num_layers=4,
@@ -29,6 +28,12 @@ def cpu_model(directory: Path, threads: int, **config: Any) -> tuple[ExecutorCon
         intermediate_size=1024,
         max_position_embeddings=2048,
     )
+
+
+def cpu_model(directory: Path, threads: int, **config: Any) -> tuple[ExecutorConfig, Any]:
+    """Write the model to ``directory``; its executor config (``config`` overrides) and a
+    runner (model + KV cache) to share between engines."""
+    model = write_cpu_model(directory)
     settings: dict[str, Any] = {
         "num_kv_blocks": 4096,
         "max_num_seqs": 256,

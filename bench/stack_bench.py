@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from cpu_model import cpu_model  # noqa: E402
+from cpu_model import write_cpu_model  # noqa: E402
 from engine_bench import OurSystem, Req, run_ours  # noqa: E402
 
 from services.bench.backends import GrpcBackend  # noqa: E402
@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     reqs = [Req(f"r{i}", list(r.prompt), r.output_len) for i, r in enumerate(requests)]
     threads = available_cores()
     with tempfile.TemporaryDirectory(prefix="stack_bench_") as tmp:
-        config, _ = cpu_model(Path(tmp) / "model", threads)
-        system = OurSystem(config.model, config.max_model_len, 4096, 256, None, cpu_threads=threads)
+        model = write_cpu_model(Path(tmp) / "model")
+        system = OurSystem(str(model), 512, 4096, 256, None, cpu_threads=threads)
         print(
             f"# Stack against in-process: {args.num_prompts} requests at once, prompts "
             f"{min(r.prompt_len for r in requests)}-{max(r.prompt_len for r in requests)}, "
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows = []
         for name, flags in variants:
-            stack = Stack(Path(config.model), flags.split())
+            stack = Stack(model, flags.split())
             try:
                 _engine_run(system, reqs), _stack_run(stack, requests)  # warm-up
                 engine, served = [], []

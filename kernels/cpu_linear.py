@@ -18,6 +18,7 @@ product on most CPUs. Where torch was built without oneDNN, or
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -36,9 +37,14 @@ def cpu_linear_impl() -> str:
     name = os.environ.get(CPU_LINEAR_ENV, "onednn") or "onednn"
     if name not in _IMPLS:
         raise ValueError(f"{CPU_LINEAR_ENV}={name!r}: choose one of {sorted(_IMPLS)}")
-    if name == "onednn" and not torch.backends.mkldnn.is_available():
+    if name == "onednn" and not _has_onednn():
         return "torch"
     return name
+
+
+@functools.cache
+def _has_onednn() -> bool:
+    return bool(torch.backends.mkldnn.is_available())
 
 
 def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
