@@ -49,11 +49,19 @@ from services.executor.model.launch import build_runner
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
 
+TIERED = ("host tier", "host + disk")
 
-def run(config: ExecutorConfig, plan: list[list[tuple[int, int]]], seed: int) -> dict[str, Any]:
-    engine, _ = build_engine(
-        config, runner=build_runner(config.runner_config()), blockmgr=InProcessClient()
-    )
+
+def run(
+    config: ExecutorConfig,
+    plan: list[list[tuple[int, int]]],
+    seed: int,
+    fills_async: bool | None = None,
+) -> dict[str, Any]:
+    runner = build_runner(config.runner_config())
+    if fills_async is not None and runner.host is not None:
+        runner.fills_async = fills_async  # (the engine reads it when built)
+    engine, _ = build_engine(config, runner=runner, blockmgr=InProcessClient())
     rng = random.Random(seed)
     vocab = engine.settings.vocab_size
     histories = [[1] for _ in plan]
@@ -96,6 +104,7 @@ def run(config: ExecutorConfig, plan: list[list[tuple[int, int]]], seed: int) ->
         "offloaded": stats.num_offloaded_blocks,
         "onboarded": stats.num_onboarded_blocks,
         "preemptions": engine.scheduler.num_preemptions,
+        "held_back": engine.scheduler.num_chunks_held_back,
     }
 
 
@@ -108,6 +117,12 @@ def main() -> int:
     p.add_argument("--host-factor", type=float, default=3.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--inline-fills",
+        action="store_true",
+        help="also run each tier with its fills in line (before the forward, every chunk run "
+        "at once) rather than beside the forward",
+    )
     args = p.parse_args()
     rng = random.Random(args.seed)
     bs = args.block_size
@@ -151,7 +166,13 @@ def main() -> int:
             ),
             "infinite": ExecutorConfig(**common, num_kv_blocks=2 * working_set + 1),
         }
-        results = {name: run(cfg, plan, args.seed) for name, cfg in configs.items()}
+        runs: list[tuple[str, ExecutorConfig, bool | None]] = [
+            (name, cfg, None) for name, cfg in configs.items()
+        ]
+        if args.inline_fills:
+            tiers = [(f"{n}, fills in line", c, False) for n, c, _ in runs if n in TIERED]
+            runs[-1:-1] = tiers
+        results = {name: run(cfg, plan, args.seed, fills) for name, cfg, fills in runs}
     print(
         f"# Multi-turn: {args.conversations} conversations x {args.turns} turns, working set "
         f"{working_set} blocks of {bs}; device cache {device} blocks "
@@ -160,20 +181,20 @@ def main() -> int:
     print(
         "| configuration | prompt-token hit ratio | of which from host / disk | prompt tokens "
         "computed | TTFT p50 / p99 s | output tok/s | offloaded / onboarded blocks | spilled / "
-        "loaded blocks | preemptions | same tokens |"
+        "loaded blocks | preemptions | chunks held back for fills | same tokens |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     reference = results["infinite"]["outputs"]
     for name, r in results.items():
         print(
             f"| {name} | {r['hit']:.1%} | {r['host_hit']:.1%} / {r['disk_hit']:.1%} | "
             f"{r['computed']:,} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
             f"{r['tok_s']:,.0f} | {r['offloaded']:,} / {r['onboarded']:,} | "
-            f"{r['spilled']:,} / {r['loaded']:,} | {r['preemptions']} | "
+            f"{r['spilled']:,} / {r['loaded']:,} | {r['preemptions']} | {r['held_back']:,} | "
             f"{r['outputs'] == reference} |"
         )
     none, inf = results["no tier"], results["infinite"]
-    for name in ("host tier", "host + disk"):
+    for name in (n for n in results if n.startswith(TIERED)):
         r = results[name]
         print(
             f"\n{name} vs infinite hit ratio: {r['hit'] / inf['hit']:.1%}; prompt tokens "

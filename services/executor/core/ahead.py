@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from services.blockmgr.types import AdmitResult, Fork, GrowResult, OpStatus, StepResult
 from services.common.blocks import blocks_to_grow, needs_cow
 from services.executor.core.plan import ScheduledBatch, ScheduledChunk, SchedulePlan, step_moves
-from services.executor.core.sequence import Sequence
+from services.executor.core.sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -28,6 +28,7 @@ class AheadScheduling:
         waiting: list[Sequence]
         running: list[Sequence]
         swapped: list[Sequence]
+        granted: list[tuple[Sequence, int]]
         refs: Counter[int]
         num_free_blocks: int
         _forks: dict[int, Fork]
@@ -46,6 +47,10 @@ class AheadScheduling:
         def _apply_admissions(
             self, plan: SchedulePlan, admitted: list[AdmitResult]
         ) -> list[tuple[Sequence, int]]: ...
+        def _take_granted(self, plan: SchedulePlan) -> list[tuple[Sequence, int]]: ...
+        def _hold_back(
+            self, chunks: list[ScheduledChunk], result: StepResult
+        ) -> list[ScheduledChunk]: ...
 
     def plan_ahead(
         self, batch: ScheduledBatch, prompt_logprobs: bool = True
@@ -70,9 +75,14 @@ class AheadScheduling:
         ):
             return None  # a prompt whose every token's logits are read: planned after sampling
         scheduled = {c.seq.seq_id: c for c in batch.chunks}
+        running = SeqStatus.RUNNING
+        granted = [(s, k) for s, k in self.granted if s.status is running]
+        held_back = {s.seq_id for s, _ in granted}  # they run next with the slots they hold
         decodes: list[tuple[Sequence, int]] = []  # (seq, slots it holds after this forward)
         prefills: list[tuple[Sequence, int, int]] = []  # (seq, slots, tokens left)
         for seq in self.running:
+            if held_back and seq.seq_id in held_back:
+                continue
             chunk = scheduled.get(seq.seq_id)
             slots = seq.num_computed_tokens
             if chunk is None:
@@ -93,7 +103,7 @@ class AheadScheduling:
             else:
                 prefills.append((seq, slots, left))
         bs, refs = self.config.block_size, self.refs
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens - sum(k for _, k in granted)
         grows: list[tuple[Sequence, int]] = []
         grow_blocks: list[int] = []
         for seq, slots, left in itertools.chain(((s, n, 1) for s, n in decodes), prefills):
@@ -107,10 +117,10 @@ class AheadScheduling:
             grow_blocks.append(blocks_to_grow(slots, k, len(tables[0]), bs) * len(tables))
             budget -= k
         need = sum(grow_blocks)
-        if need > self.num_free_blocks or not (grows or self.waiting):
+        if need > self.num_free_blocks or not (grows or granted or self.waiting):
             return None  # (this step's frees are not counted: conservative)
         plan, free = self._open_plan()
-        plan.grows, plan.grow_blocks = grows, grow_blocks
+        plan.grows, plan.grow_blocks, plan.granted = grows, grow_blocks, granted
         if self.config.sliding_window:
             # What the grows will release, applied with the answer: this step's forward,
             # whose batch may not be built yet, still reads these tables.
@@ -149,8 +159,10 @@ class AheadScheduling:
             # A sequence sampled in this step lacks its token yet: its chunk samples too.
             end = seq.num_computed_tokens + k
             append(new(ScheduledChunk, (seq, k, end >= len(seq.token_ids))))
+        for seq, k in self._take_granted(plan):  # (their num_ahead_slots are k already)
+            append(ScheduledChunk(seq, k, seq.num_computed_tokens + k == len(seq.token_ids)))
         for seq, k in self._apply_admissions(plan, admitted):
             seq.num_ahead_slots = k
             append(ScheduledChunk(seq, k, seq.num_computed_tokens + k == len(seq.token_ids)))
         self.num_free_blocks = result.counters.num_free_blocks
-        return ScheduledBatch(chunks, [], *step_moves(result))
+        return ScheduledBatch(self._hold_back(chunks, result), [], *step_moves(result))

@@ -38,6 +38,9 @@ class SchedulerConfig:
     # with the blocks cached there; a sequence preempted while its table fits in the slots no
     # other swapped-out sequence holds is swapped out instead of recomputed (0: recompute).
     swap_slots: int = 0
+    # The runner fills blocks from the tiers beside the forward (its ``fills_async``): a
+    # chunk whose tables hold a block its Step fills waits for the next step, granted.
+    defer_filled_chunks: bool = False
 
     @property
     def group_slides(self) -> tuple[bool, ...]:

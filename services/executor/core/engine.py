@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import structlog
 import torch
@@ -82,7 +83,10 @@ class Engine(AheadEngine, BeamSearchEngine):
         self.num_steps_ahead = 0  # steps whose Step was sent during the previous forward
         self.num_ahead_failures = 0  # Steps sent ahead that failed or were answered wrongly
         self.num_batches_prepared = 0  # host batches built while the step before ran
-        self.scheduler = Scheduler(settings.scheduler, link.counters())
+        # A runner whose fills run beside the forward: chunks reading their blocks wait.
+        self._fills_async: bool = getattr(runner, "fills_async", False)
+        scheduler_config = replace(settings.scheduler, defer_filled_chunks=self._fills_async)
+        self.scheduler = Scheduler(scheduler_config, link.counters())
         self._batch_ahead: ScheduledBatch | None = None  # the next step's, already granted
         self._num_prompt_logprobs = 0  # live requests asking for prompt log-probabilities
         self._num_beam_requests = 0  # live beam searches (no planning ahead while any runs)
@@ -256,6 +260,8 @@ class Engine(AheadEngine, BeamSearchEngine):
                 self._distrust(plan, exc)
                 self.num_steps += 1
                 return outputs + self._take_pending()
+        if self._fills_async:  # the last Step's fills: this batch may read their blocks
+            self.runner.wait_fills()  # type: ignore[attr-defined]
         if batch.has_moves:  # offloads read blocks a copy or the forward may overwrite
             self.runner.move_blocks(*batch.moves)
         if batch.copies:

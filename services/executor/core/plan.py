@@ -36,6 +36,7 @@ __all__ = [
     "ScheduledChunk",
     "check_answer",
     "extend_tables",
+    "hold_back_filled",
     "split_tables",
     "step_moves",
 ]
@@ -80,6 +81,9 @@ class SchedulePlan:
     # Preemption by swapping: the sequences swapped out (with their table's length) and in.
     swap_outs: list[tuple[Sequence, int]] = field(default_factory=list)
     swap_ins: list[Sequence] = field(default_factory=list)
+    # Chunks the pool granted in an earlier Step, held back while their blocks were filled
+    # from a tier: they run in this plan's batch with no operation of their own.
+    granted: list[tuple[Sequence, int]] = field(default_factory=list)
 
     def ops(self) -> list[Operation]:
         """The Step's operations: commits, forks (before frees: a parent finished in the last
@@ -171,6 +175,26 @@ def step_moves(result: StepResult) -> tuple[Moves, Moves, Moves, Moves]:
         tuple((m.src, m.dst) for m in result.spills),
         tuple((m.src, m.dst) for m in result.loads),
     )
+
+
+def hold_back_filled(
+    chunks: list[ScheduledChunk], result: StepResult, granted: list[tuple[Sequence, int]]
+) -> list[ScheduledChunk]:
+    """``chunks`` less those whose tables hold a block one of ``result``'s fills (onboards,
+    loads) writes: these wait for the next step, their fills running beside this step's
+    forward. Each goes to ``granted``, its slots counted in ``num_ahead_slots``."""
+    if not (result.onboards or result.loads):
+        return chunks
+    filled = {m.device_block for m in result.onboards}
+    filled.update(m.dst for m in result.loads)
+    run: list[ScheduledChunk] = []
+    for c in chunks:
+        if any(not filled.isdisjoint(t) for t in c.seq.tables):
+            c.seq.num_ahead_slots = c.num_new_tokens
+            granted.append((c.seq, c.num_new_tokens))
+        else:
+            run.append(c)
+    return run
 
 
 def split_tables(block_ids: tuple[int, ...], num_groups: int) -> list[list[int]]:

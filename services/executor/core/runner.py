@@ -20,7 +20,10 @@ class Runner(Protocol):
 
     Optional: ``launch_returns_early`` (default: the device is CUDA), whether a forward
     returns once launched, before the device is done; async scheduling then plans the next
-    step after the launch, in the device's time, rather than before it."""
+    step after the launch, in the device's time, rather than before it. ``fills_async``
+    (default False) with ``wait_fills()``: :meth:`move_blocks` returns with its fills (onboards
+    and loads) still running; the engine then holds back the chunks that read their blocks
+    and calls ``wait_fills`` before the next step's moves, copies and forward."""
 
     device: torch.device
     num_blocks: int

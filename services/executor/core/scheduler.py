@@ -44,6 +44,7 @@ from services.common.blocks import NULL_BLOCK, first_live_block
 from services.executor.core.admission import plan_admissions
 from services.executor.core.ahead import AheadScheduling
 from services.executor.core.config import SchedulerConfig
+from services.executor.core.held_back import HeldBackChunks
 from services.executor.core.plan import (
     BadAnswer,
     ScheduledBatch,
@@ -70,7 +71,7 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 
-class Scheduler(AheadScheduling, TableMirror, Swapping):
+class Scheduler(AheadScheduling, HeldBackChunks, TableMirror, Swapping):
     def __init__(self, config: SchedulerConfig, counters: PoolCounters) -> None:
         self.config = config
         self.waiting: list[Sequence] = []  # sorted by sort_key
@@ -85,6 +86,8 @@ class Scheduler(AheadScheduling, TableMirror, Swapping):
         self.swapped: list[Sequence] = []  # swapped out (swapping.py), sorted by sort_key
         self.swap_slots_used = 0
         self.num_swapped_out = 0
+        self.granted: list[tuple[Sequence, int]] = []  # held back (held_back.py)
+        self.num_chunks_held_back = 0
 
     # ---- queue management -----------------------------------------------------------------
 
@@ -175,6 +178,7 @@ class Scheduler(AheadScheduling, TableMirror, Swapping):
         bs, refs, grows, grow_blocks = cfg.block_size, self.refs, plan.grows, plan.grow_blocks
         window, groups = cfg.sliding_window, cfg.num_kv_groups
         running = SeqStatus.RUNNING
+        budget -= self._plan_granted(plan, scheduled)
         prefills: list[Sequence] = []  # (planning only removes from ``running``)
         for seq in list(self.running):
             if seq.status is not running or seq.seq_id in scheduled:
@@ -271,9 +275,9 @@ class Scheduler(AheadScheduling, TableMirror, Swapping):
         self.num_free_blocks = result.counters.num_free_blocks
         chunks = [
             ScheduledChunk(s, k, s.num_computed_tokens + k == len(s.token_ids))
-            for s, k in itertools.chain(grows, new_prefills)
+            for s, k in itertools.chain(grows, self._take_granted(plan), new_prefills)
         ]
-        return ScheduledBatch(chunks, copies, *step_moves(result))
+        return ScheduledBatch(self._hold_back(chunks, result), copies, *step_moves(result))
 
     def _apply_admissions(
         self, plan: SchedulePlan, admitted: list[AdmitResult]
@@ -460,6 +464,7 @@ class Scheduler(AheadScheduling, TableMirror, Swapping):
         """Move a running sequence that gave up its blocks back to waiting (recompute)."""
         self.running.remove(seq)
         seq.num_computed_tokens = 0
+        seq.num_ahead_slots = 0
         seq.num_committed_blocks = 0
         seq.first_live_block = 0
         seq.num_preemptions += 1

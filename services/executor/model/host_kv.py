@@ -2,12 +2,21 @@
 K and V in one contiguous region (the copies run in whole blocks across all layers), in
 pinned memory on CUDA, plain memory on the CPU.
 
-The block manager decides every move; :meth:`HostKVCache.move` performs a Step's, offloads
-(device to host) first, then onboards (host to device). Each is one gather or scatter of whole
-blocks. Both are synchronous for now: an offload's bytes are in the slots, and an onboard's in
-the cache, when it returns, so no later write (a copy-on-write, the forward, the next Step's
-offload into the same slot) can overtake them. Overlapping them with the forward on their own
-CUDA streams, with events guarding the slots, is the next step (not yet run on a GPU).
+The block manager decides every move; :meth:`HostKVCache.move` performs a Step's: the stores
+(spills, then offloads, device to host) at once, the fills (onboards from the host, loads from
+the disk, into device blocks) at once too, or, with ``fill_async``, on a worker thread (on
+CUDA, on a copy stream of its own) while the step's forward runs. Each is one gather or
+scatter of whole blocks (a store) or one copy per block (a fill).
+
+Why this is safe without a confirmation round trip: a store's bytes are in its slot when
+``move`` returns, before anything can overwrite its device block (a copy-on-write, the
+forward). Fills in flight are waited for (:meth:`HostKVCache.wait_fills`) before the next
+Step's moves, which are the first writes that may reuse the slots they read (the block
+manager frees an onboarded slot from the next Step on), and before any forward reads their
+blocks: the scheduler holds back every chunk whose tables hold a block being filled
+(``SchedulerConfig.defer_filled_chunks``) until the step after, and the engine waits at the
+start of each step. Filled blocks sit in their sequences' tables, so nothing evicts them
+meanwhile.
 
 The disk tier below it (:class:`DiskKVStore`, ``--kv-offloading-disk-path``) is one file of
 slots of the same shape, memory-mapped: a spill copies a host slot into a disk slot (a host
@@ -22,6 +31,8 @@ import math
 import os
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -65,6 +76,9 @@ class HostKVCache:
             (num_slots, *per_slot), dtype=kv_cache.dtype, device="cpu", pin_memory=pin
         )
         self.num_slots = num_slots
+        self._fills: Future[None] | None = None  # the fills in flight, if any
+        self._worker: ThreadPoolExecutor | None = None  # made at the first async fill
+        self._stream: torch.cuda.Stream | None = None  # its copy stream (CUDA)
 
     @property
     def bytes(self) -> int:
@@ -78,9 +92,14 @@ class HostKVCache:
         onboards: Sequence[tuple[int, int]],
         spills: Sequence[tuple[int, int]] = (),
         loads: Sequence[tuple[int, int]] = (),
+        *,
+        fill_async: bool = False,
     ) -> None:
         """In this order: spills ``(host slot, disk slot)``; offloads, then onboards,
-        ``(device block, host slot)``; loads ``(disk slot, device block)``."""
+        ``(device block, host slot)``; loads ``(disk slot, device block)``. The fills in
+        flight from an earlier call are waited for first. ``fill_async``: the onboards and
+        loads are still running on return (see :meth:`wait_fills`); the stores never are."""
+        self.wait_fills()
         device = kv_cache.device
         if (spills or loads) and self.disk is None:
             raise RuntimeError("the block manager ordered disk-tier moves; this runner has none")
@@ -93,17 +112,61 @@ class HostKVCache:
             # [S, 2, n, BS, Hkv, D] -> [n, S, 2, BS, Hkv, D]: one region per block
             data = kv_cache[:, :, blocks.to(device)].permute(2, 0, 1, 3, 4, 5)
             self.slots[slots] = data.to("cpu")  # blocking: the bytes are there on return
-        if onboards:
-            blocks, slots = _ids(onboards)
-            data = self.slots[slots].to(device)
-            kv_cache[:, :, blocks.to(device)] = data.permute(1, 2, 0, 3, 4, 5)
-        if loads:
-            assert self.disk is not None
-            slots, blocks = _ids(loads)
-            data = self.disk.slots[slots].to(device)
-            kv_cache[:, :, blocks.to(device)] = data.permute(1, 2, 0, 3, 4, 5)
-        if (onboards or loads) and device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+        if not (onboards or loads):
+            return
+        if not fill_async:
+            self._fill(kv_cache, onboards, loads, None)
+            return
+        if device.type == "cuda":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            # Behind everything queued so far (an offload's read of a block filled now).
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-fills")
+        self._fills = self._worker.submit(self._fill, kv_cache, onboards, loads, self._stream)
+
+    def wait_fills(self) -> None:
+        """Return once every fill started is in the KV cache (re-raising its error)."""
+        fills, self._fills = self._fills, None
+        if fills is not None:
+            fills.result()
+
+    @property
+    def filling(self) -> bool:
+        """Fills are in flight."""
+        return self._fills is not None
+
+    def close(self) -> None:
+        """Wait for the fills in flight and stop the worker thread."""
+        try:
+            self.wait_fills()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown()
+                self._worker = None
+
+    def _fill(
+        self,
+        kv_cache: Tensor,
+        onboards: Sequence[tuple[int, int]],
+        loads: Sequence[tuple[int, int]],
+        stream: torch.cuda.Stream | None,
+    ) -> None:
+        """The fills, on ``stream`` (CUDA; None: the current stream), done on return. One
+        copy per block, straight from its slot (pinned memory on CUDA: no staging on the
+        host, no gather that would start a thread team of its own beside the forward's)."""
+        device = kv_cache.device
+        disk = self.disk.slots if self.disk is not None else None
+        # (inference mode is per thread: the cache is an inference tensor)
+        with torch.inference_mode(), torch.cuda.stream(stream) if stream else nullcontext():
+            for block, slot in onboards:
+                kv_cache[:, :, block].copy_(self.slots[slot], non_blocking=True)
+            for slot, block in loads:
+                assert disk is not None
+                kv_cache[:, :, block].copy_(disk[slot], non_blocking=True)
+            if device.type == "cuda":
+                (stream or torch.cuda.current_stream(device)).synchronize()
 
 
 def _ids(pairs: Sequence[tuple[int, int]]) -> tuple[Tensor, Tensor]:

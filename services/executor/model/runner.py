@@ -70,6 +70,11 @@ class ModelRunner:
         self.dtype: torch.dtype = model.dtype
         self.workers = workers
         self.host = host  # the block manager's host tier, if any (one rank only)
+        # Whether a Step's fills run beside the forward (see host_kv): on CUDA, where a copy
+        # engine does them; one rank only (the other ranks would need the wait before each
+        # forward too). On the CPU the copies would take the cores the forward computes on:
+        # measured no faster (bench/multiturn_bench.py --inline-fills).
+        self.fills_async: bool = host is not None and workers is None and self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         self.builder = BatchBuilder(
             block_size,
@@ -193,9 +198,16 @@ class ModelRunner:
             pairs = [*offloads, *onboards, *spills, *loads]
             ids = torch.tensor(pairs, dtype=torch.int64, device=self.device).view(-1, 2)
             self.workers.send(Op.MOVE_BLOCKS, counts, (ids,))
-        self.host.move(self.kv_cache, offloads, onboards, spills, loads)
+        self.host.move(
+            self.kv_cache, offloads, onboards, spills, loads, fill_async=self.fills_async
+        )
         if self.workers is not None:
             self.workers.done()
+
+    def wait_fills(self) -> None:
+        """Return once the fills :meth:`move_blocks` left running are in the KV cache."""
+        if self.host is not None:
+            self.host.wait_fills()
 
     def _move_on_this_rank(self, header: MoveBlocksHeader, channel: StepChannel) -> None:
         ids = torch.empty(sum(header), 2, dtype=torch.int64, device=self.device)
@@ -209,9 +221,13 @@ class ModelRunner:
         self.host.move(self.kv_cache, offloads, onboards, spills, loads)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do for one rank)."""
-        if self.workers is not None:
-            self.workers.close()
+        """Stop the other tensor-parallel ranks and the host tier's fills."""
+        try:
+            if self.host is not None:
+                self.host.close()
+        finally:
+            if self.workers is not None:
+                self.workers.close()
 
     @torch.inference_mode()
     def serve_rank(self, channel: StepChannel) -> None:
