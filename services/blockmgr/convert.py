@@ -32,6 +32,7 @@ from services.blockmgr.types import (
     ServiceInfo,
     SwapIn,
     SwapOut,
+    Uncache,
 )
 
 POLICY_TO_PB: dict[EvictionPolicyName, pb.EvictionPolicy] = {
@@ -145,6 +146,16 @@ def ops_to_pb(ops: Sequence[Operation]) -> list[pb.Operation]:
             out.append(pb.Operation(swap_out=pb.SwapOutOp(seq_ids=op.seq_ids)))
         elif isinstance(op, SwapIn):
             out.append(pb.Operation(swap_in=pb.SwapInOp(seq_ids=op.seq_ids)))
+        elif isinstance(op, Uncache):
+            out.append(
+                pb.Operation(
+                    uncache=pb.UncacheOp(
+                        device_blocks=op.device_blocks,
+                        host_slots=op.host_slots,
+                        disk_slots=op.disk_slots,
+                    )
+                )
+            )
         else:
             raise TypeError(f"not a block manager operation: {op!r}")
     return out
@@ -180,6 +191,9 @@ def ops_from_pb(ops: Sequence[pb.Operation]) -> list[Operation]:
             out.append(SwapOut(tuple(op.swap_out.seq_ids)))
         elif kind == "swap_in":
             out.append(SwapIn(tuple(op.swap_in.seq_ids)))
+        elif kind == "uncache":
+            u = op.uncache
+            out.append(Uncache(tuple(u.device_blocks), tuple(u.host_slots), tuple(u.disk_slots)))
         else:
             raise BlockManagerError(ErrorCode.INVALID_ARGUMENT, f"ops[{i}]: no operation set")
     return out

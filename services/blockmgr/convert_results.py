@@ -22,6 +22,7 @@ from services.blockmgr.types import (
     StepResult,
     SwapInResult,
     SwapOutResult,
+    UncacheResult,
 )
 
 __all__ = [
@@ -113,6 +114,8 @@ def result_to_pb(r: OpResult) -> pb.OpResult:
                 num_freed_blocks=r.num_freed_blocks,
             )
         )
+    if isinstance(r, UncacheResult):
+        return pb.OpResult(uncache=pb.UncacheResult(num_forgotten=r.num_forgotten))
     if isinstance(r, SwapInResult):
         return pb.OpResult(
             swap_in=pb.SwapInResult(
@@ -187,6 +190,8 @@ def result_from_pb(r: pb.OpResult) -> OpResult:
     if kind == "swap_in":
         i = r.swap_in
         return SwapInResult(tuple(map(_status, i.statuses)), _runs(i.block_ids, i.num_blocks))
+    if kind == "uncache":
+        return UncacheResult(r.uncache.num_forgotten)
     raise ValueError(f"operation result with no kind: {r!r}")
 
 

@@ -241,6 +241,21 @@ class HostTier:
         if key is not None:
             self.swap_key[slot] = key
 
+    def uncache(self, slot: int) -> int:
+        """Forget the key ``slot`` is cached under (a move into it failed): the slot is free.
+        A swapped-out sequence's slot is left to it. Returns the keys forgotten (0 or 1)."""
+        key = self.key_of[slot]
+        if key is None or slot in self._swap_refs:
+            return 0
+        del self.slot_of[key]
+        self.key_of[slot] = None
+        self.events.append((KVEventKind.REMOVED, key))
+        if slot in self._order:  # (else pinned: read by a move of this Step)
+            self._order.discard(slot)
+        self._order.forget(slot, key)
+        (self._released if slot in self._pinned else self._free).append(slot)
+        return 1
+
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()

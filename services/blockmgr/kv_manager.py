@@ -57,6 +57,8 @@ from services.blockmgr.types import (
     PoolCounters,
     RestoredSequence,
     SwapOut,
+    Uncache,
+    UncacheResult,
 )
 from services.common.blocks import (
     NULL_BLOCK,
@@ -182,6 +184,7 @@ class KVBlockManager:
             self.swapped,
             has_host=self.pool.host is not None,
             one_full_group=self.num_groups == 1 and not self.any_sliding,
+            sizes=self.pool.sizes,
         )
         self.pool.tick()
         if self.pool.host is not None:
@@ -203,6 +206,8 @@ class KVBlockManager:
                 results.append(self._fork(op, failed))
             elif isinstance(op, SwapOut):
                 results.append(swap_out(self, op, failed))
+            elif isinstance(op, Uncache):
+                results.append(UncacheResult(self.pool.uncache(op)))
             else:
                 results.append(swap_in(self, op, failed))
         return results

@@ -16,7 +16,7 @@ from collections import deque
 
 from services.blockmgr.host_tier import HostTier
 from services.blockmgr.retention import DEFAULT_RETENTION_STEPS, RetentionLevels
-from services.blockmgr.types import EvictionPolicyName, KVEventKind, PendingEvent
+from services.blockmgr.types import EvictionPolicyName, KVEventKind, PendingEvent, Uncache
 from services.common.blocks import usable_blocks
 
 
@@ -128,6 +128,36 @@ class BlockPool:
         if self.disk is not None and self.disk.cancel_fill(block_id, key):
             return True
         return self.host.cancel_fill(block_id, key)
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """Blocks (the null block included), host slots, disk slots."""
+        host, disk = self.host, self.disk
+        return self.num_blocks, host.num_slots if host else 0, disk.num_slots if disk else 0
+
+    def uncache(self, op: Uncache) -> int:
+        """Forget the keys these blocks and tier slots are cached under (a move into them
+        failed); returns how many. A block in use stays so, freed uncached; a cached free one
+        is uncached free now; a live copy of its content takes its hash over."""
+        forgotten = 0
+        for block_id in op.device_blocks:
+            if block_id in self._duplicate_of:  # its content is no copy of anything now
+                self._forget_duplicate(block_id)
+            if self.block_hash[block_id] is None:
+                continue
+            forgotten += 1
+            if self.refcount[block_id]:
+                self._drop_hash(block_id)
+                continue
+            self._policy.discard(block_id)
+            self._drop_hash(block_id)
+            self._policy.clear(block_id)
+            self._uncached.append(block_id)
+        for tier, slots in ((self.host, op.host_slots), (self.disk, op.disk_slots)):
+            for slot in slots:
+                assert tier is not None  # (validated)
+                forgotten += tier.uncache(slot)
+        return forgotten
 
     def retain(self, block_id: int, priority: int) -> None:
         """An in-use block is to be kept with at least this retention priority once freed."""

@@ -47,6 +47,7 @@ from services.blockmgr.types import (
     SwapInResult,
     SwapOut,
     SwapOutResult,
+    Uncache,
 )
 from services.common.blocks import full_blocks
 
@@ -105,6 +106,10 @@ class _ReplayedPool:
         )
         self.num_dropped = 0
         self.num_refused_admissions = 0
+        # A failed move of the recorded run names its blocks and slots: replayed only where
+        # they are the same ones (the pool as recorded).
+        recorded = (record.num_blocks, record.host_blocks, record.disk_blocks)
+        self._as_recorded = self.manager.pool.sizes == recorded
 
     def step(self, ops: Sequence[Operation]) -> int:
         """Apply the recorded ``ops`` that still make sense here; returns how many."""
@@ -157,6 +162,9 @@ class _ReplayedPool:
                     fit = max(0, min(len(op.block_hashes), room))
                     if fit:
                         kept.append(Commit(op.seq_id, op.start_block, op.block_hashes[:fit]))
+            elif isinstance(op, Uncache):
+                if self._as_recorded:
+                    kept.append(op)
             elif isinstance(op, Admit):
                 if op.seq_id not in tokens:
                     tokens[op.seq_id] = min(op.num_prompt_tokens, op.max_new_tokens)

@@ -9,7 +9,17 @@ from typing import Protocol
 from services.blockmgr.errors import invalid, not_found, precondition
 from services.blockmgr.hashing import HASH_SIZE
 from services.blockmgr.retention import MAX_RETENTION_PRIORITY
-from services.blockmgr.types import Admit, Commit, Fork, Free, Grow, Operation, SwapIn, SwapOut
+from services.blockmgr.types import (
+    Admit,
+    Commit,
+    Fork,
+    Free,
+    Grow,
+    Operation,
+    SwapIn,
+    SwapOut,
+    Uncache,
+)
 from services.common.blocks import NULL_BLOCK, full_blocks
 
 MAX_SEQ_ID = 2**64 - 1
@@ -29,11 +39,13 @@ def validate_step(
     *,
     has_host: bool = False,
     one_full_group: bool = True,
+    sizes: tuple[int, int, int] = (0, 0, 0),
 ) -> None:
     """Reject the whole step on any malformed op, simulating liveness and token counts in
     order as if every entry succeeded (a capacity failure only ever removes effects).
     ``swapped``: the swapped-out sequences; ``has_host``: the pool has a host tier;
-    ``one_full_group``: the pool is one full-attention group (swapping needs that)."""
+    ``one_full_group``: the pool is one full-attention group (swapping needs that);
+    ``sizes``: the pool's blocks (the null block included), host and disk slots."""
     overlay: dict[int, int | None] = {}  # seq_id -> simulated num_tokens, None = freed
     swapped = swapped or {}
     out: dict[int, int | None] = {}  # seq_id -> num_tokens if swapped out now, None if not
@@ -165,8 +177,26 @@ def validate_step(
                         raise precondition(f"{field}: seq_id {seq_id} is not swapped out")
                     overlay[seq_id], out[seq_id] = n_out, None
                     touched.add(seq_id)
+        elif isinstance(op, Uncache):
+            if i:  # (before any move of this Step could read what it forgets)
+                raise invalid(f"{where}.uncache must be the Step's first operation")
+            check_uncache(op, sizes, f"{where}.uncache")
         else:
             raise invalid(f"{where}: unknown operation {type(op).__name__}")
+
+
+def check_uncache(op: Uncache, sizes: tuple[int, int, int], where: str) -> None:
+    num_blocks, num_host, num_disk = sizes
+    check_block_ids(op.device_blocks, num_blocks, f"{where}.device_blocks")
+    for name, slots, n, tier in (
+        ("host_slots", op.host_slots, num_host, "host_blocks"),
+        ("disk_slots", op.disk_slots, num_disk, "disk_blocks"),
+    ):
+        for j, slot in enumerate(slots):
+            if not n:
+                raise invalid(f"{where}.{name}[{j}]: the pool has no such tier ({tier})")
+            if not 0 <= slot < n:
+                raise invalid(f"{where}.{name}[{j}] = {slot} is out of range [0, {n})")
 
 
 def check_seq_id(seq_id: int, where: str) -> None:
@@ -199,5 +229,6 @@ __all__ = [
     "check_block_ids",
     "check_hashes",
     "check_seq_id",
+    "check_uncache",
     "validate_step",
 ]

@@ -42,6 +42,7 @@ from services.blockmgr.types import (
     RestoredSequence,
     SwapIn,
     SwapOut,
+    Uncache,
 )
 
 __all__ = [
@@ -119,6 +120,8 @@ def _op_json(op: Operation) -> dict[str, Any]:
         return {"swap_out": list(op.seq_ids)}
     if isinstance(op, SwapIn):
         return {"swap_in": list(op.seq_ids)}
+    if isinstance(op, Uncache):
+        return {"uncache": [list(op.device_blocks), list(op.host_slots), list(op.disk_slots)]}
     return {"fork": [op.parent_seq_id, op.child_seq_id]}
 
 
@@ -138,6 +141,8 @@ def _op_from_json(d: dict[str, Any]) -> Operation:
         return SwapOut(tuple(v))
     if kind == "swap_in":
         return SwapIn(tuple(v))
+    if kind == "uncache":
+        return Uncache(tuple(v[0]), tuple(v[1]), tuple(v[2]))
     raise ValueError(f"unknown operation {kind!r}")
 
 

@@ -144,7 +144,17 @@ class SwapIn:
     seq_ids: tuple[int, ...]
 
 
-Operation = Admit | Grow | Fork | Free | Commit | SwapOut | SwapIn
+@dataclass(frozen=True, slots=True)
+class Uncache:
+    """Moves of earlier Steps failed: these device blocks and tier slots do not hold what
+    the pool has them cached as; the keys they are cached under are forgotten."""
+
+    device_blocks: tuple[int, ...] = ()
+    host_slots: tuple[int, ...] = ()
+    disk_slots: tuple[int, ...] = ()
+
+
+Operation = Admit | Grow | Fork | Free | Commit | SwapOut | SwapIn | Uncache
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,8 +220,20 @@ class SwapInResult:
     block_ids: tuple[tuple[int, ...], ...]  # per entry: its table (empty unless OK)
 
 
+@dataclass(frozen=True, slots=True)
+class UncacheResult:
+    num_forgotten: int  # cached keys forgotten, on the device and in the tiers
+
+
 OpResult = (
-    AdmitResult | GrowResult | ForkResult | FreeResult | CommitResult | SwapOutResult | SwapInResult
+    AdmitResult
+    | GrowResult
+    | ForkResult
+    | FreeResult
+    | CommitResult
+    | SwapOutResult
+    | SwapInResult
+    | UncacheResult
 )
 
 

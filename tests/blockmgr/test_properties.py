@@ -25,6 +25,7 @@ from services.blockmgr.types import (
     RestoredSequence,
     SwapIn,
     SwapOut,
+    Uncache,
 )
 from services.common.blocks import NULL_BLOCK
 from services.common.blocks import first_live_block as first_live
@@ -288,6 +289,9 @@ class HostTierPoolMachine(PoolMachine):
 Content = tuple[int, tuple[int, ...]]  # (group, what a block holds)
 
 
+GARBAGE: Content = (-2, ())  # what a failed move left
+
+
 def _content(tokens: list[int], i: int) -> tuple[int, ...]:
     """What block ``i`` of a sequence of ``tokens`` holds: its whole prefix (a chained hash)."""
     return tuple(tokens[: (i + 1) * BS])
@@ -306,6 +310,9 @@ class SwapPoolMachine(HostTierPoolMachine):
         self.dev: dict[int, Content] = {}  # device block -> (group, content)
         self.hostmem: dict[int, Content] = {}  # host slot -> (group, content)
         self.diskmem: dict[int, Content] = {}  # disk slot -> (group, content)
+        # Made wrong at the start of the next Step (a fill or spill that failed; see
+        # DiskTierPoolMachine): device blocks, disk slots.
+        self.corrupt: tuple[set[int], set[int]] = (set(), set())
         super().__init__()
 
     def _manager(self) -> KVBlockManager:
@@ -314,6 +321,12 @@ class SwapPoolMachine(HostTierPoolMachine):
 
         def step(ops):  # type: ignore[no-untyped-def]
             self._forward()  # the last step's forward ran before this Step's moves
+            for b in self.corrupt[0]:
+                self.dev[b] = GARBAGE
+            for slot in self.corrupt[1]:
+                self.diskmem[slot] = GARBAGE
+            self.corrupt[0].clear()
+            self.corrupt[1].clear()
             results = inner(ops)
             offloads, onboards, spills, loads = m.take_moves()  # done in this order
             for sp in spills:
@@ -464,6 +477,53 @@ class DiskTierPoolMachine(SwapPoolMachine):
     def turn_again(self, data: st.DataObject, extra: int) -> None:
         """An earlier prompt plus a token: its prefix hits the device or the tiers below."""
         self.turn([*data.draw(st.sampled_from(self.prompts)), extra])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def a_fill_fails_and_its_holders_are_recomputed(self, data: st.DataObject) -> None:
+        """A live block turns out wrong (its onboard or load failed): the executor reports it
+        first in its next Step, with the Free of every sequence listing it (recomputed). The
+        invariant below checks that no key ever names it again."""
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        blocks = [b for t in self.m.seqs[seq_id].tables for b in t if b != NULL_BLOCK]
+        if not blocks:
+            return
+        b = data.draw(st.sampled_from(blocks))
+        holders = tuple(s for s, v in self.m.seqs.items() if any(b in t for t in v.tables))
+        self.corrupt[0].add(b)
+        (r, _) = self.m.step([Uncache(device_blocks=(b,)), Free(holders)])
+        assert r.num_forgotten <= 1
+        for s in holders:
+            del self.tokens[s]
+
+    @rule(data=st.data())
+    def a_spill_fails_and_is_reported(self, data: st.DataObject) -> None:
+        disk = self.m.pool.disk
+        assert disk is not None
+        slots = sorted(disk.slot_of.values())
+        if not slots:
+            return
+        slot = data.draw(st.sampled_from(slots))
+        self.corrupt[1].add(slot)
+        (r,) = self.m.step([Uncache(disk_slots=(slot,))])
+        assert r.num_forgotten == 1 and slot not in disk.slot_of.values()
+
+    @invariant()
+    def every_key_names_a_block_or_slot_holding_its_content(self) -> None:
+        """Device blocks and tier slots hold what their keys name: a failed move reported is
+        forgotten before anything could match it."""
+        pool, disk, host = self.m.pool, self.m.pool.disk, self.m.pool.host
+        assert disk is not None and host is not None
+        for where, mem in (
+            (pool.hash_to_block, self.dev),
+            (host.slot_of, self.hostmem),
+            (disk.slot_of, self.diskmem),
+        ):
+            for key, at in where.items():
+                h, group = split_key(key)
+                content_group, content = mem[at]
+                assert content, (key, at, "a key names what a failed move left")
+                assert (content_group, hashes(list(content), BS)[-1]) == (group, h), (key, at)
 
     @property
     def prompts(self) -> list[list[int]]:

@@ -37,6 +37,7 @@ from services.executor.core.outputs import (
     TokenLogprob,
     Usage,
 )
+from services.executor.core.prompt_logprobs import take_prompt_logprobs
 from services.executor.core.runner import PreparingRunner, Runner, seq_chunks
 from services.executor.core.sampler import Sampler, SeededGenerators, sampling_rows
 from services.executor.core.scheduler import (
@@ -85,6 +86,8 @@ class Engine(AheadEngine, BeamSearchEngine):
         self.num_batches_prepared = 0  # host batches built while the step before ran
         # A runner whose fills run beside the forward: chunks reading their blocks wait.
         self._fills_async: bool = getattr(runner, "fills_async", False)
+        self._disk_moves = hasattr(runner, "take_failed_moves")  # moves that may fail
+        self.num_failed_moves = 0
         scheduler_config = replace(settings.scheduler, defer_filled_chunks=self._fills_async)
         self.scheduler = Scheduler(scheduler_config, link.counters())
         self._batch_ahead: ScheduledBatch | None = None  # the next step's, already granted
@@ -264,6 +267,8 @@ class Engine(AheadEngine, BeamSearchEngine):
             self.runner.wait_fills()  # type: ignore[attr-defined]
         if batch.has_moves:  # offloads read blocks a copy or the forward may overwrite
             self.runner.move_blocks(*batch.moves)
+        if self._disk_moves:
+            batch, prepared = self._after_failed_moves(batch, prepared)
         if batch.copies:
             self.runner.copy_blocks(batch.copies)
         # Plan and send the next Step while the forward runs: after the launch where it
@@ -287,7 +292,7 @@ class Engine(AheadEngine, BeamSearchEngine):
         if self._num_prompt_logprobs and logits is not None:
             # A batch planned ahead never computes a prompt whose log-probabilities are asked
             # for (plan_ahead refuses): its rows need no change.
-            logits = self._take_prompt_logprobs(batch, logits)  # before after_forward
+            logits = take_prompt_logprobs(batch, logits)  # before after_forward
         if launch_first:
             ahead = self._send_ahead(batch)
         sampled = [c.seq for c in batch.chunks if c.need_logits]
@@ -327,6 +332,22 @@ class Engine(AheadEngine, BeamSearchEngine):
                 seq.num_bad_answers += 1
                 if seq.num_bad_answers >= MAX_BAD_ANSWERS:
                     self._pending.append(self._retire(seq, FinishReason.ERROR))
+
+    def _after_failed_moves(
+        self, batch: ScheduledBatch, prepared: PreparedBatch | None
+    ) -> tuple[ScheduledBatch, PreparedBatch | None]:
+        """Take the disk moves that failed so far: reported with the next Step, and the
+        sequences listing a block that was not filled preempted (recomputed) and out of
+        ``batch``, before anything reads it (its host batch, if any, is built again)."""
+        failed = self.runner.take_failed_moves()  # type: ignore[attr-defined]
+        if failed is None:
+            return batch, prepared
+        self.num_failed_moves += len(failed.device_blocks) + len(failed.disk_slots)
+        gone = {s.seq_id for s in self.scheduler.moves_failed(*failed)}
+        chunks = [c for c in batch.chunks if c.seq.seq_id not in gone]
+        if len(chunks) == len(batch.chunks):
+            return batch, prepared
+        return replace(batch, chunks=chunks), None
 
     def _take_pending(self) -> list[SeqOutput]:
         pending, self._pending = self._pending, []
@@ -395,44 +416,6 @@ class Engine(AheadEngine, BeamSearchEngine):
             for seq, out in zip(emitted, outs, strict=True):
                 self._settle(seq, out)
         return beam_outs + outs
-
-    def _take_prompt_logprobs(self, batch: ScheduledBatch, logits: Tensor) -> Tensor:
-        """Record the prompt log-probabilities the batch's prompt-logprob chunks computed
-        (their every token's logits row: position p's row gives token p + 1's), and return
-        the rows the sampler reads, one per chunk that samples. Runs before
-        ``after_forward``: a chunk starts at its sequence's ``num_computed_tokens``."""
-        every = [c.seq.num_computed_tokens < c.seq.prompt_len and c.seq.wants_prompt_logprobs()
-                 for c in batch.chunks]  # fmt: skip
-        if not any(every):  # (the same rule as the batch's chunks were built with)
-            return logits
-        keep: list[int] = []
-        rows: list[int] = []
-        targets: list[tuple[Seq, int]] = []  # (sequence, token whose logprob the row gives)
-        row = 0
-        for (seq, k, need_logits), all_rows in zip(batch.chunks, every, strict=True):
-            start = seq.num_computed_tokens
-            if not all_rows:
-                keep.extend([row] if need_logits else [])
-                row += need_logits
-                continue
-            done = len(seq.prompt_logprobs)  # a recomputation skips what it already has
-            for p in range(max(start, done), min(start + k, seq.prompt_len - 1)):
-                rows.append(row + p - start)
-                targets.append((seq, seq.token_ids[p + 1]))
-            keep.extend([row + k - 1] if need_logits else [])
-            row += k
-        if rows:
-            lp = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
-            ids = torch.tensor([t for _, t in targets], device=lp.device)
-            chosen = lp.gather(1, ids[:, None]).squeeze(1).tolist()
-            top_k = max(seq.params.prompt_logprobs or 0 for seq, _ in targets)
-            top_vals, top_ids = lp.topk(top_k, dim=-1) if top_k else (lp[:, :0], lp[:, :0])
-            tv, ti = top_vals.tolist(), top_ids.tolist()
-            for i, (seq, token) in enumerate(targets):
-                n = seq.params.prompt_logprobs or 0
-                top = tuple(zip(ti[i][:n], tv[i][:n], strict=True))
-                seq.prompt_logprobs.append(TokenLogprob(token, chosen[i], top))
-        return logits[torch.tensor(keep, device=logits.device, dtype=torch.long)]
 
     def _settle(self, seq: Seq, out: SeqOutput) -> None:
         """After ``seq``'s new token is in ``out``: retire it if it was aborted before it was

@@ -25,6 +25,7 @@ from services.blockmgr.types import (
     SwapInResult,
     SwapOut,
     SwapOutResult,
+    Uncache,
 )
 from services.common.blocks import NULL_BLOCK, blocks_for_tokens, first_live_block
 from services.executor.core.sequence import Sequence
@@ -65,6 +66,8 @@ class SchedulePlan:
     :meth:`ops` lays the parts out as one Step and :meth:`answers` reads the block manager's
     per-op results back by the same layout; nothing else knows op positions."""
 
+    # First: the failed moves reported (their blocks and slots forgotten before anything).
+    uncache: Uncache | None = None
     commits: list[Commit] = field(default_factory=list)
     forks: list[Fork] = field(default_factory=list)
     free_seq_ids: list[int] = field(default_factory=list)
@@ -86,9 +89,11 @@ class SchedulePlan:
     granted: list[tuple[Sequence, int]] = field(default_factory=list)
 
     def ops(self) -> list[Operation]:
-        """The Step's operations: commits, forks (before frees: a parent finished in the last
-        step still lends its blocks), frees, swap-outs, one grow, swap-ins, admissions."""
-        ops: list[Operation] = [*self.commits, *self.forks]
+        """The Step's operations: the failed moves reported, commits, forks (before frees: a
+        parent finished in the last step still lends its blocks), frees, swap-outs, one grow,
+        swap-ins, admissions."""
+        ops: list[Operation] = [self.uncache] if self.uncache is not None else []
+        ops += [*self.commits, *self.forks]
         if self.free_seq_ids:
             ops.append(Free(tuple(self.free_seq_ids)))
         if self.swap_outs:
@@ -104,7 +109,7 @@ class SchedulePlan:
 
     def swap_answers(self, result: StepResult) -> tuple[SwapOutResult | None, SwapInResult | None]:
         """The swap-out and swap-in results (after :meth:`answers` checked the layout)."""
-        first = len(self.commits) + len(self.forks) + bool(self.free_seq_ids)
+        first = self._first_after_frees()
         out = result.results[first] if self.swap_outs else None
         at = first + bool(self.swap_outs) + bool(self.grows)
         back = result.results[at] if self.swap_ins else None
@@ -112,13 +117,17 @@ class SchedulePlan:
             raise BadAnswer("swap results of the wrong kinds", self.swap_ids())
         return out, back
 
+    def _first_after_frees(self) -> int:
+        """The position of the first result after the frees."""
+        before = len(self.commits) + len(self.forks) + bool(self.free_seq_ids)
+        return before + (self.uncache is not None)
+
     def swap_ids(self) -> set[int]:
         return {s.seq_id for s, _ in self.swap_outs} | {s.seq_id for s in self.swap_ins}
 
     def answers(self, result: StepResult) -> tuple[GrowResult | None, list[AdmitResult]]:
         """This plan's grow and admission results out of the answer to :meth:`ops`."""
-        first = len(self.commits) + len(self.forks) + bool(self.free_seq_ids)
-        first += bool(self.swap_outs)
+        first = self._first_after_frees() + bool(self.swap_outs)
         expected = first + bool(self.grows) + bool(self.swap_ins) + len(self.admits)
         found = result.results[first] if self.grows and len(result.results) > first else None
         grow = found if isinstance(found, GrowResult) else None

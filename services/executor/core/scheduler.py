@@ -39,6 +39,7 @@ from services.blockmgr.types import (
     PoolCounters,
     RestoredSequence,
     StepResult,
+    Uncache,
 )
 from services.common.blocks import NULL_BLOCK, first_live_block
 from services.executor.core.admission import plan_admissions
@@ -58,6 +59,7 @@ from services.executor.core.plan import (
 from services.executor.core.sequence import FinishReason, SeqStatus, Sequence
 from services.executor.core.swapping import Swapping
 from services.executor.core.table_mirror import TableMirror
+from services.executor.core.tier_failures import TierFailures
 
 __all__ = [
     "BadAnswer",
@@ -71,7 +73,7 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 
-class Scheduler(AheadScheduling, HeldBackChunks, TableMirror, Swapping):
+class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swapping):
     def __init__(self, config: SchedulerConfig, counters: PoolCounters) -> None:
         self.config = config
         self.waiting: list[Sequence] = []  # sorted by sort_key
@@ -87,13 +89,21 @@ class Scheduler(AheadScheduling, HeldBackChunks, TableMirror, Swapping):
         self.swap_slots_used = 0
         self.num_swapped_out = 0
         self.granted: list[tuple[Sequence, int]] = []  # held back (held_back.py)
+        self._uncache: Uncache | None = None  # failed moves to report (tier_failures.py)
         self.num_chunks_held_back = 0
 
     # ---- queue management -----------------------------------------------------------------
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self._to_free or self._commits)
+        return bool(
+            self.waiting
+            or self.running
+            or self.swapped
+            or self._to_free
+            or self._commits
+            or self._uncache
+        )
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence for admission."""
@@ -227,7 +237,9 @@ class Scheduler(AheadScheduling, HeldBackChunks, TableMirror, Swapping):
 
     def _open_plan(self) -> tuple[SchedulePlan, int]:
         """A new plan carrying the pending commits and frees, and the free blocks after them."""
-        plan = SchedulePlan(commits=self._commits, released=self._to_free)
+        plan = SchedulePlan(
+            uncache=self._take_uncache(), commits=self._commits, released=self._to_free
+        )
         free = self.num_free_blocks
         for view in self._to_free:
             free += self._release(view.block_ids)

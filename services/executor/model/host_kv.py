@@ -18,51 +18,42 @@ blocks: the scheduler holds back every chunk whose tables hold a block being fil
 start of each step. Filled blocks sit in their sequences' tables, so nothing evicts them
 meanwhile.
 
-The disk tier below it (:class:`DiskKVStore`, ``--kv-offloading-disk-path``) is one file of
-slots of the same shape, memory-mapped: a spill copies a host slot into a disk slot (a host
-slot the block manager evicts for other content), a load a disk slot into a device block. The
-file is unlinked once mapped (the kernel writes it back in its own time): a restarted executor
-starts with an empty tier, as the block manager's tier map lives with the pool.
+The disk tier below it (:class:`~.disk_kv.DiskKVStore`, ``--kv-offloading-disk-path``) is
+one file of slots of the same shape: a spill writes a host slot into a disk slot (a host slot
+the block manager evicts for other content), a load reads a disk slot into a device block.
+A disk move can fail (an I/O error): it loses nothing. The failure is recorded
+(:meth:`HostKVCache.take_failures`) for the engine to report in its next Step (the block
+manager forgets what the block or slot was cached as) and to recompute the sequences that
+listed a block whose load failed, before anything reads it. A load from a disk slot whose
+spill failed is a failed load too (the block manager may order it before it hears of the
+failure); the slot is good again once a spill into it succeeds.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import tempfile
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from pathlib import Path
+from typing import NamedTuple
 
+import structlog
 import torch
 from torch import Tensor
 
-__all__ = ["DiskKVStore", "HostKVCache"]
+from services.executor.model.disk_kv import DiskKVStore
+
+log = structlog.get_logger(__name__)
 
 
-class DiskKVStore:
-    def __init__(self, directory: Path, like: Tensor, num_slots: int) -> None:
-        """``num_slots`` slots shaped like ``like``'s (a host tier's ``[n, ...]`` slots) in a
-        new file under ``directory``: its blocks allocated up front (a full disk is an error
-        now, not a SIGBUS in the middle of a Step), mapped, then unlinked, so that it is this
-        process's alone and goes with it however it ends. OSError when that fails."""
-        per_slot = tuple(like.shape[1:])
-        numel = num_slots * math.prod(per_slot)
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix="kv-tier-", suffix=".bin", dir=directory)
-        try:
-            os.posix_fallocate(fd, 0, numel * like.element_size())
-            flat = torch.from_file(name, shared=True, size=numel, dtype=like.dtype)
-        finally:
-            os.close(fd)
-            os.unlink(name)
-        self.slots = flat.view(num_slots, *per_slot)
-        self.num_slots = num_slots
+class MoveFailures(NamedTuple):
+    """Moves that failed: device blocks a load could not fill, disk slots a spill could not
+    write."""
 
-    @property
-    def bytes(self) -> int:
-        return self.slots.numel() * self.slots.element_size()
+    device_blocks: list[int]
+    disk_slots: list[int]
+
+
+__all__ = ["HostKVCache", "MoveFailures"]
 
 
 class HostKVCache:
@@ -79,6 +70,11 @@ class HostKVCache:
         self._fills: Future[None] | None = None  # the fills in flight, if any
         self._worker: ThreadPoolExecutor | None = None  # made at the first async fill
         self._stream: torch.cuda.Stream | None = None  # its copy stream (CUDA)
+        # A failed disk move: recorded for the engine to report (rank 0), or raised (the
+        # other tensor-parallel ranks: their block would differ from rank 0's unseen).
+        self.report_failures = True
+        self._failed = MoveFailures([], [])
+        self._bad_disk_slots: set[int] = set()  # a spill into them failed
 
     @property
     def bytes(self) -> int:
@@ -103,10 +99,14 @@ class HostKVCache:
         device = kv_cache.device
         if (spills or loads) and self.disk is None:
             raise RuntimeError("the block manager ordered disk-tier moves; this runner has none")
-        if spills:
+        for src, dst in spills:
             assert self.disk is not None
-            src, dst = _ids(spills)
-            self.disk.slots[dst] = self.slots[src]
+            try:
+                self.disk.write(dst, self.slots[src])
+            except OSError as exc:
+                self._failed_move("spill", exc, disk_slot=dst)
+            else:
+                self._bad_disk_slots.discard(dst)
         if offloads:
             blocks, slots = _ids(offloads)
             # [S, 2, n, BS, Hkv, D] -> [n, S, 2, BS, Hkv, D]: one region per block
@@ -132,6 +132,24 @@ class HostKVCache:
         if fills is not None:
             fills.result()
 
+    def take_failures(self) -> MoveFailures:
+        """The disk moves that failed since the last call, among those done: call it after
+        :meth:`move`, or :meth:`wait_fills` for the fills left running."""
+        failed, self._failed = self._failed, MoveFailures([], [])
+        return failed
+
+    def _failed_move(
+        self, kind: str, exc: OSError, *, disk_slot: int = -1, device_block: int = -1
+    ) -> None:
+        if not self.report_failures:
+            raise exc
+        log.error("kv_tier_move_failed", move=kind, disk_slot=disk_slot, error=str(exc))
+        if disk_slot >= 0 and kind == "spill":
+            self._bad_disk_slots.add(disk_slot)
+            self._failed.disk_slots.append(disk_slot)
+        if device_block >= 0:
+            self._failed.device_blocks.append(device_block)
+
     @property
     def filling(self) -> bool:
         """Fills are in flight."""
@@ -145,6 +163,8 @@ class HostKVCache:
             if self._worker is not None:
                 self._worker.shutdown()
                 self._worker = None
+            if self.disk is not None:
+                self.disk.close()
 
     def _fill(
         self,
@@ -157,16 +177,30 @@ class HostKVCache:
         copy per block, straight from its slot (pinned memory on CUDA: no staging on the
         host, no gather that would start a thread team of its own beside the forward's)."""
         device = kv_cache.device
-        disk = self.disk.slots if self.disk is not None else None
         # (inference mode is per thread: the cache is an inference tensor)
         with torch.inference_mode(), torch.cuda.stream(stream) if stream else nullcontext():
             for block, slot in onboards:
                 kv_cache[:, :, block].copy_(self.slots[slot], non_blocking=True)
-            for slot, block in loads:
-                assert disk is not None
-                kv_cache[:, :, block].copy_(disk[slot], non_blocking=True)
+            if loads:
+                self._load(kv_cache, loads)
             if device.type == "cuda":
                 (stream or torch.cuda.current_stream(device)).synchronize()
+
+    def _load(self, kv_cache: Tensor, loads: Sequence[tuple[int, int]]) -> None:
+        """Read each disk slot into a staging slot (pinned on CUDA), then into its block."""
+        disk = self.disk
+        assert disk is not None
+        pin = kv_cache.device.type == "cuda"
+        staging = torch.empty((len(loads), *disk.slot_shape), dtype=disk.dtype, pin_memory=pin)
+        for i, (slot, block) in enumerate(loads):
+            try:
+                if slot in self._bad_disk_slots:
+                    raise OSError(f"disk tier slot {slot}: its spill failed")
+                disk.read_into(slot, staging[i])
+            except OSError as exc:
+                self._failed_move("load", exc, disk_slot=slot, device_block=block)
+                continue
+            kv_cache[:, :, block].copy_(staging[i], non_blocking=True)
 
 
 def _ids(pairs: Sequence[tuple[int, int]]) -> tuple[Tensor, Tensor]:

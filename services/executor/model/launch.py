@@ -27,8 +27,9 @@ from services.executor.model.cuda_graphs import (
     EagerGraphBackend,
     GraphBackendName,
 )
+from services.executor.model.disk_kv import DiskKVStore
 from services.executor.model.errors import ModelLoadError
-from services.executor.model.host_kv import DiskKVStore, HostKVCache
+from services.executor.model.host_kv import HostKVCache
 from services.executor.model.kv_cache import allocate_kv_cache, size_kv_cache
 from services.executor.model.kv_layout import plan_kv_layout
 from services.executor.model.loader import load_model, resolve_device
@@ -134,6 +135,7 @@ def _build(
         host = _host_tier(model, kv_cache, config.cache.host_tier_bytes)
         if config.cache.disk_tier_bytes:
             host.disk = _disk_tier(host, config.cache.disk_tier_bytes, config.cache.disk_tier_path)
+        host.report_failures = comm.rank == 0  # (another rank's failure stops the executor)
     runner = ModelRunner(model, kv_cache, config.block_size, workers, host)
     if graph_backend is None and device.type == "cuda":
         graph_backend = "cuda"

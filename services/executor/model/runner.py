@@ -27,7 +27,7 @@ from services.executor.model.forward_batch import (
     PreparedForward,
     SeqChunk,
 )
-from services.executor.model.host_kv import HostKVCache
+from services.executor.model.host_kv import HostKVCache, MoveFailures
 from services.executor.model.models import DecoderLM
 from services.executor.model.workers import (
     CopyBlocksHeader,
@@ -208,6 +208,14 @@ class ModelRunner:
         """Return once the fills :meth:`move_blocks` left running are in the KV cache."""
         if self.host is not None:
             self.host.wait_fills()
+
+    def take_failed_moves(self) -> MoveFailures | None:
+        """The disk moves that failed among those done (see :meth:`HostKVCache.take_failures`),
+        or None."""
+        if self.host is None or self.host.disk is None:
+            return None
+        failed = self.host.take_failures()
+        return failed if failed.device_blocks or failed.disk_slots else None
 
     def _move_on_this_rank(self, header: MoveBlocksHeader, channel: StepChannel) -> None:
         ids = torch.empty(sum(header), 2, dtype=torch.int64, device=self.device)

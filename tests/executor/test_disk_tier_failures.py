@@ -1,0 +1,127 @@
+"""A disk tier that fails: a load or a spill that raises an I/O error loses nothing. The
+engine reports it to the block manager (``UncacheOp``), which forgets the block or slot, and
+recomputes the sequences whose blocks were not filled, before anything reads them: the
+answers stay transformers'. The failures are injected into the store's reads and writes
+(the one part faked: a disk cannot be made to fail here); everything else is real."""
+
+from __future__ import annotations
+
+import errno
+import json
+import random
+
+import pytest
+import torch
+
+from services.common.sampling_params import SamplingParams
+from services.executor.core.sequence import RequestKey
+from services.executor.model.config import ModelConfig
+from services.executor.model.disk_kv import DiskKVStore
+from services.executor.model.host_kv import HostKVCache, MoveFailures
+from services.executor.model.kv_cache import bytes_per_block
+
+from .greedy import hf_greedy
+from .test_host_tier import _assert_pool_empty, _config, _engine
+
+
+def _converse_many(engine, hf) -> None:
+    """5 conversations taking 3 turns each, one request at a time: each turn's history
+    comes back from the tiers (mostly the disk); every answer is transformers'."""
+    rng = random.Random(9)
+    histories = [[1] + [rng.randrange(3, 600) for _ in range(20)] for _ in range(5)]
+    for turn in range(3):
+        for c, history in enumerate(histories):
+            history.extend(rng.randrange(3, 600) for _ in range(4))
+            params = SamplingParams(temperature=0.0, max_tokens=3)
+            engine.add_request(RequestKey(0, f"c{c}t{turn}"), list(history), params)
+            got: list[int] = []
+            while engine.has_work:
+                for o in engine.step():
+                    got.extend(o.token_ids)
+            assert got == hf_greedy(hf, history, 3)[0], (c, turn)
+            history.extend(got)
+
+
+def _failing(method, every: int):
+    """``method``, failing with EIO on every ``every``-th call."""
+    calls = [0]
+
+    def call(slot, data):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] % every == 0:
+            raise OSError(errno.EIO, f"injected I/O error on disk slot {slot}")
+        method(slot, data)
+
+    call.calls = calls  # type: ignore[attr-defined]
+    return call
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "fills_async"), [(False, False), (True, False), (False, True)]
+)
+def test_failed_loads_and_spills_are_recomputed_with_transformers_tokens(
+    tiny_checkpoint, hf_model, tmp_path, async_scheduling, fills_async
+) -> None:
+    model = tiny_checkpoint("llama")
+    mc = ModelConfig.from_hf_config(json.loads((model / "config.json").read_text()))
+    per_block = bytes_per_block(mc, 8, torch.float32)
+    config = _config(
+        tiny_checkpoint,
+        async_scheduling=async_scheduling,
+        num_kv_blocks=16,
+        kv_offloading_size=4 * per_block / 2**30,
+        kv_offloading_disk_path=str(tmp_path / "tier"),
+        kv_offloading_disk_size=256 * per_block / 2**30,
+    )
+    engine = _engine(config, fills_async)
+    disk = engine.runner.host.disk  # type: ignore[attr-defined]
+    disk.read_into = reads = _failing(disk.read_into, every=2)
+    disk.write = writes = _failing(disk.write, every=3)
+    try:
+        _converse_many(engine, hf_model("llama"))
+    finally:
+        engine.runner.close()
+    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    assert reads.calls[0] >= 2 and writes.calls[0] >= 3  # both kinds failed
+    assert engine.num_failed_moves >= 2
+    assert stats.num_loaded_blocks > 0 and stats.disk_hits_tokens > 0  # the rest still hit
+    assert engine.scheduler.num_preemptions > 0  # the sequences whose loads failed
+    _assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_disk_store_round_trips_slots_and_names_a_short_read(tmp_path, dtype) -> None:
+    like = torch.zeros(4, 2, 2, 8, 3, dtype=dtype)
+    store = DiskKVStore(tmp_path, like, num_slots=4)
+    assert not list(tmp_path.iterdir())  # unlinked at once
+    data = torch.randn(2, 2, 8, 3).to(dtype)
+    store.write(2, data)
+    out = torch.empty_like(data)
+    store.read_into(2, out)
+    assert torch.equal(out, data)
+    with pytest.raises(OSError, match="slot 4"):  # past the end of the file
+        store.read_into(4, out)
+    store.close()
+    with pytest.raises(OSError, match="closed"):
+        store.read_into(0, out)
+
+
+def test_a_load_from_a_slot_whose_spill_failed_fails_until_a_spill_succeeds(tmp_path) -> None:
+    """The block manager may order a load from a disk slot before it hears that the spill
+    into it failed: the host tier reports that load failed without reading the slot."""
+    kv = torch.zeros(2, 2, 6, 4, 1, 2)  # [S, 2, NB, BS, Hkv, D]
+    host = HostKVCache(kv, num_slots=2)
+    host.disk = DiskKVStore(tmp_path, host.slots, num_slots=2)
+    host.slots[0].fill_(7.0)
+    real_write = host.disk.write
+    host.disk.write = _failing(real_write, every=1)
+    host.move(kv, [], [], spills=[(0, 1)])
+    assert host.take_failures() == MoveFailures([], [1])
+    host.move(kv, [], [], loads=[(1, 3)])
+    assert host.take_failures() == MoveFailures([3], [])
+    assert not kv[:, :, 3].any()  # not read
+    host.disk.write = real_write
+    host.move(kv, [], [], spills=[(0, 1)], loads=[(1, 4)])  # (spills run before loads)
+    assert host.take_failures() == MoveFailures([], [])
+    assert (kv[:, :, 4] == 7.0).all()
+    host.close()
