@@ -118,10 +118,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--inline-fills",
+        "--fills-beside",
         action="store_true",
-        help="also run each tier with its fills in line (before the forward, every chunk run "
-        "at once) rather than beside the forward",
+        help="also run each tier with its fills beside the forward (on a worker thread, the "
+        "chunks that read them held back a step: the CUDA default) rather than in line",
     )
     args = p.parse_args()
     rng = random.Random(args.seed)
@@ -169,8 +169,8 @@ def main() -> int:
         runs: list[tuple[str, ExecutorConfig, bool | None]] = [
             (name, cfg, None) for name, cfg in configs.items()
         ]
-        if args.inline_fills:
-            tiers = [(f"{n}, fills in line", c, False) for n, c, _ in runs if n in TIERED]
+        if args.fills_beside:
+            tiers = [(f"{n}, fills beside", c, True) for n, c, _ in runs if n in TIERED]
             runs[-1:-1] = tiers
         results = {name: run(cfg, plan, args.seed, fills) for name, cfg, fills in runs}
     print(

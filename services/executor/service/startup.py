@@ -145,6 +145,17 @@ def _build_engine(
             "one that serves hybrid pools, or pass --disable-hybrid-kv-cache-manager"
         )
     link = BlockManagerLink(client, pool, on_health=on_health)
+    # A Step allocates at most a budget of prompt blocks and a block per running sequence in
+    # every group: evicted beyond the host tier's other slots, the excess is dropped.
+    per_step = (-(-config.max_num_batched_tokens // bs) + config.max_num_seqs) * len(groups)
+    if 0 < link.pool.host_blocks < per_step:
+        log.warning(
+            "host_tier_smaller_than_a_step",
+            host_blocks=link.pool.host_blocks,
+            blocks_per_step=per_step,
+            consequence="a Step that evicts more device blocks than the host tier has other "
+            "slots keeps the excess in no tier (correct, but recomputed later)",
+        )
     if pool.disk_blocks and link.pool.disk_blocks != pool.disk_blocks:
         log.warning(
             "disk_tier_not_served",
