@@ -183,7 +183,6 @@ class KVBlockManager:
             self.block_size,
             self.swapped,
             has_host=self.pool.host is not None,
-            one_full_group=self.num_groups == 1 and not self.any_sliding,
             sizes=self.pool.sizes,
         )
         self.pool.tick()

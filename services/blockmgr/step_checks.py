@@ -38,13 +38,11 @@ def validate_step(
     swapped: Mapping[int, SeqLike] | None = None,
     *,
     has_host: bool = False,
-    one_full_group: bool = True,
     sizes: tuple[int, int, int] = (0, 0, 0),
 ) -> None:
     """Reject the whole step on any malformed op, simulating liveness and token counts in
     order as if every entry succeeded (a capacity failure only ever removes effects).
     ``swapped``: the swapped-out sequences; ``has_host``: the pool has a host tier;
-    ``one_full_group``: the pool is one full-attention group (swapping needs that);
     ``sizes``: the pool's blocks (the null block included), host and disk slots."""
     overlay: dict[int, int | None] = {}  # seq_id -> simulated num_tokens, None = freed
     swapped = swapped or {}
@@ -151,10 +149,6 @@ def validate_step(
             name = "swap_out" if isinstance(op, SwapOut) else "swap_in"
             if not has_host:
                 raise precondition(f"{where}.{name}: the pool has no host tier (host_blocks)")
-            if not one_full_group:
-                raise precondition(
-                    f"{where}.{name}: swapping serves pools of one full-attention group"
-                )
             if len(set(op.seq_ids)) != len(op.seq_ids):
                 dup = next(x for j, x in enumerate(op.seq_ids) if x in op.seq_ids[:j])
                 raise invalid(f"{where}.{name}.seq_ids: seq_id {dup} is listed twice")

@@ -14,8 +14,10 @@ hash is still cached on the device is shared (no copy), every other one gets a n
 filled from its slot (an onboard of the Step) and, if it had a hash, is matchable again at once.
 RESOURCE_EXHAUSTED (it stays swapped out) when the pool has too few free blocks.
 
-Only pools of one full-attention group swap (FAILED_PRECONDITION otherwise), so a table
-here is one list.
+Any pool swaps, hybrid and sliding ones included: a sequence's tables travel group-major, as
+one list of slots (:data:`NO_SLOT` for an entry released out of a sliding group's window,
+which stays released), and come back with the same null entries. A block of one group held
+in a slot comes back to that group (its cache key carries the group).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from services.blockmgr.errors import invalid
+from services.blockmgr.kv_groups import group_key
 from services.blockmgr.step_checks import check_hashes, check_seq_id
 from services.blockmgr.types import (
+    NO_SLOT,
     OpStatus,
     RestoredSequence,
     SwapIn,
@@ -33,12 +37,13 @@ from services.blockmgr.types import (
     SwapOut,
     SwapOutResult,
 )
-from services.common.blocks import blocks_for_tokens
+from services.common.blocks import NULL_BLOCK, blocks_for_tokens
 
 if TYPE_CHECKING:
     from services.blockmgr.kv_manager import KVBlockManager
 
 __all__ = [
+    "NO_SLOT",
     "SwappedSeq",
     "check_swapped",
     "free_swapped",
@@ -49,7 +54,8 @@ __all__ = [
 
 
 class SwappedSeq:
-    """A swapped-out sequence: the host slots of its table, in order, and its token slots."""
+    """A swapped-out sequence: the host slots of its tables, group-major (:data:`NO_SLOT` for
+    a null entry), and its token slots."""
 
     __slots__ = ("num_tokens", "priority", "slots")
 
@@ -73,16 +79,19 @@ def swap_out(m: KVBlockManager, op: SwapOut, failed: set[int]) -> SwapOutResult:
             slots_out.append(())
             continue
         state = m.seqs[seq_id]
-        table = state.tables[0]
-        if sum(1 for b in set(table) if b not in placed) > host.swap_room():
+        blocks = [b for table in state.tables for b in table]
+        new = {b for b in blocks if b != NULL_BLOCK and b not in placed}
+        if len(new) > host.swap_room():
             failed.add(seq_id)
             statuses.append(OpStatus.RESOURCE_EXHAUSTED)
             slots_out.append(())
             continue
         slots = []
-        for block_id in table:
+        for block_id in blocks:
             slot = placed.get(block_id)
-            if slot is None:
+            if block_id == NULL_BLOCK:
+                slot = NO_SLOT
+            elif slot is None:
                 slot = host.swap_out(block_id, pool.cache_key(block_id))
                 placed[block_id] = slot
             else:
@@ -114,7 +123,7 @@ def swap_in(m: KVBlockManager, op: SwapIn, failed: set[int]) -> SwapInResult:
         found: dict[int, int] = {}
         cost = 0
         for slot in set(swapped.slots):
-            if slot in placed:
+            if slot in placed or slot == NO_SLOT:
                 continue
             key = host.swap_key.get(slot) if caching else None
             block_id = cached.get(key) if key is not None else None
@@ -133,6 +142,9 @@ def swap_in(m: KVBlockManager, op: SwapIn, failed: set[int]) -> SwapInResult:
             placed[slot] = block_id
         table = []
         for slot in swapped.slots:
+            if slot == NO_SLOT:
+                table.append(NULL_BLOCK)
+                continue
             block_id = placed.get(slot)
             if block_id is None:
                 block_id = pool.allocate()
@@ -148,7 +160,10 @@ def swap_in(m: KVBlockManager, op: SwapIn, failed: set[int]) -> SwapInResult:
             host.release_swapped(slot)
             table.append(block_id)
         del m.swapped[seq_id]
-        m.adopt(seq_id, [table], swapped.num_tokens, [0], swapped.priority)
+        n = len(table) // m.num_groups
+        by_group = [table[g * n : (g + 1) * n] for g in range(m.num_groups)]
+        lives = [next((i for i, b in enumerate(t) if b != NULL_BLOCK), n) for t in by_group]
+        m.adopt(seq_id, by_group, swapped.num_tokens, lives, swapped.priority)
         statuses.append(OpStatus.OK)
         tables.append(tuple(table))
     return SwapInResult(tuple(statuses), tuple(tables))
@@ -159,7 +174,8 @@ def free_swapped(m: KVBlockManager, seq_id: int) -> None:
     host = m.pool.host
     assert host is not None
     for slot in m.swapped.pop(seq_id).slots:
-        host.release_swapped(slot)
+        if slot != NO_SLOT:
+            host.release_swapped(slot)
 
 
 def check_swapped(m: KVBlockManager, sequences: Sequence[RestoredSequence]) -> None:
@@ -172,21 +188,27 @@ def check_swapped(m: KVBlockManager, sequences: Sequence[RestoredSequence]) -> N
         where = f"sequences[{i}]"
         if host is None:
             raise invalid(f"{where}.host_slots: the pool has no host tier (host_blocks)")
-        if m.num_groups > 1 or m.any_sliding:
-            raise invalid(f"{where}.host_slots: swapping serves pools of one full-attention group")
         check_seq_id(seq.seq_id, f"{where}.seq_id")
         if seq.block_ids:
             raise invalid(f"{where}: a swapped-out sequence has host_slots, not block_ids")
-        n = blocks_for_tokens(seq.num_tokens, m.block_size)
+        per_group = blocks_for_tokens(seq.num_tokens, m.block_size)
+        n = per_group * m.num_groups
         if len(seq.host_slots) != n:
             raise invalid(
-                f"{where}.host_slots: {seq.num_tokens} tokens need {n} slots, "
-                f"got {len(seq.host_slots)}"
+                f"{where}.host_slots: {seq.num_tokens} tokens in {m.num_groups} group(s) need "
+                f"{n} slots, got {len(seq.host_slots)}"
             )
-        if len(set(seq.host_slots)) != n:
+        held = [slot for slot in seq.host_slots if slot != NO_SLOT]
+        if len(set(held)) != len(held):
             raise invalid(f"{where}.host_slots holds a slot twice")
         for j, slot in enumerate(seq.host_slots):
-            if not 0 <= slot < host.num_slots:
+            g = j // per_group
+            if slot == NO_SLOT:
+                # Only a sliding group's leading entries are released.
+                leading = all(s == NO_SLOT for s in seq.host_slots[g * per_group : j])
+                if not (m.windows[g] and leading):
+                    raise invalid(f"{where}.host_slots[{j}]: no entry there is released")
+            elif not 0 <= slot < host.num_slots:
                 raise invalid(f"{where}.host_slots[{j}] = {slot} is out of range")
         check_hashes(seq.block_hashes, f"{where}.block_hashes")
 
@@ -198,7 +220,11 @@ def restore_swapped(m: KVBlockManager, sequences: Sequence[RestoredSequence]) ->
         if not seq.host_slots:
             continue
         assert host is not None
+        per_group = len(seq.host_slots) // m.num_groups
         for j, slot in enumerate(seq.host_slots):
-            key = seq.block_hashes[j] if j < len(seq.block_hashes) else None
-            host.hold_swapped(slot, key)
+            if slot == NO_SLOT:
+                continue
+            g, i = divmod(j, per_group)
+            block_hash = seq.block_hashes[i] if i < len(seq.block_hashes) else None
+            host.hold_swapped(slot, group_key(block_hash, g) if block_hash is not None else None)
         m.swapped[seq.seq_id] = SwappedSeq(list(seq.host_slots), seq.num_tokens)

@@ -128,6 +128,10 @@ class Commit:
     block_hashes: tuple[bytes, ...]
 
 
+# In a swapped-out sequence's host slots: a null entry (released out of a sliding window).
+NO_SLOT = -1
+
+
 @dataclass(frozen=True, slots=True)
 class SwapOut:
     """Preemption by swapping (a pool with a host tier): each sequence's blocks are copied to

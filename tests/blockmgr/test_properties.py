@@ -14,6 +14,7 @@ from services.blockmgr.errors import BlockManagerError
 from services.blockmgr.kv_groups import group_key, split_key
 from services.blockmgr.kv_manager import KVBlockManager
 from services.blockmgr.types import (
+    NO_SLOT,
     Admit,
     AttentionKindName,
     Commit,
@@ -368,7 +369,10 @@ class SwapPoolMachine(HostTierPoolMachine):
         before = self._tables()[seq_id]
         (r,) = self.m.step([SwapOut((seq_id,))])
         if r.statuses[0] is OpStatus.OK:
-            assert len(r.host_slots[0]) == len(before[0][0])
+            tables = before[0]
+            assert len(r.host_slots[0]) == sum(len(t) for t in tables)
+            flat = [b for t in tables for b in t]
+            assert [x == NO_SLOT for x in r.host_slots[0]] == [b == NULL_BLOCK for b in flat]
             self.swapped[seq_id] = self.tokens.pop(seq_id)
         else:
             assert self._tables()[seq_id] == before
@@ -381,8 +385,11 @@ class SwapPoolMachine(HostTierPoolMachine):
         (r,) = self.m.step([SwapIn((seq_id,))])
         if r.statuses[0] is OpStatus.OK:
             tokens = self.tokens[seq_id] = self.swapped.pop(seq_id)
-            for i, b in enumerate(r.block_ids[0]):
-                assert self.dev.get(b) == (0, _content(tokens, i)), (seq_id, i, b)
+            n = len(r.block_ids[0]) // len(self.windows)
+            for j, b in enumerate(r.block_ids[0]):
+                group, i = divmod(j, n)
+                if b != NULL_BLOCK:  # (a sliding group's released entries stay so)
+                    assert self.dev.get(b) == (group, _content(tokens, i)), (seq_id, j, b)
         else:
             assert seq_id in self.m.swapped
 
@@ -418,12 +425,14 @@ class SwapPoolMachine(HostTierPoolMachine):
         host = self.m.pool.host
         assert host is not None
         assert set(self.m.swapped) == set(self.swapped)
-        refs = Counter(slot for sw in self.m.swapped.values() for slot in sw.slots)
+        refs = Counter(
+            slot for sw in self.m.swapped.values() for slot in sw.slots if slot != NO_SLOT
+        )
         assert refs == Counter(host._swap_refs)
         assert not set(refs) & set(host.slot_of.values()) and not set(refs) & set(host._free)
         for seq_id, sw in self.m.swapped.items():
             assert sw.num_tokens == len(self.swapped[seq_id])
-            assert len(sw.slots) == -(-sw.num_tokens // BS)
+            assert len(sw.slots) == -(-sw.num_tokens // BS) * len(self.windows)
 
     def teardown(self) -> None:
         if self.m.swapped:
@@ -540,29 +549,45 @@ class DiskTierPoolMachine(SwapPoolMachine):
 class HybridTierPoolMachine(DiskTierPoolMachine):
     """Gemma-style groups (sliding windows around a full one) over host and disk tiers: an
     admission's hit continues in the tiers group by group; every block filled from a tier
-    holds its own group's content. No swaps: they serve one full group only."""
+    holds its own group's content; a swapped-in sequence finds each group's content again,
+    its released entries still null."""
 
     windows = (6, 0, 6)
     num_blocks = 16
+    host_blocks = 12  # room to swap out a sequence's three tables
 
-    @precondition(lambda self: False)
-    @rule()
-    def swap_out(self) -> None:  # type: ignore[override]
-        raise AssertionError("hybrid pools do not swap")
-
-    @precondition(lambda self: False)
-    @rule()
-    def swap_in(self) -> None:  # type: ignore[override]
-        raise AssertionError("hybrid pools do not swap")
-
-    @precondition(lambda self: False)
-    @rule()
-    def free_swapped(self) -> None:  # type: ignore[override]
-        raise AssertionError("hybrid pools do not swap")
+    @rule(data=st.data(), length=st.integers(8, 20), grown=st.integers(1, 8))
+    def a_sequence_past_its_window_swaps_out_and_in(
+        self, data: st.DataObject, length: int, grown: int
+    ) -> None:
+        """Its sliding tables' released entries have no slot and come back null (the
+        rules check the content of every block that comes back)."""
+        tokens = data.draw(st.lists(st.integers(0, 2), min_size=length, max_size=length))
+        self.admit(tokens, 64, 0)
+        seq_id = self.next_id
+        if seq_id not in self.tokens:
+            return
+        (r,) = self.m.step([Grow((seq_id,), (grown,))])
+        if r.statuses[0] is not OpStatus.OK:
+            return
+        self.tokens[seq_id] += [1] * grown
+        self.swap_out(st_fixed(data, seq_id))
+        if seq_id in self.swapped:
+            self.swap_in(st_fixed(data, seq_id))
 
     @invariant()
     def a_live_block_holds_one_content_whoever_lists_it(self) -> None:
         _one_content_per_live_block(self.m, self.tokens)
+
+
+def st_fixed(data: st.DataObject, value: int) -> st.DataObject:
+    """A data object whose next draw is ``value`` (to call a rule on a chosen sequence)."""
+
+    class Fixed:
+        def draw(self, _strategy: object) -> int:
+            return value
+
+    return Fixed()  # type: ignore[return-value]
 
 
 def _one_content_per_live_block(m: KVBlockManager, tokens: dict[int, list[int]]) -> None:

@@ -14,7 +14,6 @@ from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
 from services.executor.core.sequence import FinishReason, RequestKey
 from services.executor.model.config import ModelConfig
-from services.executor.model.errors import ModelLoadError
 from services.executor.model.kv_cache import bytes_per_block
 from services.executor.model.launch import build_runner
 from services.executor.service.config import ExecutorConfig
@@ -122,12 +121,6 @@ def test_sliding_and_hybrid_models_onboard_from_the_host_tier_with_transformers_
     _converse(engine, hf_model(name), seed=5)
     stats = engine.link.client.stats(engine.link.spec.pool_id)
     assert stats.num_offloaded_blocks > 0 and stats.host_hits_tokens > 0
-
-
-def test_swap_preemption_is_refused_for_a_hybrid_model(tiny_checkpoint) -> None:
-    config = _config(tiny_checkpoint, "gemma3", num_kv_blocks=24, preemption_mode="swap")
-    with pytest.raises(ModelLoadError, match="--preemption-mode swap"):
-        build_engine(config, blockmgr=InProcessClient())
 
 
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])

@@ -55,7 +55,7 @@ def _engine(
     **kw,
 ) -> Engine:
     config = ExecutorConfig(
-        model=str(tiny_checkpoint(NAME)),
+        model=str(tiny_checkpoint(kw.pop("name", NAME))),
         dtype="float32",
         device="cpu",
         block_size=BS,
@@ -116,6 +116,24 @@ def test_async_scheduling_with_swap_preemption_matches_transformers(
     for i, (_, _, expected) in enumerate(workload):
         assert got[f"r{i}"] == expected, f"r{i}"
     assert engine.scheduler.num_swapped_out > 0
+    assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_hybrid_model_swaps_with_transformers_tokens(
+    tiny_checkpoint, hf_model, async_scheduling
+) -> None:
+    """Gemma 3 (sliding groups around a full one): a sequence's entries released out of
+    the window stay released through its swap, the others come back from their slots.
+    (A sliding-only model is not preempted in such a cache: its tables stop growing.)"""
+    work = windowed_workload(hf_model("gemma3"), seed=3, num_requests=8, bos=2, max_tokens=(24, 48))
+    engine = _engine(
+        tiny_checkpoint, name="gemma3", num_kv_blocks=29, async_scheduling=async_scheduling
+    )
+    got = _run(engine, work)
+    for i, (_, _, expected) in enumerate(work):
+        assert got[f"r{i}"] == expected, f"r{i}"
+    assert engine.scheduler.config.num_kv_groups == 2 and engine.scheduler.num_swapped_out > 0
     assert_pool_empty(engine)
 
 

@@ -82,7 +82,7 @@ class SchedulePlan:
     # Grows the mirror counted as copy-on-write: seq_id -> the KV-cache groups to copy in.
     cow_ids: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # Preemption by swapping: the sequences swapped out (with their table's length) and in.
-    swap_outs: list[tuple[Sequence, int]] = field(default_factory=list)
+    swap_outs: list[tuple[Sequence, list[list[int]]]] = field(default_factory=list)  # tables
     swap_ins: list[Sequence] = field(default_factory=list)
     # Chunks the pool granted in an earlier Step, held back while their blocks were filled
     # from a tier: they run in this plan's batch with no operation of their own.

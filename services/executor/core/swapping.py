@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from services.blockmgr.types import OpStatus, RestoredSequence, StepResult
+from services.blockmgr.types import NO_SLOT, OpStatus, RestoredSequence, StepResult
 from services.common.blocks import NULL_BLOCK, blocks_to_grow
-from services.executor.core.plan import BadAnswer, SchedulePlan
+from services.executor.core.plan import BadAnswer, SchedulePlan, split_tables
 from services.executor.core.sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
@@ -42,6 +42,11 @@ log = structlog.get_logger(__name__)
 
 def _sort_key(seq: Sequence) -> tuple[int, int, int]:
     return seq.sort_key
+
+
+def _live_blocks(tables: list[list[int]]) -> int:
+    """The blocks ``tables`` hold (their null entries hold none)."""
+    return sum(1 for t in tables for b in t if b != NULL_BLOCK)
 
 
 class Swapping:
@@ -69,16 +74,17 @@ class Swapping:
             and seq.tables[0]
             and seq.seq_id not in self._forks
             and not seq.params.use_beam_search
-            and len(seq.tables[0]) <= cfg.swap_slots - self.swap_slots_used
+            and _live_blocks(seq.tables) <= cfg.swap_slots - self.swap_slots_used
         )
 
     def _swap_out(self, seq: Sequence, plan: SchedulePlan) -> int:
-        """Swap ``seq`` out with this plan's Step; returns how many blocks that frees."""
-        n = len(seq.tables[0])
-        plan.swap_outs.append((seq, n))
+        """Swap ``seq`` out with this plan's Step; returns how many blocks that frees. Its
+        tables' released entries (a sliding group's) need no slot and stay released."""
+        n = _live_blocks(seq.tables)
+        plan.swap_outs.append((seq, seq.tables))
         plan.released.append(self.pool_view(seq))
-        freed = self._release(seq.tables[0])
-        seq.tables = [[]]
+        freed = sum(self._release(t) for t in seq.tables)
+        seq.tables = [[] for _ in seq.tables]
         seq.num_swap_slots = n
         self.swap_slots_used += n
         self.running.remove(seq)
@@ -114,11 +120,14 @@ class Swapping:
             if others >= cfg.max_num_seqs:
                 return
             # Its blocks, and those of its next prompt chunk if it was prefilling (else that
-            # chunk would preempt it again at once).
-            held = len(seq.host_slots)
+            # chunk would preempt it again at once), in every group.
+            held = sum(1 for slot in seq.host_slots if slot != NO_SLOT)
+            groups = cfg.num_kv_groups
+            length = len(seq.host_slots) // groups
             left = len(seq.token_ids) - seq.num_computed_tokens
             k = min(left, cfg.max_num_batched_tokens) if left > 1 else 0
-            need = held + blocks_to_grow(seq.num_computed_tokens, k, held, cfg.block_size)
+            grow = blocks_to_grow(seq.num_computed_tokens, k, length, cfg.block_size)
+            need = held + grow * groups
             reserve = cfg.watermark_blocks + others if others else 0
             if need + reserve > free:
                 return
@@ -136,12 +145,16 @@ class Swapping:
                 plan.swap_outs
             ):
                 raise BadAnswer("a swap-out answer of the wrong length", plan.swap_ids())
-            for (seq, n), status, got in zip(
+            for (seq, tables), status, got in zip(
                 plan.swap_outs, out.statuses, out.host_slots, strict=True
             ):
-                if status is not OpStatus.OK or len(got) != n:
+                entries = [b for t in tables for b in t]
+                if status is not OpStatus.OK or len(got) != len(entries):
                     raise BadAnswer(f"swap-out {status.name}, {len(got)} slots", {seq.seq_id})
-                if not all(0 <= s < slots for s in got):
+                if not all(
+                    s == NO_SLOT if b == NULL_BLOCK else 0 <= s < slots
+                    for s, b in zip(got, entries, strict=True)
+                ):
                     raise BadAnswer("a swap-out slot out of range", {seq.seq_id})
         if back is not None:
             if len(back.statuses) != len(plan.swap_ins) or len(back.block_ids) != len(
@@ -157,9 +170,13 @@ class Swapping:
             for seq, status, ids in zip(plan.swap_ins, back.statuses, back.block_ids, strict=True):
                 if status is not OpStatus.OK:
                     continue
-                if len(ids) != len(seq.host_slots) or len(set(ids)) != len(ids):
+                live = [b for b, slot in zip(ids, seq.host_slots, strict=False) if slot != NO_SLOT]
+                if len(ids) != len(seq.host_slots) or len(set(live)) != len(live):
                     raise BadAnswer("a swapped-in table of the wrong length", {seq.seq_id})
-                if NULL_BLOCK in ids or not all(0 < b <= self.num_usable_blocks for b in ids):
+                if not all(
+                    b == NULL_BLOCK if slot == NO_SLOT else 0 < b <= self.num_usable_blocks
+                    for b, slot in zip(ids, seq.host_slots, strict=True)
+                ):
                     raise BadAnswer("a swapped-in block out of range", {seq.seq_id})
                 if not granted.isdisjoint(ids):  # new to a grow of this Step, and to this table
                     raise BadAnswer("a swapped-in block also granted to a grow", {seq.seq_id})
@@ -180,9 +197,14 @@ class Swapping:
             self.swapped.remove(seq)
             self.swap_slots_used -= seq.num_swap_slots
             seq.host_slots, seq.num_swap_slots = (), 0
-            seq.tables = [list(ids)]
+            seq.tables = split_tables(ids, self.config.num_kv_groups)
+            # (every sliding group released the same leading entries)
+            slides = self.config.group_slides
+            sliding = next((t for t, slid in zip(seq.tables, slides, strict=True) if slid), [])
+            seq.first_live_block = next((i for i, b in enumerate(sliding) if b), len(sliding))
             for b in ids:
-                self.refs[b] += 1
+                if b != NULL_BLOCK:
+                    self.refs[b] += 1
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=_sort_key)
 
@@ -196,6 +218,7 @@ class Swapping:
             seq.num_swap_slots = 0
             seq.num_computed_tokens = 0
             seq.num_committed_blocks = 0
+            seq.first_live_block = 0
             seq.status = SeqStatus.WAITING
             bisect.insort(self.waiting, seq, key=_sort_key)
 

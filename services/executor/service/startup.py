@@ -171,11 +171,6 @@ def _build_engine(
             consequence="blocks evicted from the KV cache are dropped",
         )
     try:
-        if config.preemption_mode == "swap" and (len(groups) > 1 or layout.sliding_window):
-            raise ModelLoadError(
-                "--preemption-mode swap: swapping serves models of one full-attention KV-cache "
-                "group (this one slides, or is hybrid): use recompute"
-            )
         window = _granted_window(groups, link.pool.groups, bs, usable, mc.max_model_len, layout)
     except ModelLoadError:
         link.unregister()  # not left held until its lease runs out

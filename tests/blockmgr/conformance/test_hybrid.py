@@ -27,6 +27,7 @@ from services.blockmgr.types import (
     KVEventKind,
     OpStatus,
     RestoredSequence,
+    SwapIn,
     SwapOut,
 )
 from tests.blockmgr.conformance.ops import BS
@@ -300,9 +301,35 @@ def test_a_hybrid_pool_onboards_every_groups_hit_from_the_host_tier(client, pool
     assert client.stats(pool_id).host_hits_tokens == 8 * BS
 
 
-def test_a_hybrid_pool_refuses_swapping_naming_the_op(client, pool_id, hybrid):
-    epoch = _register(client, pool_id, host_blocks=8)
-    _admit(client, pool_id, epoch, 1, list(range(12)))
-    with raises_code(ErrorCode.FAILED_PRECONDITION, "swap_out"):
-        client.step(pool_id, epoch, [SwapOut((1,))])
-    assert _in_use(client, pool_id) > 0  # nothing changed
+def test_a_hybrid_sequence_swaps_out_and_back_in_with_its_released_entries(client, pool_id, hybrid):
+    """A Gemma-shaped sequence, its sliding group past its window: SwapOut gives a slot to
+    every live entry of both tables (-1 for the released ones), SwapIn gives back tables of
+    the same shape, the same null entries, filled from those slots; a restart in between
+    restores it from its slots."""
+    epoch = _register(client, pool_id, host_blocks=32)
+    _admit(client, pool_id, epoch, 1, list(range(24)))
+    for _ in range(4):  # 28 tokens: the sliding group's blocks 0..4 are out of its window
+        _grow(client, pool_id, epoch, 1, 1)
+    (out,) = client.step(pool_id, epoch, [SwapOut((1,))]).results
+    assert out.statuses == (OpStatus.OK,)
+    slots = out.host_slots[0]
+    assert slots[:5] == (-1,) * 5 and -1 not in slots[5:] and len(slots) == 14
+    assert len(set(slots[5:])) == 9 and _in_use(client, pool_id) == 0
+    # The block manager restarts (a new registration): the executor restores it, swapped out.
+    epoch = _register(client, pool_id, host_blocks=32)
+    client.restore(pool_id, epoch, [RestoredSequence(1, 28, (), (), slots)])
+    back = client.step(pool_id, epoch, [SwapIn((1,))])
+    (r,) = back.results
+    assert r.statuses == (OpStatus.OK,)
+    sliding, full = _tables(r.block_ids[0])
+    assert sliding[:5] == (0,) * 5 and 0 not in sliding[5:] and 0 not in full
+    assert sorted(m.host_slot for m in back.onboards) == sorted(slots[5:])
+    assert {m.device_block for m in back.onboards} == {*sliding[5:], *full}
+    _grow(client, pool_id, epoch, 1, 1)  # a live sequence again
+    with raises_code(ErrorCode.INVALID_ARGUMENT, "host_slots[7]"):  # the full group's
+        bad = (*slots[:7], -1, *slots[8:])
+        client.restore(
+            pool_id,
+            _register(client, pool_id, host_blocks=32),
+            [RestoredSequence(2, 28, (), (), bad)],
+        )
