@@ -209,6 +209,7 @@ def step_to_pb(result: StepResult) -> pb.StepResponse:
         ],
         spills=[pb.SlotMove(src=m.src, dst=m.dst) for m in result.spills],
         loads=[pb.SlotMove(src=m.src, dst=m.dst) for m in result.loads],
+        stores=[pb.SlotMove(src=m.src, dst=m.dst) for m in result.stores],
     )
 
 
@@ -220,4 +221,5 @@ def step_from_pb(resp: pb.StepResponse) -> StepResult:
         tuple(BlockMove(m.device_block, m.host_slot) for m in resp.onboards),
         tuple(SlotMove(m.src, m.dst) for m in resp.spills),
         tuple(SlotMove(m.src, m.dst) for m in resp.loads),
+        tuple(SlotMove(m.src, m.dst) for m in resp.stores),
     )

@@ -30,11 +30,13 @@ Restore rebuilds them from the executor's view (it still holds their content).
 
 A **disk tier** (``below``) is another instance of this class under the host tier: a cached
 host slot evicted for other content is *spilled* there (host slot -> disk slot, an offload of
-the disk tier) instead of dropped, unless an offload of this Step wrote it (its bytes are not
-in the slot yet when the spills run). A prefix hit in the disk tier is loaded straight into a
-device block (an onboard of the disk tier). The executor runs a Step's moves in this order:
-spills, offloads, host onboards, disk loads; so a spill reads a host slot before an offload
-overwrites it, and a load reads a disk slot after a spill of the Step filled it.
+the disk tier) instead of dropped. A host slot an offload of this Step wrote (its bytes are not
+there yet when the spills run) is not spilled: that offload goes straight to the disk instead
+(a *store*, device block -> disk slot, made after the offloads and before any fill). A prefix
+hit in the disk tier is loaded straight into a device block (an onboard of the disk tier). The
+executor runs a Step's moves in this order: spills, offloads, stores, host onboards, disk
+loads; so a spill reads a host slot before an offload overwrites it, a store reads its device
+block before a fill overwrites it, and a load reads a disk slot after the Step wrote it.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class HostTier:
         self._released: list[int] = []  # onboarded this Step: free from the next one
         self._onboarded: dict[int, int] = {}  # device block -> the slot it is filled from
         self._written: dict[int, int] = {}  # slot -> its offload of this Step (index)
+        self._stored: set[int] = set()  # offloads (index) whose source is a device block
         self._swapped_in: set[int] = set()  # device blocks a swap-in of this Step fills
         self.events: list[PendingEvent] = []  # KV events of the tier (medium: host)
         self.offloads: list[BlockMove] = []
@@ -101,6 +104,14 @@ class HostTier:
         self._written[slot] = len(self.offloads)
         self.offloads.append(BlockMove(src, slot))
         self.num_offloaded += 1
+
+    def store(self, block_id: int, key: bytes) -> None:
+        """Disk tier: device block ``block_id``, cached under ``key``, goes straight here (its
+        host slot was taken again in this Step): as :meth:`offload`, from the device."""
+        before = len(self.offloads)
+        self.offload(block_id, key)
+        if len(self.offloads) > before:
+            self._stored.add(before)
 
     def touch(self, key: bytes) -> bool:
         """Whether the tier holds ``key`` (then it is the most recently used)."""
@@ -168,14 +179,20 @@ class HostTier:
         self._released.clear()
         self._onboarded.clear()
         self._written.clear()
+        self._stored.clear()
         self._swapped_in.clear()
 
     def moves(self) -> tuple[tuple[BlockMove, ...], tuple[BlockMove, ...]]:
         """This Step's (offloads, onboards): an offload into a slot that a later one of the
         Step took again is left out (nothing reads it)."""
-        live = set(self._written.values())
+        live = set(self._written.values()) - self._stored
         offloads = tuple(m for i, m in enumerate(self.offloads) if i in live)
         return offloads, tuple(self.onboards)
+
+    def stores(self) -> tuple[BlockMove, ...]:
+        """This Step's stores (device block -> slot of this tier), those not taken again."""
+        live = set(self._written.values()) & self._stored
+        return tuple(m for i, m in enumerate(self.offloads) if i in live)
 
     # ---- preemption by swapping ------------------------------------------------------------
 
@@ -267,8 +284,12 @@ class HostTier:
             del self.slot_of[key]
             self.events.append((KVEventKind.REMOVED, key))
             self._order.forget(slot, key)
-            if self.below is not None and slot not in self._written:
-                self.below.offload(slot, key)  # a spill
+            if self.below is not None:
+                written = self._written.get(slot)
+                if written is None:
+                    self.below.offload(slot, key)  # a spill
+                else:  # its bytes are not here yet: from the device, straight down
+                    self.below.store(self.offloads[written].device_block, key)
         self.num_evicted += 1
         self._written.pop(slot, None)  # written earlier in this Step: that offload is void
         return slot

@@ -14,7 +14,11 @@ __all__ = ["TierMoves", "TierRun", "fill_from_tiers", "take_moves", "tier_lookup
 
 TierRun = list[tuple[bytes, HostTier, int]]  # (hash, the tier holding it, its slot)
 TierMoves = tuple[
-    tuple[BlockMove, ...], tuple[BlockMove, ...], tuple[SlotMove, ...], tuple[SlotMove, ...]
+    tuple[BlockMove, ...],
+    tuple[BlockMove, ...],
+    tuple[SlotMove, ...],
+    tuple[SlotMove, ...],
+    tuple[SlotMove, ...],
 ]
 
 
@@ -66,17 +70,18 @@ def fill_from_tiers(pool: BlockPool, run: TierRun, priority: int) -> tuple[list[
 
 
 def take_moves(pool: BlockPool) -> TierMoves:
-    """The tiers' (offloads, onboards, spills, loads) of the Step just applied."""
+    """The tiers' (offloads, onboards, spills, loads, stores) of the Step just applied."""
     host, disk = pool.host, pool.disk
     if host is None:
-        return (), (), (), ()
+        return (), (), (), (), ()
     offloads, onboards = host.moves()
     if disk is None:
-        return offloads, onboards, (), ()
+        return offloads, onboards, (), (), ()
     spills, loads = disk.moves()
     return (
         offloads,
         onboards,
         tuple(SlotMove(m.device_block, m.host_slot) for m in spills),
         tuple(SlotMove(m.host_slot, m.device_block) for m in loads),
+        tuple(SlotMove(m.device_block, m.host_slot) for m in disk.stores()),
     )

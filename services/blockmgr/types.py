@@ -280,6 +280,9 @@ class StepResult:
     onboards: tuple[BlockMove, ...] = ()
     spills: tuple[SlotMove, ...] = ()
     loads: tuple[SlotMove, ...] = ()
+    # Offloads sent straight to the disk tier (device block src -> disk slot dst), made after
+    # the offloads and before the onboards: the host tier had no other slot in the Step.
+    stores: tuple[SlotMove, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

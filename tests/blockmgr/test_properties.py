@@ -329,11 +329,13 @@ class SwapPoolMachine(HostTierPoolMachine):
             self.corrupt[0].clear()
             self.corrupt[1].clear()
             results = inner(ops)
-            offloads, onboards, spills, loads = m.take_moves()  # done in this order
-            for sp in spills:
+            offloads, onboards, spills, loads, stores = m.take_moves()
+            for sp in spills:  # in the executor's order
                 self.diskmem[sp.dst] = self.hostmem[sp.src]
             for mv in offloads:
                 self.hostmem[mv.host_slot] = self.dev.get(mv.device_block, (-1, ()))
+            for st_ in stores:
+                self.diskmem[st_.dst] = self.dev.get(st_.src, (-1, ()))
             for mv in onboards:
                 self.dev[mv.device_block] = self.hostmem[mv.host_slot]
             for ld in loads:
@@ -475,7 +477,7 @@ class DiskTierPoolMachine(SwapPoolMachine):
         results = self.m.step(
             [Admit(a, len(first), len(first), h1), Free((a,)), Admit(b, len(second), 64, h2)]
         )
-        _, onboards, _, loads = self.m.take_moves()
+        _, onboards, _, loads, _ = self.m.take_moves()
         filled = [mv.device_block for mv in onboards] + [ld.dst for ld in loads]
         assert len(set(filled)) == len(filled)  # one fill per block and Step
         if results[2].status is OpStatus.OK:

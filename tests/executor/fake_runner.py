@@ -53,6 +53,7 @@ class FakePagedRunner:
         onboards: Sequence[tuple[int, int]],
         spills: Sequence[tuple[int, int]] = (),
         loads: Sequence[tuple[int, int]] = (),
+        stores: Sequence[tuple[int, int]] = (),
     ) -> None:
         host = self.__dict__.setdefault("host", {})
         disk = self.__dict__.setdefault("disk", {})
@@ -62,6 +63,9 @@ class FakePagedRunner:
         for block, slot in offloads:
             for off in range(self.block_size):
                 host[(slot, off)] = self.cache.get(block * self.block_size + off)
+        for block, slot in stores:
+            for off in range(self.block_size):
+                disk[(slot, off)] = self.cache.get(block * self.block_size + off)
         for block, slot in onboards:
             self._fill(block, [host.get((slot, off)) for off in range(self.block_size)])
         for slot, block in loads:

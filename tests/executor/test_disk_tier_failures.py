@@ -57,7 +57,8 @@ def _failing(method, every: int):
 
 
 @pytest.mark.parametrize(
-    ("async_scheduling", "fills_async"), [(False, False), (True, False), (False, True)]
+    ("async_scheduling", "fills_async"),
+    [(False, False), (True, False), (False, True), (True, True)],
 )
 def test_failed_loads_and_spills_are_recomputed_with_transformers_tokens(
     tiny_checkpoint, hf_model, tmp_path, async_scheduling, fills_async
@@ -69,7 +70,7 @@ def test_failed_loads_and_spills_are_recomputed_with_transformers_tokens(
         tiny_checkpoint,
         async_scheduling=async_scheduling,
         num_kv_blocks=16,
-        kv_offloading_size=4 * per_block / 2**30,
+        kv_offloading_size=2 * per_block / 2**30,  # most offloads go straight to disk
         kv_offloading_disk_path=str(tmp_path / "tier"),
         kv_offloading_disk_size=256 * per_block / 2**30,
     )
@@ -125,3 +126,65 @@ def test_a_load_from_a_slot_whose_spill_failed_fails_until_a_spill_succeeds(tmp_
     assert host.take_failures() == MoveFailures([], [])
     assert (kv[:, :, 4] == 7.0).all()
     host.close()
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "fills_async"), [(False, True), (True, True), (True, False)]
+)
+def test_a_failed_load_freed_before_it_is_reported_is_never_offloaded_as_its_history(
+    tiny_checkpoint, hf_model, tmp_path, async_scheduling, fills_async
+) -> None:
+    """The request whose history fails to load is aborted before its chunk runs, and a long
+    prompt then evicts every block. No Step goes out before the failure is taken (fills
+    beside the forward are waited for first; a batch granted ahead and emptied has its
+    failures taken before the next plan): the unfilled blocks are forgotten before they are
+    freed, never offloaded under the history's hashes, and the history's next turn is
+    transformers'."""
+    model = tiny_checkpoint("llama")
+    mc = ModelConfig.from_hf_config(json.loads((model / "config.json").read_text()))
+    per_block = bytes_per_block(mc, 8, torch.float32)
+    config = _config(
+        tiny_checkpoint,
+        num_kv_blocks=13,
+        max_model_len=96,
+        max_num_batched_tokens=96,
+        async_scheduling=async_scheduling,
+        kv_offloading_size=12 * per_block / 2**30,
+        kv_offloading_disk_path=str(tmp_path / "tier"),
+        kv_offloading_disk_size=64 * per_block / 2**30,
+    )
+    engine, hf, rng = _engine(config, fills_async), hf_model("llama"), random.Random(5)
+    history = [1] + [rng.randrange(3, 600) for _ in range(40)]
+    try:
+        _answer(engine, "first", history, 1)
+        for i in range(4):  # push the history down to the disk tier
+            _answer(engine, f"other{i}", [1] + [rng.randrange(3, 600) for _ in range(80)], 1)
+        disk = engine.runner.host.disk  # type: ignore[attr-defined]
+        read = disk.read_into
+        disk.read_into = _failing(read, every=1)
+        beside = [1, 5, 6, 7]
+        engine.add_request(RequestKey(0, "beside"), beside, SamplingParams(max_tokens=20))
+        engine.step()
+        engine.step()
+        back = SamplingParams(temperature=0.0, max_tokens=2)
+        engine.add_request(RequestKey(0, "back"), [*history, 7], back)
+        engine.step()  # its loads ordered (failing), its chunk held back or granted ahead
+        assert engine.abort_request(RequestKey(0, "back"))
+        assert engine.abort_request(RequestKey(0, "beside"))
+        _answer(engine, "long", [1] + [rng.randrange(3, 600) for _ in range(94)], 1)
+        disk.read_into = read
+        again = [*history, 9]
+        assert _answer(engine, "again", again, 4) == hf_greedy(hf, again, 4)[0]
+        assert engine.num_failed_moves > 0
+    finally:
+        engine.runner.close()
+
+
+def _answer(engine, key: str, prompt: list[int], max_tokens: int) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    engine.add_request(RequestKey(0, key), prompt, params)
+    got: list[int] = []
+    while engine.has_work:
+        for o in engine.step():
+            got.extend(o.token_ids)
+    return got

@@ -26,14 +26,9 @@ def _config(tiny_checkpoint, name: str = "llama", **kw) -> ExecutorConfig:
     kw.setdefault("num_kv_blocks", 14)  # 13 blocks of 8: two conversations do not fit
     kw.setdefault("kv_offloading_size", 64 * 2**20 / 2**30)  # 64 MiB: every block evicted
     kw.setdefault("device", "cpu")
-    return ExecutorConfig(
-        model=str(tiny_checkpoint(name)),
-        dtype="float32",
-        block_size=8,
-        max_model_len=104,
-        max_num_batched_tokens=32,
-        **kw,
-    )
+    kw.setdefault("max_model_len", 104)
+    kw.setdefault("max_num_batched_tokens", 32)
+    return ExecutorConfig(model=str(tiny_checkpoint(name)), dtype="float32", block_size=8, **kw)
 
 
 @pytest.mark.parametrize("fills_async", [False, True])

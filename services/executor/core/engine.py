@@ -255,6 +255,7 @@ class Engine(AheadEngine, BeamSearchEngine):
         t0 = time.perf_counter()
         batch, prepared = self._take_batch_ahead()
         if batch is None:
+            self._take_failed_moves(wait=True)  # (a Step goes out: it reports them)
             plan = self.scheduler.plan()
             result = self.link.step(plan.ops(), lambda: self.scheduler.pre_plan_state(plan))
             try:
@@ -267,8 +268,10 @@ class Engine(AheadEngine, BeamSearchEngine):
             self.runner.wait_fills()  # type: ignore[attr-defined]
         if batch.has_moves:  # offloads read blocks a copy or the forward may overwrite
             self.runner.move_blocks(*batch.moves)
-        if self._disk_moves:
-            batch, prepared = self._after_failed_moves(batch, prepared)
+        gone = self._take_failed_moves()
+        if gone and any(c.seq.seq_id in gone for c in batch.chunks):  # (host batch rebuilt)
+            chunks = [c for c in batch.chunks if c.seq.seq_id not in gone]
+            batch, prepared = replace(batch, chunks=chunks), None
         if batch.copies:
             self.runner.copy_blocks(batch.copies)
         # Plan and send the next Step while the forward runs: after the launch where it
@@ -333,21 +336,19 @@ class Engine(AheadEngine, BeamSearchEngine):
                 if seq.num_bad_answers >= MAX_BAD_ANSWERS:
                     self._pending.append(self._retire(seq, FinishReason.ERROR))
 
-    def _after_failed_moves(
-        self, batch: ScheduledBatch, prepared: PreparedBatch | None
-    ) -> tuple[ScheduledBatch, PreparedBatch | None]:
-        """Take the disk moves that failed so far: reported with the next Step, and the
-        sequences listing a block that was not filled preempted (recomputed) and out of
-        ``batch``, before anything reads it (its host batch, if any, is built again)."""
-        failed = self.runner.take_failed_moves()  # type: ignore[attr-defined]
+    def _take_failed_moves(self, *, wait: bool = False) -> set[int]:
+        """Take the disk moves that failed so far (``wait``: the fills in flight first):
+        reported with the next Step, the sequences listing a block that was not filled
+        preempted (recomputed) before anything reads it; returns their ids. Called before
+        every forward, and before any Step goes out while fills run: the block manager hears
+        of a failed fill before it could free, evict and offload that block's content."""
+        if wait and self._fills_async:
+            self.runner.wait_fills()  # type: ignore[attr-defined]
+        failed = self.runner.take_failed_moves() if self._disk_moves else None  # type: ignore[attr-defined]
         if failed is None:
-            return batch, prepared
+            return set()
         self.num_failed_moves += len(failed.device_blocks) + len(failed.disk_slots)
-        gone = {s.seq_id for s in self.scheduler.moves_failed(*failed)}
-        chunks = [c for c in batch.chunks if c.seq.seq_id not in gone]
-        if len(chunks) == len(batch.chunks):
-            return batch, prepared
-        return replace(batch, chunks=chunks), None
+        return {s.seq_id for s in self.scheduler.moves_failed(*failed)}
 
     def _take_pending(self) -> list[SeqOutput]:
         pending, self._pending = self._pending, []

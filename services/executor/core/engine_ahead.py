@@ -58,6 +58,9 @@ class AheadEngine:
         _preparing: PreparingRunner | None
         _num_prompt_logprobs: int
         _num_beam_requests: int
+        _fills_async: bool
+
+        def _take_failed_moves(self, *, wait: bool = False) -> set[int]: ...
 
     def _take_batch_ahead(self) -> tuple[ScheduledBatch | None, PreparedBatch | None]:
         """The batch granted during the previous step, less the sequences that finished since
@@ -110,6 +113,9 @@ class AheadEngine:
         """Plan the next step now and send its Step, if that is safe."""
         if not self.settings.async_scheduling or not self.link.can_send_ahead:
             return None
+        if self._fills_async and self.runner.filling:  # type: ignore[attr-defined]
+            # The Step must report the failed ones (none is this batch's: held back).
+            self._take_failed_moves(wait=True)
         if self._num_beam_requests:  # beams re-fork after sampling, every step
             return None
         # (Only while a request asks for prompt log-probabilities need it look for one.)

@@ -157,32 +157,35 @@ class ScheduledBatch:
     chunks: list[ScheduledChunk]  # decodes first, then prefill chunks
     copies: list[tuple[int, int]]  # copy-on-write (src, dst) block pairs
     # The tiers' moves, made before the copies (a copy may write into a block just
-    # offloaded): spills (host slot, disk slot), offloads and onboards (device block, host
-    # slot), loads (disk slot, device block), in that order.
+    # offloaded): spills (host slot, disk slot), offloads (device block, host slot), stores
+    # (device block, disk slot), onboards (device block, host slot), loads (disk slot,
+    # device block), in that order.
     offloads: tuple[tuple[int, int], ...] = ()
     onboards: tuple[tuple[int, int], ...] = ()
     spills: tuple[tuple[int, int], ...] = ()
     loads: tuple[tuple[int, int], ...] = ()
+    stores: tuple[tuple[int, int], ...] = ()
 
     @property
     def has_moves(self) -> bool:
-        return bool(self.offloads or self.onboards or self.spills or self.loads)
+        return bool(self.offloads or self.onboards or self.spills or self.loads or self.stores)
 
     @property
-    def moves(self) -> tuple[Moves, Moves, Moves, Moves]:
-        return self.offloads, self.onboards, self.spills, self.loads
+    def moves(self) -> tuple[Moves, Moves, Moves, Moves, Moves]:
+        return self.offloads, self.onboards, self.spills, self.loads, self.stores
 
 
 Moves = tuple[tuple[int, int], ...]
 
 
-def step_moves(result: StepResult) -> tuple[Moves, Moves, Moves, Moves]:
-    """The tiers' (offloads, onboards, spills, loads) of a Step, as id pairs."""
+def step_moves(result: StepResult) -> tuple[Moves, Moves, Moves, Moves, Moves]:
+    """The tiers' (offloads, onboards, spills, loads, stores) of a Step, as id pairs."""
     return (
         tuple((m.device_block, m.host_slot) for m in result.offloads),
         tuple((m.device_block, m.host_slot) for m in result.onboards),
         tuple((m.src, m.dst) for m in result.spills),
         tuple((m.src, m.dst) for m in result.loads),
+        tuple((m.src, m.dst) for m in result.stores),
     )
 
 

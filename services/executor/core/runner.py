@@ -36,10 +36,12 @@ class Runner(Protocol):
         onboards: Sequence[tuple[int, int]],
         spills: Sequence[tuple[int, int]] = (),
         loads: Sequence[tuple[int, int]] = (),
+        stores: Sequence[tuple[int, int]] = (),
     ) -> None:
         """The tiers' moves of a Step, in this order: spills ``(host slot, disk slot)``,
-        offloads (device to host) and onboards (host to device) ``(device block, host slot)``,
-        loads ``(disk slot, device block)``."""
+        offloads (device to host) ``(device block, host slot)``, stores (device to disk)
+        ``(device block, disk slot)``, onboards (host to device) ``(device block, host
+        slot)``, loads ``(disk slot, device block)``."""
         ...
 
 

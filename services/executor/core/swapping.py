@@ -109,7 +109,7 @@ class Swapping:
         cfg = self.config
         # Not while a running sequence still has prompt chunks to compute: their blocks come
         # first, and would preempt what came back at once (a swap in and out every step).
-        chunk = {s.seq_id: k for s, k in plan.grows}
+        chunk = {s.seq_id: k for s, k in (*plan.grows, *plan.granted)}
         if any(
             len(s.token_ids) - s.num_computed_tokens - chunk.get(s.seq_id, 0) > 1
             for s in self.running

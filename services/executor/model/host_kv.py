@@ -67,7 +67,7 @@ class HostKVCache:
             (num_slots, *per_slot), dtype=kv_cache.dtype, device="cpu", pin_memory=pin
         )
         self.num_slots = num_slots
-        self._fills: Future[None] | None = None  # the fills in flight, if any
+        self._fills: Future[MoveFailures] | None = None  # the fills in flight, if any
         self._worker: ThreadPoolExecutor | None = None  # made at the first async fill
         self._stream: torch.cuda.Stream | None = None  # its copy stream (CUDA)
         # A failed disk move: recorded for the engine to report (rank 0), or raised (the
@@ -88,23 +88,25 @@ class HostKVCache:
         onboards: Sequence[tuple[int, int]],
         spills: Sequence[tuple[int, int]] = (),
         loads: Sequence[tuple[int, int]] = (),
+        stores: Sequence[tuple[int, int]] = (),
         *,
         fill_async: bool = False,
     ) -> None:
-        """In this order: spills ``(host slot, disk slot)``; offloads, then onboards,
-        ``(device block, host slot)``; loads ``(disk slot, device block)``. The fills in
-        flight from an earlier call are waited for first. ``fill_async``: the onboards and
-        loads are still running on return (see :meth:`wait_fills`); the stores never are."""
+        """In this order: spills ``(host slot, disk slot)``; offloads ``(device block, host
+        slot)``; stores ``(device block, disk slot)``; onboards ``(device block, host
+        slot)``; loads ``(disk slot, device block)``. The fills in flight from an earlier call
+        are waited for first. ``fill_async``: the onboards and loads are still running on
+        return (see :meth:`wait_fills`); the others (spills, offloads, stores) never are."""
         self.wait_fills()
         device = kv_cache.device
-        if (spills or loads) and self.disk is None:
+        if (spills or loads or stores) and self.disk is None:
             raise RuntimeError("the block manager ordered disk-tier moves; this runner has none")
         for src, dst in spills:
             assert self.disk is not None
             try:
                 self.disk.write(dst, self.slots[src])
             except OSError as exc:
-                self._failed_move("spill", exc, disk_slot=dst)
+                self._failed_move(self._failed, "spill", exc, disk_slot=dst)
             else:
                 self._bad_disk_slots.discard(dst)
         if offloads:
@@ -112,10 +114,12 @@ class HostKVCache:
             # [S, 2, n, BS, Hkv, D] -> [n, S, 2, BS, Hkv, D]: one region per block
             data = kv_cache[:, :, blocks.to(device)].permute(2, 0, 1, 3, 4, 5)
             self.slots[slots] = data.to("cpu")  # blocking: the bytes are there on return
+        if stores:
+            self._store(kv_cache, stores)
         if not (onboards or loads):
             return
         if not fill_async:
-            self._fill(kv_cache, onboards, loads, None)
+            self._merge(self._fill(kv_cache, onboards, loads, None))
             return
         if device.type == "cuda":
             if self._stream is None:
@@ -127,28 +131,40 @@ class HostKVCache:
         self._fills = self._worker.submit(self._fill, kv_cache, onboards, loads, self._stream)
 
     def wait_fills(self) -> None:
-        """Return once every fill started is in the KV cache (re-raising its error)."""
+        """Return once every fill started is in the KV cache (re-raising its error), its
+        failures recorded for :meth:`take_failures`."""
         fills, self._fills = self._fills, None
         if fills is not None:
-            fills.result()
+            self._merge(fills.result())
 
     def take_failures(self) -> MoveFailures:
-        """The disk moves that failed since the last call, among those done: call it after
-        :meth:`move`, or :meth:`wait_fills` for the fills left running."""
+        """The disk moves that failed since the last call, among those done (the fills left
+        running are not: :meth:`wait_fills` first to have theirs)."""
         failed, self._failed = self._failed, MoveFailures([], [])
         return failed
 
+    def _merge(self, failed: MoveFailures) -> None:
+        """(Main thread only: a fill's worker returns its failures rather than record them.)"""
+        self._failed.device_blocks.extend(failed.device_blocks)
+        self._failed.disk_slots.extend(failed.disk_slots)
+
     def _failed_move(
-        self, kind: str, exc: OSError, *, disk_slot: int = -1, device_block: int = -1
+        self,
+        into: MoveFailures,
+        kind: str,
+        exc: OSError,
+        *,
+        disk_slot: int = -1,
+        device_block: int = -1,
     ) -> None:
         if not self.report_failures:
             raise exc
         log.error("kv_tier_move_failed", move=kind, disk_slot=disk_slot, error=str(exc))
-        if disk_slot >= 0 and kind == "spill":
+        if kind in ("spill", "store"):  # (main thread only: the fills never write these)
             self._bad_disk_slots.add(disk_slot)
-            self._failed.disk_slots.append(disk_slot)
+            into.disk_slots.append(disk_slot)
         if device_block >= 0:
-            self._failed.device_blocks.append(device_block)
+            into.device_blocks.append(device_block)
 
     @property
     def filling(self) -> bool:
@@ -172,22 +188,42 @@ class HostKVCache:
         onboards: Sequence[tuple[int, int]],
         loads: Sequence[tuple[int, int]],
         stream: torch.cuda.Stream | None,
-    ) -> None:
-        """The fills, on ``stream`` (CUDA; None: the current stream), done on return. One
-        copy per block, straight from its slot (pinned memory on CUDA: no staging on the
-        host, no gather that would start a thread team of its own beside the forward's)."""
+    ) -> MoveFailures:
+        """The fills, on ``stream`` (CUDA; None: the current stream), done on return; returns
+        the loads that failed. One copy per block, straight from its slot (pinned memory on
+        CUDA: no staging on the host, no gather that would start a thread team of its own
+        beside the forward's)."""
         device = kv_cache.device
+        failed = MoveFailures([], [])
         # (inference mode is per thread: the cache is an inference tensor)
         with torch.inference_mode(), torch.cuda.stream(stream) if stream else nullcontext():
             for block, slot in onboards:
                 kv_cache[:, :, block].copy_(self.slots[slot], non_blocking=True)
             if loads:
-                self._load(kv_cache, loads)
+                self._load(kv_cache, loads, failed)
             if device.type == "cuda":
                 (stream or torch.cuda.current_stream(device)).synchronize()
+        return failed
 
-    def _load(self, kv_cache: Tensor, loads: Sequence[tuple[int, int]]) -> None:
-        """Read each disk slot into a staging slot (pinned on CUDA), then into its block."""
+    def _store(self, kv_cache: Tensor, stores: Sequence[tuple[int, int]]) -> None:
+        """Write each device block to its disk slot (through host memory)."""
+        disk = self.disk
+        assert disk is not None
+        blocks = torch.tensor([b for b, _ in stores], dtype=torch.int64, device=kv_cache.device)
+        data = kv_cache[:, :, blocks].permute(2, 0, 1, 3, 4, 5).to("cpu").contiguous()
+        for i, (_, slot) in enumerate(stores):
+            try:
+                disk.write(slot, data[i])
+            except OSError as exc:
+                self._failed_move(self._failed, "store", exc, disk_slot=slot)
+            else:
+                self._bad_disk_slots.discard(slot)
+
+    def _load(
+        self, kv_cache: Tensor, loads: Sequence[tuple[int, int]], failed: MoveFailures
+    ) -> None:
+        """Read each disk slot into a staging slot (pinned on CUDA), then into its block;
+        a read that fails goes to ``failed``."""
         disk = self.disk
         assert disk is not None
         pin = kv_cache.device.type == "cuda"
@@ -198,7 +234,7 @@ class HostKVCache:
                     raise OSError(f"disk tier slot {slot}: its spill failed")
                 disk.read_into(slot, staging[i])
             except OSError as exc:
-                self._failed_move("load", exc, disk_slot=slot, device_block=block)
+                self._failed_move(failed, "load", exc, disk_slot=slot, device_block=block)
                 continue
             kv_cache[:, :, block].copy_(staging[i], non_blocking=True)
 

@@ -188,21 +188,29 @@ class ModelRunner:
         onboards: Sequence[tuple[int, int]],
         spills: Sequence[tuple[int, int]] = (),
         loads: Sequence[tuple[int, int]] = (),
+        stores: Sequence[tuple[int, int]] = (),
     ) -> None:
         """The tiers' moves of a Step, in order (see :mod:`.host_kv`), on every rank (each
         between its shard of the KV cache and its own tiers)."""
         if self.host is None:
             raise RuntimeError("the block manager ordered host-tier moves; this runner has none")
         if self.workers is not None:
-            counts = MoveBlocksHeader(len(offloads), len(onboards), len(spills), len(loads))
-            pairs = [*offloads, *onboards, *spills, *loads]
+            counts = MoveBlocksHeader(
+                len(offloads), len(onboards), len(spills), len(loads), len(stores)
+            )
+            pairs = [*offloads, *onboards, *spills, *loads, *stores]
             ids = torch.tensor(pairs, dtype=torch.int64, device=self.device).view(-1, 2)
             self.workers.send(Op.MOVE_BLOCKS, counts, (ids,))
         self.host.move(
-            self.kv_cache, offloads, onboards, spills, loads, fill_async=self.fills_async
+            self.kv_cache, offloads, onboards, spills, loads, stores, fill_async=self.fills_async
         )
         if self.workers is not None:
             self.workers.done()
+
+    @property
+    def filling(self) -> bool:
+        """Fills :meth:`move_blocks` left running are in flight."""
+        return self.host is not None and self.host.filling
 
     def wait_fills(self) -> None:
         """Return once the fills :meth:`move_blocks` left running are in the KV cache."""
@@ -222,11 +230,11 @@ class ModelRunner:
         channel.recv_payload((ids,))
         pairs = [(int(a), int(b)) for a, b in ids.tolist()]
         cuts = list(itertools.accumulate(header))
-        offloads, onboards, spills, loads = (
+        offloads, onboards, spills, loads, stores = (
             pairs[start:end] for start, end in zip([0, *cuts[:-1]], cuts, strict=True)
         )
         assert self.host is not None
-        self.host.move(self.kv_cache, offloads, onboards, spills, loads)
+        self.host.move(self.kv_cache, offloads, onboards, spills, loads, stores)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and the host tier's fills."""

@@ -93,13 +93,14 @@ class CopyBlocksHeader(NamedTuple):
 
 class MoveBlocksHeader(NamedTuple):
     """The fields of a ``MOVE_BLOCKS`` header: how many pairs of each kind of the tiers' moves
-    follow, in one ``[n, 2]`` tensor (offloads, onboards, spills, loads; see
+    follow, in one ``[n, 2]`` tensor (offloads, onboards, spills, loads, stores; see
     :mod:`.host_kv`). Every rank moves its own shard of the blocks between its own tiers."""
 
     num_offloads: int
     num_onboards: int
     num_spills: int
     num_loads: int
+    num_stores: int
 
 
 OpHeader = ForwardHeader | CopyBlocksHeader | MoveBlocksHeader | None

@@ -146,9 +146,10 @@ def _build_engine(
         )
     link = BlockManagerLink(client, pool, on_health=on_health)
     # A Step allocates at most a budget of prompt blocks and a block per running sequence in
-    # every group: evicted beyond the host tier's other slots, the excess is dropped.
+    # every group: evicted beyond the host tier's other slots, with no disk tier to store the
+    # excess in, it is dropped.
     per_step = (-(-config.max_num_batched_tokens // bs) + config.max_num_seqs) * len(groups)
-    if 0 < link.pool.host_blocks < per_step:
+    if 0 < link.pool.host_blocks < per_step and not link.pool.disk_blocks:
         log.warning(
             "host_tier_smaller_than_a_step",
             host_blocks=link.pool.host_blocks,

@@ -10,7 +10,7 @@ import pytest
 
 from services.blockmgr.client import BlockManagerClient
 from services.blockmgr.errors import ErrorCode
-from services.blockmgr.types import Admit, Commit, Free, KVEventKind, KVMedium, StepResult
+from services.blockmgr.types import Admit, Commit, Free, KVEventKind, KVMedium, OpStatus, StepResult
 from tests.blockmgr.conformance.ops import BS
 from tests.blockmgr.helpers import collect_events, hashes, raises_code
 
@@ -122,3 +122,21 @@ def test_the_tiers_eviction_policy_is_echoed_and_an_unknown_one_refused(client, 
     assert client.stats(pool_id).pool.tier_eviction_policy.value == "s3fifo"
     with raises_code(ErrorCode.INVALID_ARGUMENT, "eviction_policy"):
         client.register(pool_id, 8, BS, host_blocks=4, tier_eviction_policy="fifo")
+
+
+def test_offloads_beyond_the_host_tier_go_straight_to_disk(client, pool_id):
+    """A Step that evicts more device blocks than the host tier has slots: the offloads
+    whose slot a later one takes again are stores (device block -> disk slot), made before
+    any fill, so no evicted block is lost and the next turn hits its whole prompt."""
+    epoch = _register(client, pool_id, 6, 1, 16)  # 5 usable device blocks, 1 host slot
+    first = _cache(client, pool_id, epoch, 1, PROMPT)
+    cached = set(first.results[0].block_ids[:4])
+    other = _admit(client, pool_id, epoch, 2, list(range(1000, 1020)))  # takes all 5 blocks
+    assert other.results[0].status is OpStatus.OK
+    assert len(other.stores) == 3 and len(other.offloads) == 1
+    assert {m.src for m in other.stores} | {m.device_block for m in other.offloads} == cached
+    assert len({m.dst for m in other.stores}) == 3
+    client.step(pool_id, epoch, [Free((2,))])
+    again = _admit(client, pool_id, epoch, 3, [*PROMPT, 7])
+    assert again.results[0].num_cached_tokens == 16
+    assert len(again.loads) == 3 and client.stats(pool_id).disk_hits_tokens == 3 * BS
