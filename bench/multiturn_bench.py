@@ -2,6 +2,7 @@
 disk tier, and an "infinite" device cache, in one run.
 
     .venv/bin/python bench/multiturn_bench.py [--conversations 48] [--turns 6]
+        [--small-host 0.05] [--fills-beside]
 
 N conversations of T turns. Each turn sends the conversation's whole history plus a new user
 message of 100-300 tokens and asks for 50-150 tokens (greedy, ``ignore_eos``); every
@@ -14,7 +15,12 @@ fp32), its block manager in-process.
 - ``host tier``: the same device cache and a host tier ``--host-factor`` times its size;
 - ``host + disk``: the same device cache, a host tier of the device cache's size and a disk
   tier (a file in a temporary directory) making up the rest of ``--host-factor``;
-- ``infinite``: a device cache holding every history.
+- ``infinite``: a device cache holding every history;
+- with ``--small-host S``, ``small host + disk``: a host tier of ``S`` times the device cache
+  (smaller than what one Step evicts: the offloads its slots cannot take go straight to the
+  disk) over a disk tier making up the rest;
+- with ``--fills-beside``, each tier again with its fills beside the forward (the CUDA
+  default), the chunks that read them held back a step.
 
 Reported per configuration: the prompt-token hit ratio (and its host share), prompt tokens
 computed, TTFT p50 / p99 (from a turn's submission to its first token, in-process), output
@@ -49,7 +55,7 @@ from services.executor.model.launch import build_runner
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
 
-TIERED = ("host tier", "host + disk")
+TIERED = ("host tier", "host + disk", "small host + disk")
 
 
 def run(
@@ -118,6 +124,13 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--small-host",
+        type=float,
+        default=0.0,
+        help="also run a host tier of this share of the device cache (e.g. 0.05) over a disk "
+        "tier making up the rest: smaller than one Step's evictions, offloads go to disk",
+    )
+    p.add_argument(
         "--fills-beside",
         action="store_true",
         help="also run each tier with its fills beside the forward (on a worker thread, the "
@@ -166,6 +179,19 @@ def main() -> int:
             ),
             "infinite": ExecutorConfig(**common, num_kv_blocks=2 * working_set + 1),
         }
+        if args.small_host:
+            small = args.small_host * host_gib / args.host_factor
+            configs = {
+                **{k: v for k, v in configs.items() if k != "infinite"},
+                "small host + disk": ExecutorConfig(
+                    **common,
+                    num_kv_blocks=device + 1,
+                    kv_offloading_size=small,
+                    kv_offloading_disk_path=str(Path(tmp) / "disk-tier-small"),
+                    kv_offloading_disk_size=host_gib - small,
+                ),
+                "infinite": configs["infinite"],
+            }
         runs: list[tuple[str, ExecutorConfig, bool | None]] = [
             (name, cfg, None) for name, cfg in configs.items()
         ]

@@ -94,11 +94,14 @@ class HostTier:
     def offload(self, src: int, key: bytes) -> None:
         """``src`` (a device block; in the disk tier, a host slot: a spill), cached under
         ``key``, is about to be reused: keep a copy in this tier (nothing when the key is here
-        or in the tier below already, or every slot is pinned)."""
+        or in the tier below already); with no slot to take, it goes straight to the tier
+        below, if any (else nowhere)."""
         if self.touch(key) or (self.below is not None and self.below.touch(key)):
             return  # (the tiers are exclusive)
         slot = self._take_slot()
-        if slot is None:
+        if slot is None:  # every slot is read by a move of this Step, or swapped out
+            if self.below is not None:
+                self.below.store(src, key)  # (src: a device block)
             return
         self._keep(slot, key)
         self._written[slot] = len(self.offloads)
@@ -290,6 +293,7 @@ class HostTier:
                     self.below.offload(slot, key)  # a spill
                 else:  # its bytes are not here yet: from the device, straight down
                     self.below.store(self.offloads[written].device_block, key)
+                    self.num_offloaded -= 1  # (counted below instead)
         self.num_evicted += 1
         self._written.pop(slot, None)  # written earlier in this Step: that offload is void
         return slot

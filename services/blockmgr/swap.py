@@ -201,14 +201,17 @@ def check_swapped(m: KVBlockManager, sequences: Sequence[RestoredSequence]) -> N
         held = [slot for slot in seq.host_slots if slot != NO_SLOT]
         if len(set(held)) != len(held):
             raise invalid(f"{where}.host_slots holds a slot twice")
+        leading = True  # (within the group's run so far, every entry was released)
         for j, slot in enumerate(seq.host_slots):
-            g = j // per_group
+            g, i = divmod(j, per_group)
+            leading = leading or i == 0
             if slot == NO_SLOT:
                 # Only a sliding group's leading entries are released.
-                leading = all(s == NO_SLOT for s in seq.host_slots[g * per_group : j])
                 if not (m.windows[g] and leading):
                     raise invalid(f"{where}.host_slots[{j}]: no entry there is released")
-            elif not 0 <= slot < host.num_slots:
+                continue
+            leading = False
+            if not 0 <= slot < host.num_slots:
                 raise invalid(f"{where}.host_slots[{j}] = {slot} is out of range")
         check_hashes(seq.block_hashes, f"{where}.block_hashes")
 

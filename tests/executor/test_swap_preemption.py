@@ -31,6 +31,7 @@ from services.executor.service.startup import build_engine
 
 from .conftest import CheckpointFactory
 from .fake_runner import VOCAB, FakePagedRunner, reference_tokens
+from .greedy import hf_greedy
 from .windowed import (
     Workload,
     assert_pool_empty,
@@ -61,7 +62,7 @@ def _engine(
         block_size=BS,
         num_kv_blocks=kw.pop("num_kv_blocks", 33),  # 32 blocks: about 3 sequences at their end
         max_model_len=128,
-        max_num_batched_tokens=64,
+        max_num_batched_tokens=kw.pop("max_num_batched_tokens", 64),
         kv_offloading_size=16 * 2**20 / 2**30,
         preemption_mode=mode,
         **kw,
@@ -119,21 +120,57 @@ def test_async_scheduling_with_swap_preemption_matches_transformers(
     assert_pool_empty(engine)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_hybrid_model_swaps_with_transformers_tokens(
-    tiny_checkpoint, hf_model, async_scheduling
+@pytest.mark.parametrize(
+    ("name", "num_kv_blocks", "budget", "async_scheduling"),
+    [
+        ("gemma3", 29, 64, False),
+        ("gemma3", 29, 64, True),
+        ("gemma3", 25, 24, False),  # prompts in chunks past the window
+    ],
+)
+def test_sliding_and_hybrid_models_swap_with_transformers_tokens(
+    tiny_checkpoint, hf_model, name, num_kv_blocks, budget, async_scheduling
 ) -> None:
-    """Gemma 3 (sliding groups around a full one): a sequence's entries released out of
-    the window stay released through its swap, the others come back from their slots.
-    (A sliding-only model is not preempted in such a cache: its tables stop growing.)"""
-    work = windowed_workload(hf_model("gemma3"), seed=3, num_requests=8, bos=2, max_tokens=(24, 48))
+    """Gemma 3 (sliding groups around a full one), and Mistral's window: a sequence's
+    entries released out of the window stay released through its swap, the others come back
+    from their slots. A sequence whose grow would release blocks and that must preempt
+    itself goes out with its tables as the pool holds them (no answer rejected)."""
+    work = windowed_workload(hf_model(name), seed=3, num_requests=8, bos=2, max_tokens=(24, 48))
     engine = _engine(
-        tiny_checkpoint, name="gemma3", num_kv_blocks=29, async_scheduling=async_scheduling
+        tiny_checkpoint,
+        name=name,
+        num_kv_blocks=num_kv_blocks,
+        max_num_batched_tokens=budget,
+        async_scheduling=async_scheduling,
     )
     got = _run(engine, work)
     for i, (_, _, expected) in enumerate(work):
         assert got[f"r{i}"] == expected, f"r{i}"
-    assert engine.scheduler.config.num_kv_groups == 2 and engine.scheduler.num_swapped_out > 0
+    assert engine.scheduler.num_swapped_out > 0 and engine.num_bad_answers == 0
+    assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize(("name", "num_kv_blocks"), [("mistral_window", 8), ("gemma3", 25)])
+def test_a_sequence_that_slides_and_preempts_itself_is_swapped_out_whole(
+    tiny_checkpoint, hf_model, name: str, num_kv_blocks: int
+) -> None:
+    """Prompts in chunks past the window in a small cache: a sequence whose grow would
+    release blocks out of the window, and that must preempt itself for room, is swapped out
+    with its tables as the pool still holds them (the release goes with the grow it never
+    got). No answer is rejected, and the tokens are transformers'."""
+    hf, rng = hf_model(name), random.Random(0)
+    work = []
+    for _ in range(8):
+        prompt = [2] + [rng.randrange(3, 600) for _ in range(rng.randrange(20, 60))]
+        n = rng.randrange(24, 48)
+        work.append((prompt, n, hf_greedy(hf, prompt, n)[0]))
+    engine = _engine(
+        tiny_checkpoint, name=name, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=24
+    )
+    got = _run(engine, work)
+    for i, (_, _, expected) in enumerate(work):
+        assert got[f"r{i}"] == expected, f"r{i}"
+    assert engine.scheduler.num_swapped_out > 0 and engine.num_bad_answers == 0
     assert_pool_empty(engine)
 
 

@@ -96,14 +96,8 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
 
     @property
     def has_work(self) -> bool:
-        return bool(
-            self.waiting
-            or self.running
-            or self.swapped
-            or self._to_free
-            or self._commits
-            or self._uncache
-        )
+        pending = self._to_free or self._commits or self._uncache
+        return bool(self.waiting or self.running or self.swapped or pending)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence for admission."""
@@ -162,15 +156,23 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
 
         def schedule(seq: Sequence, k: int) -> bool:
             nonlocal free, preempted
-            free += self._slide(seq, seq.num_computed_tokens + seq.num_ahead_slots)
+            # What its grow releases out of the window counts now, mirrored once granted:
+            # preempted, it goes (or is swapped) out with its tables as the pool holds them.
+            first = self._first_live_after(seq, seq.num_computed_tokens + seq.num_ahead_slots)
+            releasing = self._releasable(seq, first) if window else 0
+            free += releasing
             need = self._blocks_needed(seq, k)
             while need > free:
                 victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
+                if victim is seq:
+                    free -= releasing
                 free += self._preempt_for_room(victim, plan)
                 preempted = True
                 if victim is seq:
                     return False
                 need = self._blocks_needed(seq, k)
+            if window:
+                self._release_to(seq, first)
             free -= need
             cows = self._cow_groups(seq, k)
             if cows:  # mirror the pool: the writer drops its share of the block

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from services.blockmgr.types import NO_SLOT, OpStatus, RestoredSequence, StepResult
-from services.common.blocks import NULL_BLOCK, blocks_to_grow
+from services.common.blocks import NULL_BLOCK, blocks_to_grow, first_live_block
 from services.executor.core.plan import BadAnswer, SchedulePlan, split_tables
 from services.executor.core.sequence import SeqStatus, Sequence
 
@@ -120,19 +120,48 @@ class Swapping:
             if others >= cfg.max_num_seqs:
                 return
             # Its blocks, and those of its next prompt chunk if it was prefilling (else that
-            # chunk would preempt it again at once), in every group.
+            # chunk would preempt it again at once), in every group, less what that chunk's
+            # grow releases out of a sliding window.
             held = sum(1 for slot in seq.host_slots if slot != NO_SLOT)
             groups = cfg.num_kv_groups
             length = len(seq.host_slots) // groups
             left = len(seq.token_ids) - seq.num_computed_tokens
             k = min(left, cfg.max_num_batched_tokens) if left > 1 else 0
             grow = blocks_to_grow(seq.num_computed_tokens, k, length, cfg.block_size)
-            need = held + grow * groups
+            need = held + max(0, grow * groups - self._pending_release(seq, length))
             reserve = cfg.watermark_blocks + others if others else 0
             if need + reserve > free:
+                if not (self.running or plan.swap_ins or plan.grows):
+                    self._recompute_swapped(seq, plan)  # nothing else would ever make room
                 return
             plan.swap_ins.append(seq)
             free -= need
+
+    def _pending_release(self, seq: Sequence, length: int) -> int:
+        """The blocks of swapped-out ``seq`` (tables of ``length``) that its next grow
+        releases out of the window (every sliding group the same)."""
+        cfg = self.config
+        slides = cfg.group_slides
+        if not any(slides):
+            return 0
+        g = slides.index(True)
+        run = seq.host_slots[g * length : (g + 1) * length]
+        released = next((i for i, slot in enumerate(run) if slot != NO_SLOT), length)
+        first = first_live_block(seq.num_computed_tokens, cfg.sliding_window, cfg.block_size)
+        return max(0, first - released) * sum(slides)
+
+    def _recompute_swapped(self, seq: Sequence, plan: SchedulePlan) -> None:
+        """``seq`` cannot come back (its blocks do not fit the pool even alone): it is freed
+        with ``plan``'s Step and recomputed instead, never left waiting forever."""
+        log.warning("swapped_sequence_recomputed", seq_id=seq.seq_id, req_id=seq.req_id)
+        plan.free_seq_ids.append(seq.seq_id)
+        plan.released.append(self.pool_view(seq))
+        self.swapped.remove(seq)
+        self.swap_slots_used -= seq.num_swap_slots
+        seq.host_slots, seq.num_swap_slots = (), 0
+        seq.num_computed_tokens = seq.num_committed_blocks = seq.first_live_block = 0
+        seq.status = SeqStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_sort_key)
 
     def _check_swaps(self, plan: SchedulePlan, result: StepResult) -> None:
         """Raise :class:`BadAnswer` unless every swap-out went through with one slot per

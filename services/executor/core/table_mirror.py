@@ -51,6 +51,20 @@ class TableMirror:
             return 0
         return self._release_to(seq, self._first_live_after(seq, held))
 
+    def _releasable(self, seq: Sequence, first: int) -> int:
+        """How many blocks :meth:`_release_to` ``first`` would free (nothing changes)."""
+        start, refs = seq.first_live_block, self.refs
+        if first <= start:
+            return 0
+        slides = self.config.group_slides
+        return sum(
+            1
+            for table, slid in zip(seq.tables, slides, strict=True)
+            if slid
+            for b in table[start:first]
+            if b != NULL_BLOCK and refs[b] == 1
+        )
+
     def _release_to(self, seq: Sequence, first: int) -> int:
         """Null ``seq``'s table entries before ``first`` and drop our references to them;
         returns how many blocks that frees."""
