@@ -2,7 +2,7 @@
 disk tier, and an "infinite" device cache, in one run.
 
     .venv/bin/python bench/multiturn_bench.py [--conversations 48] [--turns 6]
-        [--small-host 0.05] [--fills-beside]
+        [--small-host 0.05] [--fills-beside] [--alternate 3]
 
 N conversations of T turns. Each turn sends the conversation's whole history plus a new user
 message of 100-300 tokens and asks for 50-150 tokens (greedy, ``ignore_eos``); every
@@ -136,6 +136,13 @@ def main() -> int:
         help="also run each tier with its fills beside the forward (on a worker thread, the "
         "chunks that read them held back a step: the CUDA default) rather than in line",
     )
+    p.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        help="instead: run no tier and the host tier alternately this many times (the output "
+        "tok/s ratio measured pair by pair, as the machine's speed drifts)",
+    )
     args = p.parse_args()
     rng = random.Random(args.seed)
     bs = args.block_size
@@ -198,6 +205,8 @@ def main() -> int:
         if args.fills_beside:
             tiers = [(f"{n}, fills beside", c, True) for n, c, _ in runs if n in TIERED]
             runs[-1:-1] = tiers
+        if args.alternate:
+            return _alternate(configs["no tier"], configs["host tier"], plan, args)
         results = {name: run(cfg, plan, args.seed, fills) for name, cfg, fills in runs}
     print(
         f"# Multi-turn: {args.conversations} conversations x {args.turns} turns, working set "
@@ -229,6 +238,19 @@ def main() -> int:
         )
     same = all(r["outputs"] == reference for r in results.values())
     return 0 if same else 1
+
+
+def _alternate(
+    none: ExecutorConfig, host: ExecutorConfig, plan: list[list[tuple[int, int]]], args: Any
+) -> int:
+    print("| pair | no tier tok/s | host tier tok/s | ratio |\n|---:|---:|---:|---:|")
+    for i in range(args.alternate):
+        a, b = run(none, plan, args.seed), run(host, plan, args.seed)
+        ratio = b["tok_s"] / a["tok_s"]
+        print(f"| {i + 1} | {a['tok_s']:,.0f} | {b['tok_s']:,.0f} | {ratio:.2f}x |", flush=True)
+        if a["outputs"] != b["outputs"]:
+            return 1
+    return 0
 
 
 if __name__ == "__main__":

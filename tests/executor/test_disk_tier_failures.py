@@ -7,7 +7,6 @@ answers stay transformers'. The failures are injected into the store's reads and
 from __future__ import annotations
 
 import errno
-import json
 import random
 
 import pytest
@@ -15,13 +14,11 @@ import torch
 
 from services.common.sampling_params import SamplingParams
 from services.executor.core.sequence import RequestKey
-from services.executor.model.config import ModelConfig
 from services.executor.model.disk_kv import DiskKVStore
 from services.executor.model.host_kv import HostKVCache, MoveFailures
-from services.executor.model.kv_cache import bytes_per_block
 
 from .greedy import hf_greedy
-from .test_host_tier import _assert_pool_empty, _config, _engine
+from .test_host_tier import _assert_pool_empty, _block_bytes, _config, _engine
 
 
 def _converse_many(engine, hf) -> None:
@@ -63,9 +60,7 @@ def _failing(method, every: int):
 def test_failed_loads_and_spills_are_recomputed_with_transformers_tokens(
     tiny_checkpoint, hf_model, tmp_path, async_scheduling, fills_async
 ) -> None:
-    model = tiny_checkpoint("llama")
-    mc = ModelConfig.from_hf_config(json.loads((model / "config.json").read_text()))
-    per_block = bytes_per_block(mc, 8, torch.float32)
+    per_block = _block_bytes(tiny_checkpoint)
     config = _config(
         tiny_checkpoint,
         async_scheduling=async_scheduling,
@@ -140,9 +135,7 @@ def test_a_failed_load_freed_before_it_is_reported_is_never_offloaded_as_its_his
     failures taken before the next plan): the unfilled blocks are forgotten before they are
     freed, never offloaded under the history's hashes, and the history's next turn is
     transformers'."""
-    model = tiny_checkpoint("llama")
-    mc = ModelConfig.from_hf_config(json.loads((model / "config.json").read_text()))
-    per_block = bytes_per_block(mc, 8, torch.float32)
+    per_block = _block_bytes(tiny_checkpoint)
     config = _config(
         tiny_checkpoint,
         num_kv_blocks=13,

@@ -57,9 +57,7 @@ def test_a_sequence_waits_for_its_fill_while_the_rest_of_the_batch_runs(
     returning conversation's history, that conversation is held back and the one decoding
     beside it still gets its token; both answers are transformers'. The fills are waited
     for before the next step, whose batch runs the held-back chunk."""
-    model = tiny_checkpoint("llama")
-    mc = ModelConfig.from_hf_config(json.loads((model / "config.json").read_text()))
-    per_block = bytes_per_block(mc, 8, torch.float32)
+    per_block = _block_bytes(tiny_checkpoint)
     config = _config(
         tiny_checkpoint,
         num_kv_blocks=24,
@@ -125,10 +123,8 @@ def test_host_blocks_spill_to_a_disk_tier_and_load_back_with_transformers_tokens
     """A host tier of 6 blocks over a disk tier, both ARC: a conversation's history, evicted
     from the device and then from the host, comes back from the disk on its next turn; at
     2 ranks, each moves its shard of the blocks between its own tiers."""
-    model = tiny_checkpoint("llama")
-    mc = ModelConfig.from_hf_config(json.loads((model / "config.json").read_text()))
     # A rank holds its share of every block: these sizes are per rank.
-    per_block = bytes_per_block(mc, 8, torch.float32) / tensor_parallel_size
+    per_block = _block_bytes(tiny_checkpoint) / tensor_parallel_size
     config = _config(
         tiny_checkpoint,
         kv_offloading_size=6 * per_block / 2**30,
@@ -148,6 +144,13 @@ def test_host_blocks_spill_to_a_disk_tier_and_load_back_with_transformers_tokens
     assert stats.num_spilled_blocks > 0 and stats.num_loaded_blocks > 0
     assert stats.disk_hits_tokens > 0
     assert not list((tmp_path / "tier").iterdir())  # mapped, then unlinked: never left behind
+
+
+def _block_bytes(tiny_checkpoint, name: str = "llama") -> float:
+    """The bytes of one KV block (of 8 tokens, fp32) of the tiny ``name`` model."""
+    model = tiny_checkpoint(name)
+    mc = ModelConfig.from_hf_config(json.loads((model / "config.json").read_text()))
+    return bytes_per_block(mc, 8, torch.float32)
 
 
 def _assert_pool_empty(engine) -> None:
@@ -277,9 +280,7 @@ def test_cuda_fills_on_their_stream_give_the_tokens_of_fills_in_line(
     """On CUDA the fills run on the host tier's copy stream by default (pinned host slots,
     a disk tier below), the sequences that read the filled blocks held back a step: the
     answers are those of the same engine with its fills in line."""
-    model = tiny_checkpoint("llama")
-    mc = ModelConfig.from_hf_config(json.loads((model / "config.json").read_text()))
-    per_block = bytes_per_block(mc, 8, torch.float32)
+    per_block = _block_bytes(tiny_checkpoint)
     answers = []
     for fills_async in (True, False):
         config = _config(
