@@ -43,6 +43,7 @@ from services.executor.core.outputs import SeqOutput
 from services.executor.core.sequence import RequestKey
 from services.executor.model.cuda_graphs import EagerGraphBackend
 from services.executor.model.forward_batch import PreparedForward, SeqChunk
+from services.executor.model.host_kv import MoveFailures
 from services.executor.model.launch import build_runner
 from services.executor.model.runner import ModelRunner
 from services.executor.service.config import ExecutorConfig
@@ -149,6 +150,9 @@ class TimedRunner:
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         self.inner.copy_blocks(pairs)
+
+    def take_failed_moves(self) -> MoveFailures | None:  # (the engine asks: it wrapped inner)
+        return self.inner.take_failed_moves()
 
 
 def copy_bandwidth(device: torch.device) -> float:
