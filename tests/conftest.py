@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 
 os.environ.setdefault("PAGEDSERVE_VERIFY_BLOCK_TABLES", "1")
 
@@ -24,6 +25,25 @@ import torch
 # Tiny models on a 2-core machine: intra-op threads only contend (measured: one engine run
 # took 8.9 s with 2 threads under load vs 0.13 s with 1).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _no_environment_leak() -> Iterator[None]:
+    """A test that changes ``os.environ`` without restoring it fails: the processes later tests
+    start inherit the environment (a leaked ``PAGEDSERVE_FORCE_TRITON`` once sent every later
+    stack through the Triton interpreter). Set variables with ``monkeypatch.setenv``."""
+    before = dict(os.environ)
+    yield
+    after = dict(os.environ)
+    changed = sorted(
+        k
+        for k in before.keys() | after.keys()
+        if before.get(k) != after.get(k) and k != "PYTEST_CURRENT_TEST"  # pytest's own
+    )
+    if changed:
+        os.environ.clear()
+        os.environ.update(before)
+        pytest.fail(f"the test left environment variables changed: {changed}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

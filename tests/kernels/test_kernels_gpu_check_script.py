@@ -8,6 +8,7 @@ checked as CI sees it.
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,10 @@ def test_gpu_check_exits_nonzero_when_a_check_fails(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(script, "check_correctness", failing_checks)
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--cpu-dry-run", "--no-bench"])
+    # The dry run sets these for its process; monkeypatch restores them after this test, so
+    # that every service started later in the suite runs its default path, not the kernels.
+    for variable in ("TRITON_INTERPRET", "PAGEDSERVE_FORCE_TRITON"):
+        monkeypatch.setenv(variable, os.environ.get(variable, "1"))
     assert script.main() == 1
 
 
