@@ -26,6 +26,16 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
+# (label, ExecutorLoad field) of pagedserve_kv_tier_blocks_moved
+_TIER_MOVES = (
+    ("offload", "num_offloaded_blocks"),
+    ("onboard", "num_onboarded_blocks"),
+    ("spill", "num_spilled_blocks"),
+    ("load", "num_loaded_blocks"),
+    ("store", "num_stored_blocks"),
+)
+
+
 class _ExecutorCollector(Collector):
     def __init__(self, loads: Callable[[], list[executor_pb2.ExecutorLoad]]) -> None:
         self._loads = loads
@@ -69,6 +79,21 @@ class _ExecutorCollector(Collector):
             "Steps whose block-manager round trip overlapped the previous forward "
             "(--async-scheduling)",
             value=sum(x.num_steps_ahead for x in loads),
+        )
+        moved = CounterMetricFamily(
+            "pagedserve_kv_tier_blocks_moved",
+            "KV blocks moved between the device and the host and disk tiers, by move: offload "
+            "(device to host), onboard (host to device), spill (host to disk), load (disk to "
+            "device), store (device to disk)",
+            labels=["move"],
+        )
+        for move, field in _TIER_MOVES:
+            moved.add_metric([move], sum(getattr(x, field) for x in loads))
+        yield moved
+        yield CounterMetricFamily(
+            "pagedserve_kv_tier_failed_moves",
+            "KV tier moves that failed (I/O errors): those blocks were uncached, nothing lost",
+            value=sum(x.num_failed_moves for x in loads),
         )
 
 

@@ -48,6 +48,7 @@ def test_a_conversation_evicted_to_the_host_tier_comes_back_on_its_next_turn(
     assert stats.pool.host_blocks > 0 and stats.num_offloaded_blocks > 0
     assert stats.num_onboarded_blocks > 0 and stats.host_hits_tokens > 0
     assert (engine.scheduler.num_chunks_held_back > 0) == fills_async
+    _assert_moves_counted_as_ordered(engine, stats)
 
 
 def test_a_sequence_waits_for_its_fill_while_the_rest_of_the_batch_runs(
@@ -144,6 +145,7 @@ def test_host_blocks_spill_to_a_disk_tier_and_load_back_with_transformers_tokens
     assert stats.num_spilled_blocks > 0 and stats.num_loaded_blocks > 0
     assert stats.disk_hits_tokens > 0
     assert not list((tmp_path / "tier").iterdir())  # mapped, then unlinked: never left behind
+    _assert_moves_counted_as_ordered(engine, stats)
 
 
 def _block_bytes(tiny_checkpoint, name: str = "llama") -> float:
@@ -151,6 +153,17 @@ def _block_bytes(tiny_checkpoint, name: str = "llama") -> float:
     model = tiny_checkpoint(name)
     mc = ModelConfig.from_hf_config(json.loads((model / "config.json").read_text()))
     return bytes_per_block(mc, 8, torch.float32)
+
+
+def _assert_moves_counted_as_ordered(engine, stats) -> None:
+    """The engine's move counters (the executor's load report, the gateway's
+    ``pagedserve_kv_tier_blocks_moved_total``) are the block manager's own counts."""
+    moved = engine.num_blocks_moved
+    assert moved["offload"] == stats.num_offloaded_blocks > 0
+    assert moved["onboard"] == stats.num_onboarded_blocks > 0
+    assert moved["spill"] + moved["store"] == stats.num_spilled_blocks
+    assert moved["load"] == stats.num_loaded_blocks
+    assert engine.num_failed_moves == 0
 
 
 def _assert_pool_empty(engine) -> None:

@@ -463,6 +463,8 @@ def test_metrics_endpoint_exposes_latency_histograms_and_counters(stack):
         "pagedserve_num_preemptions_total",
         "pagedserve_prompt_tokens_total",
         "pagedserve_generation_tokens_total",
+        'pagedserve_kv_tier_blocks_moved_total{move="offload"}',
+        "pagedserve_kv_tier_failed_moves_total",
     ):
         assert name in body, name
     gen = next(

@@ -37,6 +37,7 @@ from services.executor.core.outputs import (
     TokenLogprob,
     Usage,
 )
+from services.executor.core.plan import MOVE_KINDS
 from services.executor.core.prompt_logprobs import take_prompt_logprobs
 from services.executor.core.runner import PreparingRunner, Runner, seq_chunks
 from services.executor.core.sampler import Sampler, SeededGenerators, sampling_rows
@@ -88,6 +89,7 @@ class Engine(AheadEngine, BeamSearchEngine):
         self._fills_async: bool = getattr(runner, "fills_async", False)
         self._disk_moves = hasattr(runner, "take_failed_moves")  # moves that may fail
         self.num_failed_moves = 0
+        self.num_blocks_moved = dict.fromkeys(MOVE_KINDS, 0)  # the tiers' moves, by kind
         scheduler_config = replace(settings.scheduler, defer_filled_chunks=self._fills_async)
         self.scheduler = Scheduler(scheduler_config, link.counters())
         self._batch_ahead: ScheduledBatch | None = None  # the next step's, already granted
@@ -267,7 +269,7 @@ class Engine(AheadEngine, BeamSearchEngine):
         if self._fills_async:  # the last Step's fills: this batch may read their blocks
             self.runner.wait_fills()  # type: ignore[attr-defined]
         if batch.has_moves:  # offloads read blocks a copy or the forward may overwrite
-            self.runner.move_blocks(*batch.moves)
+            self._move_blocks(batch)
         gone = self._take_failed_moves()
         if gone and any(c.seq.seq_id in gone for c in batch.chunks):  # (host batch rebuilt)
             chunks = [c for c in batch.chunks if c.seq.seq_id not in gone]
@@ -335,6 +337,12 @@ class Engine(AheadEngine, BeamSearchEngine):
                 seq.num_bad_answers += 1
                 if seq.num_bad_answers >= MAX_BAD_ANSWERS:
                     self._pending.append(self._retire(seq, FinishReason.ERROR))
+
+    def _move_blocks(self, batch: ScheduledBatch) -> None:
+        """Make ``batch``'s tier moves, and count them."""
+        self.runner.move_blocks(*batch.moves)
+        for kind, moves in zip(MOVE_KINDS, batch.moves, strict=True):
+            self.num_blocks_moved[kind] += len(moves)
 
     def _take_failed_moves(self, *, wait: bool = False) -> set[int]:
         """Take the disk moves that failed so far (``wait``: the fills in flight first):

@@ -61,6 +61,7 @@ class AheadEngine:
         _fills_async: bool
 
         def _take_failed_moves(self, *, wait: bool = False) -> set[int]: ...
+        def _move_blocks(self, batch: ScheduledBatch) -> None: ...
 
     def _take_batch_ahead(self) -> tuple[ScheduledBatch | None, PreparedBatch | None]:
         """The batch granted during the previous step, less the sequences that finished since
@@ -75,7 +76,7 @@ class AheadEngine:
         chunks = [c for c in batch.chunks if c.seq.status is running]
         if not chunks:
             if batch.has_moves:  # the pool's host tier counts on them, batch or not
-                self.runner.move_blocks(*batch.moves)
+                self._move_blocks(batch)
             return None, None
         self.num_steps_ahead += 1
         if prepared is not None:

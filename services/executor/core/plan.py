@@ -176,6 +176,8 @@ class ScheduledBatch:
 
 
 Moves = tuple[tuple[int, int], ...]
+# The kinds of :attr:`ScheduledBatch.moves`, in its order.
+MOVE_KINDS = ("offload", "onboard", "spill", "load", "store")
 
 
 def step_moves(result: StepResult) -> tuple[Moves, Moves, Moves, Moves, Moves]:

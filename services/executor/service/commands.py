@@ -31,6 +31,12 @@ class Load:
     num_running_tokens: int = 0
     num_waiting_tokens: int = 0
     num_steps_ahead: int = 0
+    num_offloaded_blocks: int = 0
+    num_onboarded_blocks: int = 0
+    num_spilled_blocks: int = 0
+    num_loaded_blocks: int = 0
+    num_stored_blocks: int = 0
+    num_failed_moves: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -225,4 +225,10 @@ class EngineLoop:
             num_running_tokens=sum(seq.num_tokens for seq in s.running),
             num_waiting_tokens=sum(seq.num_tokens for seq in s.waiting),
             num_steps_ahead=e.num_steps_ahead,
+            num_offloaded_blocks=e.num_blocks_moved["offload"],
+            num_onboarded_blocks=e.num_blocks_moved["onboard"],
+            num_spilled_blocks=e.num_blocks_moved["spill"],
+            num_loaded_blocks=e.num_blocks_moved["load"],
+            num_stored_blocks=e.num_blocks_moved["store"],
+            num_failed_moves=e.num_failed_moves,
         )
