@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 MAX_REQUEST_ID_LEN = 256
 MAX_LOGPROBS = 20  # top-k alternatives returned with each chosen token
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_KV_RETENTION_PRIORITY = 3  # the highest retention priority a request may give its prefix
 MAX_N = 256  # parallel samples one executor accepts per request (a gateway may cap lower)
 MAX_STOP_STRINGS = 16

@@ -19,6 +19,7 @@ from google.protobuf.message import Message
 
 from services.common.limits import (
     MAX_KV_RETENTION_PRIORITY,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
     FieldError,
@@ -56,9 +57,12 @@ class SamplingParams:
     early_stopping: str = "false"  # "false" (transformers' heuristic), "true" or "never"
     # A hint to keep the prefix cached longer: the block manager's retention priority 0..3.
     kv_retention_priority: int = 0
+    # (token id, bias) pairs, by token id: the bias is added to that token's logit before
+    # sampling (OpenAI's logit_bias); log-probabilities are returned without it.
+    logit_bias: tuple[tuple[int, float], ...] = field(default=(), metadata={"map": True})
     # Derived: no penalty reads the token history, no token is ever banned (min_tokens is
-    # 0) and no grammar constrains it, so a row of these params needs nothing but the
-    # params themselves.
+    # 0) or biased, and no grammar constrains it, so a row of these params needs nothing but
+    # the params themselves.
     stateless: bool = field(init=False, repr=False, compare=False)
     # Derived: stateless, unseeded and one sample: a row needs nothing but the params and
     # never forks (the sampler's and the engine's fast path).
@@ -66,7 +70,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         stateless = (
-            not self.has_penalties and self.min_tokens == 0 and self.structured_outputs is None
+            not self.has_penalties
+            and self.min_tokens == 0
+            and self.structured_outputs is None
+            and not self.logit_bias
         )
         object.__setattr__(self, "stateless", stateless)
         plain = stateless and self.seed is None and self.n == 1 and not self.use_beam_search
@@ -131,8 +138,24 @@ class SamplingParams:
                 "kv_retention_priority",
                 f"must be in [0, {MAX_KV_RETENTION_PRIORITY}], got {self.kv_retention_priority}",
             )
+        self._check_logit_bias(vocab_size)
         if self.use_beam_search:
             self._check_beam_search()
+
+    def _check_logit_bias(self, vocab_size: int) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise FieldError(
+                "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
+            )
+        if len({token for token, _ in self.logit_bias}) < len(self.logit_bias):
+            raise FieldError("logit_bias", "names a token twice")
+        for token, bias in self.logit_bias:
+            if not 0 <= token < vocab_size:
+                raise FieldError(
+                    f"logit_bias[{token}]", f"token id is outside the vocabulary [0, {vocab_size})"
+                )
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise FieldError(f"logit_bias[{token}]", f"must be in [-100, 100], got {bias}")
 
     def _check_beam_search(self) -> None:
         conflicts = {
@@ -141,6 +164,7 @@ class SamplingParams:
             "repetition_penalty": self.repetition_penalty != 1.0,
             "presence_penalty": bool(self.presence_penalty),
             "frequency_penalty": bool(self.frequency_penalty),
+            "logit_bias": bool(self.logit_bias),
         }
         for name, conflict in conflicts.items():
             if conflict:
@@ -160,7 +184,8 @@ def params_from_message(msg: Message, **defaults: Any) -> SamplingParams:
     the same name for each of :data:`PARAM_FIELDS`. A field with presence (proto3
     ``optional``, or a message) that is unset takes ``defaults[name]`` if given, else the
     dataclass's default; a repeated field becomes a tuple; a message field, the type its
-    dataclass field names in ``metadata["message"]`` (``from_message``)."""
+    dataclass field names in ``metadata["message"]`` (``from_message``); a map
+    field (``metadata["map"]``), its (key, value) pairs sorted by key."""
     values = dict(defaults)
     by_name = msg.DESCRIPTOR.fields_by_name
     for f in PARAM_FIELDS:
@@ -168,6 +193,8 @@ def params_from_message(msg: Message, **defaults: Any) -> SamplingParams:
         if "message" in f.metadata:
             if msg.HasField(f.name):
                 values[f.name] = f.metadata["message"].from_message(getattr(msg, f.name))
+        elif "map" in f.metadata:
+            values[f.name] = tuple(sorted(getattr(msg, f.name).items()))
         elif _is_repeated(desc):
             values[f.name] = tuple(getattr(msg, f.name))
         elif not desc.has_presence or msg.HasField(f.name):
@@ -184,6 +211,10 @@ def params_to_message(params: SamplingParams, msg: Message) -> Message:
             msg.ClearField(f.name)
         elif "message" in f.metadata:
             value.to_message(getattr(msg, f.name))
+        elif "map" in f.metadata:
+            entries = getattr(msg, f.name)
+            entries.clear()
+            entries.update(value)
         elif isinstance(value, tuple):
             getattr(msg, f.name)[:] = value
         else:

@@ -2,8 +2,8 @@
 
 Only shapes live here: every range rule is the gRPC front's (``validation``,
 ``services.common``), applied by the shared core to the translated request. Fields OpenAI
-defines that this server cannot honour (``tool_choice: auto``, logit_bias, suffix, echo with
-stream) are refused by name rather than silently ignored; unknown fields are ignored, as vLLM does.
+defines that this server cannot honour (``tool_choice: auto``, suffix, echo with stream) are
+refused by name rather than silently ignored; unknown fields are ignored, as vLLM does.
 vLLM's extra sampling fields are accepted, ``structured_outputs`` among them, as is
 OpenAI's ``response_format`` (JSON schema or JSON object).
 """
@@ -73,8 +73,6 @@ class _Sampling(BaseModel):
     kv_retention_priority: int | None = None  # ours: keep this prefix cached longer (0..3)
 
     def _refuse_unsupported(self) -> None:
-        if self.logit_bias:
-            raise FieldError("logit_bias", "is not supported")
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "is only allowed with stream=true")
 
@@ -109,6 +107,11 @@ class _Sampling(BaseModel):
             _set_repeated(sp.stop_token_ids, "stop_token_ids", self.stop_token_ids)
         if logprobs is not None:
             _set(sp, "logprobs", logprobs)
+        for key, bias in (self.logit_bias or {}).items():
+            token = int(key) if key.strip().isdigit() else -1
+            if not 0 <= token < 2**32:
+                raise FieldError(f"logit_bias[{key}]", "keys must be token ids in the vocabulary")
+            sp.logit_bias[token] = bias
         if self.early_stopping is not None:
             es = self.early_stopping
             sp.early_stopping = str(es).lower() if isinstance(es, bool) else es

@@ -60,6 +60,9 @@ params_strategy = st.builds(
     frequency_penalty=floats,
     logprobs=st.none() | st.integers(0, 20),
     prompt_logprobs=st.none() | st.integers(0, 20),
+    logit_bias=st.dictionaries(st.integers(0, 2**32 - 1), floats, max_size=4).map(
+        lambda bias: tuple(sorted(bias.items()))
+    ),
     structured_outputs=st.none()
     | st.builds(
         StructuredOutputs,

@@ -269,6 +269,14 @@ BAD = [
         G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(max_tokens=2, min_tokens=3)),
     ),
     (
+        "sampling_params.logit_bias[1000000]",
+        G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(logit_bias={10**6: 1.0})),
+    ),
+    (
+        "sampling_params.logit_bias[7]",
+        G.GenerateRequest(prompt="x", sampling_params=G.SamplingParams(logit_bias={7: -101.0})),
+    ),
+    (
         "messages.messages[0].role",
         G.GenerateRequest(
             messages=G.ChatMessages(messages=[G.ChatMessage(role="wizard", content="hi")])

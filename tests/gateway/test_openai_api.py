@@ -74,6 +74,51 @@ def test_greedy_completion_text_equals_the_grpc_api(client, model, stack) -> Non
     assert out.usage.total_tokens == out.usage.prompt_tokens + 12
 
 
+def test_logit_bias_reaches_the_sampler_as_through_the_grpc_api(client, model, stack) -> None:
+    """OpenAI's logit_bias (token ids as strings): +100 on one token makes it every output
+    token; a mixed bias gives the gRPC API's tokens for the same bias."""
+    forced = [
+        t
+        for r in stack.stub().Generate(
+            G.GenerateRequest(
+                prompt=PROMPT,
+                sampling_params=G.SamplingParams(
+                    max_tokens=6, temperature=0, ignore_eos=True, logit_bias={300: 100.0}
+                ),
+            ),
+            timeout=60,
+        )
+        for t in r.token_ids
+    ]
+    assert forced == [300] * 6
+    bias = {300: 4.0, 301: -2.5, 302: 6.0}
+    out = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        logit_bias={str(t): b for t, b in bias.items()},
+        extra_body={"ignore_eos": True},
+    )
+    expected = grpc_greedy_text(
+        stack,
+        G.GenerateRequest(
+            prompt=PROMPT,
+            sampling_params=G.SamplingParams(
+                max_tokens=12, temperature=0, ignore_eos=True, logit_bias=bias
+            ),
+        ),
+    )
+    unbiased = grpc_greedy_text(
+        stack,
+        G.GenerateRequest(
+            prompt=PROMPT,
+            sampling_params=G.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        ),
+    )
+    assert out.choices[0].text == expected != unbiased
+
+
 def _greedy_grpc(stack: Stack, prompt: str | list[int], n: int = 1) -> str:
     request = G.GenerateRequest(
         sampling_params=G.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, n=n)
@@ -436,7 +481,9 @@ def test_chat_logprobs_with_top_alternatives(client, model) -> None:
         ({"top_p": 0.0}, "top_p"),
         ({"max_tokens": 100_000}, "max_tokens"),
         ({"n": -1}, "n"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 101.0}}, "logit_bias[5]"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias[x]"),
+        ({"logit_bias": {"99999999": 1.0}}, "logit_bias[99999999]"),
         ({"extra_body": {"min_p": 2.0}}, "min_p"),
     ],
 )

@@ -190,6 +190,12 @@ class Sampler:
         raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
 
         logits = self._apply_penalties(raw, params, states) if states else raw
+        biased = [(i, t, b) for i in states for t, b in params[i].logit_bias]
+        if biased:
+            if logits is raw:
+                logits = raw.clone()
+            rows, ids, bias = zip(*biased, strict=True)
+            logits[list(rows), list(ids)] += torch.tensor(bias, device=dev)
         banned = [(i, t) for i, st in states.items() for t in st.banned_token_ids]
         if banned:
             if logits is raw:
