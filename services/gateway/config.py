@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from services.common.auth import InternalSecurity
 from services.gateway.routing import DEFAULT_LOAD_WEIGHT, RoutingPolicy
+from services.gateway.tool_parsers import PARSERS
 
 PROMPT_BYTES_PER_TOKEN = 32  # more UTF-8 bytes per token than any real text needs
 
@@ -37,6 +38,10 @@ class GatewayConfig:
     http_port: int | None = 8000  # the OpenAI-compatible HTTP API; None: off, 0: a free port
     enable_reflection: bool = True
     served_model_name: str | None = None
+    # Chat tool_choice "auto" (OpenAI's default with tools): the model's calls read by the
+    # parser for its family (vLLM's --enable-auto-tool-choice, --tool-call-parser).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     security: InternalSecurity = field(default_factory=InternalSecurity)
     log_level: str = "INFO"
 
@@ -162,6 +167,19 @@ class GatewayConfig:
         )
         a("--no-reflection", dest="enable_reflection", action="store_false")
         a("--served-model-name", default=None)
+        a(
+            "--enable-auto-tool-choice",
+            action="store_true",
+            help='chat tool_choice "auto" (the default with tools): the model decides between '
+            "text and tool calls, read from its output by --tool-call-parser",
+        )
+        a(
+            "--tool-call-parser",
+            default=None,
+            choices=sorted(PARSERS),
+            help="the tool-call format of the model's family: hermes (Qwen2.5, Qwen3, Hermes), "
+            "llama3_json (Llama 3.1+)",
+        )
         a("--log-level", default=cls.log_level)
         InternalSecurity.add_args(p)
         return p
@@ -214,6 +232,10 @@ class GatewayConfig:
             raise ValueError("--drain-timeout-s must be >= 0")
         if self.tokenizer_workers < 1:
             raise ValueError("--tokenizer-workers must be >= 1")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(sorted(PARSERS))}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.api_key is not None and not self.api_key:

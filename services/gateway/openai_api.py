@@ -49,6 +49,7 @@ from services.gateway.openai_protocol import (
     DetokenizeBody,
     TokenizeBody,
 )
+from services.gateway.tool_parsers import ToolCallParser
 from services.gateway.validation import DEFAULT_MAX_TOKENS
 
 log = structlog.get_logger(__name__)
@@ -79,7 +80,15 @@ class _ApiKeyAuth:
         await self.app(scope, receive, send)
 
 
-def build_app(core: GenerationCore, *, api_key: str | None, registry: Any) -> FastAPI:
+def build_app(
+    core: GenerationCore,
+    *,
+    api_key: str | None,
+    registry: Any,
+    auto_tools: ToolCallParser | None = None,
+) -> FastAPI:
+    """The OpenAI-compatible app over ``core``; ``auto_tools``: the tool-call parser that
+    ``tool_choice: "auto"`` needs (None: auto is refused)."""
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
     if api_key:
@@ -169,10 +178,11 @@ def build_app(core: GenerationCore, *, api_key: str | None, registry: Any) -> Fa
     async def chat(body: ChatCompletionRequest) -> Response:
         check_model(body.model)
         with _as_http():
-            gen = body.to_generate()
-            calls = body.tool_calls()
+            gen = body.to_generate(auto_tools)
+            calls = body.tool_calls(auto_tools)
         fmt = Formatter(core, "chat", body.include_usage, body.logprobs, body.continuous_usage)
         fmt.tool_calls = calls
+        fmt.auto_tools = auto_tools if body.auto_tool_choice() else None
         return _respond(core, [gen], None, body.stream, fmt)
 
     return app

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from pagedserve.v1 import common_pb2, generation_pb2
 from services.gateway.generation import FINISH_NAMES, ErrorKind, GenerationCore, GenerationError
 from services.gateway.openai_protocol import ToolCalls
+from services.gateway.tool_parsers import ToolCallParser
 
 _HTTP_STATUS = {
     ErrorKind.INVALID_ARGUMENT: 400,
@@ -111,6 +112,11 @@ class Formatter:
         # Chat with tools: each reply is tool calls (its text is held until it is complete).
         self.tool_calls: ToolCalls | None = None
         self._held_text: dict[int, list[str]] = {}
+        # Chat with tool_choice auto: the calls the model chose are read by this parser; the
+        # text goes out as it comes until a call may begin (per choice: text so far, sent).
+        self.auto_tools: ToolCallParser | None = None
+        self._reply_text: dict[int, str] = {}
+        self._sent: dict[int, int] = {}
 
     def set_prompt(self, ids: list[int], prompt: int = 0) -> None:
         self.prompt_ids[prompt] = list(ids)
@@ -160,15 +166,19 @@ class Formatter:
 
     def _reply(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         """A chat choice's message and finish reason: its text, or, with tools, the calls
-        it makes (OpenAI's finish reason: ``tool_calls`` for ``required``, ``stop`` for a
-        named function); an output cut short stays text."""
+        it makes (OpenAI's finish reason: ``tool_calls`` for ``required`` and ``auto``,
+        ``stop`` for a named function) and, with ``auto``, the text before them; an output
+        cut short stays text."""
+        content: str | None = None
         calls = self.tool_calls.parse(text) if self.tool_calls and finish == "stop" else None
+        if self.auto_tools is not None and finish == "stop":
+            parsed = self.auto_tools.parse(text)
+            content, calls = parsed.content, parsed.calls or None
         if calls is None:
             return {"role": "assistant", "content": text}, finish
-        assert self.tool_calls is not None
         message = {
             "role": "assistant",
-            "content": None,
+            "content": content,
             "tool_calls": [
                 {
                     "id": f"call_{uuid.uuid4().hex[:24]}",
@@ -178,7 +188,8 @@ class Formatter:
                 for name, arguments in calls
             ],
         }
-        return message, "tool_calls" if self.tool_calls.name is None else "stop"
+        named = self.tool_calls is not None and self.tool_calls.name is not None
+        return message, "stop" if named else "tool_calls"
 
     def _echo(
         self,
@@ -261,7 +272,13 @@ class Formatter:
             choice = {"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": finish}
             return [self._chunk([choice], usage)]
         out = [self._role_chunk(r.index, tokens_before)] if self._start(r, started) else []
-        if self.tool_calls is not None:  # the calls go out whole, once complete
+        if self.auto_tools is not None:
+            delta_ = self._auto_delta(r.index, r.text, finish)
+            if delta_ is not None:
+                choice = {"index": r.index, "delta": delta_[0], "logprobs": lp}
+                out.append(self._chunk([{**choice, "finish_reason": None}], usage))
+                finish = delta_[1]
+        elif self.tool_calls is not None:  # the calls go out whole, once complete
             self._held_text.setdefault(r.index, []).append(r.text)
             if not final:
                 return out
@@ -293,6 +310,28 @@ class Formatter:
                 )
             )
         return out
+
+    def _auto_delta(
+        self, index: int, text: str, finish: str | None
+    ) -> tuple[dict[str, Any], str | None] | None:
+        """With ``tool_choice`` auto, the delta for a choice's new ``text`` (None: nothing to
+        send yet) and its finish reason: text up to where a call may begin goes out at once;
+        the rest is held, and once the reply is finished sent as the calls it parses into,
+        or as text if it does not."""
+        assert self.auto_tools is not None
+        so_far = self._reply_text[index] = self._reply_text.get(index, "") + text
+        sent = self._sent.get(index, 0)
+        if finish is None:
+            end = max(self.auto_tools.content_end(so_far), sent)
+            self._sent[index] = end
+            return ({"content": so_far[sent:end]}, None) if end > sent else None
+        del self._reply_text[index]
+        self._sent.pop(index, None)
+        message, finish = self._reply(so_far, finish)
+        if "tool_calls" not in message:
+            return ({"content": so_far[sent:]}, finish) if len(so_far) > sent else None
+        calls = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+        return {"tool_calls": calls}, finish
 
     def _start(self, r: generation_pb2.GenerateResponse, started: set[int]) -> bool:
         """Whether ``r`` is the first of a chat choice (which opens with the role)."""

@@ -2,10 +2,10 @@
 
 Only shapes live here: every range rule is the gRPC front's (``validation``,
 ``services.common``), applied by the shared core to the translated request. Fields OpenAI
-defines that this server cannot honour (``tool_choice: auto``, suffix, echo with stream) are
-refused by name rather than silently ignored; unknown fields are ignored, as vLLM does.
-vLLM's extra sampling fields are accepted, ``structured_outputs`` among them, as is
-OpenAI's ``response_format`` (JSON schema or JSON object).
+defines that this server cannot honour (``tool_choice: auto`` without a tool-call parser,
+suffix, echo with stream) are refused by name rather than silently ignored; unknown fields
+are ignored, as vLLM does. vLLM's extra sampling fields are accepted, ``structured_outputs``
+among them, as is OpenAI's ``response_format`` (JSON schema or JSON object).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.v1 import common_pb2, generation_pb2
 from services.common.limits import FieldError
+from services.gateway.tool_parsers import ToolCallParser
 
 #: Prompts in one ``/v1/completions`` request (each is admitted as its own request).
 MAX_PROMPTS_PER_REQUEST = 1024
@@ -275,10 +276,15 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     parallel_tool_calls: bool = True  # false: at most one call
 
-    def tool_calls(self) -> ToolCalls | None:
+    def auto_tool_choice(self) -> bool:
+        """Whether the model chooses between text and calls (``tool_choice`` ``auto``, OpenAI's
+        default with tools)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    def tool_calls(self, auto: ToolCallParser | None = None) -> ToolCalls | None:
         """The tool calls the reply must be (``tool_choice`` ``required`` or a named
-        function), or None (no tools, or ``none``). ``auto`` is refused: it needs a model
-        family's tool-call parser."""
+        function), or None (no tools, ``none``, or ``auto``). ``auto`` needs the gateway's
+        tool-call parser (``auto``), which reads the calls the model chose to make."""
         if not self.tools or self.tool_choice == "none":
             return None
         names: list[str] = []
@@ -293,6 +299,15 @@ class ChatCompletionRequest(_Sampling):
             names.append(fn["name"])
             params.append(schema)
         choice = self.tool_choice
+        if self.auto_tool_choice():
+            if auto is None:
+                raise FieldError(
+                    "tool_choice",
+                    '"auto" (the default with tools) needs the server started with '
+                    "--enable-auto-tool-choice and a --tool-call-parser for the model; give "
+                    '"required", "none" or a named function',
+                )
+            return None
         if choice == "required":
             return ToolCalls(None, _calls_schema(names, params, self.parallel_tool_calls))
         if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
@@ -300,15 +315,12 @@ class ChatCompletionRequest(_Sampling):
             if name not in names:
                 raise FieldError("tool_choice.function.name", f"no tool is named {name!r}")
             return ToolCalls(name, params[names.index(name)])
-        raise FieldError(
-            "tool_choice",
-            "must be required, none or a named function (auto needs a tool-call parser "
-            "for the model, which this server does not have)",
-        )
+        raise FieldError("tool_choice", "must be auto, required, none or a named function")
 
-    def to_generate(self) -> generation_pb2.GenerateRequest:
+    def to_generate(self, auto: ToolCallParser | None = None) -> generation_pb2.GenerateRequest:
+        """The request; ``auto``: the gateway's tool-call parser, if it has one."""
         self._refuse_unsupported()
-        calls = self.tool_calls()
+        calls = self.tool_calls(auto)
         if calls is not None:
             if self.response_format or self.structured_outputs:
                 raise FieldError("tool_choice", "cannot be combined with structured outputs")
@@ -321,7 +333,7 @@ class ChatCompletionRequest(_Sampling):
         for i, m in enumerate(self.messages):
             req.messages.messages.add(role=m.role, content=_text(m.content, i))
         req.messages.add_generation_prompt = self.add_generation_prompt
-        if calls is not None:  # the template shows the model its tools
+        if calls is not None or self.auto_tool_choice():  # the template shows the model its tools
             req.messages.tools.extend(json.dumps(t) for t in self.tools or ())
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         req.sampling_params.CopyFrom(self._sampling(logprobs))

@@ -30,6 +30,7 @@ from services.gateway.openai_api import build_app
 from services.gateway.prefix_index import PrefixIndex
 from services.gateway.routing import Router, RoutingPolicy
 from services.gateway.servicer import GenerationServicer
+from services.gateway.tool_parsers import tool_call_parser
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -88,7 +89,13 @@ class GatewayServer:
         self._health_task: asyncio.Task[None] | None = None
         self.http: HttpServer | None = None
         if config.http_port is not None:
-            app = build_app(self.core, api_key=config.api_key, registry=self.metrics.registry)
+            parser = config.tool_call_parser if config.enable_auto_tool_choice else None
+            app = build_app(
+                self.core,
+                api_key=config.api_key,
+                registry=self.metrics.registry,
+                auto_tools=tool_call_parser(parser) if parser else None,
+            )
             self.http = HttpServer(
                 app, config.host, config.http_port, drain_timeout_s=config.drain_timeout_s
             )

@@ -1,0 +1,143 @@
+"""Tool-call parsers: a chat reply's tool calls, in the format a model family was trained to
+write them, for ``tool_choice: "auto"`` (the gateway's ``--tool-call-parser``, vLLM's names).
+
+With ``auto`` the model decides between text and calls, so nothing constrains its output; the
+parser reads the calls out of the finished text, and while it streams says how much of it is
+surely text (:meth:`ToolCallParser.content_end`) so that text goes out as it comes and the
+calls, once complete, whole. Output that looks like a call but does not parse stays text, as
+vLLM returns it.
+
+- ``hermes`` (Qwen2.5, Qwen3, QwQ, Hermes): ``<tool_call>{"name": ..., "arguments": {...}}
+  </tool_call>`` blocks, text before them the reply's content.
+- ``llama3_json`` (Llama 3.1+): the reply is one JSON call ``{"name": ..., "parameters":
+  {...}}`` (or several, separated by ``;``), optionally after ``<|python_tag|>``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class ParsedReply:
+    """A finished reply: its text outside the calls (None when there is none) and each call's
+    (function name, arguments as a JSON object's text)."""
+
+    content: str | None
+    calls: list[tuple[str, str]]
+
+
+class ToolCallParser(Protocol):
+    name: str
+
+    def parse(self, text: str) -> ParsedReply:
+        """The calls in a finished reply; no call (``text`` as content) if they do not
+        parse."""
+        ...
+
+    def content_end(self, text: str) -> int:
+        """How much of ``text`` (a reply so far) is surely content: text from here on may be,
+        or start, a call, and is held until the reply is finished."""
+        ...
+
+
+def _call(obj: Any, args_key: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one decoded call object, or None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get(args_key, obj.get("arguments", {}))
+    if isinstance(args, str):  # some templates put the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker`` (0 if none)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+class HermesParser:
+    name = "hermes"
+    start, end = "<tool_call>", "</tool_call>"
+    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> ParsedReply:
+        first = text.find(self.start)
+        if first < 0:
+            return ParsedReply(text, [])
+        calls = []
+        for body in self._block.findall(text, first):
+            try:
+                call = _call(json.loads(body), "arguments")
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                return ParsedReply(text, [])
+            calls.append(call)
+        content = text[:first].strip()
+        return ParsedReply(content or None, calls)
+
+    def content_end(self, text: str) -> int:
+        first = text.find(self.start)
+        if first >= 0:
+            return first
+        return len(text) - _partial_suffix(text, self.start)
+
+
+class Llama3JsonParser:
+    name = "llama3_json"
+    tag = "<|python_tag|>"
+
+    def parse(self, text: str) -> ParsedReply:
+        body = text.strip()
+        if body.startswith(self.tag):
+            body = body[len(self.tag) :].lstrip()
+        if not body.startswith("{"):
+            return ParsedReply(text, [])
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while at < len(body):
+            try:
+                obj, at = decoder.raw_decode(body, at)
+            except json.JSONDecodeError:
+                return ParsedReply(text, [])
+            call = _call(obj, "parameters")
+            if call is None:
+                return ParsedReply(text, [])
+            calls.append(call)
+            rest = body[at:].lstrip()
+            if rest.startswith(";"):
+                rest = rest[1:].lstrip()
+            elif rest:
+                return ParsedReply(text, [])
+            at = len(body) - len(rest)
+        return ParsedReply(None, calls)
+
+    def content_end(self, text: str) -> int:
+        body = text.lstrip()
+        if not body:
+            return 0  # leading blanks: the reply may still open with a call
+        if body.startswith(("{", self.tag)) or self.tag.startswith(body):
+            return 0
+        return len(text)
+
+
+PARSERS: dict[str, type[HermesParser] | type[Llama3JsonParser]] = {
+    HermesParser.name: HermesParser,
+    Llama3JsonParser.name: Llama3JsonParser,
+}
+
+
+def tool_call_parser(name: str) -> ToolCallParser:
+    """The parser named ``name`` (one of :data:`PARSERS`)."""
+    return PARSERS[name]()
