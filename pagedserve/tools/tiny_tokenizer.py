@@ -7,9 +7,9 @@ post-processor like Llama's tokenizer), ``</s>`` (EOS), ``<pad>``, and the chat 
 used by :data:`CHAT_TEMPLATE`.
 
 Each family's checkpoint carries a copy of its real chat template (:data:`FAMILY_TEMPLATES`,
-reduced to string contents: no tool calls, images or reasoning switches), so the gateway's
-chat path renders the conversation format of the model it serves; their markers are plain
-text to this tokenizer.
+reduced to string contents: no images or reasoning switches, tool calls in Qwen's alone), so
+the gateway's chat path renders the conversation format of the model it serves; their markers
+are plain text to this tokenizer.
 """
 
 from __future__ import annotations
@@ -63,10 +63,43 @@ _GEMMA_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )
-# Qwen2/Qwen3 (ChatML).
+# Qwen2/Qwen3 (ChatML), with Qwen3's tools: their signatures in the system turn, an assistant
+# turn's calls as <tool_call> blocks, tool results as <tool_response> blocks in a user turn.
 _CHATML_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and "
+    'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": '
+    '<function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n\' }}'
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\n' + message.content }}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if loop.first and message.content %}{{- '\n' }}{%- elif not loop.first %}"
+    "{{- '\n' }}{%- endif %}"
+    '{{- \'<tool_call>\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
+    "{{- tool_call.arguments | tojson if tool_call.arguments is not string "
+    "else tool_call.arguments }}"
+    "{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )

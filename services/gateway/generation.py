@@ -16,14 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
-import jinja2
 import structlog
 from transformers import PreTrainedTokenizerBase
 
@@ -36,6 +34,7 @@ from services.common.limits import (
     field_of,
 )
 from services.gateway.admission import Admission
+from services.gateway.chat_template import chat_ids
 from services.gateway.config import PROMPT_BYTES_PER_TOKEN, GatewayConfig
 from services.gateway.executor_client import (
     ExecutorConnection,
@@ -426,25 +425,7 @@ class GenerationCore:
 
     def _chat_ids(self, messages: generation_pb2.ChatMessages, field: str) -> list[int]:
         check_messages(messages, field)
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise FieldError(field, "the model has no chat template")
-        add_prompt = (
-            messages.add_generation_prompt if messages.HasField("add_generation_prompt") else True
-        )
-        try:
-            tools = [json.loads(t) for t in messages.tools] or None
-            text = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in messages.messages],
-                tools=tools,
-                add_generation_prompt=add_prompt,
-                tokenize=False,
-            )
-        except json.JSONDecodeError as e:
-            raise FieldError(f"{field}.tools", f"is not JSON: {e}") from None
-        except jinja2.TemplateError as e:  # the model's template refuses this conversation
-            raise FieldError(field, f"the chat template refused the messages: {e}") from None
-        # The template writes its own special tokens (BOS): tokenize without adding more.
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return chat_ids(self.tokenizer, messages, field)
 
     # ---- the rest of the API ------------------------------------------------------------------
 

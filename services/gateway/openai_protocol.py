@@ -264,6 +264,23 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None
+
+    def add_to(self, messages: Any, index: int) -> None:
+        """Append this message to a ``ChatMessages.messages`` (repeated ChatMessage)."""
+        m = messages.add(role=self.role, content=_text(self.content, index))
+        m.tool_call_id = self.tool_call_id or ""
+        m.name = self.name or ""
+        for j, call in enumerate(self.tool_calls or ()):
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise FieldError(f"messages[{index}].tool_calls[{j}].function", "must have a name")
+            arguments = fn.get("arguments", "{}")
+            if not isinstance(arguments, str):  # (OpenAI sends a string; some clients do not)
+                arguments = json.dumps(arguments)
+            m.tool_calls.add(id=str(call.get("id", "")), name=fn["name"], arguments=arguments)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -331,7 +348,7 @@ class ChatCompletionRequest(_Sampling):
             self.max_tokens = self.max_completion_tokens
         req = self._request()
         for i, m in enumerate(self.messages):
-            req.messages.messages.add(role=m.role, content=_text(m.content, i))
+            m.add_to(req.messages.messages, i)
         req.messages.add_generation_prompt = self.add_generation_prompt
         if calls is not None or self.auto_tool_choice():  # the template shows the model its tools
             req.messages.tools.extend(json.dumps(t) for t in self.tools or ())
@@ -408,7 +425,7 @@ class TokenizeBody(BaseModel):
         else:
             assert self.messages is not None
             for i, m in enumerate(self.messages):
-                req.messages.messages.add(role=m.role, content=_text(m.content, i))
+                m.add_to(req.messages.messages, i)
             req.messages.add_generation_prompt = self.add_generation_prompt
         return req
 

@@ -38,7 +38,10 @@ def check_prompt_bytes(field: str, content: str | generation_pb2.ChatMessages, l
     if isinstance(content, str):
         size = len(content.encode())
     else:
-        size = sum(len(m.content.encode()) for m in content.messages)
+        size = sum(
+            len(m.content.encode()) + sum(len(c.arguments.encode()) for c in m.tool_calls)
+            for m in content.messages
+        ) + sum(len(t.encode()) for t in content.tools)
     if size > limit:
         raise FieldError(field, f"{size} bytes exceed --max-prompt-bytes={limit}")
 
@@ -75,6 +78,10 @@ def check_messages(messages: generation_pb2.ChatMessages, field: str) -> None:
             raise FieldError(
                 f"{field}.messages[{i}].role",
                 f"unknown role {m.role!r}; use one of {sorted(CHAT_ROLES)}",
+            )
+        if m.tool_calls and m.role != "assistant":
+            raise FieldError(
+                f"{field}.messages[{i}].tool_calls", "only an assistant turn calls tools"
             )
 
 
