@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from services.common.auth import InternalSecurity
+from services.gateway.reasoning_parsers import PARSERS as REASONING_PARSERS
 from services.gateway.routing import DEFAULT_LOAD_WEIGHT, RoutingPolicy
 from services.gateway.tool_parsers import PARSERS
 
@@ -42,6 +43,8 @@ class GatewayConfig:
     # parser for its family (vLLM's --enable-auto-tool-choice, --tool-call-parser).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # A thinking model's reasoning apart from its answer (chat's reasoning_content).
+    reasoning_parser: str | None = None
     security: InternalSecurity = field(default_factory=InternalSecurity)
     log_level: str = "INFO"
 
@@ -180,6 +183,14 @@ class GatewayConfig:
             help="the tool-call format of the model's family: hermes (Qwen2.5, Qwen3, Hermes), "
             "llama3_json (Llama 3.1+)",
         )
+        a(
+            "--reasoning-parser",
+            default=None,
+            choices=sorted(REASONING_PARSERS),
+            help="a thinking model's format: chat replies carry its reasoning apart, as "
+            "reasoning_content: qwen3 (<think> written by the model), deepseek_r1 (opened by "
+            "the template)",
+        )
         a("--log-level", default=cls.log_level)
         InternalSecurity.add_args(p)
         return p
@@ -236,6 +247,10 @@ class GatewayConfig:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(sorted(PARSERS))}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"--reasoning-parser must be one of {', '.join(sorted(REASONING_PARSERS))}"
+            )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.api_key is not None and not self.api_key:

@@ -49,6 +49,7 @@ from services.gateway.openai_protocol import (
     DetokenizeBody,
     TokenizeBody,
 )
+from services.gateway.reasoning_parsers import ReasoningParser
 from services.gateway.tool_parsers import ToolCallParser
 from services.gateway.validation import DEFAULT_MAX_TOKENS
 
@@ -86,9 +87,11 @@ def build_app(
     api_key: str | None,
     registry: Any,
     auto_tools: ToolCallParser | None = None,
+    reasoning: ReasoningParser | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``core``; ``auto_tools``: the tool-call parser that
-    ``tool_choice: "auto"`` needs (None: auto is refused)."""
+    ``tool_choice: "auto"`` needs (None: auto is refused); ``reasoning``: the parser that
+    puts a chat reply's reasoning apart (None: all of it is content)."""
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
     if api_key:
@@ -183,6 +186,9 @@ def build_app(
         fmt = Formatter(core, "chat", body.include_usage, body.logprobs, body.continuous_usage)
         fmt.tool_calls = calls
         fmt.auto_tools = auto_tools if body.auto_tool_choice() else None
+        # (A constrained output is all answer: the grammar leaves no room to think.)
+        if not gen.sampling_params.HasField("structured_outputs"):
+            fmt.reasoning = reasoning
         return _respond(core, [gen], None, body.stream, fmt)
 
     return app

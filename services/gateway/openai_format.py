@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from pagedserve.v1 import common_pb2, generation_pb2
 from services.gateway.generation import FINISH_NAMES, ErrorKind, GenerationCore, GenerationError
 from services.gateway.openai_protocol import ToolCalls
+from services.gateway.reasoning_parsers import ReasoningParser
 from services.gateway.tool_parsers import ToolCallParser
 
 _HTTP_STATUS = {
@@ -117,6 +118,10 @@ class Formatter:
         self.auto_tools: ToolCallParser | None = None
         self._reply_text: dict[int, str] = {}
         self._sent: dict[int, int] = {}
+        # Chat with a reasoning parser: each reply's reasoning apart from its answer (per
+        # choice: the reply so far, and the reasoning and answer characters sent).
+        self.reasoning: ReasoningParser | None = None
+        self._thinking: dict[int, tuple[str, int, int]] = {}
 
     def set_prompt(self, ids: list[int], prompt: int = 0) -> None:
         self.prompt_ids[prompt] = list(ids)
@@ -165,7 +170,16 @@ class Formatter:
         }
 
     def _reply(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
-        """A chat choice's message and finish reason: its text, or, with tools, the calls
+        """A chat choice's message and finish reason: with a reasoning parser, the reasoning
+        apart (``reasoning_content``); then the answer (:meth:`_answer`)."""
+        if self.reasoning is None:
+            return self._answer(text, finish)
+        thought, text = self.reasoning.split(text, finished=True)
+        message, finish = self._answer(text, finish)
+        return {**message, "reasoning_content": thought or None}, finish
+
+    def _answer(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A chat answer's message and finish reason: its text, or, with tools, the calls
         it makes (OpenAI's finish reason: ``tool_calls`` for ``required`` and ``auto``,
         ``stop`` for a named function) and, with ``auto``, the text before them; an output
         cut short stays text."""
@@ -272,17 +286,24 @@ class Formatter:
             choice = {"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": finish}
             return [self._chunk([choice], usage)]
         out = [self._role_chunk(r.index, tokens_before)] if self._start(r, started) else []
+        text = r.text
+        if self.reasoning is not None:
+            thought, text = self._reasoning_delta(r.index, text, final)
+            if thought:  # (the logprobs go with the first delta of this response)
+                choice = {"index": r.index, "delta": {"reasoning_content": thought}}
+                out.append(self._chunk([{**choice, "logprobs": lp, "finish_reason": None}], usage))
+                lp, has_logprobs = None, False
         if self.auto_tools is not None:
-            delta_ = self._auto_delta(r.index, r.text, finish)
+            delta_ = self._auto_delta(r.index, text, finish)
             if delta_ is not None:
                 choice = {"index": r.index, "delta": delta_[0], "logprobs": lp}
                 out.append(self._chunk([{**choice, "finish_reason": None}], usage))
                 finish = delta_[1]
         elif self.tool_calls is not None:  # the calls go out whole, once complete
-            self._held_text.setdefault(r.index, []).append(r.text)
+            self._held_text.setdefault(r.index, []).append(text)
             if not final:
                 return out
-            message, finish = self._reply("".join(self._held_text.pop(r.index)), finish)
+            message, finish = self._answer("".join(self._held_text.pop(r.index)), finish)
             if message["content"] is None:
                 calls = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
                 delta: dict[str, Any] = {"tool_calls": calls}
@@ -294,8 +315,8 @@ class Formatter:
                     usage,
                 )
             )
-        elif r.text or has_logprobs:
-            delta = {"content": r.text}
+        elif text or has_logprobs:
+            delta = {"content": text}
             out.append(
                 self._chunk(
                     [{"index": r.index, "delta": delta, "logprobs": lp, "finish_reason": None}],
@@ -327,11 +348,23 @@ class Formatter:
             return ({"content": so_far[sent:end]}, None) if end > sent else None
         del self._reply_text[index]
         self._sent.pop(index, None)
-        message, finish = self._reply(so_far, finish)
+        message, finish = self._answer(so_far, finish)
         if "tool_calls" not in message:
             return ({"content": so_far[sent:]}, finish) if len(so_far) > sent else None
         calls = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
         return {"tool_calls": calls}, finish
+
+    def _reasoning_delta(self, index: int, text: str, final: bool) -> tuple[str, str]:
+        """A choice's new reasoning and new answer text, once ``text`` is added to it."""
+        assert self.reasoning is not None
+        so_far, thought_sent, answer_sent = self._thinking.get(index, ("", 0, 0))
+        so_far += text
+        thought, answer = self.reasoning.split(so_far, finished=final)
+        if final:
+            self._thinking.pop(index, None)
+        else:
+            self._thinking[index] = (so_far, len(thought), len(answer))
+        return thought[thought_sent:], answer[answer_sent:]
 
     def _start(self, r: generation_pb2.GenerateResponse, started: set[int]) -> bool:
         """Whether ``r`` is the first of a chat choice (which opens with the role)."""

@@ -28,6 +28,7 @@ from services.gateway.kv_events import KVEventFollower
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_api import build_app
 from services.gateway.prefix_index import PrefixIndex
+from services.gateway.reasoning_parsers import PARSERS as REASONING_PARSERS
 from services.gateway.routing import Router, RoutingPolicy
 from services.gateway.servicer import GenerationServicer
 from services.gateway.tool_parsers import tool_call_parser
@@ -95,6 +96,7 @@ class GatewayServer:
                 api_key=config.api_key,
                 registry=self.metrics.registry,
                 auto_tools=tool_call_parser(parser) if parser else None,
+                reasoning=REASONING_PARSERS.get(config.reasoning_parser or ""),
             )
             self.http = HttpServer(
                 app, config.host, config.http_port, drain_timeout_s=config.drain_timeout_s

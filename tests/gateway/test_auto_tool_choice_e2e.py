@@ -1,7 +1,7 @@
 """``tool_choice: "auto"`` through a real gateway started with ``--enable-auto-tool-choice
---tool-call-parser hermes``, in front of the session's executor: the calls the model writes
-come back as ``tool_calls`` with the text before them as content, streamed or not; a reply
-without a call is plain text, the same streamed or not.
+--tool-call-parser hermes --reasoning-parser qwen3``, in front of the session's executor: the
+calls the model writes come back as ``tool_calls`` with the text before them as content,
+streamed or not; a reply without a call or a thought is plain text, the same streamed or not.
 
 A random-weight model writes no tool call of its own accord, so the call is made to happen by
 constraining its output to a Hermes call (vLLM's ``structured_outputs`` regex, which ``auto``
@@ -31,7 +31,12 @@ def client(stack: Stack) -> Iterator[openai.OpenAI]:
         stack.model_dir, stack.executor.address, "--http-port", "0", "--metrics-port", "-1"
     )
     gateway = ServiceProcess(
-        [*args, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "gateway_listening"
+        [
+            *args,
+            *("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
+            *("--reasoning-parser", "qwen3"),
+        ],
+        "gateway_listening",
     )
     try:
         port = int(gateway.wait_for_event("http_listening")["http_port"])
@@ -73,6 +78,7 @@ def test_a_reply_without_a_call_is_text_the_same_streamed_or_not(client) -> None
     kw = {"temperature": 0, "max_tokens": 40}  # the tool choice is auto by default
     (choice,) = _ask(client, **kw).choices
     assert choice.message.tool_calls is None and choice.message.content
+    assert choice.message.model_extra["reasoning_content"] is None  # no <think> block
     chunks = list(_ask(client, stream=True, **kw))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == choice.message.content
