@@ -27,6 +27,11 @@ import torch
 torch.set_num_threads(1)
 
 
+# Set once for the whole process by the libraries themselves: pytest's current test, and
+# torch inductor's cache directory (set on its first use, whichever test that is).
+_PROCESS_WIDE = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
+
+
 @pytest.fixture(autouse=True)
 def _no_environment_leak() -> Iterator[None]:
     """A test that changes ``os.environ`` without restoring it fails: the processes later tests
@@ -38,7 +43,7 @@ def _no_environment_leak() -> Iterator[None]:
     changed = sorted(
         k
         for k in before.keys() | after.keys()
-        if before.get(k) != after.get(k) and k != "PYTEST_CURRENT_TEST"  # pytest's own
+        if before.get(k) != after.get(k) and k not in _PROCESS_WIDE
     )
     if changed:
         os.environ.clear()
