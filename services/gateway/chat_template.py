@@ -28,7 +28,7 @@ def template_messages(messages: generation_pb2.ChatMessages, field: str) -> list
                     raise FieldError(f"{where}.name", "must not be empty")
                 try:
                     arguments = json.loads(call.arguments or "{}")
-                except json.JSONDecodeError as e:
+                except (ValueError, RecursionError) as e:  # (RecursionError: nested too deep)
                     raise FieldError(f"{where}.arguments", f"is not JSON: {e}") from None
                 if not isinstance(arguments, dict):
                     raise FieldError(f"{where}.arguments", "must be a JSON object")
@@ -59,7 +59,7 @@ def chat_ids(
     )
     try:
         tools = [json.loads(t) for t in messages.tools] or None
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:
         raise FieldError(f"{field}.tools", f"is not JSON: {e}") from None
     try:
         text = tokenizer.apply_chat_template(

@@ -186,6 +186,8 @@ def build_app(
         fmt = Formatter(core, "chat", body.include_usage, body.logprobs, body.continuous_usage)
         fmt.tool_calls = calls
         fmt.auto_tools = auto_tools if body.auto_tool_choice() else None
+        fmt.tool_names = frozenset(body.tool_names())
+        fmt.parallel_tool_calls = body.parallel_tool_calls
         # (A constrained output is all answer: the grammar leaves no room to think.)
         if not gen.sampling_params.HasField("structured_outputs"):
             fmt.reasoning = reasoning

@@ -116,6 +116,8 @@ class Formatter:
         # Chat with tool_choice auto: the calls the model chose are read by this parser; the
         # text goes out as it comes until a call may begin (per choice: text so far, sent).
         self.auto_tools: ToolCallParser | None = None
+        self.tool_names: frozenset[str] = frozenset()  # the functions the request declares
+        self.parallel_tool_calls = True  # false: at most one call
         self._reply_text: dict[int, str] = {}
         self._sent: dict[int, int] = {}
         # Chat with a reasoning parser: each reply's reasoning apart from its answer (per
@@ -186,8 +188,10 @@ class Formatter:
         content: str | None = None
         calls = self.tool_calls.parse(text) if self.tool_calls and finish == "stop" else None
         if self.auto_tools is not None and finish == "stop":
-            parsed = self.auto_tools.parse(text)
+            parsed = self.auto_tools.parse(text, self.tool_names)
             content, calls = parsed.content, parsed.calls or None
+            if calls and not self.parallel_tool_calls:
+                calls = calls[:1]
         if calls is None:
             return {"role": "assistant", "content": text}, finish
         message = {
@@ -278,7 +282,7 @@ class Formatter:
         finish = FINISH_NAMES.get(r.finish_reason, "stop") if final else None
         offset = self._offsets.get(r.index, 0)
         lp = self._logprobs(held, offset, r.index) if self.logprobs else None
-        has_logprobs = bool(held)
+        has_logprobs, unsent = bool(held), list(held)
         held.clear()
         self._offsets[r.index] = offset + len(r.text)
         usage = self._usage_so_far(r.index, tokens)
@@ -295,13 +299,16 @@ class Formatter:
                 lp, has_logprobs = None, False
         if self.auto_tools is not None:
             delta_ = self._auto_delta(r.index, text, finish)
-            if delta_ is not None:
-                choice = {"index": r.index, "delta": delta_[0], "logprobs": lp}
+            if delta_ is None and not final:  # the text held: its logprobs wait with it
+                self._held_logprobs[r.index].extend(unsent if has_logprobs else ())
+            elif delta_ is not None or has_logprobs:
+                sent, finish = delta_ or ({"content": ""}, finish)
+                choice = {"index": r.index, "delta": sent, "logprobs": lp}
                 out.append(self._chunk([{**choice, "finish_reason": None}], usage))
-                finish = delta_[1]
         elif self.tool_calls is not None:  # the calls go out whole, once complete
             self._held_text.setdefault(r.index, []).append(text)
             if not final:
+                self._held_logprobs[r.index].extend(unsent if has_logprobs else ())
                 return out
             message, finish = self._answer("".join(self._held_text.pop(r.index)), finish)
             if message["content"] is None:
@@ -342,8 +349,8 @@ class Formatter:
         assert self.auto_tools is not None
         so_far = self._reply_text[index] = self._reply_text.get(index, "") + text
         sent = self._sent.get(index, 0)
+        end = max(self.auto_tools.content_end(so_far, sent), sent)
         if finish is None:
-            end = max(self.auto_tools.content_end(so_far), sent)
             self._sent[index] = end
             return ({"content": so_far[sent:end]}, None) if end > sent else None
         del self._reply_text[index]
@@ -352,7 +359,8 @@ class Formatter:
         if "tool_calls" not in message:
             return ({"content": so_far[sent:]}, finish) if len(so_far) > sent else None
         calls = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
-        return {"tool_calls": calls}, finish
+        before = so_far[sent:end]  # text before the calls not sent yet (it came last)
+        return {**({"content": before} if before.strip() else {}), "tool_calls": calls}, finish
 
     def _reasoning_delta(self, index: int, text: str, final: bool) -> tuple[str, str]:
         """A choice's new reasoning and new answer text, once ``text`` is added to it."""

@@ -109,9 +109,13 @@ class _Sampling(BaseModel):
         if logprobs is not None:
             _set(sp, "logprobs", logprobs)
         for key, bias in (self.logit_bias or {}).items():
-            token = int(key) if key.strip().isdigit() else -1
+            digits = key.strip()  # (ASCII digits only: int() reads other scripts' too)
+            plain = digits.isascii() and digits.isdigit() and len(digits) <= 10
+            token = int(digits) if plain else -1
             if not 0 <= token < 2**32:
                 raise FieldError(f"logit_bias[{key}]", "keys must be token ids in the vocabulary")
+            if token in sp.logit_bias:
+                raise FieldError(f"logit_bias[{key}]", f"names token {token} twice")
             sp.logit_bias[token] = bias
         if self.early_stopping is not None:
             es = self.early_stopping
@@ -280,7 +284,7 @@ class ChatMessage(BaseModel):
             arguments = fn.get("arguments", "{}")
             if not isinstance(arguments, str):  # (OpenAI sends a string; some clients do not)
                 arguments = json.dumps(arguments)
-            m.tool_calls.add(id=str(call.get("id", "")), name=fn["name"], arguments=arguments)
+            m.tool_calls.add(id=str(call.get("id") or ""), name=fn["name"], arguments=arguments)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -292,6 +296,15 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True  # false: at most one call
+
+    def tool_names(self) -> list[str]:
+        """The names of the functions the request declares (unchecked: :meth:`tool_calls`
+        refuses a malformed one)."""
+        return [
+            fn["name"]
+            for tool in self.tools or ()
+            if isinstance(fn := tool.get("function"), dict) and isinstance(fn.get("name"), str)
+        ]
 
     def auto_tool_choice(self) -> bool:
         """Whether the model chooses between text and calls (``tool_choice`` ``auto``, OpenAI's

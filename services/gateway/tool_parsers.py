@@ -4,8 +4,8 @@ write them, for ``tool_choice: "auto"`` (the gateway's ``--tool-call-parser``, v
 With ``auto`` the model decides between text and calls, so nothing constrains its output; the
 parser reads the calls out of the finished text, and while it streams says how much of it is
 surely text (:meth:`ToolCallParser.content_end`) so that text goes out as it comes and the
-calls, once complete, whole. Output that looks like a call but does not parse stays text, as
-vLLM returns it.
+calls, once complete, whole. Output that looks like a call but does not parse, lacks its
+arguments or calls a function the request did not declare stays text, as vLLM returns it.
 
 - ``hermes`` (Qwen2.5, Qwen3, QwQ, Hermes): ``<tool_call>{"name": ..., "arguments": {...}}
   </tool_call>`` blocks, text before them the reply's content.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,26 +34,31 @@ class ParsedReply:
 class ToolCallParser(Protocol):
     name: str
 
-    def parse(self, text: str) -> ParsedReply:
-        """The calls in a finished reply; no call (``text`` as content) if they do not
-        parse."""
+    def parse(self, text: str, tools: Collection[str]) -> ParsedReply:
+        """The calls in a finished reply, of the functions named ``tools``; no call
+        (``text`` as content) if they do not parse."""
         ...
 
-    def content_end(self, text: str) -> int:
+    def content_end(self, text: str, start: int = 0) -> int:
         """How much of ``text`` (a reply so far) is surely content: text from here on may be,
-        or start, a call, and is held until the reply is finished."""
+        or start, a call, and is held until the reply is finished. ``start``: the end given
+        for the reply's text before (it only grows)."""
         ...
 
 
-def _call(obj: Any, args_key: str) -> tuple[str, str] | None:
-    """(name, arguments JSON) of one decoded call object, or None if it is not one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+def _call(obj: Any, args_keys: tuple[str, ...], tools: Collection[str]) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one decoded call object of a declared function, or None if
+    it is not one."""
+    if not isinstance(obj, dict) or obj.get("name") not in tools:
         return None
-    args = obj.get(args_key, obj.get("arguments", {}))
+    key = next((k for k in args_keys if k in obj), None)
+    if key is None:
+        return None
+    args = obj[key]
     if isinstance(args, str):  # some templates put the arguments as a JSON string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -72,15 +78,15 @@ class HermesParser:
     start, end = "<tool_call>", "</tool_call>"
     _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
-    def parse(self, text: str) -> ParsedReply:
+    def parse(self, text: str, tools: Collection[str]) -> ParsedReply:
         first = text.find(self.start)
         if first < 0:
             return ParsedReply(text, [])
         calls = []
         for body in self._block.findall(text, first):
             try:
-                call = _call(json.loads(body), "arguments")
-            except json.JSONDecodeError:
+                call = _call(json.loads(body), ("arguments",), tools)
+            except (ValueError, RecursionError):  # (RecursionError: nested too deep)
                 call = None
             if call is None:
                 return ParsedReply(text, [])
@@ -88,8 +94,9 @@ class HermesParser:
         content = text[:first].strip()
         return ParsedReply(content or None, calls)
 
-    def content_end(self, text: str) -> int:
-        first = text.find(self.start)
+    def content_end(self, text: str, start: int = 0) -> int:
+        # A marker that ends before ``start``'s held part would have stopped ``start``.
+        first = text.find(self.start, max(start, 0))
         if first >= 0:
             return first
         return len(text) - _partial_suffix(text, self.start)
@@ -99,7 +106,7 @@ class Llama3JsonParser:
     name = "llama3_json"
     tag = "<|python_tag|>"
 
-    def parse(self, text: str) -> ParsedReply:
+    def parse(self, text: str, tools: Collection[str]) -> ParsedReply:
         body = text.strip()
         if body.startswith(self.tag):
             body = body[len(self.tag) :].lstrip()
@@ -109,9 +116,9 @@ class Llama3JsonParser:
         while at < len(body):
             try:
                 obj, at = decoder.raw_decode(body, at)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 return ParsedReply(text, [])
-            call = _call(obj, "parameters")
+            call = _call(obj, ("parameters", "arguments"), tools)
             if call is None:
                 return ParsedReply(text, [])
             calls.append(call)
@@ -123,7 +130,7 @@ class Llama3JsonParser:
             at = len(body) - len(rest)
         return ParsedReply(None, calls)
 
-    def content_end(self, text: str) -> int:
+    def content_end(self, text: str, start: int = 0) -> int:
         body = text.lstrip()
         if not body:
             return 0  # leading blanks: the reply may still open with a call

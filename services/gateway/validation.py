@@ -38,12 +38,18 @@ def check_prompt_bytes(field: str, content: str | generation_pb2.ChatMessages, l
     if isinstance(content, str):
         size = len(content.encode())
     else:
-        size = sum(
-            len(m.content.encode()) + sum(len(c.arguments.encode()) for c in m.tool_calls)
-            for m in content.messages
-        ) + sum(len(t.encode()) for t in content.tools)
+        size = sum(_message_bytes(m) for m in content.messages)
+        size += sum(len(t.encode()) for t in content.tools)
     if size > limit:
         raise FieldError(field, f"{size} bytes exceed --max-prompt-bytes={limit}")
+
+
+def _message_bytes(m: generation_pb2.ChatMessage) -> int:
+    """The UTF-8 bytes of every string of a chat message (a template may render any)."""
+    strings = [m.role, m.content, m.tool_call_id, m.name]
+    for c in m.tool_calls:
+        strings += [c.id, c.name, c.arguments]
+    return sum(len(s.encode()) for s in strings)
 
 
 @dataclass(frozen=True)

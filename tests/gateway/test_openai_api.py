@@ -484,6 +484,8 @@ def test_chat_logprobs_with_top_alternatives(client, model) -> None:
         ({"logit_bias": {"5": 101.0}}, "logit_bias[5]"),
         ({"logit_bias": {"x": 1.0}}, "logit_bias[x]"),
         ({"logit_bias": {"99999999": 1.0}}, "logit_bias[99999999]"),
+        ({"logit_bias": {"²": 1.0}}, "logit_bias[²]"),  # a digit to str.isdigit, not to int
+        ({"logit_bias": {"5": 1.0, "05": 2.0}}, "logit_bias[05]"),  # one token twice
         ({"extra_body": {"min_p": 2.0}}, "min_p"),
     ],
 )
@@ -494,6 +496,16 @@ def test_invalid_fields_are_400_naming_the_param(client, model, kwargs, param) -
     body = info.value.body
     assert body["param"] == param, body
     assert body["type"] == "invalid_request_error" and param in body["message"]
+
+
+def test_a_history_tool_call_without_a_function_name_is_400_naming_it(client, model) -> None:
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]},
+    ]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=messages, max_tokens=2)
+    assert info.value.body["param"] == "messages[1].tool_calls[0].function"
 
 
 def test_a_missing_required_field_is_400_not_422(stack) -> None:

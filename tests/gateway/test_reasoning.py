@@ -8,20 +8,14 @@ test_auto_tool_choice_e2e.py."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-from types import SimpleNamespace
-from typing import Any
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedserve.v1 import common_pb2
-from pagedserve.v1 import generation_pb2 as G
-from services.gateway.openai_format import Formatter
 from services.gateway.reasoning_parsers import PARSERS
 from services.gateway.tool_parsers import HermesParser
+from tests.gateway.formatter_stream import deltas as _choices
+from tests.gateway.formatter_stream import formatter, responses, stream, whole
 
 QWEN3, R1 = PARSERS["qwen3"], PARSERS["deepseek_r1"]
 
@@ -43,36 +37,6 @@ def test_reasoning_and_answer_split_at_the_think_markers(parser, text, finished,
     assert parser.split(text, finished) == split
 
 
-def _responses(parts: list[str], finish: int = common_pb2.FINISH_REASON_STOP) -> list:
-    out = [G.GenerateResponse(index=0, text=p, token_ids=[1]) for p in parts]
-    out[-1].finish_reason = finish
-    out[-1].usage.completion_tokens = len(parts)
-    return out
-
-
-def _formatter(reasoning, auto_tools=None) -> Formatter:
-    fmt = Formatter(SimpleNamespace(model_name="m"), "chat", False, False)  # type: ignore[arg-type]
-    fmt.reasoning, fmt.auto_tools = reasoning, auto_tools
-    return fmt
-
-
-async def _aiter(items: list) -> Any:
-    for item in items:
-        yield item
-
-
-def _stream(fmt: Formatter, responses: list) -> list[dict]:
-    async def run() -> list[bytes]:
-        return [e async for e in fmt.events(None, _aiter(responses))]
-
-    events = asyncio.run(run())
-    return [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
-
-
-def _whole(fmt: Formatter, responses: list) -> dict:
-    return asyncio.run(fmt.collect(_aiter(responses)))["choices"][0]
-
-
 def _cuts(text: str) -> st.SearchStrategy[list[str]]:
     """``text`` cut into 1..8 consecutive pieces."""
     points = st.lists(st.integers(1, len(text) - 1), max_size=7, unique=True).map(sorted)
@@ -84,16 +48,14 @@ REPLY = "<think>\nThe user wants 6*7. </thi is no marker.\n</think>\n\nIt is 42.
 
 @given(_cuts(REPLY))
 def test_streamed_reasoning_and_answer_are_the_whole_replys_however_cut(parts) -> None:
-    chunks = _stream(_formatter(QWEN3), _responses(parts))
-    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
-    whole = _whole(_formatter(QWEN3), _responses(parts))
-    assert (
-        "".join(d.get("reasoning_content", "") for d in deltas)
-        == (whole["message"]["reasoning_content"])
-    )
-    assert "".join(d.get("content") or "" for d in deltas) == whole["message"]["content"]
-    assert whole["message"]["reasoning_content"] == "\nThe user wants 6*7. </thi is no marker.\n"
-    assert whole["message"]["content"] == "\n\nIt is 42."
+    chunks = stream(formatter(reasoning=QWEN3), responses(parts))
+    deltas = [c["delta"] for c in _choices(chunks)]
+    (reply,) = whole(formatter(reasoning=QWEN3), responses(parts))
+    thought, answer = reply["message"]["reasoning_content"], reply["message"]["content"]
+    assert thought == "\nThe user wants 6*7. </thi is no marker.\n"
+    assert answer == "\n\nIt is 42."
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == thought
+    assert "".join(d.get("content") or "" for d in deltas) == answer
     # Nothing of the thought leaks into the answer, nor the reverse, at any point.
     seen_answer = False
     for d in deltas:
@@ -106,14 +68,15 @@ CALL = '<tool_call>\n{"name": "calc", "arguments": {"expr": "6*7"}}\n</tool_call
 
 @given(_cuts("<think>I should call calc.</think>\n\n" + CALL))
 def test_a_tool_call_after_the_thought_is_read_from_the_answer_alone(parts) -> None:
-    responses = _responses(parts)
-    whole = _whole(_formatter(R1, HermesParser()), responses)
-    assert whole["finish_reason"] == "tool_calls"
-    assert whole["message"]["reasoning_content"] == "I should call calc."
-    (call,) = whole["message"]["tool_calls"]
+    items = responses(parts)
+    attrs = {"reasoning": R1, "auto_tools": HermesParser(), "tool_names": frozenset({"calc"})}
+    (reply,) = whole(formatter(**attrs), items)
+    assert reply["finish_reason"] == "tool_calls"
+    assert reply["message"]["reasoning_content"] == "I should call calc."
+    (call,) = reply["message"]["tool_calls"]
     assert (call["function"]["name"], call["function"]["arguments"]) == ("calc", '{"expr": "6*7"}')
-    chunks = _stream(_formatter(R1, HermesParser()), responses)
-    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    chunks = stream(formatter(**attrs), items)
+    deltas = [c["delta"] for c in _choices(chunks)]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "I should call calc."
     assert "".join(d.get("content") or "" for d in deltas).strip() == ""
     (streamed,) = [tc for d in deltas for tc in d.get("tool_calls", [])]

@@ -24,6 +24,8 @@ from services.common.sampling_params import SamplingParams
 from services.executor.core.sequence import Sequence
 
 _NEG_INF = float("-inf")
+LogitBias = tuple[tuple[int, float], ...]
+_MAX_CACHED_BIASES = 4096  # requests whose bias tensors are kept (then the cache starts over)
 _PARAMS = operator.attrgetter("params")
 _PLAIN = operator.attrgetter("plain")
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -177,6 +179,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._bias_tensors: dict[int, tuple[LogitBias, Tensor, Tensor]] = {}
 
     def __call__(
         self, logits: Tensor, params: list[SamplingParams], states: dict[int, RowState]
@@ -190,12 +193,11 @@ class Sampler:
         raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
 
         logits = self._apply_penalties(raw, params, states) if states else raw
-        biased = [(i, t, b) for i in states for t, b in params[i].logit_bias]
+        biased = [(i, params[i].logit_bias) for i in states if params[i].logit_bias]
         if biased:
             if logits is raw:
                 logits = raw.clone()
-            rows, ids, bias = zip(*biased, strict=True)
-            logits[list(rows), list(ids)] += torch.tensor(bias, device=dev)
+            self._add_bias(logits, biased)
         banned = [(i, t) for i, st in states.items() for t in st.banned_token_ids]
         if banned:
             if logits is raw:
@@ -213,6 +215,27 @@ class Sampler:
         return SampleResult(token_list, self._logprobs(raw_logprobs, params, tokens))
 
     # ---- pieces ---------------------------------------------------------------------------
+
+    def _add_bias(self, logits: Tensor, biased: list[tuple[int, LogitBias]]) -> None:
+        """Add each row's ``logit_bias`` to its logits. A request's bias is made into tensors
+        once (by the identity of its params' tuple, which lives as long as the request)."""
+        rows, ids, values = [], [], []
+        for row, bias in biased:
+            cached = self._bias_tensors.get(id(bias))
+            if cached is None or cached[0] is not bias:
+                if len(self._bias_tensors) >= _MAX_CACHED_BIASES:
+                    self._bias_tensors.clear()
+                tokens, amounts = zip(*bias, strict=True)
+                cached = (
+                    bias,
+                    torch.tensor(tokens, dtype=torch.long, device=logits.device),
+                    torch.tensor(amounts, dtype=logits.dtype, device=logits.device),
+                )
+                self._bias_tensors[id(bias)] = cached
+            rows.append(torch.full_like(cached[1], row))
+            ids.append(cached[1])
+            values.append(cached[2])
+        logits.index_put_((torch.cat(rows), torch.cat(ids)), torch.cat(values), accumulate=True)
 
     @staticmethod
     def _apply_penalties(
