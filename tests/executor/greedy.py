@@ -129,9 +129,10 @@ def greedy_alone(
 
 @torch.inference_mode()
 def hf_greedy(
-    model: PreTrainedModel, prompt: list[int], max_new_tokens: int
+    model: PreTrainedModel, prompt: list[int], max_new_tokens: int, **generate_kwargs: Any
 ) -> tuple[list[int], list[Tensor]]:
-    """transformers' greedy ``generate``: the new tokens and the raw logits of each step."""
+    """transformers' greedy ``generate`` (with ``generate_kwargs``, e.g. ``sequence_bias``):
+    the new tokens and the raw logits of each step."""
     input_ids = torch.tensor([prompt])
     out = model.generate(
         input_ids,
@@ -140,6 +141,7 @@ def hf_greedy(
         do_sample=False,
         output_logits=True,
         return_dict_in_generate=True,
+        **generate_kwargs,
     )
     return out.sequences[0, len(prompt) :].tolist(), [step[0].float() for step in out.logits]
 

@@ -21,17 +21,10 @@ from .greedy import hf_greedy
 MAX_TOKENS = 12
 
 
-@torch.inference_mode()
 def _hf_biased(model, prompt: list[int], bias: dict[int, float]) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=MAX_TOKENS,
-        do_sample=False,
-        sequence_bias=[[[t], b] for t, b in bias.items()],
-    )
-    return out[0, len(prompt) :].tolist()
+    """transformers' greedy tokens with ``bias`` as one-token ``sequence_bias``."""
+    sequence_bias = [[[t], b] for t, b in bias.items()]
+    return hf_greedy(model, prompt, MAX_TOKENS, sequence_bias=sequence_bias)[0]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
