@@ -79,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
         "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; -1 disables"
     )
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV))
+    # The gateway's chat parsers (vLLM's flags; see `pagedserve gateway --help`).
+    p.add_argument("--enable-auto-tool-choice", action="store_true")
+    p.add_argument("--tool-call-parser", default=None)
+    p.add_argument("--reasoning-parser", default=None)
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
         "--max-restarts",
@@ -329,6 +333,9 @@ def _specs(args: argparse.Namespace, model: Path) -> dict[str, list[str]]:
             str(args.http_port),
             "--executor",
             f"127.0.0.1:{args.executor_port}",
+            *(["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []),
+            *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []),
+            *(["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []),
             *common,
         ],
     }

@@ -281,3 +281,15 @@ def test_serve_gives_the_executor_async_scheduling_and_all_but_the_reserved_core
     assert serve.executor_defaults(args) == ["--async-scheduling", "--cpu-threads", "1"]
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert serve.executor_defaults(args) == ["--async-scheduling"]
+
+
+def test_the_chat_parsers_given_to_serve_go_to_the_gateway():
+    args = serve._parser().parse_args(
+        ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+    )
+    specs = serve._specs(args, Path("m"))
+    gateway = " ".join(specs["gateway"])
+    assert "--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3" in gateway
+    assert "--tool-call-parser" not in specs["executor"]
+    plain = set(serve._specs(serve._parser().parse_args([]), Path("m"))["gateway"])
+    assert not {"--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser"} & plain
