@@ -40,6 +40,8 @@ import structlog
 from services.common.auth import API_KEY_ENV, INTERNAL_TOKEN_ENV
 from services.common.logging import CONFIG_ERROR_STATUS, configure_logging
 from services.executor.model.runner_config import available_cores
+from services.gateway.reasoning_parsers import PARSERS as REASONING_PARSERS
+from services.gateway.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 
 DEFAULT_MODEL = Path("models/tiny-llama")
 PR_SET_PDEATHSIG = 1
@@ -79,10 +81,23 @@ def _parser() -> argparse.ArgumentParser:
         "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API; -1 disables"
     )
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV))
-    # The gateway's chat parsers (vLLM's flags; see `pagedserve gateway --help`).
-    p.add_argument("--enable-auto-tool-choice", action="store_true")
-    p.add_argument("--tool-call-parser", default=None)
-    p.add_argument("--reasoning-parser", default=None)
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='the gateway\'s: chat tool_choice "auto", read by --tool-call-parser',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="the gateway's: the model family's tool-call format",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="the gateway's: puts a thinking model's reasoning apart (reasoning_content)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
         "--max-restarts",
