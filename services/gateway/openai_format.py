@@ -312,8 +312,7 @@ class Formatter:
                 return out
             message, finish = self._answer("".join(self._held_text.pop(r.index)), finish)
             if message["content"] is None:
-                calls = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
-                delta: dict[str, Any] = {"tool_calls": calls}
+                delta: dict[str, Any] = {"tool_calls": _call_deltas(message)}
             else:
                 delta = {"content": message["content"]}
             out.append(
@@ -358,8 +357,8 @@ class Formatter:
         message, finish = self._answer(so_far, finish)
         if "tool_calls" not in message:
             return ({"content": so_far[sent:]}, finish) if len(so_far) > sent else None
-        calls = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
         before = so_far[sent:end]  # text before the calls not sent yet (it came last)
+        calls = _call_deltas(message)
         return {**({"content": before} if before.strip() else {}), "tool_calls": calls}, finish
 
     def _reasoning_delta(self, index: int, text: str, final: bool) -> tuple[str, str]:
@@ -468,6 +467,11 @@ class Formatter:
             ],
             "text_offset": offsets,
         }
+
+
+def _call_deltas(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A reply's tool calls as one streamed delta sends them (each with its index)."""
+    return [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
 
 
 def sse(obj: dict[str, Any]) -> bytes:

@@ -15,15 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.gateway.stop_strings import holdback_len
+
 START, END = "<think>", "</think>"
-
-
-def _held(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker`` (0 if none)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 @dataclass(frozen=True)
@@ -46,7 +40,7 @@ class ReasoningParser:
             return body[:end], body[end + len(END) :]
         if finished:
             return body, ""
-        return body[: len(body) - _held(body, END)], ""
+        return body[: len(body) - holdback_len(body, (END,))], ""
 
 
 PARSERS: dict[str, ReasoningParser] = {

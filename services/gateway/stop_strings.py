@@ -73,7 +73,7 @@ class StopStringMatcher:
             self._finished = True
             end = start + len(stop) if self._include else start
             return text[:end], stop
-        hold = self._holdback_len(text)
+        hold = holdback_len(text, self._stops)
         self._held = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], None
 
@@ -96,20 +96,22 @@ class StopStringMatcher:
                 best = (start, stop)
         return best
 
-    def _holdback_len(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string.
 
-        Only lengths ``k`` where the stop's ``k``-th character equals the text's last one are
-        compared (found with ``str.rfind``), so typical stops cost a few C-level compares and
-        memory stays linear in the stops' length, whatever a client sends."""
-        if not text:
-            return 0
-        n, last, best = len(text), text[-1], 0
-        for stop in self._stops:
-            j = stop.rfind(last, 0, min(len(stop) - 1, n))  # candidate k = j + 1
-            while j >= best:  # i.e. k > best
-                if text[n - j - 1] == stop[0] and stop.startswith(text[n - j - 1 :]):
-                    best = j + 1
-                    break
-                j = stop.rfind(last, 0, j)
-        return best
+def holdback_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``stops``:
+    the text that may still become one, held back while text streams.
+
+    Only lengths ``k`` where the stop's ``k``-th character equals the text's last one are
+    compared (found with ``str.rfind``), so typical stops cost a few C-level compares and
+    memory stays linear in the stops' length, whatever a client sends."""
+    if not text:
+        return 0
+    n, last, best = len(text), text[-1], 0
+    for stop in stops:
+        j = stop.rfind(last, 0, min(len(stop) - 1, n))  # candidate k = j + 1
+        while j >= best:  # i.e. k > best
+            if text[n - j - 1] == stop[0] and stop.startswith(text[n - j - 1 :]):
+                best = j + 1
+                break
+            j = stop.rfind(last, 0, j)
+    return best

@@ -21,6 +21,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from services.gateway.stop_strings import holdback_len
+
 
 @dataclass(frozen=True)
 class ParsedReply:
@@ -65,14 +67,6 @@ def _call(obj: Any, args_keys: tuple[str, ...], tools: Collection[str]) -> tuple
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker`` (0 if none)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
-
-
 class HermesParser:
     name = "hermes"
     start, end = "<tool_call>", "</tool_call>"
@@ -99,7 +93,7 @@ class HermesParser:
         first = text.find(self.start, max(start, 0))
         if first >= 0:
             return first
-        return len(text) - _partial_suffix(text, self.start)
+        return len(text) - holdback_len(text, (self.start,))
 
 
 class Llama3JsonParser:
