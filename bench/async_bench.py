@@ -32,10 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench.host_bench import VOCAB, NullRunner
-from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.api.types import PoolSpec
+from services.blockmgr.client import GrpcClient, InProcessClient
 from services.common.gc_policy import freeze_startup_heap
 from services.common.sampling_params import SamplingParams
-from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
+from services.executor.core.blockmgr_link import BlockManagerLink
 from services.executor.core.config import EngineSettings
 from services.executor.core.engine import Engine
 from services.executor.core.sampler import Sampler
@@ -106,7 +108,7 @@ def decode_steps(
         ),
         async_scheduling=async_scheduling,
     )
-    link = BlockManagerLink(client, PoolSpec(pool_id, num_blocks, bs, True))
+    link = BlockManagerLink(client, pool_id, PoolSpec(num_blocks, bs, True))
     engine = Engine(settings, runner, link)
     engine.sampler = SyncingSampler(engine.sampler, runner)  # type: ignore[assignment]
     gen = torch.Generator().manual_seed(1)

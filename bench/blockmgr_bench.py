@@ -28,9 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient  # noqa: E402
-from services.blockmgr.hashing import block_hashes, hash_block  # noqa: E402
-from services.blockmgr.types import Admit, Commit, Free, Grow, OpStatus  # noqa: E402
+from services.blockmgr.api.hashing import block_hashes, hash_block  # noqa: E402
+from services.blockmgr.api.protocol import BlockManagerClient  # noqa: E402
+from services.blockmgr.api.types import Admit, Commit, Free, Grow, OpStatus, PoolSpec  # noqa: E402
+from services.blockmgr.client import GrpcClient, InProcessClient  # noqa: E402
 
 BS = 16
 
@@ -43,7 +44,7 @@ def pct(values: list[float], q: float) -> float:
 def decode_steps(client: BlockManagerClient, steps: int) -> list[float]:
     """256 running sequences, each step grows every one by a token; full blocks committed."""
     max_blocks_per_seq = (512 + steps) // BS + 1
-    pool = client.register("bench-decode", 256 * max_blocks_per_seq + 1, BS)
+    pool = client.register("bench-decode", PoolSpec(256 * max_blocks_per_seq + 1, BS))
     epoch = pool.epoch
     rng = random.Random(0)
     seq_tokens: dict[int, list[int]] = {}
@@ -76,7 +77,7 @@ def decode_steps(client: BlockManagerClient, steps: int) -> list[float]:
 
 def admission_steps(client: BlockManagerClient, steps: int) -> list[float]:
     """Each step frees the 32 oldest sequences and admits 32 new 512-token prompts."""
-    client.register("bench-admit", 32 * 4 * 33 + 1, BS)
+    client.register("bench-admit", PoolSpec(32 * 4 * 33 + 1, BS))
     epoch = client.info("bench-admit").pools[0].epoch
     rng = random.Random(1)
     shared = [rng.randrange(32000) for _ in range(256)]
@@ -104,7 +105,7 @@ def admission_steps(client: BlockManagerClient, steps: int) -> list[float]:
 
 def churn_ops_per_second(client: BlockManagerClient, seconds: float) -> float:
     """Admit 64-token sequences (4 blocks), commit them, free them; count block ops."""
-    client.register("bench-churn", 4096 + 1, BS)
+    client.register("bench-churn", PoolSpec(4096 + 1, BS))
     epoch = client.info("bench-churn").pools[0].epoch
     rng = random.Random(2)
     block_ops = 0

@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.blockmgr.core import BlockManagerCore
-from services.blockmgr.hashing import block_hashes
-from services.blockmgr.types import Admit, Commit, Free, Grow
+from services.blockmgr.api.hashing import block_hashes
+from services.blockmgr.api.types import Admit, Commit, Free, Grow, PoolSpec
+from services.blockmgr.service.core import BlockManagerCore
 
 BS = 16
 
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=64)
     args = ap.parse_args()
     core = BlockManagerCore(pool_lease_s=30.0)
-    pool = core.register("leak-check", 4096, BS)
+    pool = core.register("leak-check", PoolSpec(4096, BS))
     epoch, token = pool.epoch, pool.owner_token
     rng = random.Random(0)
     shared = [rng.randrange(32000) for _ in range(64)]

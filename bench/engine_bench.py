@@ -67,7 +67,8 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
 from pagedserve.tools.tiny_model import write_tiny_model  # noqa: E402
-from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient  # noqa: E402
+from services.blockmgr.api.protocol import BlockManagerClient  # noqa: E402
+from services.blockmgr.client import GrpcClient, InProcessClient  # noqa: E402
 from services.common.logging import configure_logging  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.executor.core.engine import Engine  # noqa: E402

@@ -24,10 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from services.blockmgr.api.types import PoolSpec
 from services.blockmgr.client import InProcessClient
 from services.common.gc_policy import freeze_startup_heap
 from services.common.sampling_params import SamplingParams
-from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
+from services.executor.core.blockmgr_link import BlockManagerLink
 from services.executor.core.config import EngineSettings
 from services.executor.core.engine import Engine
 from services.executor.core.scheduler import SchedulerConfig
@@ -106,7 +107,7 @@ def main() -> None:
         ),
     )
     link = BlockManagerLink(
-        InProcessClient(), PoolSpec("host-bench", num_blocks, args.block_size, True)
+        InProcessClient(), "host-bench", PoolSpec(num_blocks, args.block_size, True)
     )
     engine = Engine(settings, runner, link)
     gen = torch.Generator().manual_seed(1)

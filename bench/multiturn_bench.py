@@ -94,7 +94,7 @@ def run(
         for c in range(len(plan)):
             histories[c].extend(outputs[f"c{c}t{turn}"])
     wall = time.perf_counter() - start
-    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    stats = engine.link.client.stats(engine.link.pool_id)
     ttfts.sort()
     return {
         "hit": stats.prefix_cache_hits_tokens / stats.prefix_cache_queries_tokens,

@@ -82,7 +82,7 @@ def run(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[str, Any]
         for o in engine.step():
             got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
     wall = time.perf_counter() - start
-    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    stats = engine.link.client.stats(engine.link.pool_id)
     return {
         "tokens": got,
         "tok_s": sum(n for _, n in requests) / wall,

@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.multiturn import final_lengths, turn_plan
 from pagedserve.tools.tiny_model import write_tiny_model
+from services.blockmgr.api.types import EvictionPolicyName, Free, Grow
 from services.blockmgr.client import InProcessClient
-from services.blockmgr.core import BlockManagerCore
-from services.blockmgr.replay import replay
-from services.blockmgr.trace import StepRecord, TraceWriter, read_trace
-from services.blockmgr.types import EvictionPolicyName, Free, Grow
+from services.blockmgr.service.core import BlockManagerCore
+from services.blockmgr.trace.record import StepRecord, TraceWriter, read_trace
+from services.blockmgr.trace.replay import replay
 from services.common.sampling_params import SamplingParams
 from services.executor.core.sequence import RequestKey
 from services.executor.model.launch import build_runner
@@ -91,7 +91,7 @@ def main() -> int:
             for c in range(len(plan)):
                 histories[c].extend(got[f"c{c}t{turn}"])
         wall = time.perf_counter() - start
-        live = core.stats(engine.link.spec.pool_id)
+        live = core.stats(engine.link.pool_id)
         trace.close()
         records = list(read_trace(trace_path))
     steps = [r for r in records if isinstance(r, StepRecord)]

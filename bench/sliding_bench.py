@@ -85,7 +85,7 @@ def run(engine: Engine, requests: list[tuple[str, list[int], int]]) -> dict[str,
     while engine.has_work:
         for o in engine.step():
             got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
-        counters = engine.link.client.stats(engine.link.spec.pool_id).counters
+        counters = engine.link.client.stats(engine.link.pool_id).counters
         most = max(most, counters.num_in_use_blocks)
     return {"tokens": got, "wall": time.perf_counter() - start, "most_blocks": most}
 
@@ -108,7 +108,7 @@ def multi_turn(args: argparse.Namespace, engine: Engine, vocab: int) -> dict[str
     rng = random.Random(args.seed + 1)
     histories = [[1] + [rng.randrange(3, vocab) for _ in range(32)] for _ in range(32)]
     outputs: list[list[int]] = []
-    pool = engine.link.spec.pool_id
+    pool = engine.link.pool_id
     before = engine.link.client.stats(pool)
     for turn in range(4):
         requests = []

@@ -34,6 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.moe_reference import check_moe_shapes
+from kernels.silu_and_mul import silu_and_mul_triton
 
 __all__ = ["MoEGemmConfig", "fused_moe_triton", "moe_align_block_size", "moe_gemm_config"]
 
@@ -233,8 +234,6 @@ def fused_moe_triton(
 ) -> Tensor:  # [T, H]
     """Triton ``fused_moe``; contract of :func:`kernels.moe_reference.fused_moe_reference`.
     ``config`` overrides the tiles of :func:`moe_gemm_config` (tests use it)."""
-    from kernels import ops  # silu_and_mul dispatches to the same backend
-
     check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden = w13.shape[0], x.shape[1]
@@ -245,7 +244,7 @@ def fused_moe_triton(
     align = moe_align_block_size(topk_ids, num_experts, cfg.block_m)
     gate_up = x.new_empty(n, w13.shape[1])  # [N, 2I], row t * k + s
     _moe_gemm(x, w13, gate_up, None, align, top_k, cfg)
-    h = ops.silu_and_mul(gate_up)  # [N, I]
+    h = silu_and_mul_triton(gate_up)  # [N, I]
     down = x.new_empty(n, hidden)  # [N, H], scaled by the routing weights
     _moe_gemm(h, w2, down, topk_weights.reshape(-1), align, 1, cfg)
     return down.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

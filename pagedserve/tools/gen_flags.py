@@ -35,7 +35,7 @@ REGENERATE = ".venv/bin/python -m pagedserve.tools.gen_flags"
 
 #: Subcommand -> ``module:attribute.path`` of a function that returns its parser.
 PARSERS: dict[str, str] = {
-    "blockmgr": "services.blockmgr.config:BlockManagerServiceConfig.parser",
+    "blockmgr": "services.blockmgr.service.config:BlockManagerServiceConfig.parser",
     "executor": "services.executor.service.config:ExecutorConfig.parser",
     "gateway": "services.gateway.config:GatewayConfig.parser",
     "serve": "services.serve:_parser",

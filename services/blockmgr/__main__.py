@@ -1,5 +1,5 @@
 """``python -m services.blockmgr`` / ``pagedserve blockmgr``; ``pagedserve blockmgr replay FILE``
-replays a recorded trace offline (:mod:`services.blockmgr.replay`).
+replays a recorded trace offline (:mod:`services.blockmgr.trace.replay`).
 
 Exits 0 after SIGTERM / SIGINT, and 2 (:data:`~services.common.logging.CONFIG_ERROR_STATUS`)
 when its configuration cannot work: a bad flag (argparse), an mTLS file that cannot be read.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from services.blockmgr.config import BlockManagerServiceConfig
+from services.blockmgr.service.config import BlockManagerServiceConfig
 from services.common.logging import (
     FILE_CONFIG_ERRORS,
     config_error,
@@ -25,13 +25,13 @@ CONFIG_ERRORS: tuple[type[Exception], ...] = (*FILE_CONFIG_ERRORS, ValueError)
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["replay"]:  # `pagedserve blockmgr replay FILE ...`: offline, no service
-        from services.blockmgr.replay import main as replay_main
+        from services.blockmgr.trace.replay import main as replay_main
 
         return replay_main(args[1:])
     config = BlockManagerServiceConfig.from_args(args)
     log = configure_logging("blockmgr", config.log_level, secrets=[config.security.token])
     log.info("blockmgr_starting", config=loggable(config))
-    from services.blockmgr.server import serve
+    from services.blockmgr.service.server import serve
 
     try:
         asyncio.run(serve(config))

@@ -1,4 +1,4 @@
-"""The executor's view of a block manager: one interface, two implementations.
+"""Two implementations of the client protocol (:mod:`services.blockmgr.api.protocol`).
 
 :class:`InProcessClient` calls a :class:`BlockManagerCore` directly (no serialization);
 :class:`GrpcClient` talks to any implementation of ``pagedserve.v1.BlockManager``. Both raise
@@ -12,86 +12,27 @@ import dataclasses
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
 
 import grpc
 
 from pagedserve.v1 import blockmgr_pb2 as pb
 from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
-from services.blockmgr import convert, convert_results
-from services.blockmgr.core import BlockManagerCore
-from services.blockmgr.errors import BlockManagerError, ErrorCode
-from services.blockmgr.types import (
-    EvictionPolicyName,
-    KVCacheGroup,
+from services.blockmgr.api import convert, convert_results
+from services.blockmgr.api.errors import BlockManagerError, ErrorCode
+from services.blockmgr.api.protocol import EventStream, StepCall
+from services.blockmgr.api.types import (
     KVEvent,
     Operation,
     PoolInfo,
+    PoolSpec,
     PoolStats,
     RestoredSequence,
     RestoreResult,
     ServiceInfo,
     StepResult,
 )
+from services.blockmgr.service.core import BlockManagerCore
 from services.common.auth import CHANNEL_OPTIONS, internal_metadata
-
-
-class EventStream(Protocol):
-    """Batches of KV events, in order; iteration ends when the stream is closed."""
-
-    def __iter__(self) -> Iterator[list[KVEvent]]: ...
-    def close(self) -> None: ...
-
-
-class StepCall(Protocol):
-    """A Step sent but not yet answered (:meth:`BlockManagerClient.step_async`)."""
-
-    def result(self) -> StepResult:
-        """The answer; raises :class:`BlockManagerError` as ``step`` would."""
-        ...
-
-
-class BlockManagerClient(Protocol):
-    def info(self, pool_id: str = "") -> ServiceInfo: ...
-
-    def register(
-        self,
-        pool_id: str,
-        num_blocks: int,
-        block_size: int,
-        *,
-        enable_prefix_caching: bool = True,
-        eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
-        owner_token: str | None = None,
-        groups: Sequence[KVCacheGroup] = (),
-        host_blocks: int = 0,
-        disk_blocks: int = 0,
-        tier_eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
-    ) -> PoolInfo:
-        """Create or replace a pool (see the proto's Register). ``groups``: its KV-cache groups
-        (none: one full-attention group); at most ``info().max_kv_cache_groups``.
-        ``host_blocks``: slots of a host tier (0: none); ``disk_blocks``: slots of a disk
-        tier below it (0: none); ``tier_eviction_policy``: the order the tiers reuse slots."""
-        ...
-
-    def step(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepResult: ...
-
-    def step_async(self, pool_id: str, epoch: int, ops: Sequence[Operation]) -> StepCall:
-        """Send a Step and return at once; its answer comes with ``result()``."""
-        ...
-
-    def restore(
-        self, pool_id: str, epoch: int, sequences: Sequence[RestoredSequence]
-    ) -> RestoreResult: ...
-
-    def unregister(self, pool_id: str, epoch: int) -> None: ...
-
-    def stats(self, pool_id: str) -> PoolStats: ...
-
-    def events(self, pool_id: str, start_after_seq: int = 0) -> EventStream: ...
-
-    def close(self) -> None: ...
-
 
 # ---- in-process ----------------------------------------------------------------------------
 
@@ -147,35 +88,11 @@ class InProcessClient:
     def info(self, pool_id: str = "") -> ServiceInfo:
         return self.core.info(pool_id)
 
-    def register(
-        self,
-        pool_id: str,
-        num_blocks: int,
-        block_size: int,
-        *,
-        enable_prefix_caching: bool = True,
-        eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
-        owner_token: str | None = None,
-        groups: Sequence[KVCacheGroup] = (),
-        host_blocks: int = 0,
-        disk_blocks: int = 0,
-        tier_eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
-    ) -> PoolInfo:
+    def register(self, pool_id: str, spec: PoolSpec, *, owner_token: str | None = None) -> PoolInfo:
         """``owner_token``: the token to own the pool with; by default the one of our last
-        registration of it (none: the block manager picks). ``groups``: the pool's KV-cache
-        groups (none: one full-attention group)."""
-        info = self.core.register(
-            pool_id,
-            num_blocks,
-            block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            eviction_policy=eviction_policy,
-            owner_token=owner_token or self._tokens.get(pool_id, ""),
-            groups=groups,
-            host_blocks=host_blocks,
-            disk_blocks=disk_blocks,
-            tier_eviction_policy=tier_eviction_policy,
-        )
+        registration of it (none: the block manager picks)."""
+        token = owner_token or self._tokens.get(pool_id, "")
+        info = self.core.register(pool_id, spec, owner_token=token)
         self._tokens[pool_id] = info.owner_token
         return info
 
@@ -292,40 +209,9 @@ class GrpcClient:
         resp = self._call(self._stub.Info, pb.BlockManagerInfoRequest(pool_id=pool_id))
         return convert.info_from_pb(resp)
 
-    def register(
-        self,
-        pool_id: str,
-        num_blocks: int,
-        block_size: int,
-        *,
-        enable_prefix_caching: bool = True,
-        eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
-        owner_token: str | None = None,
-        groups: Sequence[KVCacheGroup] = (),
-        host_blocks: int = 0,
-        disk_blocks: int = 0,
-        tier_eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
-    ) -> PoolInfo:
-        try:
-            policy = convert.POLICY_TO_PB[EvictionPolicyName.parse(eviction_policy)]
-            tier_policy = convert.POLICY_TO_PB[EvictionPolicyName.parse(tier_eviction_policy)]
-        except ValueError as exc:
-            raise BlockManagerError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
-        resp = self._call(
-            self._stub.Register,
-            pb.RegisterPoolRequest(
-                pool_id=pool_id,
-                num_blocks=num_blocks,
-                block_size=block_size,
-                enable_prefix_caching=enable_prefix_caching,
-                eviction_policy=policy,
-                owner_token=owner_token or self._tokens.get(pool_id, ""),
-                groups=convert.groups_to_pb(groups),
-                host_blocks=host_blocks,
-                disk_blocks=disk_blocks,
-                tier_eviction_policy=tier_policy,
-            ),
-        )
+    def register(self, pool_id: str, spec: PoolSpec, *, owner_token: str | None = None) -> PoolInfo:
+        token = owner_token or self._tokens.get(pool_id, "")
+        resp = self._call(self._stub.Register, convert.register_to_pb(pool_id, spec, token))
         self._tokens[pool_id] = resp.owner_token
         return dataclasses.replace(
             convert.pool_info_from_pb(resp.pool), owner_token=resp.owner_token, lease_s=resp.lease_s

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from services.blockmgr.types import KVEvent, KVEventKind
+from services.blockmgr.api.types import KVEvent, KVEventKind
 
 log = structlog.get_logger(__name__)
 

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.blockmgr.hashing import block_hashes
+from services.blockmgr.api.hashing import block_hashes
 from services.gateway.prefix_index import PrefixIndex
 
 DEFAULT_LOAD_WEIGHT = 0.3

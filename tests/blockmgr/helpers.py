@@ -9,11 +9,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from services.blockmgr.client import EventStream
-from services.blockmgr.config import BlockManagerServiceConfig
-from services.blockmgr.errors import BlockManagerError, ErrorCode
-from services.blockmgr.hashing import block_hashes
-from services.blockmgr.types import KVEvent
+from services.blockmgr.api.errors import BlockManagerError, ErrorCode
+from services.blockmgr.api.hashing import block_hashes
+from services.blockmgr.api.protocol import EventStream
+from services.blockmgr.api.types import KVEvent
+from services.blockmgr.service.config import BlockManagerServiceConfig
 
 
 @contextlib.contextmanager
@@ -59,7 +59,7 @@ class ThreadedServer:
     """A real BlockManagerServer on loopback, its event loop in a background thread."""
 
     def __init__(self, config: BlockManagerServiceConfig | None = None) -> None:
-        from services.blockmgr.server import BlockManagerServer
+        from services.blockmgr.service.server import BlockManagerServer
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.blockmgr.errors import BlockManagerError
-from services.blockmgr.eviction import make_policy
-from services.blockmgr.eviction_adaptive import ARCPolicy, S3FIFOPolicy
-from services.blockmgr.kv_manager import KVBlockManager
-from services.blockmgr.types import Admit, Commit, Free
+from services.blockmgr.api.errors import BlockManagerError
+from services.blockmgr.api.types import Admit, Commit, Free, PoolSpec
+from services.blockmgr.eviction.adaptive import ARCPolicy, S3FIFOPolicy
+from services.blockmgr.eviction.policies import make_policy
+from services.blockmgr.pool.manager import KVBlockManager
 from tests.blockmgr.helpers import hashes
 
 BS = 4
@@ -29,7 +29,7 @@ def _turn(m: KVBlockManager, seq_id: int, tokens: list[int]) -> int:
     [("lru", False), ("lfu", True), ("arc", True), ("s3fifo", True)],
 )
 def test_a_reused_prefix_outlives_a_stream_of_one_off_prompts(policy, keeps_the_shared_prefix):
-    m = KVBlockManager(17, BS, eviction_policy=policy)  # 16 usable blocks
+    m = KVBlockManager(PoolSpec(17, BS, eviction_policy=policy))  # 16 usable blocks
     system = list(range(1000, 1016))  # 4 blocks, asked for by 3 requests
     for i in range(3):
         _turn(m, i, [*system, 1, 2, 3, 4 + i])
@@ -106,18 +106,18 @@ def _retained_run(m: KVBlockManager, priority: int, one_offs: int) -> int:
 
 
 def test_a_retained_prefix_outlives_one_off_prompts_under_lru():
-    assert _retained_run(KVBlockManager(17, BS), priority=0, one_offs=10) == 0
-    assert _retained_run(KVBlockManager(17, BS), priority=2, one_offs=10) == 16
+    assert _retained_run(KVBlockManager(PoolSpec(17, BS)), priority=0, one_offs=10) == 0
+    assert _retained_run(KVBlockManager(PoolSpec(17, BS)), priority=2, one_offs=10) == 16
 
 
 def test_retention_is_bounded_in_steps_then_the_prefix_is_evicted_like_any_other():
-    m = KVBlockManager(17, BS, retention_steps=8)  # each one-off prompt is 2 Steps
+    m = KVBlockManager(PoolSpec(17, BS), retention_steps=8)  # each one-off prompt is 2 Steps
     assert _retained_run(m, priority=3, one_offs=10) == 0
     assert m.pool.num_demoted == 5  # the prefix's 5 blocks lost their priority
 
 
 def test_a_retention_priority_beyond_the_bound_is_invalid_argument_naming_the_field():
-    m = KVBlockManager(17, BS)
+    m = KVBlockManager(PoolSpec(17, BS))
     with pytest.raises(BlockManagerError, match=r"ops\[0\].admit.retention_priority"):
         m.step([Admit(1, 8, 8, (), 0, 4)])
     assert not m.seqs
@@ -127,7 +127,7 @@ def test_a_retention_priority_beyond_the_bound_is_invalid_argument_naming_the_fi
 def test_a_demoted_block_is_not_taken_for_a_hit_block(policy):
     """Demotion moves a retained block to level 0 without counting a hit: it is evicted before
     a newer block that was never hit either."""
-    m = KVBlockManager(4, BS, eviction_policy=policy, retention_steps=2)  # 3 usable
+    m = KVBlockManager(PoolSpec(4, BS, eviction_policy=policy), retention_steps=2)  # 3 usable
     retained, newer = list(range(100, 104)), list(range(200, 204))
     h_ret = hashes(retained, BS)
     m.step([Admit(1, 5, 5, hashes([*retained, 9], BS), 0, 3)])
@@ -141,7 +141,7 @@ def test_a_demoted_block_is_not_taken_for_a_hit_block(policy):
 
 
 def test_evictions_report_the_age_and_the_reuse_of_what_they_took():
-    m = KVBlockManager(3, BS)  # 2 usable
+    m = KVBlockManager(PoolSpec(3, BS))  # 2 usable
     a = list(range(10, 18))
     m.step([Admit(1, 8, 8, hashes(a, BS))])  # step 1
     m.step([Commit(1, 0, hashes(a, BS)), Free((1,))])  # step 2: both blocks cached, freed

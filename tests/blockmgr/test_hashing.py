@@ -3,7 +3,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
-from services.blockmgr.hashing import HASH_SIZE, ROOT_HASH, block_hashes, hash_block
+from services.blockmgr.api.hashing import HASH_SIZE, ROOT_HASH, block_hashes, hash_block
 
 
 def test_hashes_are_sha256_of_parent_and_little_endian_tokens():

@@ -12,9 +12,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.blockmgr.api.errors import ErrorCode
+from services.blockmgr.api.types import PoolSpec
 from services.blockmgr.client import GrpcClient
-from services.blockmgr.config import BlockManagerServiceConfig
-from services.blockmgr.errors import ErrorCode
+from services.blockmgr.service.config import BlockManagerServiceConfig
 from services.common.auth import INTERNAL_TOKEN_HEADER, InternalSecurity
 from tests.blockmgr.helpers import ThreadedServer, raises_code
 
@@ -37,13 +38,13 @@ def test_calls_without_the_internal_token_are_unauthenticated(server) -> None:
         with raises_code(ErrorCode.UNAUTHENTICATED, INTERNAL_TOKEN_HEADER):
             client.info()
         with raises_code(ErrorCode.UNAUTHENTICATED):
-            client.register("victim", 8, 4)
+            client.register("victim", PoolSpec(8, 4))
         client.close()
 
 
 def test_calls_with_the_internal_token_are_served(server) -> None:
     client = GrpcClient(server.address, internal_token=TOKEN)
-    info = client.register("owned", 8, 4)
+    info = client.register("owned", PoolSpec(8, 4))
     assert client.stats("owned").pool.epoch == info.epoch
     client.unregister("owned", info.epoch)
     client.close()
@@ -136,7 +137,7 @@ def test_mtls_serves_clients_with_an_internal_certificate_only(pki) -> None:
     )
     try:
         good = GrpcClient(server.address, credentials=client_side.channel_credentials())
-        assert good.register("mtls", 8, 4).epoch > 0
+        assert good.register("mtls", PoolSpec(8, 4)).epoch > 0
         good.close()
         # TLS without a client certificate, and plaintext: both refused.
         ca = Path(pki["ca.pem"]).read_bytes()

@@ -3,11 +3,8 @@ but what our scheduler and benchmarks rely on)."""
 
 from __future__ import annotations
 
-from services.blockmgr.core import BlockManagerCore
-from services.blockmgr.errors import ErrorCode
-from services.blockmgr.kv_groups import group_key
-from services.blockmgr.kv_manager import KVBlockManager
-from services.blockmgr.types import (
+from services.blockmgr.api.errors import ErrorCode
+from services.blockmgr.api.types import (
     Admit,
     AttentionKindName,
     BlockCopy,
@@ -18,8 +15,12 @@ from services.blockmgr.types import (
     KVCacheGroup,
     KVEventKind,
     OpStatus,
+    PoolSpec,
     RestoredSequence,
 )
+from services.blockmgr.pool.groups import group_key
+from services.blockmgr.pool.manager import KVBlockManager
+from services.blockmgr.service.core import BlockManagerCore
 from tests.blockmgr.helpers import hashes, raises_code
 
 BS = 4
@@ -35,7 +36,7 @@ def _commit(m: KVBlockManager, seq_id: int, tokens: list[int], start: int = 0):
 
 
 def test_blocks_are_handed_out_in_id_order_starting_at_one():
-    m = KVBlockManager(8, BS)
+    m = KVBlockManager(PoolSpec(8, BS))
     assert _admit(m, 1, list(range(9))).block_ids == (1, 2, 3)
     assert _admit(m, 2, list(range(2))).block_ids == (4,)
     (g,) = m.step([Grow((2,), (3,))])
@@ -43,14 +44,14 @@ def test_blocks_are_handed_out_in_id_order_starting_at_one():
 
 
 def test_uncached_freed_blocks_are_reused_fifo_after_never_used_ones():
-    m = KVBlockManager(6, BS)
+    m = KVBlockManager(PoolSpec(6, BS))
     _admit(m, 1, list(range(8)))  # 1, 2
     m.step([Free((1,))])  # freed tail first: uncached queue is 3, 4, 5, 2, 1
     assert _admit(m, 2, list(range(20))).block_ids == (3, 4, 5, 2, 1)
 
 
 def test_uncached_free_blocks_are_used_before_any_cached_block_is_evicted():
-    m = KVBlockManager(6, BS)
+    m = KVBlockManager(PoolSpec(6, BS))
     tokens = list(range(8))
     _admit(m, 1, tokens)  # 1, 2
     _commit(m, 1, tokens)
@@ -61,7 +62,7 @@ def test_uncached_free_blocks_are_used_before_any_cached_block_is_evicted():
 
 
 def test_lru_evicts_least_recently_freed_chain_tail_first():
-    m = KVBlockManager(7, BS)  # 6 usable
+    m = KVBlockManager(PoolSpec(7, BS))  # 6 usable
     a, b = list(range(8)), list(range(50, 58))
     _admit(m, 1, a)  # 1, 2
     _admit(m, 2, b)  # 3, 4
@@ -75,7 +76,7 @@ def test_lru_evicts_least_recently_freed_chain_tail_first():
 
 
 def test_lfu_keeps_the_most_hit_prefix_under_pressure():
-    m = KVBlockManager(6, BS, eviction_policy="lfu")  # 5 usable
+    m = KVBlockManager(PoolSpec(6, BS, eviction_policy="lfu"))  # 5 usable
     hot, cold = list(range(5)), list(range(50, 55))
     _admit(m, 1, hot)  # 1, 2
     _commit(m, 1, hot)
@@ -92,7 +93,7 @@ def test_lfu_keeps_the_most_hit_prefix_under_pressure():
 
 
 def test_hit_on_free_cached_block_removes_it_from_the_eviction_queue():
-    m = KVBlockManager(5, BS)
+    m = KVBlockManager(PoolSpec(5, BS))
     tokens = list(range(9))
     _admit(m, 1, tokens)  # 1, 2, 3
     _commit(m, 1, tokens)
@@ -107,7 +108,7 @@ def test_hit_on_free_cached_block_removes_it_from_the_eviction_queue():
 
 
 def test_commit_first_writer_wins_and_duplicates_stay_uncached():
-    m = KVBlockManager(8, BS)
+    m = KVBlockManager(PoolSpec(8, BS))
     tokens = list(range(5))
     _admit(m, 1, tokens)  # 1, 2
     _admit(m, 2, tokens)  # 3, 4 (nothing committed yet)
@@ -120,7 +121,7 @@ def test_commit_first_writer_wins_and_duplicates_stay_uncached():
 
 
 def test_cow_copy_replaces_the_last_block_of_the_writer_only():
-    m = KVBlockManager(8, BS)
+    m = KVBlockManager(PoolSpec(8, BS))
     _admit(m, 1, list(range(6)))  # 1, 2
     m.step([Fork(1, 2)])
     (g,) = m.step([Grow((1, 2), (1, 1))])
@@ -131,7 +132,7 @@ def test_cow_copy_replaces_the_last_block_of_the_writer_only():
 
 
 def test_restore_takes_exactly_the_listed_blocks_out_of_the_free_queue():
-    m = KVBlockManager(8, BS)
+    m = KVBlockManager(PoolSpec(8, BS))
     m.restore([RestoredSequence(1, 6, (5, 2)), RestoredSequence(2, 6, (5, 7))])
     assert m.pool.refcount == [0, 0, 1, 0, 0, 2, 0, 1]
     assert _admit(m, 3, list(range(12))).block_ids == (1, 3, 4)
@@ -139,18 +140,20 @@ def test_restore_takes_exactly_the_listed_blocks_out_of_the_free_queue():
 
 def test_epochs_increase_and_are_unique_per_registration():
     core = BlockManagerCore()
-    first = core.register("p", 4, BS)
+    first = core.register("p", PoolSpec(4, BS))
     token = first.owner_token
-    epochs = [first.epoch] + [core.register("p", 4, BS, owner_token=token).epoch for _ in range(2)]
+    epochs = [first.epoch] + [
+        core.register("p", PoolSpec(4, BS), owner_token=token).epoch for _ in range(2)
+    ]
     assert epochs == sorted(epochs) and len(set(epochs)) == 3
-    other = core.register("q", 4, BS).epoch
+    other = core.register("q", PoolSpec(4, BS)).epoch
     assert other > epochs[-1]
     with raises_code(ErrorCode.FAILED_PRECONDITION):
         core.step("p", epochs[0], [], token)
 
 
 def test_readmitting_a_freed_sequence_id_is_allowed():
-    m = KVBlockManager(8, BS)
+    m = KVBlockManager(PoolSpec(8, BS))
     _admit(m, 1, list(range(4)))
     m.step([Free((1,))])
     assert _admit(m, 1, list(range(4))).status is OpStatus.OK
@@ -160,7 +163,7 @@ def test_readmitting_a_freed_sequence_id_is_allowed():
 
 
 def test_step_validation_sees_earlier_ops_of_the_same_step():
-    m = KVBlockManager(8, BS)
+    m = KVBlockManager(PoolSpec(8, BS))
     # admit then grow then commit then free in one step: valid as a whole
     tokens = list(range(4))
     results = m.step(
@@ -182,7 +185,7 @@ def test_step_validation_sees_earlier_ops_of_the_same_step():
 def test_lfu_heap_stays_bounded_under_free_and_hit_churn():
     """Lazy deletion must not let the heap grow without bound: 20,000 free -> hit cycles of
     two cached blocks (issue 12 saw 40,002 heap entries)."""
-    from services.blockmgr.eviction import LFUPolicy
+    from services.blockmgr.eviction.policies import LFUPolicy
 
     policy = LFUPolicy()
     for _ in range(20_000):
@@ -202,13 +205,13 @@ def test_a_consumer_resuming_after_a_restart_gets_every_new_event_from_cleared_o
     """Sequence numbers do not restart at 1 with the process, and the new epoch announces
     itself: resuming with the last number seen before the restart misses nothing."""
     before = BlockManagerCore()
-    info = before.register("p", 8, BS)
+    info = before.register("p", PoolSpec(8, BS))
     tokens = list(range(8))
     before.step("p", info.epoch, [Admit(1, 9, 9, hashes(tokens, BS))], info.owner_token)
     before.step("p", info.epoch, [Commit(1, 0, hashes(tokens, BS))], info.owner_token)
     last_seen = before.stats("p").last_event_seq
     restarted = BlockManagerCore()  # the process came back empty
-    again = restarted.register("p", 8, BS)
+    again = restarted.register("p", PoolSpec(8, BS))
     replay = restarted.subscribe("p", lambda pool_id, events: None, start_after_seq=last_seen)
     assert [e.kind for e in replay] == [KVEventKind.CLEARED]
     assert replay[0].epoch == again.epoch and replay[0].seq > last_seen
@@ -217,7 +220,7 @@ def test_a_consumer_resuming_after_a_restart_gets_every_new_event_from_cleared_o
 def test_a_live_duplicate_takes_over_the_hash_when_the_hashed_copy_is_evicted():
     """Two identical prompts computed at once: only the first copy is hashed. Evicting it must
     not lose the hash while the second copy, holding the same KV, is alive."""
-    m = KVBlockManager(8, BS)  # 7 usable blocks
+    m = KVBlockManager(PoolSpec(8, BS))  # 7 usable blocks
     tokens = list(range(8))  # two full blocks
     h = hashes(tokens, BS)
     _admit(m, 1, [*tokens, 99])
@@ -253,7 +256,7 @@ def test_a_hybrid_admission_never_allocates_a_block_another_of_its_groups_hit():
         (10, [*base, 1, 0, 0, 2], 3, 4),
     ]
     groups = [KVCacheGroup(AttentionKindName.SLIDING, 6), KVCacheGroup()]
-    m = KVBlockManager(14, BS, groups=groups)
+    m = KVBlockManager(PoolSpec(14, BS, groups=tuple(groups)))
     for seq_id, prompt, new, free in script:
         h = hashes(prompt, BS)
         (r,) = m.step([Admit(seq_id, len(prompt), new, h)])

@@ -10,10 +10,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.blockmgr.errors import BlockManagerError
-from services.blockmgr.kv_groups import group_key, split_key
-from services.blockmgr.kv_manager import KVBlockManager
-from services.blockmgr.types import (
+from services.blockmgr.api.errors import BlockManagerError
+from services.blockmgr.api.types import (
     NO_SLOT,
     Admit,
     AttentionKindName,
@@ -23,11 +21,14 @@ from services.blockmgr.types import (
     Grow,
     KVCacheGroup,
     OpStatus,
+    PoolSpec,
     RestoredSequence,
     SwapIn,
     SwapOut,
     Uncache,
 )
+from services.blockmgr.pool.groups import group_key, split_key
+from services.blockmgr.pool.manager import KVBlockManager
 from services.common.blocks import NULL_BLOCK
 from services.common.blocks import first_live_block as first_live
 from tests.blockmgr.helpers import hashes
@@ -62,14 +63,16 @@ class PoolMachine(RuleBasedStateMachine):
             for w in self.windows
         ]
         return KVBlockManager(
-            self.num_blocks,
-            BS,
-            eviction_policy=self.policy,
-            groups=groups,
+            PoolSpec(
+                self.num_blocks,
+                BS,
+                eviction_policy=self.policy,
+                groups=tuple(groups),
+                host_blocks=self.host_blocks,
+                disk_blocks=self.disk_blocks,
+                tier_eviction_policy=self.tier_policy,
+            ),
             retention_steps=self.retention_steps,
-            host_blocks=self.host_blocks,
-            disk_blocks=self.disk_blocks,
-            tier_eviction_policy=self.tier_policy,
         )
 
     def _tables(self, m: KVBlockManager | None = None) -> Tables:

@@ -16,16 +16,17 @@ from hypothesis import strategies as st
 
 from pagedserve.v1 import blockmgr_pb2 as pb
 from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
-from services.blockmgr import convert, convert_results
-from services.blockmgr.client import GrpcClient
-from services.blockmgr.kv_groups import MAX_KV_CACHE_GROUPS
-from services.blockmgr.types import (
+from services.blockmgr.api import convert, convert_results
+from services.blockmgr.api.types import (
     EVENTS_LIVE_HEADER,
     Admit,
     AttentionKindName,
     KVEventKind,
     OpStatus,
+    PoolSpec,
 )
+from services.blockmgr.client import GrpcClient
+from services.blockmgr.pool.groups import MAX_KV_CACHE_GROUPS
 from tests.blockmgr.helpers import ThreadedServer
 from tests.procs import ServiceProcess
 
@@ -197,7 +198,7 @@ def test_process_serves_then_shuts_down_gracefully_on_sigterm():
     try:
         assert all(r["service"] == "blockmgr" for r in proc.lines if r["event"] != "raw")
         client = GrpcClient(proc.address)
-        epoch = client.register("proc", 8, 4).epoch
+        epoch = client.register("proc", PoolSpec(8, 4)).epoch
         (r,) = client.step("proc", epoch, [Admit(1, 5, 5)]).results
         assert r.status is OpStatus.OK
         client.close()
@@ -229,7 +230,7 @@ def test_domain_enums_carry_the_proto_values(domain, proto, prefix):
 
 
 def test_conversion_round_trips_groups_first_live_blocks_and_event_groups():
-    from services.blockmgr.types import (
+    from services.blockmgr.api.types import (
         BlockCopy,
         EvictionPolicyName,
         GrowResult,
@@ -240,7 +241,7 @@ def test_conversion_round_trips_groups_first_live_blocks_and_event_groups():
     )
 
     group = KVCacheGroup(AttentionKindName.SLIDING, 4096, (1, 3))
-    pool = PoolInfo("p", 7, 16, 4, True, EvictionPolicyName.LFU, groups=(group,))
+    pool = PoolInfo.of("p", 7, PoolSpec(16, 4, True, EvictionPolicyName.LFU, groups=(group,)))
     info = ServiceInfo("x", "1", "sha256-chain-v1", 32, (EvictionPolicyName.LRU,), (pool,), 1)
     assert convert.info_from_pb(convert.info_to_pb(info)) == info
     grow = GrowResult((OpStatus.OK, OpStatus.SKIPPED), ((3,), ()), (BlockCopy(0, 1, 2, 3),), (2, 0))

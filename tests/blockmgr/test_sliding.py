@@ -7,17 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.blockmgr.core import BlockManagerCore
-from services.blockmgr.errors import ErrorCode
-from services.blockmgr.kv_groups import (
-    MAX_KV_CACHE_GROUPS,
-    longest_group_hit,
-    longest_window_hit,
-    split_key,
-    validated_groups,
-)
-from services.blockmgr.kv_manager import KVBlockManager
-from services.blockmgr.types import (
+from services.blockmgr.api.errors import ErrorCode
+from services.blockmgr.api.types import (
     FULL_GROUP,
     Admit,
     AttentionKindName,
@@ -28,8 +19,18 @@ from services.blockmgr.types import (
     GrowResult,
     KVCacheGroup,
     OpStatus,
+    PoolSpec,
     RestoredSequence,
 )
+from services.blockmgr.pool.groups import (
+    MAX_KV_CACHE_GROUPS,
+    longest_group_hit,
+    longest_window_hit,
+    split_key,
+    validated_groups,
+)
+from services.blockmgr.pool.manager import KVBlockManager
+from services.blockmgr.service.core import BlockManagerCore
 from services.common.blocks import first_live_block as first_live
 from tests.blockmgr.helpers import hashes, raises_code
 
@@ -38,7 +39,14 @@ SLIDING = AttentionKindName.SLIDING
 
 
 def _sliding(num_blocks: int, window: int, policy: str = "lru") -> KVBlockManager:
-    return KVBlockManager(num_blocks, BS, sliding_window=window, eviction_policy=policy)
+    return KVBlockManager(
+        PoolSpec(
+            num_blocks,
+            BS,
+            groups=(KVCacheGroup(AttentionKindName.SLIDING, window),),
+            eviction_policy=policy,
+        )
+    )
 
 
 def _admit(m: KVBlockManager, seq_id: int, tokens: list[int], budget: int = 10**6):
@@ -130,7 +138,7 @@ def test_longest_group_hit_is_the_longest_prefix_every_group_serves(cached, n, w
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(window=st.integers(1, 70), bs=st.sampled_from([1, 2, 4, 16]), prompt=st.integers(1, 50))
 def test_a_decoding_sequence_never_holds_more_than_the_window_plus_one_block(window, bs, prompt):
-    m = KVBlockManager(600, bs, sliding_window=window)
+    m = KVBlockManager(PoolSpec(600, bs, groups=(KVCacheGroup(AttentionKindName.SLIDING, window),)))
     m.step([Admit(1, prompt, prompt)])
     bound = -(-window // bs) + 1
     for _ in range(400 - prompt):
@@ -142,7 +150,7 @@ def test_a_decoding_sequence_never_holds_more_than_the_window_plus_one_block(win
 
 
 def test_w32_bs16_decoding_400_tokens_holds_at_most_3_blocks():
-    m = KVBlockManager(64, 16, sliding_window=32)
+    m = KVBlockManager(PoolSpec(64, 16, groups=(KVCacheGroup(AttentionKindName.SLIDING, 32),)))
     m.step([Admit(1, 1, 1)])
     most = 0
     for _ in range(399):
@@ -172,7 +180,7 @@ def test_grow_releases_the_blocks_out_of_the_window_of_its_queries():
 
 
 def test_a_full_pool_grow_reports_no_first_live_blocks():
-    m = KVBlockManager(16, BS)
+    m = KVBlockManager(PoolSpec(16, BS))
     _admit(m, 1, list(range(40)))
     assert _grow(m, 1, 1).first_live_blocks == ()
     assert 0 not in m.block_table(1)
@@ -354,11 +362,11 @@ def test_groups_are_validated_and_echoed():
     assert validated_groups(()) == (FULL_GROUP,)
     g = KVCacheGroup(SLIDING, 4096, (0, 2, 4))
     core = BlockManagerCore()
-    info = core.register("p", 8, BS, groups=[g])
+    info = core.register("p", PoolSpec(8, BS, groups=tuple([g])))
     assert info.groups == (g,) and core.info("p").pools[0].groups == (g,)
     assert core.manager("p").windows == (4096,)
     assert core.info().max_kv_cache_groups == MAX_KV_CACHE_GROUPS
-    again = core.register("p", 8, BS, owner_token=info.owner_token)
+    again = core.register("p", PoolSpec(8, BS), owner_token=info.owner_token)
     assert again.epoch > info.epoch and again.groups == (FULL_GROUP,)
     assert core.manager("p").windows == (0,)
 
@@ -378,7 +386,7 @@ def test_groups_are_validated_and_echoed():
 def test_bad_groups_are_invalid_argument_naming_the_field(groups, field):
     core = BlockManagerCore()
     with raises_code(ErrorCode.INVALID_ARGUMENT, field):
-        core.register("p", 8, BS, groups=groups)
+        core.register("p", PoolSpec(8, BS, groups=tuple(groups)))
     assert core.info().pools == ()
 
 
@@ -390,7 +398,7 @@ def test_restore_accepts_leading_null_entries_in_a_sliding_pool_only():
     assert m.seqs[1].first_live == 2 and m.pool.refcount[5:7] == [1, 1]
     assert m.counters().num_in_use_blocks == 2
     assert _grow(m, 1, 4).first_live_blocks == (2,)
-    full = KVBlockManager(16, BS)
+    full = KVBlockManager(PoolSpec(16, BS))
     with raises_code(ErrorCode.INVALID_ARGUMENT, "reserved"):
         full.restore([RestoredSequence(1, 13, (0, 0, 5, 6))])
 

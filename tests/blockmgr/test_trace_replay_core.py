@@ -4,21 +4,22 @@ have one."""
 
 from __future__ import annotations
 
-from services.blockmgr.client import InProcessClient
-from services.blockmgr.core import BlockManagerCore
-from services.blockmgr.replay import replay
-from services.blockmgr.trace import RestoreRecord, StepRecord, TraceWriter, read_trace
-from services.blockmgr.types import (
+from services.blockmgr.api.types import (
     Admit,
     AttentionKindName,
     Commit,
     Free,
     Grow,
     KVCacheGroup,
+    PoolSpec,
     RestoredSequence,
     SwapIn,
     SwapOut,
 )
+from services.blockmgr.client import InProcessClient
+from services.blockmgr.service.core import BlockManagerCore
+from services.blockmgr.trace.record import RestoreRecord, StepRecord, TraceWriter, read_trace
+from services.blockmgr.trace.replay import replay
 from tests.blockmgr.helpers import hashes
 
 BS = 4
@@ -33,7 +34,7 @@ def _turn(core, epoch, seq_id, tokens, priority=0):
 def test_a_replay_counts_empty_steps_as_the_pools_clock(tmp_path):
     trace = TraceWriter(tmp_path / "t.jsonl")
     core = InProcessClient(BlockManagerCore(trace=trace, retention_steps=6))
-    epoch = core.register("p", 9, BS).epoch  # 8 usable
+    epoch = core.register("p", PoolSpec(9, BS)).epoch  # 8 usable
     _turn(core, epoch, 1, list(range(16)), priority=3)  # retained: 4 blocks
     for _ in range(5):  # keepalives: the retention runs out
         core.step("p", epoch, [])
@@ -53,7 +54,7 @@ def test_a_host_tier_override_leaves_sliding_pools_without_one(tmp_path):
     trace = TraceWriter(tmp_path / "t.jsonl")
     core = InProcessClient(BlockManagerCore(trace=trace))
     sliding = KVCacheGroup(AttentionKindName.SLIDING, 8)
-    epoch = core.register("p", 9, BS, groups=[sliding]).epoch
+    epoch = core.register("p", PoolSpec(9, BS, groups=tuple([sliding]))).epoch
     _turn(core, epoch, 1, list(range(16)))
     trace.close()
     result = replay(list(read_trace(tmp_path / "t.jsonl")), host_blocks=4)
@@ -63,12 +64,14 @@ def test_a_host_tier_override_leaves_sliding_pools_without_one(tmp_path):
 def test_swaps_and_swapped_restores_are_recorded_and_replayed_as_live(tmp_path):
     trace = TraceWriter(tmp_path / "t.jsonl")
     core = InProcessClient(BlockManagerCore(trace=trace))
-    epoch = core.register("p", 9, BS, host_blocks=8).epoch
+    epoch = core.register("p", PoolSpec(9, BS, host_blocks=8)).epoch
     tokens = list(range(14))
     h = hashes(tokens, BS)
     core.step("p", epoch, [Admit(1, 14, 14, h), Commit(1, 0, h)])
     out = core.step("p", epoch, [SwapOut((1,))]).results[0]
-    epoch = core.register("p", 9, BS, host_blocks=8).epoch  # restarted: restored from slots
+    epoch = core.register(
+        "p", PoolSpec(9, BS, host_blocks=8)
+    ).epoch  # restarted: restored from slots
     core.restore("p", epoch, [RestoredSequence(1, 14, (), h, out.host_slots[0])])
     core.step("p", epoch, [SwapIn((1,)), Grow((1,), (2,))])
     core.step("p", epoch, [SwapOut((1,))])

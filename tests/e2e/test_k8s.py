@@ -24,7 +24,7 @@ import yaml
 from pagedserve.v1 import generation_pb2 as G
 from pagedserve.v1 import generation_pb2_grpc
 from services.blockmgr.client import GrpcClient
-from services.blockmgr.config import BlockManagerServiceConfig
+from services.blockmgr.service.config import BlockManagerServiceConfig
 from services.executor.service.config import ExecutorConfig
 from services.gateway.config import GatewayConfig
 from tests.procs import ServiceProcess, wait_serving

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from services.blockmgr.client import InProcessClient, StepCall
-from services.blockmgr.errors import BlockManagerError, ErrorCode
-from services.blockmgr.types import GrowResult, OpStatus, StepResult
+from services.blockmgr.api.errors import BlockManagerError, ErrorCode
+from services.blockmgr.api.protocol import StepCall
+from services.blockmgr.api.types import GrowResult, OpStatus, StepResult
+from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
 from services.executor.core.engine import Engine
 from services.executor.core.outputs import SeqOutput

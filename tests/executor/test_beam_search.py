@@ -161,7 +161,7 @@ def test_beams_share_blocks_by_reference(setup):
     held = []
     while engine.has_work:
         engine.step()
-        held.append(engine.link.client.stats(engine.link.spec.pool_id).counters.num_in_use_blocks)
+        held.append(engine.link.client.stats(engine.link.pool_id).counters.num_in_use_blocks)
     per_beam = -(-(len(prompt) + MAX_TOKENS) // 16)
     assert max(held) < 4 * per_beam  # without sharing, four copies of the prompt's blocks
 
@@ -181,7 +181,7 @@ def test_an_aborted_beam_search_ends_every_beam_and_frees_its_blocks(setup):
     assert sorted(o.index for o in outs) == [0, 1, 2]
     assert all(o.finish_reason is FinishReason.ABORT for o in outs)
     assert not engine.requests and not engine.scheduler.running
-    assert engine.link.client.stats(engine.link.spec.pool_id).counters.num_in_use_blocks == 0
+    assert engine.link.client.stats(engine.link.pool_id).counters.num_in_use_blocks == 0
 
 
 @pytest.mark.parametrize(
@@ -243,10 +243,7 @@ def test_a_tight_cache_with_mixed_traffic_gives_the_roomy_results(setup, seed):
     tight_engine = make(num_kv_blocks=16, max_num_batched_tokens=32, max_model_len=128)
     tight, _ = _run(tight_engine, requests)
     assert tight == roomy
-    assert (
-        tight_engine.link.client.stats(tight_engine.link.spec.pool_id).counters.num_in_use_blocks
-        == 0
-    )
+    assert tight_engine.link.client.stats(tight_engine.link.pool_id).counters.num_in_use_blocks == 0
 
 
 def test_aborting_one_beam_aborts_the_whole_search(setup):

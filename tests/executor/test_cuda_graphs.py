@@ -168,7 +168,7 @@ def test_parallel_samples_copy_on_write_under_graphs_match_one_sample(llama) -> 
     assert len(outs[("one", 0)]) == 12
     for i in range(3):
         assert outs[("three", i)] == outs[("one", 0)]
-    assert engine.link.client.stats(engine.link.spec.pool_id).num_cow_copies >= 2
+    assert engine.link.client.stats(engine.link.pool_id).num_cow_copies >= 2
     assert engine.runner.graphs.num_replays > 0  # type: ignore[attr-defined]
 
 

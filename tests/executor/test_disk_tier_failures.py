@@ -77,7 +77,7 @@ def test_failed_loads_and_spills_are_recomputed_with_transformers_tokens(
         _converse_many(engine, hf_model("llama"))
     finally:
         engine.runner.close()
-    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    stats = engine.link.client.stats(engine.link.pool_id)
     assert reads.calls[0] >= 2 and writes.calls[0] >= 3  # both kinds failed
     assert engine.num_failed_moves >= 2
     assert stats.num_loaded_blocks > 0 and stats.disk_hits_tokens > 0  # the rest still hit

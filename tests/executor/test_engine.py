@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
-from services.blockmgr.config import BlockManagerServiceConfig
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.client import GrpcClient, InProcessClient
+from services.blockmgr.service.config import BlockManagerServiceConfig
 from services.common.sampling_params import SamplingParams
 from services.executor.core.engine import Engine
 from services.executor.core.sequence import RequestKey
@@ -82,7 +83,7 @@ def _assert_matches(got: dict[str, list[int]], workload) -> None:
 
 
 def _assert_pool_empty(engine: Engine) -> None:
-    c = engine.link.client.stats(engine.link.spec.pool_id).counters
+    c = engine.link.client.stats(engine.link.pool_id).counters
     assert c.num_in_use_blocks == 0 and c.num_free_blocks == c.num_usable_blocks
 
 
@@ -113,7 +114,7 @@ def test_32_concurrent_requests_match_transformers_greedy(llama, workload, name)
     engine = _engine(llama, **kw)
     _assert_matches(_run_staggered(engine, workload), workload)
     if name == "default":
-        assert engine.link.client.stats(engine.link.spec.pool_id).prefix_cache_hits_tokens > 0
+        assert engine.link.client.stats(engine.link.pool_id).prefix_cache_hits_tokens > 0
     _assert_round_trips(engine)
     _assert_pool_empty(engine)
 
@@ -292,7 +293,7 @@ def test_parallel_samples_share_prompt_blocks_and_copy_on_write(llama, workload)
     finals = {}
     engine.step()
     engine.step()
-    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    stats = engine.link.client.stats(engine.link.pool_id)
     prompt_blocks = -(-len(prompt) // 16)
     assert stats.counters.num_in_use_blocks < 4 * prompt_blocks
     if len(prompt) % 16:

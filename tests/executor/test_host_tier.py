@@ -44,7 +44,7 @@ def test_a_conversation_evicted_to_the_host_tier_comes_back_on_its_next_turn(
         _converse(engine, hf_model("llama"), seed=3)
     finally:
         engine.runner.close()
-    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    stats = engine.link.client.stats(engine.link.pool_id)
     assert stats.pool.host_blocks > 0 and stats.num_offloaded_blocks > 0
     assert stats.num_onboarded_blocks > 0 and stats.host_hits_tokens > 0
     assert (engine.scheduler.num_chunks_held_back > 0) == fills_async
@@ -96,7 +96,7 @@ def test_a_sequence_waits_for_its_fill_while_the_rest_of_the_batch_runs(
                 held_in.append({o.req_id.request_id for o in outputs if o.token_ids})
     finally:
         engine.runner.close()
-    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    stats = engine.link.client.stats(engine.link.pool_id)
     assert stats.num_onboarded_blocks > 0 and stats.num_loaded_blocks > 0
     assert held_in and all(who == {"beside"} for who in held_in)
     assert got["back"] == hf_greedy(hf, history, 4)[0]
@@ -113,7 +113,7 @@ def test_sliding_and_hybrid_models_onboard_from_the_host_tier_with_transformers_
         _config(tiny_checkpoint, name, num_kv_blocks=num_kv_blocks), blockmgr=InProcessClient()
     )
     _converse(engine, hf_model(name), seed=5)
-    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    stats = engine.link.client.stats(engine.link.pool_id)
     assert stats.num_offloaded_blocks > 0 and stats.host_hits_tokens > 0
 
 
@@ -139,7 +139,7 @@ def test_host_blocks_spill_to_a_disk_tier_and_load_back_with_transformers_tokens
         _converse(engine, hf_model("llama"), seed=4)
     finally:
         engine.runner.close()
-    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    stats = engine.link.client.stats(engine.link.pool_id)
     assert (stats.pool.host_blocks, stats.pool.disk_blocks) == (6, 256)
     assert stats.pool.tier_eviction_policy.value == "arc"
     assert stats.num_spilled_blocks > 0 and stats.num_loaded_blocks > 0
@@ -167,7 +167,7 @@ def _assert_moves_counted_as_ordered(engine, stats) -> None:
 
 
 def _assert_pool_empty(engine) -> None:
-    c = engine.link.client.stats(engine.link.spec.pool_id).counters
+    c = engine.link.client.stats(engine.link.pool_id).counters
     assert c.num_in_use_blocks == 0 and c.num_free_blocks == c.num_usable_blocks
 
 
@@ -309,7 +309,7 @@ def test_cuda_fills_on_their_stream_give_the_tokens_of_fills_in_line(
             answers.append(_converse(engine, None, seed=6))
         finally:
             engine.runner.close()
-        stats = engine.link.client.stats(engine.link.spec.pool_id)
+        stats = engine.link.client.stats(engine.link.pool_id)
         assert stats.num_onboarded_blocks > 0 and stats.num_loaded_blocks > 0
         assert (engine.scheduler.num_chunks_held_back > 0) == fills_async
     assert answers[0] == answers[1]

@@ -13,8 +13,9 @@ import pytest
 from transformers import PreTrainedModel
 
 from kernels.ops import FORCE_TRITON_ENV
-from services.blockmgr.client import BlockManagerClient, InProcessClient
-from services.blockmgr.types import AttentionKindName
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.api.types import AttentionKindName
+from services.blockmgr.client import InProcessClient
 from services.common.blocks import NULL_BLOCK, blocks_for_tokens, max_live_blocks
 from services.common.sampling_params import SamplingParams
 from services.executor.core.engine import Engine
@@ -96,7 +97,7 @@ def test_hybrid_pool_matches_transformers_and_slides_only_the_sliding_group(
     }[name]
     engine = _engine(tiny_checkpoint, **kw)
     _assert_matches(_run(engine, workload), workload)
-    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    stats = engine.link.client.stats(engine.link.pool_id)
     if name == "default":
         assert stats.prefix_cache_hits_tokens > 0
     if name == "tiny_kv_cache":
@@ -109,7 +110,7 @@ def test_hybrid_pool_matches_transformers_and_slides_only_the_sliding_group(
 def test_n_greater_than_one_forks_copy_on_write_in_every_group(tiny_checkpoint, workload) -> None:
     engine = _engine(tiny_checkpoint)
     _assert_matches(_run(engine, workload[:4], n=3), workload[:4])
-    assert engine.link.client.stats(engine.link.spec.pool_id).num_cow_copies > 0
+    assert engine.link.client.stats(engine.link.pool_id).num_cow_copies > 0
     _assert_pool_empty(engine)
 
 
@@ -143,7 +144,7 @@ def test_a_long_sequence_holds_its_window_in_the_sliding_group(tiny_checkpoint) 
     )
     while engine.has_work:
         engine.step()
-        in_use = engine.link.client.stats(engine.link.spec.pool_id).counters.num_in_use_blocks
+        in_use = engine.link.client.stats(engine.link.pool_id).counters.num_in_use_blocks
         for seq in engine.scheduler.running:
             full = blocks_for_tokens(seq.num_computed_tokens + 1, BS)
             assert in_use <= full + max_live_blocks(WINDOW, BS)

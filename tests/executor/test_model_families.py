@@ -110,7 +110,7 @@ def test_engine_with_prefix_caching_chunked_prefill_and_preemption_matches_trans
             got.setdefault(out.req_id.request_id, []).extend(out.token_ids)
     for i, (_, _, expected) in enumerate(workload):
         assert got[f"r{i}"] == expected, f"request r{i}"
-    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    stats = engine.link.client.stats(engine.link.pool_id)
     assert stats.prefix_cache_hits_tokens > 0
     assert engine.scheduler.num_preemptions > 0
     assert engine.scheduler.config.num_kv_groups == (2 if name == "gemma3" else 1)

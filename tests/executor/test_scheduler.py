@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from services.blockmgr.api.errors import BlockManagerError, ErrorCode
+from services.blockmgr.api.types import PoolSpec, StepResult
 from services.blockmgr.client import InProcessClient
-from services.blockmgr.errors import BlockManagerError, ErrorCode
-from services.blockmgr.types import StepResult
 from services.common.sampling_params import SamplingParams
-from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
+from services.executor.core.blockmgr_link import BlockManagerLink
 from services.executor.core.config import EngineSettings
 from services.executor.core.engine import Engine
 from services.executor.core.outputs import EngineError, SeqOutput
@@ -64,8 +64,8 @@ def make_engine(
 
 
 def link(client: Any, runner: FakePagedRunner, prefix: bool = True) -> BlockManagerLink:
-    spec = PoolSpec("test", runner.num_blocks, BS, prefix, retry_s=0.001)
-    return BlockManagerLink(client, spec)
+    spec = PoolSpec(runner.num_blocks, BS, prefix)
+    return BlockManagerLink(client, "test", spec, retry_s=0.001)
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -467,7 +467,7 @@ def _steal_a_held_block(result: StepResult) -> StepResult:
     """Hand some admission a block some running sequence already holds."""
     from dataclasses import replace
 
-    from services.blockmgr.types import AdmitResult, OpStatus
+    from services.blockmgr.api.types import AdmitResult, OpStatus
 
     results = list(result.results)
     for i, r in enumerate(results):
@@ -512,7 +512,7 @@ def test_a_contradicting_answer_is_rejected_and_the_pool_rebuilt_without_losing_
 def test_a_request_the_block_manager_keeps_answering_wrongly_fails_alone():
     from dataclasses import replace
 
-    from services.blockmgr.types import AdmitResult, OpStatus
+    from services.blockmgr.api.types import AdmitResult, OpStatus
 
     def corrupt(call: int, result: StepResult) -> StepResult:
         # Every admission of seq 1 ("victim") gets an id outside the pool.

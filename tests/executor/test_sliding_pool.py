@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from transformers import PreTrainedModel
 
-from services.blockmgr.client import BlockManagerClient, InProcessClient
-from services.blockmgr.types import (
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.api.types import (
     Admit,
     AttentionKindName,
     Free,
@@ -22,6 +22,7 @@ from services.blockmgr.types import (
     OpStatus,
     StepResult,
 )
+from services.blockmgr.client import InProcessClient
 from services.common.blocks import NULL_BLOCK, max_live_blocks
 from services.common.sampling_params import SamplingParams
 from services.executor.core.engine import Engine
@@ -105,7 +106,7 @@ def test_sliding_pool_matches_transformers_and_holds_only_the_window(
     }[name]
     engine = _engine(tiny_checkpoint, **kw)
     _assert_matches(_run(engine, workload), workload)
-    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    stats = engine.link.client.stats(engine.link.pool_id)
     if name == "default":
         assert stats.prefix_cache_hits_tokens > 0
     if name.endswith("tiny_kv_cache"):
@@ -121,7 +122,7 @@ def test_n_greater_than_one_forks_share_the_window_blocks(
 ) -> None:
     engine = _engine(tiny_checkpoint, async_scheduling=async_scheduling)
     _assert_matches(_run(engine, workload[:6], n=3), workload[:6])
-    assert engine.link.client.stats(engine.link.spec.pool_id).num_cow_copies > 0
+    assert engine.link.client.stats(engine.link.pool_id).num_cow_copies > 0
     _assert_pool_empty(engine)
 
 
@@ -137,7 +138,7 @@ def test_a_sequence_many_windows_long_holds_at_most_the_window_blocks(tiny_check
     most = 0
     while engine.has_work:
         engine.step()
-        in_use = engine.link.client.stats(engine.link.spec.pool_id).counters.num_in_use_blocks
+        in_use = engine.link.client.stats(engine.link.pool_id).counters.num_in_use_blocks
         most = max(most, in_use)
     assert most <= max_live_blocks(WINDOW, BS)
     _assert_pool_empty(engine)

@@ -13,16 +13,18 @@ from typing import Any
 import pytest
 from transformers import PreTrainedModel
 
-from services.blockmgr.client import BlockManagerClient, InProcessClient
-from services.blockmgr.types import (
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.api.types import (
     GrowResult,
     OpStatus,
+    PoolSpec,
     StepResult,
     SwapInResult,
     SwapOutResult,
 )
+from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
-from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
+from services.executor.core.blockmgr_link import BlockManagerLink
 from services.executor.core.config import EngineSettings, SchedulerConfig
 from services.executor.core.engine import Engine
 from services.executor.core.sequence import RequestKey
@@ -98,12 +100,12 @@ def test_swapped_sequences_match_transformers_and_recompute_fewer_prompt_tokens(
     assert swap.scheduler.num_swapped_out > 0 and recompute.scheduler.num_swapped_out == 0
     # A sequence comes back only with room for its next chunk: no swap in and out each step.
     assert swap.scheduler.num_preemptions <= recompute.scheduler.num_preemptions
-    stats = swap.link.client.stats(swap.link.spec.pool_id)
+    stats = swap.link.client.stats(swap.link.pool_id)
     assert stats.num_swapped_out_blocks > 0 and stats.num_swapped_in_blocks > 0
     assert stats.num_swapped_sequences == 0
     # A swapped sequence keeps its computed tokens: it is never admitted again, where a
     # recomputed one is (its whole prompt and output looked up and computed past the hit).
-    again = recompute.link.client.stats(recompute.link.spec.pool_id)
+    again = recompute.link.client.stats(recompute.link.pool_id)
     assert stats.prefix_cache_queries_tokens == sum(len(p) for p, _, _ in workload)
     assert again.prefix_cache_queries_tokens > stats.prefix_cache_queries_tokens
     assert swap.num_prompt_tokens <= recompute.num_prompt_tokens
@@ -185,7 +187,7 @@ def test_an_aborted_swapped_out_sequence_gives_its_slots_back(tiny_checkpoint, w
     assert engine.abort_request(victim.req_id)
     while engine.has_work:
         engine.step()
-    stats = engine.link.client.stats(engine.link.spec.pool_id)
+    stats = engine.link.client.stats(engine.link.pool_id)
     assert stats.num_swapped_sequences == 0 and engine.scheduler.swap_slots_used == 0
     assert_pool_empty(engine)
 
@@ -209,7 +211,7 @@ def _fake_engine(swap: bool, client: Any = None) -> Engine:
     """A model-free engine (its runner checks every context read back through the tables)
     over 24 blocks of 4 tokens, chunked prefill of 16 tokens, a host tier of 64 slots."""
     runner = FakePagedRunner(25, 4)
-    spec = PoolSpec("fake", 25, 4, True, host_blocks=64, retry_s=0.001)
+    spec = PoolSpec(25, 4, True, host_blocks=64)
     settings = EngineSettings(
         max_model_len=256,
         vocab_size=VOCAB,
@@ -222,7 +224,9 @@ def _fake_engine(swap: bool, client: Any = None) -> Engine:
             swap_slots=64 if swap else 0,
         ),
     )
-    return Engine(settings, runner, BlockManagerLink(client or InProcessClient(), spec))
+    return Engine(
+        settings, runner, BlockManagerLink(client or InProcessClient(), "fake", spec, retry_s=0.001)
+    )
 
 
 def _run_fake(engine: Engine, prompts: list[list[int]]) -> None:

@@ -11,10 +11,10 @@ import random
 
 import pytest
 
+from services.blockmgr.api.types import AttentionKindName, KVCacheGroup, PoolSpec
 from services.blockmgr.client import InProcessClient
-from services.blockmgr.types import AttentionKindName, KVCacheGroup
 from services.common.sampling_params import SamplingParams
-from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
+from services.executor.core.blockmgr_link import BlockManagerLink
 from services.executor.core.scheduler import BadAnswer, Scheduler, SchedulerConfig
 from services.executor.core.sequence import FinishReason, RequestKey, Sequence
 
@@ -29,7 +29,7 @@ def _run(slides: tuple[bool, ...], num_blocks: int, seed: int) -> tuple[int, Sch
     )
     pool_id = f"swap-sliding-{len(slides)}-{num_blocks}-{seed}"
     link = BlockManagerLink(
-        InProcessClient(), PoolSpec(pool_id, num_blocks, BS, True, groups=groups, host_blocks=HOST)
+        InProcessClient(), pool_id, PoolSpec(num_blocks, BS, True, groups=groups, host_blocks=HOST)
     )
     config = SchedulerConfig(
         block_size=BS,

@@ -271,7 +271,7 @@ def test_engine_at_tp2_matches_transformers_under_chunking_prefix_hits_preemptio
                 assert got[(f"r{i}", index)] == expected, f"r{i} sample {index}"
         assert engine.scheduler.num_preemptions > 0
         assert engine.num_cached_prompt_tokens > 0
-        stats = engine.link.client.stats(engine.link.spec.pool_id)
+        stats = engine.link.client.stats(engine.link.pool_id)
         assert stats.num_cow_copies > 0
         assert stats.counters.num_in_use_blocks == 0
         assert (engine.num_batches_prepared > 0) == async_scheduling

@@ -9,12 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from services.blockmgr.api.types import EvictionPolicyName
 from services.blockmgr.client import GrpcClient, InProcessClient
-from services.blockmgr.config import BlockManagerServiceConfig
-from services.blockmgr.core import BlockManagerCore
-from services.blockmgr.replay import replay
-from services.blockmgr.trace import RegisterRecord, StepRecord, read_trace
-from services.blockmgr.types import EvictionPolicyName
+from services.blockmgr.service.config import BlockManagerServiceConfig
+from services.blockmgr.service.core import BlockManagerCore
+from services.blockmgr.trace.record import RegisterRecord, StepRecord, read_trace
+from services.blockmgr.trace.replay import replay
 from services.common.sampling_params import SamplingParams
 from services.executor.core.sequence import RequestKey
 from services.executor.model.launch import build_runner
@@ -63,7 +63,7 @@ def test_a_recorded_trace_replays_to_the_live_runs_hits_and_evictions(
             engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
         while engine.has_work:
             engine.step()
-        live = client.stats(engine.link.spec.pool_id)
+        live = client.stats(engine.link.pool_id)
     finally:
         client.close()
         server.stop()
@@ -71,7 +71,7 @@ def test_a_recorded_trace_replays_to_the_live_runs_hits_and_evictions(
     assert live.num_cow_copies > 0 and engine.scheduler.num_preemptions > 0
 
     records = list(read_trace(trace))
-    assert isinstance(records[0], RegisterRecord) and records[0].num_blocks == 14
+    assert isinstance(records[0], RegisterRecord) and records[0].spec.num_blocks == 14
     assert sum(isinstance(r, StepRecord) for r in records) > 10
     again = replay(records)
     assert (again.queries_tokens, again.hits_tokens) == (
@@ -142,6 +142,6 @@ def test_a_requests_kv_retention_priority_reaches_its_cached_blocks(tiny_checkpo
         engine.add_request(RequestKey(0, f"r{i}"), [1, i + 1, *prompt], params)
         while engine.has_work:
             engine.step()
-    levels = core.manager(engine.link.spec.pool_id).pool._policy
+    levels = core.manager(engine.link.pool_id).pool._policy
     assert sorted(set(levels.priority.values())) == [2] and len(levels.priority) == 5
     assert len(levels.levels[2]) == 5  # free and cached, evicted after priority 0

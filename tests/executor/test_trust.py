@@ -14,8 +14,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
+from services.blockmgr.api.errors import BlockManagerError
+from services.blockmgr.api.types import PoolSpec
 from services.blockmgr.client import GrpcClient
-from services.blockmgr.errors import BlockManagerError
 from services.common.auth import INTERNAL_TOKEN_HEADER
 from tests.procs import ServiceProcess, executor_args
 
@@ -136,7 +137,7 @@ def test_an_idle_executor_keeps_its_pool_alive_past_the_lease(blockmgr, executor
 def test_a_stranger_cannot_take_the_executors_pool(blockmgr, executor) -> None:
     stranger = GrpcClient(blockmgr.address, internal_token=TOKEN)
     with pytest.raises(BlockManagerError, match="another owner"):
-        stranger.register("trusted", 10**6, 16)
+        stranger.register("trusted", PoolSpec(10**6, 16))
     stranger.close()
 
 

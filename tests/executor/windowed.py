@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
-from services.blockmgr.config import BlockManagerServiceConfig
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.client import GrpcClient, InProcessClient
+from services.blockmgr.service.config import BlockManagerServiceConfig
 from services.common.sampling_params import SamplingParams
 from services.executor.core.engine import Engine
 from services.executor.core.sequence import RequestKey, Sequence
@@ -109,7 +110,7 @@ def assert_matches(got: dict[str, list[list[int]]], workload: Workload) -> None:
 
 
 def assert_pool_empty(engine: Engine) -> None:
-    c = engine.link.client.stats(engine.link.spec.pool_id).counters
+    c = engine.link.client.stats(engine.link.pool_id).counters
     assert c.num_in_use_blocks == 0 and c.num_free_blocks == c.num_usable_blocks
 
 

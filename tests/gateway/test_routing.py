@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
+from services.blockmgr.api.hashing import block_hashes
+from services.blockmgr.api.types import Admit, Commit, Free, KVEvent, KVEventKind, PoolSpec
 from services.blockmgr.client import GrpcClient
-from services.blockmgr.hashing import block_hashes
-from services.blockmgr.types import Admit, Commit, Free, KVEvent, KVEventKind
 from services.gateway.config import GatewayConfig
 from services.gateway.kv_events import KVEventFollower
 from services.gateway.prefix_index import MAX_PROVISIONAL_PER_POOL, PrefixIndex
@@ -270,7 +270,7 @@ def test_the_follower_waits_for_a_pool_then_mirrors_its_events() -> None:
         follower.track({"late"})  # not registered yet: NOT_FOUND, retried
         await asyncio.sleep(0.2)
         assert not index.is_synced("late")
-        epoch = await asyncio.to_thread(lambda: client.register("late", 32, BS).epoch)
+        epoch = await asyncio.to_thread(lambda: client.register("late", PoolSpec(32, BS)).epoch)
         await until(lambda: index.is_synced("late"))
         h = tuple(hashes(PROMPT_A))
 
@@ -281,7 +281,7 @@ def test_the_follower_waits_for_a_pool_then_mirrors_its_events() -> None:
         await asyncio.to_thread(compute_prompt_a)
         await until(lambda: index.match("late", h) == 4)
         # Re-registration (an executor restart): a new epoch opens with CLEARED.
-        await asyncio.to_thread(lambda: client.register("late", 32, BS))
+        await asyncio.to_thread(lambda: client.register("late", PoolSpec(32, BS)))
         await until(lambda: index.match("late", h) == 0)
         follower.track(set())  # the executor left the gateway: forgotten
         assert index.last_seq("late") == 0

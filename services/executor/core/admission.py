@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from services.blockmgr.types import Admit
+from services.blockmgr.api.types import Admit
 from services.common.blocks import blocks_for_tokens
 from services.executor.core.config import SchedulerConfig
 from services.executor.core.plan import SchedulePlan

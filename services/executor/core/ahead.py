@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from services.blockmgr.types import AdmitResult, Fork, GrowResult, OpStatus, StepResult
+from services.blockmgr.api.types import AdmitResult, Fork, GrowResult, OpStatus, StepResult
 from services.common.blocks import blocks_to_grow, needs_cow
 from services.executor.core.plan import ScheduledBatch, ScheduledChunk, SchedulePlan, step_moves
 from services.executor.core.sequence import SeqStatus, Sequence

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import structlog
 
-from services.blockmgr.client import BlockManagerClient, StepCall
-from services.blockmgr.errors import BlockManagerError, ErrorCode
-from services.blockmgr.types import (
-    EvictionPolicyName,
-    KVCacheGroup,
+from services.blockmgr.api.errors import BlockManagerError, ErrorCode
+from services.blockmgr.api.protocol import BlockManagerClient, StepCall
+from services.blockmgr.api.types import (
     Operation,
     PoolCounters,
     PoolInfo,
+    PoolSpec,
     RestoredSequence,
     StepResult,
 )
@@ -37,41 +35,36 @@ RECOVERABLE = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.NOT_FOUND, ErrorCode.F
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class PoolSpec:
-    """The pool this executor registers: its id and shape, fixed for the process's life."""
-
-    pool_id: str
-    num_blocks: int
-    block_size: int
-    enable_prefix_caching: bool
-    eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
-    owner_token: str | None = None  # a stable one lets a restarted executor take its pool back
-    groups: tuple[KVCacheGroup, ...] = ()  # none: one full-attention group
-    host_blocks: int = 0  # slots of the pool's host tier (the runner's host memory)
-    disk_blocks: int = 0  # slots of the disk tier below it (the runner's file)
-    tier_eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
-    retry_s: float = 0.05
-    max_backoff_s: float = 0.5  # serving again within a second of the block manager coming back
-
-
 class BlockManagerLink:
-    """Owns the pool id and epoch; single-threaded like the engine that drives it."""
+    """Owns the pool id and epoch; single-threaded like the engine that drives it.
+
+    ``spec``: the pool this executor registers, fixed for the process's life. ``owner_token``:
+    a stable one lets a restarted executor take its pool back. Calls the block manager refuses
+    as unavailable are retried after ``retry_s``, doubling up to ``max_backoff_s`` (serving
+    again within a second of the block manager coming back)."""
 
     def __init__(
         self,
         client: BlockManagerClient,
+        pool_id: str,
         spec: PoolSpec,
         *,
+        owner_token: str | None = None,
+        retry_s: float = 0.05,
+        max_backoff_s: float = 0.5,
         on_health: Callable[[bool], None] | None = None,
     ) -> None:
         self.client = client
+        self.pool_id = pool_id
         self.spec = spec
+        self.owner_token = owner_token
+        self.retry_s = retry_s
+        self.max_backoff_s = max_backoff_s
         self.on_health = on_health or (lambda healthy: None)
         self.healthy = True
         self.num_round_trips = 0
         self.num_recoveries = 0
-        self._backoff_s = spec.retry_s
+        self._backoff_s = retry_s
         self._stale = False  # the pool may not match our state: resync before the next Step
         self.pool: PoolInfo = self._with_backoff(self._register, held_ok=True)
         self._last_call = time.monotonic()
@@ -81,7 +74,7 @@ class BlockManagerLink:
         return self.pool.epoch
 
     def counters(self) -> PoolCounters:
-        return self._with_backoff(lambda: self.client.stats(self.spec.pool_id).counters)
+        return self._with_backoff(lambda: self.client.stats(self.pool_id).counters)
 
     def step(
         self, ops: Sequence[Operation], pre_state: Callable[[], list[RestoredSequence]]
@@ -102,7 +95,7 @@ class BlockManagerLink:
                     needs_resync = False
                 self.num_round_trips += 1
                 self._last_call = time.monotonic()
-                result = self.client.step(self.spec.pool_id, self.pool.epoch, ops)
+                result = self.client.step(self.pool_id, self.pool.epoch, ops)
             except BlockManagerError as exc:
                 if exc.code is ErrorCode.UNAVAILABLE:
                     self._back_off(exc)
@@ -131,7 +124,7 @@ class BlockManagerLink:
         ``RECOVERABLE`` is raised there, as :meth:`step` raises it)."""
         self.num_round_trips += 1
         self._last_call = time.monotonic()
-        return self.client.step_async(self.spec.pool_id, self.pool.epoch, ops)
+        return self.client.step_async(self.pool_id, self.pool.epoch, ops)
 
     def invalidate(self) -> None:
         """The last answer could not be trusted: rebuild the pool from our own state (register
@@ -148,8 +141,8 @@ class BlockManagerLink:
     def unregister(self) -> None:
         """Give the pool back (graceful shutdown); a block manager already gone is fine."""
         try:
-            self.client.unregister(self.spec.pool_id, self.pool.epoch)
-            log.info("pool_unregistered", pool_id=self.spec.pool_id)
+            self.client.unregister(self.pool_id, self.pool.epoch)
+            log.info("pool_unregistered", pool_id=self.pool_id)
         except BlockManagerError as exc:
             log.warning("pool_unregister_failed", error=exc.message)
 
@@ -159,19 +152,7 @@ class BlockManagerLink:
     # ---- internals ------------------------------------------------------------------------
 
     def _register(self) -> PoolInfo:
-        s = self.spec
-        return self.client.register(
-            s.pool_id,
-            s.num_blocks,
-            s.block_size,
-            enable_prefix_caching=s.enable_prefix_caching,
-            eviction_policy=s.eviction_policy,
-            owner_token=s.owner_token,
-            groups=s.groups,
-            host_blocks=s.host_blocks,
-            disk_blocks=s.disk_blocks,
-            tier_eviction_policy=s.tier_eviction_policy,
-        )
+        return self.client.register(self.pool_id, self.spec, owner_token=self.owner_token)
 
     def _resync(self, state: list[RestoredSequence]) -> None:
         """Register again and restore every live sequence to ``state``. A block manager that
@@ -186,7 +167,7 @@ class BlockManagerLink:
                 f"{[g.kind.value for g in self.spec.groups]} it was registered with",
             )
         self.pool = pool
-        self.client.restore(self.spec.pool_id, self.pool.epoch, state)
+        self.client.restore(self.pool_id, self.pool.epoch, state)
         self.num_recoveries += 1
         log.info("blockmgr_restored", epoch=self.pool.epoch, num_sequences=len(state))
 
@@ -213,10 +194,10 @@ class BlockManagerLink:
         self._set_health(False)
         log.warning("blockmgr_unavailable", error=exc.message, retry_in_s=self._backoff_s)
         time.sleep(self._backoff_s)
-        self._backoff_s = min(self._backoff_s * 2, self.spec.max_backoff_s)
+        self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
 
     def _recovered(self) -> None:
-        self._backoff_s = self.spec.retry_s
+        self._backoff_s = self.retry_s
         self._set_health(True)
 
     def _set_health(self, healthy: bool) -> None:

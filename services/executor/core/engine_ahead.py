@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 import structlog
 from torch import Tensor
 
-from services.blockmgr.client import StepCall
-from services.blockmgr.errors import BlockManagerError
+from services.blockmgr.api.errors import BlockManagerError
+from services.blockmgr.api.protocol import StepCall
 from services.executor.core.blockmgr_link import RECOVERABLE, BlockManagerLink
 from services.executor.core.plan import BadAnswer, ScheduledBatch, SchedulePlan
 from services.executor.core.runner import PreparingRunner, seq_chunks

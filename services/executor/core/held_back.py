@@ -15,7 +15,7 @@ from services.executor.core.plan import hold_back_filled
 from services.executor.core.sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
-    from services.blockmgr.types import StepResult
+    from services.blockmgr.api.types import StepResult
     from services.executor.core.config import SchedulerConfig
     from services.executor.core.plan import ScheduledChunk, SchedulePlan
 

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from services.blockmgr.types import (
+from services.blockmgr.api.types import (
     Admit,
     AdmitResult,
     Commit,

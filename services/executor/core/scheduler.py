@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 import structlog
 
-from services.blockmgr.types import (
+from services.blockmgr.api.types import (
     AdmitResult,
     Commit,
     Fork,

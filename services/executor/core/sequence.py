@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from services.blockmgr.hashing import ROOT_HASH, hash_block
+from services.blockmgr.api.hashing import ROOT_HASH, hash_block
 from services.common.sampling_params import SamplingParams
 
 
@@ -69,7 +69,7 @@ class Sequence:
     first_live_block: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chain over full blocks
     num_committed_blocks: int = 0
-    # Swapped out: the host-tier slots its table went to, in order (services.blockmgr.swap).
+    # Swapped out: the host-tier slots its table went to, in order (services.blockmgr.pool.swap).
     host_slots: tuple[int, ...] = ()
     num_swap_slots: int = 0  # the slots counted for it when it was swapped out
     # Slots the pool granted beyond ``num_computed_tokens`` for a step that has not run yet

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from services.blockmgr.types import NO_SLOT, OpStatus, RestoredSequence, StepResult
+from services.blockmgr.api.types import NO_SLOT, OpStatus, RestoredSequence, StepResult
 from services.common.blocks import NULL_BLOCK, blocks_to_grow, first_live_block
 from services.executor.core.plan import BadAnswer, SchedulePlan, split_tables
 from services.executor.core.sequence import SeqStatus, Sequence
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from collections import Counter
     from collections.abc import Iterable
 
-    from services.blockmgr.types import Fork
+    from services.blockmgr.api.types import Fork
     from services.executor.core.config import SchedulerConfig
 
 __all__ = ["Swapping"]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from services.blockmgr.types import Uncache
+from services.blockmgr.api.types import Uncache
 
 if TYPE_CHECKING:
     from services.executor.core.sequence import Sequence

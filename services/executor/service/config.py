@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from services.blockmgr.types import EvictionPolicyName
+from services.blockmgr.api.types import EvictionPolicyName
 from services.common.auth import InternalSecurity
 from services.executor.model.runner_config import CacheConfig, RunnerConfig
 

@@ -10,7 +10,7 @@ import grpc
 import structlog
 
 from pagedserve.v1 import common_pb2, executor_pb2, executor_pb2_grpc
-from services.blockmgr.hashing import HASH_ALGORITHM
+from services.blockmgr.api.hashing import HASH_ALGORITHM
 from services.common.limits import FieldError
 from services.common.sampling_params import SamplingParams, params_from_message
 from services.common.structured_outputs import StructuredOutputs

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import structlog
 
-from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
-from services.blockmgr.errors import BlockManagerError
-from services.blockmgr.types import AttentionKindName, KVCacheGroup
+from services.blockmgr.api.errors import BlockManagerError
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.api.types import AttentionKindName, KVCacheGroup, PoolSpec
+from services.blockmgr.client import GrpcClient, InProcessClient
 from services.common.blocks import usable_blocks
 from services.common.limits import MAX_KV_RETENTION_PRIORITY
-from services.executor.core.blockmgr_link import BlockManagerLink, PoolSpec
+from services.executor.core.blockmgr_link import BlockManagerLink
 from services.executor.core.config import EngineSettings
 from services.executor.core.engine import Engine
 from services.executor.core.grammar import GrammarCompiler
@@ -121,8 +122,6 @@ def _build_engine(
     layout = runner.model.kv_layout
     groups = kv_cache_groups(layout)
     pool = PoolSpec(
-        pool_id=pool_id,
-        owner_token=pool_owner_token(config, pool_id),
         num_blocks=runner.num_blocks,
         block_size=bs,
         enable_prefix_caching=config.enable_prefix_caching,
@@ -144,7 +143,13 @@ def _build_engine(
             f"full-attention layers) and the block manager serves {max_groups} per pool: run "
             "one that serves hybrid pools, or pass --disable-hybrid-kv-cache-manager"
         )
-    link = BlockManagerLink(client, pool, on_health=on_health)
+    link = BlockManagerLink(
+        client,
+        pool_id,
+        pool,
+        owner_token=pool_owner_token(config, pool_id),
+        on_health=on_health,
+    )
     # A Step allocates at most a budget of prompt blocks and a block per running sequence in
     # every group: evicted beyond the host tier's other slots, with no disk tier to store the
     # excess in, it is dropped.

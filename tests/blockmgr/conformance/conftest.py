@@ -9,8 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.blockmgr.client import BlockManagerClient, GrpcClient, InProcessClient
-from services.blockmgr.errors import BlockManagerError
+from services.blockmgr.api.errors import BlockManagerError
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.client import GrpcClient, InProcessClient
 from tests.blockmgr.helpers import ThreadedServer
 
 _pool_ids = itertools.count()

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from services.blockmgr.client import BlockManagerClient
-from services.blockmgr.types import (
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.api.types import (
     Admit,
     AdmitResult,
     Free,

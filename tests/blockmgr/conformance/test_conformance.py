@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.blockmgr.client import BlockManagerClient
-from services.blockmgr.errors import ErrorCode
-from services.blockmgr.types import (
+from services.blockmgr.api.errors import ErrorCode
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.api.types import (
     Admit,
     AdmitResult,
     Commit,
@@ -23,6 +23,7 @@ from services.blockmgr.types import (
     GrowResult,
     KVEventKind,
     OpStatus,
+    PoolSpec,
     RestoredSequence,
 )
 from tests.blockmgr.conformance.ops import BS
@@ -33,7 +34,7 @@ from tests.blockmgr.helpers import collect_events, hashes, raises_code
 
 
 def _register(client: BlockManagerClient, pool_id: str, num_blocks: int = 16, **kw) -> int:
-    return client.register(pool_id, num_blocks, BS, **kw).epoch
+    return client.register(pool_id, PoolSpec(num_blocks, BS, **kw)).epoch
 
 
 def _counters(client, pool_id):
@@ -91,12 +92,12 @@ def test_unknown_pool_is_not_found_on_every_rpc(client):
 )
 def test_register_rejects_bad_pool_shapes(client, pool_id, num_blocks, block_size, policy):
     with raises_code(ErrorCode.INVALID_ARGUMENT):
-        client.register(pool_id, num_blocks, block_size, eviction_policy=policy)
+        client.register(pool_id, PoolSpec(num_blocks, block_size, eviction_policy=policy))
 
 
 def test_register_rejects_empty_pool_id(client):
     with raises_code(ErrorCode.INVALID_ARGUMENT, "pool_id"):
-        client.register("", 8, BS)
+        client.register("", PoolSpec(8, BS))
 
 
 # ---- ownership -------------------------------------------------------------------------------
@@ -108,7 +109,7 @@ def test_a_live_pool_is_refused_to_another_owner_and_its_sequences_are_untouchab
     epoch = _register(client, pool_id)
     _admit(client, pool_id, epoch, 1, list(range(6)))
     with raises_code(ErrorCode.FAILED_PRECONDITION, "another owner"):
-        other_client.register(pool_id, 16, BS)
+        other_client.register(pool_id, PoolSpec(16, BS))
     with raises_code(ErrorCode.FAILED_PRECONDITION, "owner_token"):
         other_client.step(pool_id, epoch, [Free((1,))])
     with raises_code(ErrorCode.FAILED_PRECONDITION, "owner_token"):
@@ -125,19 +126,19 @@ def test_a_new_pool_takes_a_proposed_owner_token_that_later_proves_ownership(
     client, other_client, pool_id
 ):
     secret = "s" * 32  # e.g. derived by an executor from its secret, the same after a restart
-    first = client.register(pool_id, 16, BS, owner_token=secret)
+    first = client.register(pool_id, PoolSpec(16, BS), owner_token=secret)
     assert first.owner_token == secret
     with raises_code(ErrorCode.FAILED_PRECONDITION, "another owner"):
-        other_client.register(pool_id, 16, BS)
-    again = other_client.register(pool_id, 16, BS, owner_token=secret)  # the same owner
+        other_client.register(pool_id, PoolSpec(16, BS))
+    again = other_client.register(pool_id, PoolSpec(16, BS), owner_token=secret)  # the same owner
     assert again.epoch > first.epoch
     with raises_code(ErrorCode.INVALID_ARGUMENT, "owner_token"):
-        client.register(pool_id + "-x", 16, BS, owner_token="short")
+        client.register(pool_id + "-x", PoolSpec(16, BS), owner_token="short")
 
 
 def test_the_owner_may_register_its_pool_again(client, pool_id):
-    first = client.register(pool_id, 16, BS)
-    again = client.register(pool_id, 16, BS)
+    first = client.register(pool_id, PoolSpec(16, BS))
+    again = client.register(pool_id, PoolSpec(16, BS))
     assert again.epoch > first.epoch
 
 
@@ -147,7 +148,7 @@ def test_unregister_reclaims_the_pool_and_frees_its_id(client, other_client, poo
     client.unregister(pool_id, epoch)
     with raises_code(ErrorCode.NOT_FOUND):
         client.stats(pool_id)
-    fresh = other_client.register(pool_id, 8, BS)  # anyone may take the id now
+    fresh = other_client.register(pool_id, PoolSpec(8, BS))  # anyone may take the id now
     assert _counters(other_client, pool_id).num_in_use_blocks == 0
     other_client.unregister(pool_id, fresh.epoch)
 

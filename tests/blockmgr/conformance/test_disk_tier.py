@@ -8,9 +8,18 @@ from __future__ import annotations
 
 import pytest
 
-from services.blockmgr.client import BlockManagerClient
-from services.blockmgr.errors import ErrorCode
-from services.blockmgr.types import Admit, Commit, Free, KVEventKind, KVMedium, OpStatus, StepResult
+from services.blockmgr.api.errors import ErrorCode
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.api.types import (
+    Admit,
+    Commit,
+    Free,
+    KVEventKind,
+    KVMedium,
+    OpStatus,
+    PoolSpec,
+    StepResult,
+)
 from tests.blockmgr.conformance.ops import BS
 from tests.blockmgr.helpers import collect_events, hashes, raises_code
 
@@ -18,7 +27,7 @@ PROMPT = list(range(100, 116))  # 4 full blocks
 
 
 def _register(client: BlockManagerClient, pool_id: str, device: int, host: int, disk: int):
-    info = client.register(pool_id, device, BS, host_blocks=host, disk_blocks=disk)
+    info = client.register(pool_id, PoolSpec(device, BS, host_blocks=host, disk_blocks=disk))
     if info.disk_blocks != disk:
         pytest.skip("this implementation serves no disk tier")
     return info.epoch
@@ -41,9 +50,9 @@ def test_disk_blocks_are_echoed_and_need_a_host_tier(client, pool_id):
     _register(client, pool_id, 8, 4, 16)
     assert client.stats(pool_id).pool.disk_blocks == 16
     with raises_code(ErrorCode.INVALID_ARGUMENT, "disk_blocks"):
-        client.register(pool_id, 8, BS, disk_blocks=4)
+        client.register(pool_id, PoolSpec(8, BS, disk_blocks=4))
     with raises_code(ErrorCode.INVALID_ARGUMENT, "disk_blocks"):
-        client.register(pool_id, 8, BS, host_blocks=4, disk_blocks=-1)
+        client.register(pool_id, PoolSpec(8, BS, host_blocks=4, disk_blocks=-1))
 
 
 def test_host_slots_spill_to_disk_and_a_hit_loads_them_back(client, pool_id):
@@ -116,12 +125,12 @@ def test_a_block_loaded_and_reused_in_one_step_keeps_its_disk_slot_and_is_not_lo
 
 
 def test_the_tiers_eviction_policy_is_echoed_and_an_unknown_one_refused(client, pool_id):
-    info = client.register(pool_id, 8, BS, host_blocks=4, tier_eviction_policy="s3fifo")
+    info = client.register(pool_id, PoolSpec(8, BS, host_blocks=4, tier_eviction_policy="s3fifo"))
     if info.host_blocks != 4:
         pytest.skip("this implementation serves no host tier")
     assert client.stats(pool_id).pool.tier_eviction_policy.value == "s3fifo"
     with raises_code(ErrorCode.INVALID_ARGUMENT, "eviction_policy"):
-        client.register(pool_id, 8, BS, host_blocks=4, tier_eviction_policy="fifo")
+        client.register(pool_id, PoolSpec(8, BS, host_blocks=4, tier_eviction_policy="fifo"))
 
 
 def test_offloads_beyond_the_host_tier_go_straight_to_disk(client, pool_id):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.blockmgr.client import BlockManagerClient
-from services.blockmgr.errors import ErrorCode
-from services.blockmgr.types import (
+from services.blockmgr.api.errors import ErrorCode
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.api.types import (
     AttentionKindName,
     Commit,
     CommitResult,
@@ -24,6 +24,7 @@ from services.blockmgr.types import (
     KVCacheGroup,
     KVEventKind,
     OpStatus,
+    PoolSpec,
     RestoredSequence,
 )
 from tests.blockmgr.conformance.ops import BS
@@ -49,7 +50,9 @@ def max_groups(client: BlockManagerClient) -> int:
 
 
 def _register(client, pool_id, window: int, num_blocks: int = 16, **kw) -> int:
-    return client.register(pool_id, num_blocks, BS, groups=[_window(window)], **kw).epoch
+    return client.register(
+        pool_id, PoolSpec(num_blocks, BS, groups=tuple([_window(window)]), **kw)
+    ).epoch
 
 
 def _removed(events) -> int:
@@ -61,14 +64,14 @@ def _removed(events) -> int:
 
 def test_a_pool_registered_without_groups_has_one_full_group(client, pool_id, max_groups):
     assert max_groups >= 1
-    info = client.register(pool_id, 16, BS)
+    info = client.register(pool_id, PoolSpec(16, BS))
     assert info.groups == (FULL,)
     assert client.info(pool_id).pools[0].groups == (FULL,)
 
 
 def test_a_sliding_group_is_echoed_by_register_info_and_stats(client, pool_id, max_groups):
     group = _window(4096, (0, 2, 4, 6))
-    info = client.register(pool_id, 16, BS, groups=[group])
+    info = client.register(pool_id, PoolSpec(16, BS, groups=tuple([group])))
     assert info.groups == (group,)
     assert client.info(pool_id).pools[0].groups == (group,)
     assert client.stats(pool_id).pool.groups == (group,)
@@ -76,7 +79,7 @@ def test_a_sliding_group_is_echoed_by_register_info_and_stats(client, pool_id, m
 
 def test_more_groups_than_the_implementation_serves_are_refused(client, pool_id, max_groups):
     with raises_code(ErrorCode.INVALID_ARGUMENT, "groups"):
-        client.register(pool_id, 16, BS, groups=[FULL] * (max_groups + 1))
+        client.register(pool_id, PoolSpec(16, BS, groups=tuple([FULL] * (max_groups + 1))))
     with raises_code(ErrorCode.NOT_FOUND):
         client.info(pool_id)
 
@@ -88,13 +91,13 @@ def test_more_groups_than_the_implementation_serves_are_refused(client, pool_id,
 )
 def test_bad_windows_are_invalid_argument(client, pool_id, max_groups, group):
     with raises_code(ErrorCode.INVALID_ARGUMENT, "groups[0].sliding_window"):
-        client.register(pool_id, 16, BS, groups=[group])
+        client.register(pool_id, PoolSpec(16, BS, groups=tuple([group])))
 
 
 def test_reregistering_with_other_groups_is_a_new_epoch(client, pool_id, max_groups):
     first = _register(client, pool_id, window=8)
     _admit(client, pool_id, first, 1, list(range(12)))
-    again = client.register(pool_id, 16, BS)
+    again = client.register(pool_id, PoolSpec(16, BS))
     assert again.epoch > first and again.groups == (FULL,)
     with raises_code(ErrorCode.FAILED_PRECONDITION, "stale epoch"):
         client.step(pool_id, first, [])
@@ -228,7 +231,7 @@ def test_restore_refuses_null_entries_that_are_not_a_leading_run(
 
 
 def test_restore_refuses_null_entries_in_a_full_pool(client, pool_id, max_groups):
-    epoch = client.register(pool_id, 16, BS).epoch
+    epoch = client.register(pool_id, PoolSpec(16, BS)).epoch
     with raises_code(ErrorCode.INVALID_ARGUMENT, "reserved"):
         client.restore(pool_id, epoch, [RestoredSequence(1, 13, (0, 0, 5, 6))])
 

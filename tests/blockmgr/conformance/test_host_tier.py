@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.blockmgr.client import BlockManagerClient
-from services.blockmgr.errors import ErrorCode
-from services.blockmgr.types import (
+from services.blockmgr.api.errors import ErrorCode
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.api.types import (
     Admit,
     AttentionKindName,
     Commit,
@@ -19,6 +19,7 @@ from services.blockmgr.types import (
     KVEventKind,
     KVMedium,
     OpStatus,
+    PoolSpec,
     StepResult,
 )
 from tests.blockmgr.conformance.ops import BS
@@ -28,7 +29,7 @@ PROMPT = list(range(100, 116))  # 4 full blocks
 
 
 def _register(client: BlockManagerClient, pool_id: str, num_blocks: int, host: int) -> int:
-    info = client.register(pool_id, num_blocks, BS, host_blocks=host)
+    info = client.register(pool_id, PoolSpec(num_blocks, BS, host_blocks=host))
     if info.host_blocks != host:
         pytest.skip("this implementation serves no host tier")
     return info.epoch
@@ -49,10 +50,12 @@ def test_host_blocks_are_echoed_and_refused_out_of_range(client, pool_id):
     _register(client, pool_id, 8, 16)
     assert client.stats(pool_id).pool.host_blocks == 16
     sliding = KVCacheGroup(AttentionKindName.SLIDING, 8)
-    client.register(pool_id, 8, BS, groups=[sliding], host_blocks=4)  # any pool has tiers
+    client.register(
+        pool_id, PoolSpec(8, BS, groups=tuple([sliding]), host_blocks=4)
+    )  # any pool has tiers
     assert client.stats(pool_id).pool.host_blocks == 4
     with raises_code(ErrorCode.INVALID_ARGUMENT, "host_blocks"):
-        client.register(pool_id, 8, BS, host_blocks=-1)
+        client.register(pool_id, PoolSpec(8, BS, host_blocks=-1))
 
 
 def test_a_block_evicted_from_the_device_is_offloaded_then_onboarded_on_a_hit(client, pool_id):

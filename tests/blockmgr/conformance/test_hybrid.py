@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.blockmgr.client import BlockManagerClient
-from services.blockmgr.errors import ErrorCode
-from services.blockmgr.types import (
+from services.blockmgr.api.errors import ErrorCode
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.api.types import (
     Admit,
     AdmitResult,
     AttentionKindName,
@@ -26,6 +26,7 @@ from services.blockmgr.types import (
     KVCacheGroup,
     KVEventKind,
     OpStatus,
+    PoolSpec,
     RestoredSequence,
     SwapIn,
     SwapOut,
@@ -50,7 +51,9 @@ def hybrid(client: BlockManagerClient) -> None:
 
 
 def _register(client, pool_id, num_blocks: int = 32, **kw) -> int:
-    return client.register(pool_id, num_blocks, BS, groups=list(GROUPS), **kw).epoch
+    return client.register(
+        pool_id, PoolSpec(num_blocks, BS, groups=tuple(list(GROUPS)), **kw)
+    ).epoch
 
 
 def _tables(block_ids: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -81,7 +84,7 @@ def _finished_turn(client, pool_id, epoch) -> tuple[list[int], AdmitResult]:
 
 
 def test_a_hybrid_pool_is_echoed_by_register_info_and_stats(client, pool_id, hybrid):
-    info = client.register(pool_id, 16, BS, groups=list(GROUPS))
+    info = client.register(pool_id, PoolSpec(16, BS, groups=tuple(list(GROUPS))))
     assert info.groups == GROUPS
     assert client.info(pool_id).pools[0].groups == GROUPS
     assert client.stats(pool_id).pool.groups == GROUPS
@@ -90,7 +93,7 @@ def test_a_hybrid_pool_is_echoed_by_register_info_and_stats(client, pool_id, hyb
 def test_a_layer_in_two_groups_is_invalid_argument(client, pool_id, hybrid):
     twice = KVCacheGroup(AttentionKindName.FULL, 0, (3, 1))
     with raises_code(ErrorCode.INVALID_ARGUMENT, "groups[1].layers[1]"):
-        client.register(pool_id, 16, BS, groups=[SLIDING, twice])
+        client.register(pool_id, PoolSpec(16, BS, groups=tuple([SLIDING, twice])))
 
 
 # ---- admission and grow -------------------------------------------------------------------------

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.blockmgr.client import BlockManagerClient
-from services.blockmgr.errors import ErrorCode
-from services.blockmgr.types import Admit, Commit, Free
+from services.blockmgr.api.errors import ErrorCode
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.api.types import Admit, Commit, Free, PoolSpec
 from tests.blockmgr.conformance.ops import BS, admit, step1
 from tests.blockmgr.helpers import hashes, raises_code
 
@@ -35,7 +35,7 @@ def _turn(client, pool_id, epoch, seq_id, tokens, priority=0) -> int:
 def test_a_retained_prefix_outlives_a_stream_of_one_off_prompts(
     client, pool_id, max_priority, priority
 ):
-    epoch = client.register(pool_id, 17, BS, eviction_policy="lru").epoch  # 16 usable
+    epoch = client.register(pool_id, PoolSpec(17, BS, eviction_policy="lru")).epoch  # 16 usable
     _turn(client, pool_id, epoch, 1, [*SYSTEM, 1, 2, 3], priority)
     for j in range(8):  # 3 blocks each: the pool turns over
         _turn(client, pool_id, epoch, 10 + j, list(range(2000 + 100 * j, 2012 + 100 * j)))
@@ -44,7 +44,7 @@ def test_a_retained_prefix_outlives_a_stream_of_one_off_prompts(
 
 
 def test_a_retention_priority_beyond_the_bound_is_invalid_argument(client, pool_id, max_priority):
-    epoch = client.register(pool_id, 16, BS).epoch
+    epoch = client.register(pool_id, PoolSpec(16, BS)).epoch
     with raises_code(ErrorCode.INVALID_ARGUMENT, "ops[0].admit.retention_priority"):
         client.step(pool_id, epoch, [Admit(1, 8, 8, (), 0, max_priority + 1)])
     assert admit(client, pool_id, epoch, 1, list(range(8))).num_tokens == 8

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.blockmgr.client import BlockManagerClient
-from services.blockmgr.errors import ErrorCode
-from services.blockmgr.types import (
+from services.blockmgr.api.errors import ErrorCode
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.api.types import (
     Admit,
     AdmitResult,
     Commit,
@@ -18,6 +18,7 @@ from services.blockmgr.types import (
     Grow,
     GrowResult,
     OpStatus,
+    PoolSpec,
     RestoredSequence,
     StepResult,
     SwapIn,
@@ -32,7 +33,7 @@ PROMPT = list(range(100, 114))  # 3 full blocks and 2 tokens: 4 blocks
 
 
 def _register(client: BlockManagerClient, pool_id: str, num_blocks: int, host: int) -> int:
-    info = client.register(pool_id, num_blocks, BS, host_blocks=host)
+    info = client.register(pool_id, PoolSpec(num_blocks, BS, host_blocks=host))
     if info.host_blocks != host:
         pytest.skip("this implementation serves no host tier")
     return info.epoch
@@ -136,7 +137,7 @@ def test_a_swapped_out_id_takes_only_swap_in_or_free(client, pool_id):
 
 
 def test_swapping_needs_a_host_tier_and_a_sequence_untouched_in_the_step(client, pool_id):
-    info = client.register(pool_id, 9, BS)
+    info = client.register(pool_id, PoolSpec(9, BS))
     _admit(client, pool_id, info.epoch, 1)
     with raises_code(ErrorCode.FAILED_PRECONDITION, "ops[0].swap_out: the pool has no host tier"):
         client.step(pool_id, info.epoch, [SwapOut((1,))])

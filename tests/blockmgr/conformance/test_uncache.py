@@ -6,8 +6,8 @@ registers no disk tier."""
 
 from __future__ import annotations
 
-from services.blockmgr.errors import ErrorCode
-from services.blockmgr.types import Commit, Free, KVEventKind, KVMedium, Uncache
+from services.blockmgr.api.errors import ErrorCode
+from services.blockmgr.api.types import Commit, Free, KVEventKind, KVMedium, PoolSpec, Uncache
 from tests.blockmgr.conformance.ops import BS
 from tests.blockmgr.conformance.test_disk_tier import PROMPT, _admit, _cache, _register
 from tests.blockmgr.helpers import collect_events, hashes, raises_code
@@ -80,7 +80,7 @@ def test_a_malformed_uncache_names_its_field(client, pool_id):
         client.step(pool_id, epoch, [Uncache(disk_slots=(0, 8))])
     with raises_code(ErrorCode.INVALID_ARGUMENT, "ops[1].uncache"):
         client.step(pool_id, epoch, [Free(()), Uncache(host_slots=(0,))])
-    epoch = client.register(pool_id, 8, BS).epoch  # no tiers
+    epoch = client.register(pool_id, PoolSpec(8, BS)).epoch  # no tiers
     with raises_code(ErrorCode.INVALID_ARGUMENT, "host_slots[0]"):
         client.step(pool_id, epoch, [Uncache(host_slots=(0,))])
     # Nothing was applied: the Step is rejected whole.

@@ -12,10 +12,10 @@ import structlog
 
 from pagedserve.v1 import blockmgr_pb2 as pb
 from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
-from services.blockmgr import convert, convert_results
-from services.blockmgr.core import BlockManagerCore
-from services.blockmgr.errors import BlockManagerError, ErrorCode
-from services.blockmgr.types import EVENTS_LIVE_HEADER, KVEvent
+from services.blockmgr.api import convert, convert_results
+from services.blockmgr.api.errors import BlockManagerError, ErrorCode
+from services.blockmgr.api.types import EVENTS_LIVE_HEADER, KVEvent
+from services.blockmgr.service.core import BlockManagerCore
 
 log = structlog.get_logger(__name__)
 
@@ -61,18 +61,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
     @_maps_errors
     async def Register(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
         info = self.core.register(
-            request.pool_id,
-            request.num_blocks,
-            request.block_size,
-            enable_prefix_caching=request.enable_prefix_caching,
-            eviction_policy=convert.policy_from_pb(request.eviction_policy),
-            owner_token=request.owner_token,
-            groups=convert.groups_from_pb(request.groups),
-            host_blocks=request.host_blocks,
-            disk_blocks=request.disk_blocks,
-            tier_eviction_policy=convert.policy_from_pb(
-                request.tier_eviction_policy, "tier_eviction_policy"
-            ),
+            request.pool_id, convert.spec_from_pb(request), owner_token=request.owner_token
         )
         log.info(
             "pool_registered",

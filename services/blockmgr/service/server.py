@@ -7,10 +7,10 @@ import structlog
 
 from pagedserve.v1 import blockmgr_pb2 as pb
 from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
-from services.blockmgr.config import BlockManagerServiceConfig
-from services.blockmgr.core import BlockManagerCore
-from services.blockmgr.servicer import BlockManagerServicer
-from services.blockmgr.trace import TraceWriter
+from services.blockmgr.service.config import BlockManagerServiceConfig
+from services.blockmgr.service.core import BlockManagerCore
+from services.blockmgr.service.servicer import BlockManagerServicer
+from services.blockmgr.trace.record import TraceWriter
 from services.common.auth import SERVER_OPTIONS
 from services.common.gc_policy import freeze_startup_heap
 from services.common.grpc_server import (

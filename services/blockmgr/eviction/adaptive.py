@@ -1,10 +1,10 @@
 """Eviction policies that keep a memory of what they evicted: ARC and S3-FIFO.
 
-Both order the pool's *cached free* blocks (refcount 0, hash still matchable), as every policy
-does (see :mod:`services.blockmgr.eviction`), and both remember the keys of blocks they evicted
-(ghosts, at most one per block of the pool), so that content asked for again soon after its
-eviction is treated as frequently used from then on. A key is the block's cache key (its hash,
-and its KV-cache group in a hybrid pool); the pool tells a policy of every lookup that missed
+Both order the pool's *cached free* blocks (refcount 0, hash still matchable), as every policy does
+(see :mod:`services.blockmgr.eviction.policies`), and both remember the keys of blocks they evicted
+(ghosts, at most one per block of the pool), so that content asked for again soon after its eviction
+is treated as frequently used from then on. A key is the block's cache key (its hash, and its
+KV-cache group in a hybrid pool); the pool tells a policy of every lookup that missed
 (:meth:`missed`: a ghost hit for these policies) and of every hash dropped (:meth:`forget`).
 
 - **ARC** (Megiddo & Modha, FAST'03) over the evictable blocks: ``T1`` holds blocks whose

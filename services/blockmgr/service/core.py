@@ -25,26 +25,26 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.blockmgr.errors import exhausted, invalid, not_found, precondition
-from services.blockmgr.hashing import HASH_ALGORITHM, HASH_SIZE
-from services.blockmgr.kv_groups import MAX_KV_CACHE_GROUPS, split_key, validated_groups
-from services.blockmgr.kv_manager import KVBlockManager
-from services.blockmgr.retention import DEFAULT_RETENTION_STEPS, MAX_RETENTION_PRIORITY
-from services.blockmgr.trace import TraceWriter
-from services.blockmgr.types import (
+from services.blockmgr.api.errors import exhausted, invalid, not_found, precondition
+from services.blockmgr.api.hashing import HASH_ALGORITHM, HASH_SIZE
+from services.blockmgr.api.types import (
     EvictionPolicyName,
-    KVCacheGroup,
     KVEvent,
     KVEventKind,
     KVMedium,
     Operation,
     PoolInfo,
+    PoolSpec,
     PoolStats,
     RestoredSequence,
     RestoreResult,
     ServiceInfo,
     StepResult,
 )
+from services.blockmgr.eviction.retention import DEFAULT_RETENTION_STEPS, MAX_RETENTION_PRIORITY
+from services.blockmgr.pool.groups import MAX_KV_CACHE_GROUPS, split_key, validated_groups
+from services.blockmgr.pool.manager import KVBlockManager
+from services.blockmgr.trace.record import TraceWriter
 
 log = structlog.get_logger(__name__)
 
@@ -95,7 +95,7 @@ class BlockManagerCore:
     ) -> None:
         """``pool_lease_s``: seconds a pool lives without a call from its owner (0: no expiry,
         for a block manager living inside its only executor). ``trace``: where every call that
-        changes a pool is recorded, for offline replay (:mod:`services.blockmgr.trace`)."""
+        changes a pool is recorded, for offline replay (:mod:`services.blockmgr.trace.record`)."""
         self.trace = trace
         self.retention_steps = retention_steps
         self._lock = threading.Lock()
@@ -129,54 +129,18 @@ class BlockManagerCore:
             max_retention_priority=MAX_RETENTION_PRIORITY,
         )
 
-    def register(
-        self,
-        pool_id: str,
-        num_blocks: int,
-        block_size: int,
-        *,
-        enable_prefix_caching: bool = True,
-        eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
-        owner_token: str = "",
-        groups: Sequence[KVCacheGroup] = (),
-        host_blocks: int = 0,
-        disk_blocks: int = 0,
-        tier_eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU,
-    ) -> PoolInfo:
+    def register(self, pool_id: str, spec: PoolSpec, *, owner_token: str = "") -> PoolInfo:
         """Create a pool, or replace one's own (``owner_token`` from its registration). A new
         epoch is issued; the previous epoch's sequences and cached hashes are dropped and its
         epoch refused from now on. The answer carries the owner token and the lease; a live
         pool of another owner is FAILED_PRECONDITION until its lease expires. A new pool takes
         a proposed ``owner_token`` (16..128 characters) or gets a random one.
 
-        ``groups``: the pool's KV-cache groups (none: one FULL group); at most
-        :data:`MAX_KV_CACHE_GROUPS`, FULL or SLIDING (see :mod:`services.blockmgr.kv_groups`).
-        INVALID_ARGUMENT naming ``groups`` or ``groups[i].<field>`` otherwise."""
+        ``spec.groups``: at most :data:`MAX_KV_CACHE_GROUPS`, FULL or SLIDING (see
+        :mod:`services.blockmgr.pool.groups`). INVALID_ARGUMENT naming the field otherwise."""
         if not pool_id or len(pool_id) > MAX_POOL_ID_LEN:
             raise invalid(f"pool_id must be 1..{MAX_POOL_ID_LEN} characters")
-        if not 2 <= num_blocks <= self.max_pool_blocks:
-            raise invalid(
-                f"num_blocks must be in [2, {self.max_pool_blocks}] (--max-pool-blocks), "
-                f"got {num_blocks}"
-            )
-        if not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise invalid(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
-        try:
-            eviction_policy = EvictionPolicyName.parse(eviction_policy)
-            tier_eviction_policy = EvictionPolicyName.parse(tier_eviction_policy)
-        except ValueError as exc:
-            raise invalid(str(exc)) from None
-        pool_groups = validated_groups(groups)
-        if not 0 <= host_blocks <= self.max_pool_blocks:
-            raise invalid(
-                f"host_blocks must be in [0, {self.max_pool_blocks}] (--max-pool-blocks), "
-                f"got {host_blocks}"
-            )
-        if not 0 <= disk_blocks <= self.max_pool_blocks:
-            raise invalid(
-                f"disk_blocks must be in [0, {self.max_pool_blocks}] (--max-pool-blocks), "
-                f"got {disk_blocks}"
-            )
+        spec = self._checked_spec(spec)
         if owner_token and not MIN_OWNER_TOKEN_LEN <= len(owner_token) <= MAX_OWNER_TOKEN_LEN:
             raise invalid(
                 f"owner_token must be {MIN_OWNER_TOKEN_LEN}..{MAX_OWNER_TOKEN_LEN} characters"
@@ -200,52 +164,47 @@ class BlockManagerCore:
                 # one from a secret, so that it can take its pool back after a restart), or a
                 # fresh random one.
                 token = owner_token or secrets.token_hex(16)
-            manager = KVBlockManager(
-                num_blocks,
-                block_size,
-                enable_prefix_caching=enable_prefix_caching,
-                eviction_policy=eviction_policy,
-                groups=pool_groups,
-                retention_steps=self.retention_steps,
-                host_blocks=host_blocks,
-                disk_blocks=disk_blocks,
-                tier_eviction_policy=tier_eviction_policy,
-            )
+            manager = KVBlockManager(spec, retention_steps=self.retention_steps)
             # Epochs are unique across restarts of this process too (time-based floor), so an
             # executor holding an epoch from before a restart can never be mistaken for current.
             epoch = max(next(self._epoch_counter), time.time_ns() // 1000)
             self._epoch_counter = itertools.count(epoch + 1)
-            info = PoolInfo(
-                pool_id,
-                epoch,
-                num_blocks,
-                block_size,
-                enable_prefix_caching,
-                eviction_policy,
-                groups=pool_groups,
-                host_blocks=host_blocks,
-                disk_blocks=disk_blocks,
-                tier_eviction_policy=tier_eviction_policy,
-            )
+            info = PoolInfo.of(pool_id, epoch, spec)
             self._pools[pool_id] = _Pool(info, manager, token, self._lease_end())
             if self.trace is not None:
-                self.trace.register(
-                    pool_id,
-                    num_blocks,
-                    block_size,
-                    enable_prefix_caching,
-                    eviction_policy,
-                    pool_groups,
-                    self.retention_steps,
-                    host_blocks,
-                    disk_blocks,
-                    tier_eviction_policy,
-                )
+                self.trace.register(pool_id, spec, self.retention_steps)
             log = self._events.setdefault(pool_id, _EventLog(self._event_buffer))
             # Every new epoch starts with CLEARED, the first one too: a consumer that knew the
             # pool before a block-manager restart learns that every hash it knew is gone.
             self._publish(pool_id, log, epoch, [(KVEventKind.CLEARED, (), 0, KVMedium.DEVICE)])
         return dataclasses.replace(info, owner_token=token, lease_s=self.pool_lease_s)
+
+    def _checked_spec(self, spec: PoolSpec) -> PoolSpec:
+        """``spec`` with its policies parsed and its groups validated; INVALID_ARGUMENT naming
+        the field out of range."""
+        if not 2 <= spec.num_blocks <= self.max_pool_blocks:
+            raise invalid(
+                f"num_blocks must be in [2, {self.max_pool_blocks}] (--max-pool-blocks), "
+                f"got {spec.num_blocks}"
+            )
+        if not 1 <= spec.block_size <= MAX_BLOCK_SIZE:
+            raise invalid(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {spec.block_size}")
+        for name in ("host_blocks", "disk_blocks"):
+            value = getattr(spec, name)
+            if not 0 <= value <= self.max_pool_blocks:
+                raise invalid(
+                    f"{name} must be in [0, {self.max_pool_blocks}] (--max-pool-blocks), "
+                    f"got {value}"
+                )
+        try:
+            return dataclasses.replace(
+                spec,
+                eviction_policy=EvictionPolicyName.parse(spec.eviction_policy),
+                tier_eviction_policy=EvictionPolicyName.parse(spec.tier_eviction_policy),
+                groups=validated_groups(spec.groups),
+            )
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
 
     def unregister(self, pool_id: str, epoch: int, owner_token: str = "") -> None:
         """Remove one's own pool (an executor shutting down): its blocks are reclaimed and its

@@ -1,5 +1,5 @@
 """Protobuf <-> domain conversion of a Step's answer (operation results, counters): a part
-of :mod:`services.blockmgr.convert`, which re-exports it."""
+of :mod:`services.blockmgr.api.convert`, which re-exports it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import cast
 
 from pagedserve.v1 import blockmgr_pb2 as pb
-from services.blockmgr.types import (
+from services.blockmgr.api.types import (
     AdmitResult,
     BlockCopy,
     BlockMove,

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from services.blockmgr.eviction import EvictionPolicy, make_policy
-from services.blockmgr.eviction_adaptive import KeyOf
-from services.blockmgr.types import EvictionPolicyName
+from services.blockmgr.api.types import EvictionPolicyName
+from services.blockmgr.eviction.adaptive import KeyOf
+from services.blockmgr.eviction.policies import EvictionPolicy, make_policy
 from services.common.limits import MAX_KV_RETENTION_PRIORITY
 
 __all__ = ["DEFAULT_RETENTION_STEPS", "MAX_RETENTION_PRIORITY", "RetentionLevels"]

@@ -2,7 +2,7 @@
 
 A pool serves one or more KV-cache groups, each with one table per sequence: full attention,
 or a sliding window whose sequences give back the blocks out of the window (their table
-entries become the null block 0; see :mod:`services.blockmgr.kv_groups`). Across the contract
+entries become the null block 0; see :mod:`services.blockmgr.pool.groups`). Across the contract
 a sequence's tables travel group-major, concatenated: they all have one entry per block of its
 slots.
 
@@ -15,31 +15,13 @@ per entry at apply time: an admission or a grow entry that does not fit gets
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
-from services.blockmgr.errors import BlockManagerError, ErrorCode, invalid, not_found
-from services.blockmgr.host_tier import HostTier
-from services.blockmgr.kv_groups import group_key, grow, longest_group_hit, windows_of
-from services.blockmgr.pool import BlockPool
-from services.blockmgr.restore import restore
-from services.blockmgr.retention import DEFAULT_RETENTION_STEPS
-from services.blockmgr.step_checks import (
-    validate_step,
-)
-from services.blockmgr.swap import SwappedSeq, free_swapped, swap_in, swap_out
-from services.blockmgr.tiers import (
-    TierMoves,
-    TierRun,
-    fill_from_tiers,
-    take_moves,
-    tier_lookup,
-    tier_run,
-)
-from services.blockmgr.types import (
+from services.blockmgr.api.errors import BlockManagerError, ErrorCode, invalid, not_found
+from services.blockmgr.api.types import (
+    FULL_GROUP,
     Admit,
     AdmitResult,
-    AttentionKindName,
     BlockCopy,
     Commit,
     CommitResult,
@@ -50,15 +32,33 @@ from services.blockmgr.types import (
     FreeResult,
     Grow,
     GrowResult,
-    KVCacheGroup,
     Operation,
     OpResult,
     OpStatus,
     PoolCounters,
+    PoolSpec,
     RestoredSequence,
     SwapOut,
     Uncache,
     UncacheResult,
+)
+from services.blockmgr.eviction.retention import DEFAULT_RETENTION_STEPS
+from services.blockmgr.pool.blocks import BlockPool
+from services.blockmgr.pool.checks import (
+    validate_step,
+)
+from services.blockmgr.pool.groups import group_key, longest_group_hit, windows_of
+from services.blockmgr.pool.grow import grow
+from services.blockmgr.pool.restore import restore
+from services.blockmgr.pool.swap import swap_in, swap_out
+from services.blockmgr.pool.tables import TableState
+from services.blockmgr.tiers.host_tier import HostTier
+from services.blockmgr.tiers.moves import (
+    TierMoves,
+    TierRun,
+    take_moves,
+    tier_lookup,
+    tier_run,
 )
 from services.common.blocks import (
     NULL_BLOCK,
@@ -70,87 +70,49 @@ from services.common.blocks import (
 # In an admission's hits, a block found in a tier below the device (onboarded into a new one).
 IN_TIER = -2  # (-1 is longest_window_hit's "not looked up yet")
 
-_RECENTLY_FREED = 65536  # how many freed ids we remember to tell a double free from a typo
-
-
-class SeqState:
-    """A sequence's tables, one per KV-cache group, each with one entry per block of its
-    ``num_tokens`` slots, and per group ``first_lives``: the entries before it are
-    :data:`NULL_BLOCK` (always 0 in a full group)."""
-
-    __slots__ = ("first_lives", "num_tokens", "priority", "tables")
-
-    def __init__(
-        self,
-        tables: list[list[int]],
-        num_tokens: int,
-        first_lives: list[int],
-        priority: int = 0,
-    ) -> None:
-        self.tables = tables
-        self.num_tokens = num_tokens
-        self.first_lives = first_lives
-        self.priority = priority  # retention priority its hits and commits give their blocks
-
-    @property
-    def block_table(self) -> list[int]:
-        """The first group's table (a one-group pool's only one)."""
-        return self.tables[0]
-
-    @property
-    def first_live(self) -> int:
-        """The first group's first live entry."""
-        return self.first_lives[0]
-
 
 class KVBlockManager:
-    """Block tables of one pool's sequences over a :class:`BlockPool`.
+    """The batched Step over one pool: its :class:`TableState` (the sequences' tables) over a
+    :class:`BlockPool`. Admit, fork, free and commit are here; grow, swapping and restore in
+    their own modules, over the table state.
 
-    ``groups``: the pool's KV-cache groups, validated (none: one full group, or one group of
-    window ``sliding_window`` when that is > 0: a query at p reads the keys in (p - W, p]).
+    ``spec.groups``: the pool's KV-cache groups, validated (none: one full group).
     ``retention_steps``: how long a freed block keeps its retention priority
-    (:mod:`services.blockmgr.retention`)."""
+    (:mod:`services.blockmgr.eviction.retention`)."""
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        *,
-        enable_prefix_caching: bool = True,
-        eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU,
-        sliding_window: int = 0,
-        groups: Sequence[KVCacheGroup] = (),
-        retention_steps: int = DEFAULT_RETENTION_STEPS,
-        host_blocks: int = 0,
-        disk_blocks: int = 0,
-        tier_eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU,
-    ) -> None:
-        self.block_size = block_size
+    def __init__(self, spec: PoolSpec, *, retention_steps: int = DEFAULT_RETENTION_STEPS) -> None:
+        """``spec`` as the core checked it (:meth:`BlockManagerCore.register`)."""
+        groups = spec.groups
         if not groups:
-            kind = AttentionKindName.SLIDING if sliding_window else AttentionKindName.FULL
-            groups = (KVCacheGroup(kind, sliding_window),)
-        self.windows = windows_of(groups)
-        self.num_groups = len(self.windows)
-        self.any_sliding = any(self.windows)
-        self.enable_prefix_caching = enable_prefix_caching
-        if disk_blocks and not host_blocks:
+            groups = (FULL_GROUP,)
+        if spec.disk_blocks and not spec.host_blocks:
             raise invalid("disk_blocks: a disk tier needs a host tier above it (host_blocks)")
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.enable_prefix_caching = spec.enable_prefix_caching
         self.pool = BlockPool(
-            num_blocks,
-            eviction_policy,
+            spec.num_blocks,
+            EvictionPolicyName.parse(spec.eviction_policy),
             retention_steps,
-            host_blocks,
-            disk_blocks,
-            tier_eviction_policy,
+            spec.host_blocks,
+            spec.disk_blocks,
+            EvictionPolicyName.parse(spec.tier_eviction_policy),
         )
+        self.tables = TableState(
+            self.pool, spec.block_size, windows_of(groups), spec.enable_prefix_caching
+        )
+        # (the tables' own structures, named here for the manager's readers)
+        self.windows = self.tables.windows
+        self.seqs = self.tables.seqs
+        self.swapped = self.tables.swapped
         self.host_hits_tokens = 0
         self.disk_hits_tokens = 0
-        self.seqs: dict[int, SeqState] = {}
-        self.swapped: dict[int, SwappedSeq] = {}  # swapped out (services.blockmgr.swap)
-        self._recently_freed: OrderedDict[int, None] = OrderedDict()
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
-        self.num_cow_copies = 0
+
+    @property
+    def num_cow_copies(self) -> int:
+        return self.tables.num_cow_copies
 
     # ---- counters -------------------------------------------------------------------------
 
@@ -179,7 +141,7 @@ class KVBlockManager:
         validate_step(
             ops,
             self.seqs,
-            self._recently_freed,
+            self.tables.recently_freed,
             self.block_size,
             self.swapped,
             has_host=self.pool.host is not None,
@@ -204,11 +166,11 @@ class KVBlockManager:
             elif isinstance(op, Fork):
                 results.append(self._fork(op, failed))
             elif isinstance(op, SwapOut):
-                results.append(swap_out(self, op, failed))
+                results.append(swap_out(self.tables, op, failed))
             elif isinstance(op, Uncache):
                 results.append(UncacheResult(self.pool.uncache(op)))
             else:
-                results.append(swap_in(self, op, failed))
+                results.append(swap_in(self.tables, op, failed))
         return results
 
     # ---- operations -----------------------------------------------------------------------
@@ -221,14 +183,14 @@ class KVBlockManager:
         blocks."""
         pool, bs = self.pool, self.block_size
         num_hit = 0
-        lives = [0] * self.num_groups
+        lives = [0] * len(self.windows)
         # Per group: blocks live .. num_hit - 1, a device block or IN_TIER (onboarded from
         # ``run``, which lists them group after group, in table order).
         hits: list[list[int]] = [[] for _ in lives]
         run: TierRun = []
         if self.enable_prefix_caching:
             max_hits = (op.num_prompt_tokens - 1) // bs  # never cover the last prompt token
-            if self.num_groups > 1 or self.any_sliding:
+            if len(self.windows) > 1 or self.tables.any_sliding:
                 num_hit, lives, hits, run = self._group_hit(op.block_hashes[:max_hits])
             else:  # one full group, the common case: the leading run of cached blocks
                 found = hits[0]
@@ -239,7 +201,7 @@ class KVBlockManager:
                         break
                     found.append(block_id)
                 if pool.host is not None:  # the prefix may go on in the tiers below
-                    run = tier_run(pool, op.block_hashes[len(found) : max_hits])
+                    run = tier_run(pool.host, pool.disk, op.block_hashes[len(found) : max_hits])
                     found.extend([IN_TIER] * len(run))
                 num_hit = len(found)
         num_cached = num_hit * bs
@@ -247,7 +209,7 @@ class KVBlockManager:
         need = blocks_for_tokens(num_tokens, bs) - num_hit
         refcount = pool.refcount
         revived = sum(1 for group in hits for b in group if b != IN_TIER and refcount[b] == 0)
-        cost = need * self.num_groups + len(run)
+        cost = need * len(self.windows) + len(run)
         if cost + op.reserve_blocks > pool.num_free - revived:
             failed.add(op.seq_id)
             return AdmitResult(OpStatus.RESOURCE_EXHAUSTED)
@@ -268,8 +230,7 @@ class KVBlockManager:
             table.extend(next(filled) if b == IN_TIER else b for b in group_hits)
             table.extend(pool.allocate() for _ in range(need))
             tables.append(table)
-        self.seqs[op.seq_id] = SeqState(tables, num_tokens, lives, priority)
-        self._recently_freed.pop(op.seq_id, None)
+        self.tables.adopt(op.seq_id, tables, num_tokens, lives, priority)
         if self.enable_prefix_caching:  # counted once per admission, not per refused attempt
             self.prefix_queries_tokens += op.num_prompt_tokens
             self.prefix_hits_tokens += num_cached
@@ -281,8 +242,8 @@ class KVBlockManager:
     ) -> tuple[int, list[int], list[list[int]], TierRun]:
         """:func:`longest_group_hit` over the device and, with tiers, the tiers below it: a
         block found only there is IN_TIER in its group's hits and listed in the run."""
-        pool = self.pool
-        if pool.host is None:
+        pool, host = self.pool, self.pool.host
+        if host is None:
             num_hit, lives, hits = longest_group_hit(
                 block_hashes, self.windows, self.block_size, pool.lookup
             )
@@ -291,7 +252,7 @@ class KVBlockManager:
 
         def lookup(key: bytes) -> int | None:
             block_id = pool.lookup(key)
-            if block_id is None and (where := tier_lookup(pool, key)) is not None:
+            if block_id is None and (where := tier_lookup(host, pool.disk, key)) is not None:
                 below[key] = where
                 return IN_TIER
             return block_id
@@ -307,18 +268,18 @@ class KVBlockManager:
         return num_hit, lives, hits, run
 
     def _onboard(self, run: TierRun, priority: int) -> list[int]:
-        blocks, from_disk = fill_from_tiers(self.pool, run, priority)
+        blocks, from_disk = self.pool.fill_from_tiers(run, priority)
         self.host_hits_tokens += (len(run) - from_disk) * self.block_size
         self.disk_hits_tokens += from_disk * self.block_size
         return blocks
 
     def take_moves(self) -> TierMoves:
         """The tiers' (offloads, onboards, spills, loads) of the Step just applied."""
-        return take_moves(self.pool)
+        return take_moves(self.pool.host, self.pool.disk)
 
     def _grow(self, op: Grow, failed: set[int]) -> GrowResult:
-        if self.num_groups > 1 or self.any_sliding:
-            return grow(self, op, failed)
+        if len(self.windows) > 1 or self.tables.any_sliding:
+            return grow(self.tables, op, failed)
         # One full group, the common case, kept lean: decode steps grow every sequence.
         pool, bs, seqs = self.pool, self.block_size, self.seqs
         statuses: list[OpStatus] = []
@@ -347,35 +308,11 @@ class KVBlockManager:
                 statuses.append(OpStatus.RESOURCE_EXHAUSTED)
                 new_ids.append(())
                 continue
-            added = self.extend_table(table, entry, need, cow, copies)
+            added = self.tables.extend_table(table, entry, need, cow, copies)
             state.num_tokens = new_total
             statuses.append(OpStatus.OK)
             new_ids.append(added)
         return GrowResult(tuple(statuses), tuple(new_ids), tuple(copies))
-
-    def extend_table(
-        self,
-        table: list[int],
-        entry: int,
-        need: int,
-        cow: bool,
-        copies: list[BlockCopy],
-        group: int = 0,
-    ) -> tuple[int, ...]:
-        """Grow entry ``entry``'s writes to ``table`` (of ``group``), which the pool has room
-        for: a private copy of the shared last block when ``cow`` (recorded in ``copies``),
-        then ``need`` new blocks appended. Returns the new blocks."""
-        pool = self.pool
-        if cow:
-            src = table[-1]
-            dst = pool.allocate()
-            table[-1] = dst
-            pool.decref(src)
-            copies.append(BlockCopy(entry, len(table) - 1, src, dst, group))
-            self.num_cow_copies += 1
-        added = tuple(pool.allocate() for _ in range(need)) if need > 0 else ()
-        table.extend(added)
-        return added
 
     def _fork(self, op: Fork, failed: set[int]) -> ForkResult:
         if op.parent_seq_id in failed:
@@ -387,13 +324,13 @@ class KVBlockManager:
             for block_id in table[live:]:  # null entries hold no reference
                 self.pool.incref(block_id)
             shared += len(table) - live
-        self.seqs[op.child_seq_id] = SeqState(
+        self.tables.adopt(
+            op.child_seq_id,
             [list(t) for t in parent.tables],
             parent.num_tokens,
             list(parent.first_lives),
             parent.priority,
         )
-        self._recently_freed.pop(op.child_seq_id, None)
         return ForkResult(OpStatus.OK, shared)
 
     def _free(self, op: Free, failed: set[int]) -> FreeResult:
@@ -404,46 +341,7 @@ class KVBlockManager:
     def release(self, seq_ids: Sequence[int]) -> int:
         """Free live or swapped-out sequences (a swap-out, offline replay); returns the
         device blocks freed."""
-        freed = 0
-        for seq_id in seq_ids:
-            if seq_id in self.seqs:
-                freed += self._release(seq_id)
-            elif seq_id in self.swapped:
-                free_swapped(self, seq_id)
-                self._forget(seq_id)
-        return freed
-
-    def _release(self, seq_id: int) -> int:
-        """Group by group: a full group frees its table tail first, so a chain's tail is
-        evicted before its head (the head is the most shareable part). A sliding group frees
-        its live blocks oldest first, after the ones released out of the window earlier: the
-        blocks a hit of the whole sequence needs (its last window) are evicted last."""
-        state = self.seqs.pop(seq_id)
-        freed = 0
-        decref = self.pool.decref
-        for table, live, window in zip(state.tables, state.first_lives, self.windows, strict=True):
-            for block_id in table[live:] if window else reversed(table):
-                freed += decref(block_id)
-        self._forget(seq_id)
-        return freed
-
-    def _forget(self, seq_id: int) -> None:
-        self._recently_freed[seq_id] = None
-        if len(self._recently_freed) > _RECENTLY_FREED:
-            self._recently_freed.popitem(last=False)
-
-    def adopt(
-        self,
-        seq_id: int,
-        tables: list[list[int]],
-        num_tokens: int,
-        first_lives: list[int],
-        priority: int = 0,
-    ) -> None:
-        """A sequence swapped back in or restored holds ``tables`` from now on (their
-        references already taken)."""
-        self.seqs[seq_id] = SeqState(tables, num_tokens, first_lives, priority)
-        self._recently_freed.pop(seq_id, None)
+        return self.tables.release(seq_ids)
 
     def _commit(self, op: Commit, failed: set[int]) -> CommitResult:
         """Every group's blocks in the range are stored under their group's keys; an entry
@@ -467,8 +365,8 @@ class KVBlockManager:
 
     def restore(self, sequences: Sequence[RestoredSequence]) -> int:
         """Rebuild live (and swapped-out) sequences in an empty pool, after a block-manager
-        restart (:func:`services.blockmgr.restore.restore`)."""
-        return restore(self, sequences)
+        restart (:func:`services.blockmgr.pool.restore.restore`)."""
+        return restore(self.tables, sequences)
 
 
 __all__ = ["BlockManagerError", "ErrorCode", "KVBlockManager"]

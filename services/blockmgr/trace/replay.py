@@ -18,21 +18,14 @@ the prompt tokens looked up at admission, as the pool's statistics count it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from services.blockmgr.errors import BlockManagerError
-from services.blockmgr.kv_manager import KVBlockManager
-from services.blockmgr.trace import (
-    RegisterRecord,
-    RestoreRecord,
-    StepRecord,
-    TraceRecord,
-    read_trace,
-)
-from services.blockmgr.types import (
+from services.blockmgr.api.errors import BlockManagerError
+from services.blockmgr.api.types import (
     Admit,
     Commit,
     EvictionPolicyName,
@@ -48,6 +41,14 @@ from services.blockmgr.types import (
     SwapOut,
     SwapOutResult,
     Uncache,
+)
+from services.blockmgr.pool.manager import KVBlockManager
+from services.blockmgr.trace.record import (
+    RegisterRecord,
+    RestoreRecord,
+    StepRecord,
+    TraceRecord,
+    read_trace,
 )
 from services.common.blocks import full_blocks
 
@@ -90,26 +91,26 @@ class _ReplayedPool:
         host_blocks: int | None = None,
         tier_policy: EvictionPolicyName | None = None,
     ) -> None:
-        tier_ok = len(record.groups) == 1 and not record.groups[0].sliding_window
-        self.manager = KVBlockManager(
-            num_blocks or record.num_blocks,
-            record.block_size,
-            enable_prefix_caching=record.enable_prefix_caching,
-            eviction_policy=policy or record.eviction_policy,
-            groups=record.groups,
-            retention_steps=record.retention_steps,
+        recorded = record.spec
+        tier_ok = len(recorded.groups) == 1 and not recorded.groups[0].sliding_window
+        host = host_blocks if host_blocks is not None and tier_ok else recorded.host_blocks
+        spec = dataclasses.replace(
+            recorded,
+            num_blocks=num_blocks or recorded.num_blocks,
+            eviction_policy=policy or recorded.eviction_policy,
             # (an override of the tier applies to the pools that can have one)
-            host_blocks=host_blocks if host_blocks is not None and tier_ok else record.host_blocks,
+            host_blocks=host,
             # (the disk tier as recorded, while the pool keeps a host tier above it)
-            disk_blocks=record.disk_blocks if host_blocks != 0 else 0,
-            tier_eviction_policy=tier_policy or record.tier_policy,
+            disk_blocks=recorded.disk_blocks if host_blocks != 0 else 0,
+            tier_eviction_policy=tier_policy or recorded.tier_eviction_policy,
         )
+        self.manager = KVBlockManager(spec, retention_steps=record.retention_steps)
         self.num_dropped = 0
         self.num_refused_admissions = 0
         # A failed move of the recorded run names its blocks and slots: replayed only where
         # they are the same ones (the pool as recorded).
-        recorded = (record.num_blocks, record.host_blocks, record.disk_blocks)
-        self._as_recorded = self.manager.pool.sizes == recorded
+        sizes = (recorded.num_blocks, recorded.host_blocks, recorded.disk_blocks)
+        self._as_recorded = self.manager.pool.sizes == sizes
 
     def step(self, ops: Sequence[Operation]) -> int:
         """Apply the recorded ``ops`` that still make sense here; returns how many."""

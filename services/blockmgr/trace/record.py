@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from services.blockmgr.retention import DEFAULT_RETENTION_STEPS
-from services.blockmgr.types import (
+from services.blockmgr.api.types import (
     Admit,
     AttentionKindName,
     Commit,
@@ -39,11 +38,13 @@ from services.blockmgr.types import (
     Grow,
     KVCacheGroup,
     Operation,
+    PoolSpec,
     RestoredSequence,
     SwapIn,
     SwapOut,
     Uncache,
 )
+from services.blockmgr.eviction.retention import DEFAULT_RETENTION_STEPS
 
 __all__ = [
     "RegisterRecord",
@@ -59,15 +60,8 @@ __all__ = [
 @dataclass(frozen=True)
 class RegisterRecord:
     pool_id: str
-    num_blocks: int
-    block_size: int
-    enable_prefix_caching: bool
-    eviction_policy: EvictionPolicyName
-    groups: tuple[KVCacheGroup, ...]
+    spec: PoolSpec  # policies parsed, groups as registered
     retention_steps: int = DEFAULT_RETENTION_STEPS
-    host_blocks: int = 0
-    disk_blocks: int = 0
-    tier_policy: EvictionPolicyName = EvictionPolicyName.LRU
 
 
 @dataclass(frozen=True)
@@ -162,31 +156,22 @@ class TraceWriter:
             self.num_records += 1
 
     def register(
-        self,
-        pool_id: str,
-        num_blocks: int,
-        block_size: int,
-        enable_prefix_caching: bool,
-        eviction_policy: EvictionPolicyName,
-        groups: Sequence[KVCacheGroup],
-        retention_steps: int = DEFAULT_RETENTION_STEPS,
-        host_blocks: int = 0,
-        disk_blocks: int = 0,
-        tier_policy: EvictionPolicyName = EvictionPolicyName.LRU,
+        self, pool_id: str, spec: PoolSpec, retention_steps: int = DEFAULT_RETENTION_STEPS
     ) -> None:
+        """``spec`` as the core holds it (policies parsed)."""
         self._write(
             {
                 "t": "register",
                 "pool": pool_id,
-                "num_blocks": num_blocks,
-                "block_size": block_size,
-                "prefix": enable_prefix_caching,
-                "policy": eviction_policy.value,
-                "groups": [[g.kind.value, g.sliding_window, list(g.layers)] for g in groups],
+                "num_blocks": spec.num_blocks,
+                "block_size": spec.block_size,
+                "prefix": spec.enable_prefix_caching,
+                "policy": EvictionPolicyName(spec.eviction_policy).value,
+                "groups": [[g.kind.value, g.sliding_window, list(g.layers)] for g in spec.groups],
                 "retention_steps": retention_steps,
-                "host_blocks": host_blocks,
-                "disk_blocks": disk_blocks,
-                "tier_policy": tier_policy.value,
+                "host_blocks": spec.host_blocks,
+                "disk_blocks": spec.disk_blocks,
+                "tier_policy": EvictionPolicyName(spec.tier_eviction_policy).value,
             }
         )
 
@@ -233,18 +218,17 @@ def _record(d: dict[str, Any]) -> TraceRecord:
             KVCacheGroup(AttentionKindName(k), int(w), tuple(layers))
             for k, w, layers in d["groups"]
         )
-        return RegisterRecord(
-            pool_id,
+        spec = PoolSpec(
             int(d["num_blocks"]),
             int(d["block_size"]),
             bool(d["prefix"]),
             EvictionPolicyName.parse(d["policy"]),
             groups,
-            int(d.get("retention_steps", DEFAULT_RETENTION_STEPS)),
             int(d.get("host_blocks", 0)),
             int(d.get("disk_blocks", 0)),
             EvictionPolicyName.parse(d.get("tier_policy", "lru")),
         )
+        return RegisterRecord(pool_id, spec, int(d.get("retention_steps", DEFAULT_RETENTION_STEPS)))
     if kind == "restore":
         seqs = tuple(
             RestoredSequence(

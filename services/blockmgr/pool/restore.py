@@ -4,35 +4,32 @@ restart (pure logic, no I/O)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from services.blockmgr.errors import invalid, precondition
-from services.blockmgr.kv_groups import group_key
-from services.blockmgr.step_checks import MAX_TOKENS, check_block_ids, check_hashes, check_seq_id
-from services.blockmgr.swap import check_swapped, restore_swapped
-from services.blockmgr.types import RestoredSequence
+from services.blockmgr.api.errors import invalid, precondition
+from services.blockmgr.api.types import RestoredSequence
+from services.blockmgr.pool.checks import MAX_TOKENS, check_block_ids, check_hashes, check_seq_id
+from services.blockmgr.pool.groups import group_key
+from services.blockmgr.pool.swap import check_swapped, restore_swapped
+from services.blockmgr.pool.tables import TableState
 from services.common.blocks import NULL_BLOCK, blocks_for_tokens, first_live_block
-
-if TYPE_CHECKING:
-    from services.blockmgr.kv_manager import KVBlockManager
 
 __all__ = ["restore"]
 
 
-def restore(m: KVBlockManager, sequences: Sequence[RestoredSequence]) -> int:
+def restore(st: TableState, sequences: Sequence[RestoredSequence]) -> int:
     """Rebuild live sequences' tables in an empty pool (after a block-manager restart).
     All or nothing. Returns how many blocks became matchable.
 
     ``block_ids`` are the sequence's tables, group-major. A sliding group's table may
     start with a run of null entries (its first_live); the hashes of null entries are
     skipped. A block is in one group only: sequences may share it within that group."""
-    if m.seqs or m.swapped:
+    if st.seqs or st.swapped:
         raise precondition(
             "restore needs a pool without live sequences; this one has "
-            f"{len(m.seqs) + len(m.swapped)}"
+            f"{len(st.seqs) + len(st.swapped)}"
         )
-    check_swapped(m, sequences)
-    bs, nb, num_groups = m.block_size, m.pool.num_blocks, m.num_groups
+    check_swapped(st, sequences)
+    bs, nb, num_groups = st.block_size, st.pool.num_blocks, st.num_groups
     seen: set[int] = set()
     group_of: dict[int, int] = {}
     parsed: list[tuple[list[list[int]], list[int]]] = []  # per sequence: tables, lives
@@ -56,7 +53,7 @@ def restore(m: KVBlockManager, sequences: Sequence[RestoredSequence]) -> int:
         lives: list[int] = []
         for g in range(num_groups):
             table = list(seq.block_ids[g * n : (g + 1) * n])
-            live = _restored_first_live(m, table, g, seq.num_tokens, f"{where}.block_ids")
+            live = _restored_first_live(st, table, g, seq.num_tokens, f"{where}.block_ids")
             held = table[live:]
             check_block_ids(held, nb, f"{where}.block_ids", offset=g * n + live)
             if len(set(held)) != len(held):
@@ -73,17 +70,17 @@ def restore(m: KVBlockManager, sequences: Sequence[RestoredSequence]) -> int:
         if len(seq.block_hashes) > seq.num_tokens // bs:
             raise invalid(f"{where}.block_hashes: more hashes than full blocks")
         parsed.append((tables, lives))
-    m.pool.take_free(set(group_of))
-    restore_swapped(m, sequences)
+    st.pool.take_free(set(group_of))
+    restore_swapped(st, sequences)
     stored = 0
-    refcount, store = m.pool.refcount, m.pool.store
+    refcount, store = st.pool.refcount, st.pool.store
     live_seqs = [s for s in sequences if not s.host_slots]
     for seq, (tables, lives) in zip(live_seqs, parsed, strict=True):
         for table, live in zip(tables, lives, strict=True):
             for block_id in table[live:]:
                 refcount[block_id] += 1
-        m.adopt(seq.seq_id, tables, seq.num_tokens, lives)
-        if m.enable_prefix_caching:
+        st.adopt(seq.seq_id, tables, seq.num_tokens, lives)
+        if st.enable_prefix_caching:
             for g, table in enumerate(tables):
                 for block_id, block_hash in zip(table, seq.block_hashes, strict=False):
                     if block_id != NULL_BLOCK:
@@ -92,19 +89,19 @@ def restore(m: KVBlockManager, sequences: Sequence[RestoredSequence]) -> int:
 
 
 def _restored_first_live(
-    m: KVBlockManager, table: list[int], group: int, num_tokens: int, where: str
+    st: TableState, table: list[int], group: int, num_tokens: int, where: str
 ) -> int:
     """The leading null entries of a restored sliding group's table (0 in a full group,
     where :func:`~.step_checks.check_block_ids` refuses any null entry). The last block
     must not be null, unless the window has already passed every block (W = 1 after a
     grow by 0)."""
-    window = m.windows[group]
+    window = st.windows[group]
     if not window:
         return 0
     live = 0
     while live < len(table) and table[live] == NULL_BLOCK:
         live += 1
-    window_start = first_live_block(num_tokens, window, m.block_size)
+    window_start = first_live_block(num_tokens, window, st.block_size)
     if table and live == len(table) and live > window_start:
         offset = group * len(table)
         raise invalid(

@@ -23,12 +23,9 @@ in a slot comes back to that group (its cache key carries the group).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from services.blockmgr.errors import invalid
-from services.blockmgr.kv_groups import group_key
-from services.blockmgr.step_checks import check_hashes, check_seq_id
-from services.blockmgr.types import (
+from services.blockmgr.api.errors import invalid
+from services.blockmgr.api.types import (
     NO_SLOT,
     OpStatus,
     RestoredSequence,
@@ -37,36 +34,22 @@ from services.blockmgr.types import (
     SwapOut,
     SwapOutResult,
 )
+from services.blockmgr.pool.checks import check_hashes, check_seq_id
+from services.blockmgr.pool.groups import group_key
+from services.blockmgr.pool.tables import SwappedSeq, TableState
 from services.common.blocks import NULL_BLOCK, blocks_for_tokens
-
-if TYPE_CHECKING:
-    from services.blockmgr.kv_manager import KVBlockManager
 
 __all__ = [
     "NO_SLOT",
-    "SwappedSeq",
     "check_swapped",
-    "free_swapped",
     "restore_swapped",
     "swap_in",
     "swap_out",
 ]
 
 
-class SwappedSeq:
-    """A swapped-out sequence: the host slots of its tables, group-major (:data:`NO_SLOT` for
-    a null entry), and its token slots."""
-
-    __slots__ = ("num_tokens", "priority", "slots")
-
-    def __init__(self, slots: list[int], num_tokens: int, priority: int = 0) -> None:
-        self.slots = slots
-        self.num_tokens = num_tokens
-        self.priority = priority
-
-
-def swap_out(m: KVBlockManager, op: SwapOut, failed: set[int]) -> SwapOutResult:
-    pool = m.pool
+def swap_out(st: TableState, op: SwapOut, failed: set[int]) -> SwapOutResult:
+    pool = st.pool
     host = pool.host
     assert host is not None  # validated: the pool has a host tier
     statuses: list[OpStatus] = []
@@ -78,7 +61,7 @@ def swap_out(m: KVBlockManager, op: SwapOut, failed: set[int]) -> SwapOutResult:
             statuses.append(OpStatus.SKIPPED)
             slots_out.append(())
             continue
-        state = m.seqs[seq_id]
+        state = st.seqs[seq_id]
         blocks = [b for table in state.tables for b in table]
         new = {b for b in blocks if b != NULL_BLOCK and b not in placed}
         if len(new) > host.swap_room():
@@ -97,28 +80,28 @@ def swap_out(m: KVBlockManager, op: SwapOut, failed: set[int]) -> SwapOutResult:
             else:
                 host.share_swapped(slot)
             slots.append(slot)
-        m.swapped[seq_id] = SwappedSeq(slots, state.num_tokens, state.priority)
-        freed += m.release([seq_id])
+        st.swapped[seq_id] = SwappedSeq(slots, state.num_tokens, state.priority)
+        freed += st.release([seq_id])
         statuses.append(OpStatus.OK)
         slots_out.append(tuple(slots))
     return SwapOutResult(tuple(statuses), tuple(slots_out), freed)
 
 
-def swap_in(m: KVBlockManager, op: SwapIn, failed: set[int]) -> SwapInResult:
-    pool = m.pool
+def swap_in(st: TableState, op: SwapIn, failed: set[int]) -> SwapInResult:
+    pool = st.pool
     host = pool.host
     assert host is not None
     statuses: list[OpStatus] = []
     tables: list[tuple[int, ...]] = []
     placed: dict[int, int] = {}  # slot -> its device block, within this op
     refcount, cached = pool.refcount, pool.hash_to_block
-    caching = m.enable_prefix_caching
+    caching = st.enable_prefix_caching
     for seq_id in op.seq_ids:
         if seq_id in failed:
             statuses.append(OpStatus.SKIPPED)
             tables.append(())
             continue
-        swapped = m.swapped[seq_id]
+        swapped = st.swapped[seq_id]
         # Blocks still cached on the device are shared; the others need a free block each.
         found: dict[int, int] = {}
         cost = 0
@@ -159,29 +142,20 @@ def swap_in(m: KVBlockManager, op: SwapIn, failed: set[int]) -> SwapInResult:
                 pool.retain(block_id, swapped.priority)
             host.release_swapped(slot)
             table.append(block_id)
-        del m.swapped[seq_id]
-        n = len(table) // m.num_groups
-        by_group = [table[g * n : (g + 1) * n] for g in range(m.num_groups)]
+        del st.swapped[seq_id]
+        n = len(table) // st.num_groups
+        by_group = [table[g * n : (g + 1) * n] for g in range(st.num_groups)]
         lives = [next((i for i, b in enumerate(t) if b != NULL_BLOCK), n) for t in by_group]
-        m.adopt(seq_id, by_group, swapped.num_tokens, lives, swapped.priority)
+        st.adopt(seq_id, by_group, swapped.num_tokens, lives, swapped.priority)
         statuses.append(OpStatus.OK)
         tables.append(tuple(table))
     return SwapInResult(tuple(statuses), tuple(tables))
 
 
-def free_swapped(m: KVBlockManager, seq_id: int) -> None:
-    """A swapped-out sequence is freed: its slots are given up."""
-    host = m.pool.host
-    assert host is not None
-    for slot in m.swapped.pop(seq_id).slots:
-        if slot != NO_SLOT:
-            host.release_swapped(slot)
-
-
-def check_swapped(m: KVBlockManager, sequences: Sequence[RestoredSequence]) -> None:
+def check_swapped(st: TableState, sequences: Sequence[RestoredSequence]) -> None:
     """Validate the swapped-out ones of ``sequences`` to restore (those with ``host_slots``);
     INVALID_ARGUMENT naming the field. Ids are checked with the live ones."""
-    host = m.pool.host
+    host = st.pool.host
     for i, seq in enumerate(sequences):
         if not seq.host_slots:
             continue
@@ -191,11 +165,11 @@ def check_swapped(m: KVBlockManager, sequences: Sequence[RestoredSequence]) -> N
         check_seq_id(seq.seq_id, f"{where}.seq_id")
         if seq.block_ids:
             raise invalid(f"{where}: a swapped-out sequence has host_slots, not block_ids")
-        per_group = blocks_for_tokens(seq.num_tokens, m.block_size)
-        n = per_group * m.num_groups
+        per_group = blocks_for_tokens(seq.num_tokens, st.block_size)
+        n = per_group * st.num_groups
         if len(seq.host_slots) != n:
             raise invalid(
-                f"{where}.host_slots: {seq.num_tokens} tokens in {m.num_groups} group(s) need "
+                f"{where}.host_slots: {seq.num_tokens} tokens in {st.num_groups} group(s) need "
                 f"{n} slots, got {len(seq.host_slots)}"
             )
         held = [slot for slot in seq.host_slots if slot != NO_SLOT]
@@ -207,7 +181,7 @@ def check_swapped(m: KVBlockManager, sequences: Sequence[RestoredSequence]) -> N
             leading = leading or i == 0
             if slot == NO_SLOT:
                 # Only a sliding group's leading entries are released.
-                if not (m.windows[g] and leading):
+                if not (st.windows[g] and leading):
                     raise invalid(f"{where}.host_slots[{j}]: no entry there is released")
                 continue
             leading = False
@@ -216,18 +190,18 @@ def check_swapped(m: KVBlockManager, sequences: Sequence[RestoredSequence]) -> N
         check_hashes(seq.block_hashes, f"{where}.block_hashes")
 
 
-def restore_swapped(m: KVBlockManager, sequences: Sequence[RestoredSequence]) -> None:
+def restore_swapped(st: TableState, sequences: Sequence[RestoredSequence]) -> None:
     """Rebuild the swapped-out ones of ``sequences`` (checked by :func:`check_swapped`)."""
-    host = m.pool.host
+    host = st.pool.host
     for seq in sequences:
         if not seq.host_slots:
             continue
         assert host is not None
-        per_group = len(seq.host_slots) // m.num_groups
+        per_group = len(seq.host_slots) // st.num_groups
         for j, slot in enumerate(seq.host_slots):
             if slot == NO_SLOT:
                 continue
             g, i = divmod(j, per_group)
             block_hash = seq.block_hashes[i] if i < len(seq.block_hashes) else None
             host.hold_swapped(slot, group_key(block_hash, g) if block_hash is not None else None)
-        m.swapped[seq.seq_id] = SwappedSeq(list(seq.host_slots), seq.num_tokens)
+        st.swapped[seq.seq_id] = SwappedSeq(list(seq.host_slots), seq.num_tokens)

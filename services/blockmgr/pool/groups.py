@@ -18,8 +18,8 @@ to one group's tables at a time, and is cached under its hash *in that group*
   the window of the first uncached query to be cached (searched right to left).
 - :func:`longest_group_hit`: an admission's hit across groups: the longest prefix every group
   can serve (a full group scans left to right, a sliding one right to left, until they agree).
-- :func:`grow`: a Grow that first releases each sliding group's blocks out of the window of the
-  entry's queries (blocks so freed count for the same entry's allocations).
+- :func:`services.blockmgr.pool.grow.grow`: a Grow that first releases each sliding group's blocks
+  out of the window of the entry's queries (blocks so freed count for the same entry's allocations).
 
 Eviction order: released blocks enter the pool's eviction order when released, oldest first,
 and a freed sequence's live blocks only at Free (a full group's tail first, a sliding group's
@@ -31,23 +31,16 @@ vllm-project/vllm#48435).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TypeVar, cast
 
-from services.blockmgr.errors import invalid
-from services.blockmgr.hashing import HASH_SIZE
-from services.blockmgr.types import (
+from services.blockmgr.api.errors import invalid
+from services.blockmgr.api.hashing import HASH_SIZE
+from services.blockmgr.api.types import (
     FULL_GROUP,
     AttentionKindName,
-    BlockCopy,
-    Grow,
-    GrowResult,
     KVCacheGroup,
-    OpStatus,
 )
-from services.common.blocks import NULL_BLOCK, blocks_to_grow, first_live_block
-
-if TYPE_CHECKING:
-    from services.blockmgr.kv_manager import KVBlockManager
+from services.common.blocks import first_live_block
 
 MAX_KV_CACHE_GROUPS = 64  # groups per pool this implementation serves
 MAX_LAYER = 2**31 - 1  # layers travel as int32
@@ -190,85 +183,9 @@ def longest_group_hit(
     return k, lives, hits
 
 
-def grow(m: KVBlockManager, op: Grow, failed: set[int]) -> GrowResult:
-    """:meth:`KVBlockManager._grow`. Each entry first releases, in every SLIDING group, the
-    blocks before the window of its queries (they start at the sequence's current slot
-    count): their entries become 0 and they are decref'd in order, so a block nobody else
-    holds is freed (committed: cached-free and matchable) and counts for this entry's
-    allocations. Then every group's table grows by the same number of blocks (group-major in
-    ``new_block_ids``), after a private copy of a shared, partly filled last block where
-    needed. A failed or skipped entry releases nothing. In pools with a sliding group,
-    ``first_live_blocks`` reports each entry's first_live per group (entry-major)."""
-    pool, bs, windows, seqs = m.pool, m.block_size, m.windows, m.seqs
-    sliding = m.any_sliding
-    refcount = pool.refcount
-    statuses: list[OpStatus] = []
-    new_ids: list[tuple[int, ...]] = []
-    copies: list[BlockCopy] = []
-    first_lives: list[int] = []
-    ok, empty = OpStatus.OK, ()
-    for entry, (seq_id, n) in enumerate(zip(op.seq_ids, op.num_tokens, strict=True)):
-        if failed and seq_id in failed:  # absent if its admission failed in this step
-            statuses.append(OpStatus.SKIPPED)
-            new_ids.append(empty)
-            if sliding:
-                skipped = seqs.get(seq_id)
-                first_lives.extend(skipped.first_lives if skipped else [0] * len(windows))
-            continue
-        state = seqs[seq_id]
-        tables, old, starts = state.tables, state.num_tokens, state.first_lives
-        need = blocks_to_grow(old, n, len(tables[0]), bs)
-        # Writing into a shared, partially filled last block needs a private copy first; it
-        # is never a released one (the last block is released only when full, W = 1).
-        cows = [refcount[t[-1]] > 1 for t in tables] if n and old % bs and tables[0] else None
-        lives = (
-            [max(first_live_block(old, w, bs), s) for w, s in zip(windows, starts, strict=True)]
-            if sliding
-            else starts
-        )
-        if not need and not (cows and any(cows)) and lives == starts:
-            state.num_tokens = old + n  # the common decode case: room left in the last block
-            statuses.append(ok)
-            new_ids.append(empty)
-            if sliding:
-                first_lives.extend(starts)
-            continue
-        cost = need * len(tables) + (sum(cows) if cows else 0)
-        if cost:
-            freed_here = sum(
-                1
-                for t, s, live in zip(tables, starts, lives, strict=True)
-                for i in range(s, live)
-                if refcount[t[i]] == 1
-            )
-            if cost > pool.num_free + freed_here:
-                failed.add(seq_id)
-                statuses.append(OpStatus.RESOURCE_EXHAUSTED)
-                new_ids.append(empty)
-                if sliding:
-                    first_lives.extend(starts)
-                continue
-        if lives is not starts:
-            for t, s, live in zip(tables, starts, lives, strict=True):
-                for i in range(s, live):  # oldest first: evicted first
-                    pool.decref(t[i])
-                    t[i] = NULL_BLOCK
-            state.first_lives = lives
-        added: tuple[int, ...] = ()
-        for g, table in enumerate(tables):
-            added += m.extend_table(table, entry, need, bool(cows and cows[g]), copies, g)
-        state.num_tokens = old + n
-        statuses.append(ok)
-        new_ids.append(added)
-        if sliding:
-            first_lives.extend(lives)
-    return GrowResult(tuple(statuses), tuple(new_ids), tuple(copies), tuple(first_lives))
-
-
 __all__ = [
     "MAX_KV_CACHE_GROUPS",
     "group_key",
-    "grow",
     "longest_group_hit",
     "longest_window_hit",
     "split_key",

@@ -6,12 +6,12 @@ from collections.abc import Sequence
 from typing import cast
 
 from pagedserve.v1 import blockmgr_pb2 as pb
-from services.blockmgr.convert_results import (  # re-exported: one module to import
+from services.blockmgr.api.convert_results import (  # re-exported: one module to import
     counters_from_pb,
     counters_to_pb,
 )
-from services.blockmgr.errors import BlockManagerError, ErrorCode
-from services.blockmgr.types import (
+from services.blockmgr.api.errors import BlockManagerError, ErrorCode
+from services.blockmgr.api.types import (
     FULL_GROUP,
     Admit,
     AttentionKindName,
@@ -26,6 +26,7 @@ from services.blockmgr.types import (
     KVMedium,
     Operation,
     PoolInfo,
+    PoolSpec,
     PoolStats,
     RestoredSequence,
     RestoreResult,
@@ -237,6 +238,40 @@ def restore_from_pb(r: pb.RestoreResponse) -> RestoreResult:
     return RestoreResult(r.num_sequences, r.num_stored_blocks, counters_from_pb(r.counters))
 
 
+def register_to_pb(pool_id: str, spec: PoolSpec, owner_token: str) -> pb.RegisterPoolRequest:
+    """A Register request; INVALID_ARGUMENT naming a policy that is none of the contract's."""
+    try:
+        policy = POLICY_TO_PB[EvictionPolicyName.parse(spec.eviction_policy)]
+        tier_policy = POLICY_TO_PB[EvictionPolicyName.parse(spec.tier_eviction_policy)]
+    except ValueError as exc:
+        raise BlockManagerError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
+    return pb.RegisterPoolRequest(
+        pool_id=pool_id,
+        num_blocks=spec.num_blocks,
+        block_size=spec.block_size,
+        enable_prefix_caching=spec.enable_prefix_caching,
+        eviction_policy=policy,
+        owner_token=owner_token,
+        groups=groups_to_pb(spec.groups),
+        host_blocks=spec.host_blocks,
+        disk_blocks=spec.disk_blocks,
+        tier_eviction_policy=tier_policy,
+    )
+
+
+def spec_from_pb(r: pb.RegisterPoolRequest) -> PoolSpec:
+    return PoolSpec(
+        r.num_blocks,
+        r.block_size,
+        r.enable_prefix_caching,
+        policy_from_pb(r.eviction_policy),
+        groups_from_pb(r.groups),
+        r.host_blocks,
+        r.disk_blocks,
+        policy_from_pb(r.tier_eviction_policy, "tier_eviction_policy"),
+    )
+
+
 def pool_info_to_pb(p: PoolInfo) -> pb.PoolInfo:
     return pb.PoolInfo(
         pool_id=p.pool_id,
@@ -245,27 +280,26 @@ def pool_info_to_pb(p: PoolInfo) -> pb.PoolInfo:
         block_size=p.block_size,
         num_usable_blocks=p.num_usable_blocks,
         enable_prefix_caching=p.enable_prefix_caching,
-        eviction_policy=POLICY_TO_PB[p.eviction_policy],
+        eviction_policy=POLICY_TO_PB[EvictionPolicyName(p.eviction_policy)],
         groups=groups_to_pb(p.groups),
         host_blocks=p.host_blocks,
         disk_blocks=p.disk_blocks,
-        tier_eviction_policy=POLICY_TO_PB[p.tier_eviction_policy],
+        tier_eviction_policy=POLICY_TO_PB[EvictionPolicyName(p.tier_eviction_policy)],
     )
 
 
 def pool_info_from_pb(p: pb.PoolInfo) -> PoolInfo:
-    return PoolInfo(
-        p.pool_id,
-        p.epoch,
+    spec = PoolSpec(
         p.num_blocks,
         p.block_size,
         p.enable_prefix_caching,
         policy_from_pb(p.eviction_policy),
-        groups=groups_from_pb(p.groups) or (FULL_GROUP,),  # none: a server predating groups
-        host_blocks=p.host_blocks,
-        disk_blocks=p.disk_blocks,
-        tier_eviction_policy=policy_from_pb(p.tier_eviction_policy, "tier_eviction_policy"),
+        groups_from_pb(p.groups) or (FULL_GROUP,),  # none: a server predating groups
+        p.host_blocks,
+        p.disk_blocks,
+        policy_from_pb(p.tier_eviction_policy, "tier_eviction_policy"),
     )
+    return PoolInfo.of(p.pool_id, p.epoch, spec)
 
 
 def info_to_pb(i: ServiceInfo) -> pb.BlockManagerInfo:

@@ -23,7 +23,7 @@ Step is applied (the executor runs them in order, ahead of the forward that need
 pins need not outlive the Step. The tier map is dropped with the pool (a new registration):
 after a block-manager restart its slots are simply not cached, never wrong.
 
-Preemption by swapping (:mod:`services.blockmgr.swap`) takes slots of the same tier: a
+Preemption by swapping (:mod:`services.blockmgr.pool.swap`) takes slots of the same tier: a
 swapped-out sequence's slots are held for it (refcounted: sequences swapped out together
 share a block's slot), out of the cache's eviction order, until it is swapped in or freed.
 Restore rebuilds them from the executor's view (it still holds their content).
@@ -41,8 +41,8 @@ block before a fill overwrites it, and a load reads a disk slot after the Step w
 
 from __future__ import annotations
 
-from services.blockmgr.eviction import EvictionPolicy, make_policy
-from services.blockmgr.types import BlockMove, EvictionPolicyName, KVEventKind, PendingEvent
+from services.blockmgr.api.types import BlockMove, EvictionPolicyName, KVEventKind, PendingEvent
+from services.blockmgr.eviction.policies import EvictionPolicy, make_policy
 
 __all__ = ["HostTier"]
 

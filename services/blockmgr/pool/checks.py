@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Protocol
 
-from services.blockmgr.errors import invalid, not_found, precondition
-from services.blockmgr.hashing import HASH_SIZE
-from services.blockmgr.retention import MAX_RETENTION_PRIORITY
-from services.blockmgr.types import (
+from services.blockmgr.api.errors import invalid, not_found, precondition
+from services.blockmgr.api.hashing import HASH_SIZE
+from services.blockmgr.api.types import (
     Admit,
     Commit,
     Fork,
@@ -20,6 +19,7 @@ from services.blockmgr.types import (
     SwapOut,
     Uncache,
 )
+from services.blockmgr.eviction.retention import MAX_RETENTION_PRIORITY
 from services.common.blocks import NULL_BLOCK, full_blocks
 
 MAX_SEQ_ID = 2**64 - 1

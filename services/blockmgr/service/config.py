@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from services.blockmgr.retention import DEFAULT_RETENTION_STEPS
+from services.blockmgr.eviction.retention import DEFAULT_RETENTION_STEPS
 from services.common.auth import InternalSecurity
 
 

@@ -8,7 +8,7 @@ it back, ``pop`` to choose a victim, ``touch`` when an in-use block is hit (for 
 count use), ``discard`` to take a block out without counting a hit (a demotion, a restore),
 ``forget`` when a block's hash is dropped (it was evicted, or a restore took it),
 ``missed`` when a lookup found no block for a key (for policies with ghosts:
-:mod:`services.blockmgr.eviction_adaptive`). Every method is O(1) amortised or O(log n).
+:mod:`services.blockmgr.eviction.adaptive`). Every method is O(1) amortised or O(log n).
 
 Order of entry: a block is pushed when its refcount drops to 0. Full-attention pools free a
 sequence tail first. Sliding-window pools push a sequence's blocks as they fall out of its
@@ -25,8 +25,8 @@ import itertools
 from collections import OrderedDict
 from typing import Protocol
 
-from services.blockmgr.eviction_adaptive import ARCPolicy, KeyOf, S3FIFOPolicy
-from services.blockmgr.types import EvictionPolicyName
+from services.blockmgr.api.types import EvictionPolicyName
+from services.blockmgr.eviction.adaptive import ARCPolicy, KeyOf, S3FIFOPolicy
 
 
 class EvictionPolicy(Protocol):

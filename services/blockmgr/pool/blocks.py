@@ -6,7 +6,7 @@ Invariants (checked by the property tests):
   policy (it still holds a committed hash and stays matchable until reused);
 - ``hash_to_block[h] == b`` iff ``block_hash[b] == h``.
 
-The pool knows nothing of sequences; :class:`services.blockmgr.kv_manager.KVManager` owns block
+The pool knows nothing of sequences; :class:`services.blockmgr.pool.manager.KVManager` owns block
 tables.
 """
 
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from services.blockmgr.host_tier import HostTier
-from services.blockmgr.retention import DEFAULT_RETENTION_STEPS, RetentionLevels
-from services.blockmgr.types import EvictionPolicyName, KVEventKind, PendingEvent, Uncache
+from services.blockmgr.api.types import EvictionPolicyName, KVEventKind, PendingEvent, Uncache
+from services.blockmgr.eviction.retention import DEFAULT_RETENTION_STEPS, RetentionLevels
+from services.blockmgr.tiers.host_tier import HostTier
+from services.blockmgr.tiers.moves import TierRun
 from services.common.blocks import usable_blocks
 
 
@@ -246,3 +247,22 @@ class BlockPool:
     def free_block_ids(self) -> list[int]:
         """All free block ids (for invariant checks and tests; O(n))."""
         return list(self._uncached) + [b for b in range(1, self.num_blocks) if b in self._policy]
+
+    def fill_from_tiers(self, run: TierRun, priority: int) -> tuple[list[int], int]:
+        """New device blocks for ``run``, to be filled from their tiers: matchable on the device
+        at once (the executor fills them before any forward). Returns them and how many came
+        from the disk."""
+        for _, tier, slot in run:  # read in this Step: no offload or spill may take these slots
+            tier.pin(slot)
+        blocks = []
+        from_disk = 0
+        for block_hash, tier, slot in run:
+            block_id = self.allocate()
+            tier.onboard(slot, block_id)
+            from_disk += tier is self.disk
+            self.store(block_id, block_hash)
+            self.note_hit(block_id)  # a prefix hit, from a tier
+            if priority:
+                self.retain(block_id, priority)
+            blocks.append(block_id)
+        return blocks, from_disk

@@ -1,13 +1,13 @@
 """Domain types of the block manager: operations, results, counters, events.
 
 These are what the core and both clients speak; protobuf appears only in
-:mod:`services.blockmgr.convert`, at the gRPC edge.
+:mod:`services.blockmgr.api.convert`, at the gRPC edge.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from services.common.blocks import usable_blocks
 
@@ -84,7 +84,7 @@ class Admit:
     (never covering the last prompt token), then allocate slots for up to ``max_new_tokens``
     more prompt tokens. All or nothing; fails unless ``reserve_blocks`` stay free afterwards.
     ``retention_priority``: the blocks it hits or commits are evicted after lower-priority
-    ones once free, for a bounded time (:mod:`services.blockmgr.retention`)."""
+    ones once free, for a bounded time (:mod:`services.blockmgr.eviction.retention`)."""
 
     seq_id: int
     num_prompt_tokens: int
@@ -308,26 +308,57 @@ class RestoreResult:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolInfo:
-    pool_id: str
-    epoch: int
+class PoolSpec:
+    """What a pool is: everything ``Register`` carries but the pool's id and its owner token.
+    One type for the client protocol, both clients, the core, the trace and the executor: a
+    new pool attribute is a field here (and in the proto's ``RegisterPoolRequest`` and
+    ``PoolInfo``, and :mod:`services.blockmgr.api.convert`).
+
+    ``groups``: the pool's KV-cache groups (none: one full-attention group); at most
+    ``ServiceInfo.max_kv_cache_groups``. ``host_blocks``: slots of a host tier (0: none);
+    ``disk_blocks``: slots of a disk tier below it (0: none); ``tier_eviction_policy``: the
+    order in which the tiers reuse slots. Policies may be given by name; the block manager
+    refuses an unknown one (INVALID_ARGUMENT)."""
+
     num_blocks: int
     block_size: int
-    enable_prefix_caching: bool
-    eviction_policy: EvictionPolicyName
+    enable_prefix_caching: bool = True
+    eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU
+    groups: tuple[KVCacheGroup, ...] = ()
+    host_blocks: int = 0
+    disk_blocks: int = 0
+    tier_eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return usable_blocks(self.num_blocks)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolInfo(PoolSpec):
+    """A registered pool: its spec as the block manager holds it (policies parsed, ``groups``
+    validated: one FULL group when none was given), its id and its current epoch."""
+
+    pool_id: str
+    epoch: int
     # Set only in Register's answer, for the registering owner: the token every later Step,
     # Restore, Unregister and re-Register of the pool must carry, and how long the pool lives
     # without a call from its owner (0: forever).
     owner_token: str = field(default="", repr=False, compare=False)
     lease_s: float = field(default=0.0, compare=False)
-    groups: tuple[KVCacheGroup, ...] = (FULL_GROUP,)  # as registered (one FULL group: none given)
-    host_blocks: int = 0  # the host tier's slots (0: none)
-    disk_blocks: int = 0  # the disk tier's slots, below the host tier (0: none)
-    tier_eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU  # the tiers' order
+
+    @classmethod
+    def of(cls, pool_id: str, epoch: int, spec: PoolSpec) -> PoolInfo:
+        """``spec`` (already parsed and validated) registered as ``pool_id`` at ``epoch``."""
+        fields = {name: getattr(spec, name) for name in _SPEC_FIELDS}
+        return cls(pool_id=pool_id, epoch=epoch, **fields)
 
     @property
-    def num_usable_blocks(self) -> int:
-        return usable_blocks(self.num_blocks)
+    def spec(self) -> PoolSpec:
+        return PoolSpec(**{name: getattr(self, name) for name in _SPEC_FIELDS})
+
+
+_SPEC_FIELDS = tuple(f.name for f in fields(PoolSpec))
 
 
 @dataclass(frozen=True, slots=True)
