@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 from pagedserve.v1 import blockmgr_pb2 as pb
 from services.blockmgr.api.convert_results import (  # re-exported: one module to import
@@ -13,13 +14,10 @@ from services.blockmgr.api.convert_results import (  # re-exported: one module t
 from services.blockmgr.api.errors import BlockManagerError, ErrorCode
 from services.blockmgr.api.types import (
     FULL_GROUP,
-    Admit,
+    OP_NAMES,
+    OP_TYPES,
     AttentionKindName,
-    Commit,
     EvictionPolicyName,
-    Fork,
-    Free,
-    Grow,
     KVCacheGroup,
     KVEvent,
     KVEventKind,
@@ -31,9 +29,6 @@ from services.blockmgr.api.types import (
     RestoredSequence,
     RestoreResult,
     ServiceInfo,
-    SwapIn,
-    SwapOut,
-    Uncache,
 )
 
 POLICY_TO_PB: dict[EvictionPolicyName, pb.EvictionPolicy] = {
@@ -109,56 +104,24 @@ def groups_from_pb(
 # ---- requests ----------------------------------------------------------------------------
 
 
+# Per operation name: its proto message class and the names of its fields (the dataclass's).
+_OP_MESSAGES: dict[str, tuple[Any, tuple[str, ...]]] = {
+    name: (
+        getattr(pb, pb.Operation.DESCRIPTOR.fields_by_name[name].message_type.name),
+        tuple(f.name for f in dataclasses.fields(cls)),
+    )
+    for cls, name in OP_NAMES.items()
+}
+
+
 def ops_to_pb(ops: Sequence[Operation]) -> list[pb.Operation]:
     out = []
     for op in ops:
-        if isinstance(op, Grow):
-            out.append(pb.Operation(grow=pb.GrowOp(seq_ids=op.seq_ids, num_tokens=op.num_tokens)))
-        elif isinstance(op, Free):
-            out.append(pb.Operation(free=pb.FreeOp(seq_ids=op.seq_ids)))
-        elif isinstance(op, Commit):
-            out.append(
-                pb.Operation(
-                    commit=pb.CommitOp(
-                        seq_id=op.seq_id, start_block=op.start_block, block_hashes=op.block_hashes
-                    )
-                )
-            )
-        elif isinstance(op, Admit):
-            out.append(
-                pb.Operation(
-                    admit=pb.AdmitOp(
-                        seq_id=op.seq_id,
-                        num_prompt_tokens=op.num_prompt_tokens,
-                        max_new_tokens=op.max_new_tokens,
-                        block_hashes=op.block_hashes,
-                        reserve_blocks=op.reserve_blocks,
-                        retention_priority=op.retention_priority,
-                    )
-                )
-            )
-        elif isinstance(op, Fork):
-            out.append(
-                pb.Operation(
-                    fork=pb.ForkOp(parent_seq_id=op.parent_seq_id, child_seq_id=op.child_seq_id)
-                )
-            )
-        elif isinstance(op, SwapOut):
-            out.append(pb.Operation(swap_out=pb.SwapOutOp(seq_ids=op.seq_ids)))
-        elif isinstance(op, SwapIn):
-            out.append(pb.Operation(swap_in=pb.SwapInOp(seq_ids=op.seq_ids)))
-        elif isinstance(op, Uncache):
-            out.append(
-                pb.Operation(
-                    uncache=pb.UncacheOp(
-                        device_blocks=op.device_blocks,
-                        host_slots=op.host_slots,
-                        disk_slots=op.disk_slots,
-                    )
-                )
-            )
-        else:
+        name = OP_NAMES.get(type(op))
+        if name is None:
             raise TypeError(f"not a block manager operation: {op!r}")
+        message, fields = _OP_MESSAGES[name]
+        out.append(pb.Operation(**{name: message(**{f: getattr(op, f) for f in fields})}))
     return out
 
 
@@ -166,38 +129,18 @@ def ops_from_pb(ops: Sequence[pb.Operation]) -> list[Operation]:
     """Domain ops; INVALID_ARGUMENT naming the first operation with no oneof set."""
     out: list[Operation] = []
     for i, op in enumerate(ops):
-        kind = op.WhichOneof("op")
-        if kind == "grow":
-            out.append(Grow(tuple(op.grow.seq_ids), tuple(op.grow.num_tokens)))
-        elif kind == "free":
-            out.append(Free(tuple(op.free.seq_ids)))
-        elif kind == "commit":
-            c = op.commit
-            out.append(Commit(c.seq_id, c.start_block, tuple(c.block_hashes)))
-        elif kind == "admit":
-            a = op.admit
-            out.append(
-                Admit(
-                    a.seq_id,
-                    a.num_prompt_tokens,
-                    a.max_new_tokens,
-                    tuple(a.block_hashes),
-                    a.reserve_blocks,
-                    a.retention_priority,
-                )
-            )
-        elif kind == "fork":
-            out.append(Fork(op.fork.parent_seq_id, op.fork.child_seq_id))
-        elif kind == "swap_out":
-            out.append(SwapOut(tuple(op.swap_out.seq_ids)))
-        elif kind == "swap_in":
-            out.append(SwapIn(tuple(op.swap_in.seq_ids)))
-        elif kind == "uncache":
-            u = op.uncache
-            out.append(Uncache(tuple(u.device_blocks), tuple(u.host_slots), tuple(u.disk_slots)))
-        else:
+        name = op.WhichOneof("op")
+        if name is None or name not in OP_TYPES:
             raise BlockManagerError(ErrorCode.INVALID_ARGUMENT, f"ops[{i}]: no operation set")
+        message = getattr(op, name)
+        values = {f: _from_pb_value(getattr(message, f)) for f in _OP_MESSAGES[name][1]}
+        out.append(OP_TYPES[name](**values))
     return out
+
+
+def _from_pb_value(value: Any) -> Any:
+    """A scalar as is; a repeated field as a tuple."""
+    return value if isinstance(value, int | bytes | str) else tuple(value)
 
 
 def restored_to_pb(seqs: Sequence[RestoredSequence]) -> list[pb.RestoredSequence]:

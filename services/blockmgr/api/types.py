@@ -160,6 +160,23 @@ class Uncache:
 
 Operation = Admit | Grow | Fork | Free | Commit | SwapOut | SwapIn | Uncache
 
+# Each operation's name: its field in the proto's ``Operation`` oneof (whose message has the
+# dataclass's fields, same names, same order) and its key in recorded traces. Conversions to
+# and from protobuf and trace records walk the dataclass's fields: a new operation is a
+# dataclass here, its line in this table, its message in the proto, its check
+# (:mod:`services.blockmgr.pool.checks`) and its handler (:mod:`services.blockmgr.pool.manager`).
+OP_NAMES: dict[type[Operation], str] = {
+    Admit: "admit",
+    Grow: "grow",
+    Fork: "fork",
+    Free: "free",
+    Commit: "commit",
+    SwapOut: "swap_out",
+    SwapIn: "swap_in",
+    Uncache: "uncache",
+}
+OP_TYPES: dict[str, type[Operation]] = {name: cls for cls, name in OP_NAMES.items()}
+
 
 @dataclass(frozen=True, slots=True)
 class AdmitResult:

@@ -21,6 +21,7 @@ written. Lines are written whole (line-buffered). Hashes are base64. A line::
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import threading
 from collections.abc import Iterator, Sequence
@@ -29,20 +30,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from services.blockmgr.api.types import (
-    Admit,
+    OP_NAMES,
+    OP_TYPES,
     AttentionKindName,
-    Commit,
     EvictionPolicyName,
-    Fork,
-    Free,
-    Grow,
     KVCacheGroup,
     Operation,
     PoolSpec,
     RestoredSequence,
-    SwapIn,
-    SwapOut,
-    Uncache,
 )
 from services.blockmgr.eviction.retention import DEFAULT_RETENTION_STEPS
 
@@ -93,51 +88,35 @@ def _unb64(hashes: Sequence[str]) -> tuple[bytes, ...]:
 
 
 def _op_json(op: Operation) -> dict[str, Any]:
-    if isinstance(op, Grow):
-        return {"grow": [list(op.seq_ids), list(op.num_tokens)]}
-    if isinstance(op, Free):
-        return {"free": list(op.seq_ids)}
-    if isinstance(op, Commit):
-        return {"commit": [op.seq_id, op.start_block, _b64(op.block_hashes)]}
-    if isinstance(op, Admit):
-        return {
-            "admit": [
-                op.seq_id,
-                op.num_prompt_tokens,
-                op.max_new_tokens,
-                _b64(op.block_hashes),
-                op.reserve_blocks,
-                op.retention_priority,
-            ]
-        }
-    if isinstance(op, SwapOut):
-        return {"swap_out": list(op.seq_ids)}
-    if isinstance(op, SwapIn):
-        return {"swap_in": list(op.seq_ids)}
-    if isinstance(op, Uncache):
-        return {"uncache": [list(op.device_blocks), list(op.host_slots), list(op.disk_slots)]}
-    return {"fork": [op.parent_seq_id, op.child_seq_id]}
+    """``{name: value}`` for a one-field operation, ``{name: [values in field order]}``
+    otherwise; hashes in base64."""
+    values = [_json_value(getattr(op, f.name)) for f in dataclasses.fields(op)]
+    return {OP_NAMES[type(op)]: values[0] if len(values) == 1 else values}
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return _b64(value) if value and isinstance(value[0], bytes) else list(value)
+    return value
 
 
 def _op_from_json(d: dict[str, Any]) -> Operation:
-    ((kind, v),) = d.items()
-    if kind == "grow":
-        return Grow(tuple(v[0]), tuple(v[1]))
-    if kind == "free":
-        return Free(tuple(v))
-    if kind == "commit":
-        return Commit(v[0], v[1], _unb64(v[2]))
-    if kind == "admit":
-        return Admit(v[0], v[1], v[2], _unb64(v[3]), v[4], v[5] if len(v) > 5 else 0)
-    if kind == "fork":
-        return Fork(v[0], v[1])
-    if kind == "swap_out":
-        return SwapOut(tuple(v))
-    if kind == "swap_in":
-        return SwapIn(tuple(v))
-    if kind == "uncache":
-        return Uncache(tuple(v[0]), tuple(v[1]), tuple(v[2]))
-    raise ValueError(f"unknown operation {kind!r}")
+    """:func:`_op_json` reversed; fields recorded before they existed take their defaults."""
+    ((name, v),) = d.items()
+    cls = OP_TYPES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown operation {name!r}")
+    fields = dataclasses.fields(cls)
+    values = [v] if len(fields) == 1 else v
+    return cls(
+        **{f.name: _from_json_value(f.name, x) for f, x in zip(fields, values, strict=False)}
+    )
+
+
+def _from_json_value(name: str, value: Any) -> Any:
+    if not isinstance(value, list):
+        return value
+    return _unb64(value) if name == "block_hashes" else tuple(value)
 
 
 class TraceWriter:
