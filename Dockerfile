@@ -31,11 +31,13 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
-# Dependencies first, from pyproject.toml alone, so that editing the source reuses this layer.
+# Dependencies first, from pyproject.toml alone, so that editing the source reuses this layer:
+# the project's and its `gpu` extra's (triton, for the kernels; the CUDA torch wheel pins the
+# triton it was built with, which pip keeps).
 WORKDIR /src
 COPY pyproject.toml ./
 RUN pip install ${TORCH_INDEX_URL:+--index-url "${TORCH_INDEX_URL}"} "torch==${TORCH_VERSION}" \
-    && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \
+    && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['gpu']))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 

@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint protos serve bench-blockmgr bench-engine bench-cpu bench-host bench-async clean
+.PHONY: test test-fast lint protos serve bench-blockmgr bench-engine bench-cpu bench-host bench-async clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -11,7 +11,10 @@ $(STAMP): pyproject.toml
 	# No CUDA on this machine: take the CPU torch wheel first, so the project's
 	# `torch` requirement is already satisfied and pip pulls no CUDA build.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[dev]'
+	# `dev` brings triton (the kernel tests run it on the CPU, under its interpreter). The
+	# filter drops setuptools' "Editable installation" notice (a warning block for any
+	# editable install of a flat layout), that message alone: errors still show.
+	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 protos: $(STAMP)
@@ -26,8 +29,15 @@ lint: protos
 	$(PY) -m pagedserve.tools.check_file_sizes
 	$(VENV)/bin/mypy
 
+# The whole suite (CI). The 25 slowest tests close the output: docs/testing.md has the budgets.
 test: protos lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
+
+# The inner loop: everything but the tests that start processes (e2e), run Triton kernels
+# under the interpreter (interp) or repeat a sweep for another model or configuration
+# (matrix), with a quarter of the hypothesis examples. Markers: tests/markers.py.
+test-fast: protos
+	$(PY) -m pytest -q -m "not e2e and not interp and not matrix" --hypothesis-profile=fast
 
 # The whole stack on loopback: blockmgr + executor + gateway (localhost:50051). Without
 # MODEL=DIR it serves the tiny default model, written to models/tiny-llama on first use.

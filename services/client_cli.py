@@ -63,6 +63,9 @@ CHANNEL_OPTIONS = [("grpc.service_config", RETRY_SERVICE_CONFIG), ("grpc.enable_
 
 
 def _stream(a: argparse.Namespace, request: generation_pb2.GenerateRequest) -> int:
+    """Stream one request to the terminal. One sample streams as it comes; with ``-n`` > 1
+    each sample is printed whole, as ``[i] text``, once it has finished (their chunks
+    interleave on the wire)."""
     if a.tls_ca:
         with open(a.tls_ca, "rb") as f:
             credentials = grpc.ssl_channel_credentials(f.read())
@@ -72,29 +75,46 @@ def _stream(a: argparse.Namespace, request: generation_pb2.GenerateRequest) -> i
     metadata = [("authorization", f"Bearer {a.api_key}")] if a.api_key else None
     stub = generation_pb2_grpc.GenerationStub(channel)
     multi = (a.n or 1) > 1
+    samples: dict[int, list[str]] = {}  # index -> its text so far (``-n`` > 1)
     try:
         for resp in stub.Generate(request, metadata=metadata, timeout=a.timeout):
-            if multi and resp.text:
-                sys.stdout.write(f"[{resp.index}] {resp.text}\n")
+            finished = resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+            if multi:
+                samples.setdefault(resp.index, []).append(resp.text)
+                if finished:
+                    _print_sample(resp.index, samples.pop(resp.index))
             else:
                 sys.stdout.write(resp.text)
-            sys.stdout.flush()
-            if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED and a.usage:
+                sys.stdout.flush()
+            if finished and a.usage:
                 u = resp.usage
                 reason = common_pb2.FinishReason.Name(resp.finish_reason)
+                after_text = "" if multi else "\n"  # a streamed sample ends without one
                 print(
-                    f"\n[{resp.index}] {reason} prompt={u.prompt_tokens} "
+                    f"{after_text}[{resp.index}] {reason} prompt={u.prompt_tokens} "
                     f"completion={u.completion_tokens} cached={u.cached_prompt_tokens}",
                     file=sys.stderr,
                 )
+        _print_unfinished(samples)
         if not multi:
             sys.stdout.write("\n")
         return 0
     except grpc.RpcError as exc:
+        _print_unfinished(samples)  # what the samples had before the error
         print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
         return 1
     finally:
         channel.close()
+
+
+def _print_sample(index: int, chunks: list[str]) -> None:
+    sys.stdout.write(f"[{index}] {''.join(chunks)}\n")
+    sys.stdout.flush()
+
+
+def _print_unfinished(samples: dict[int, list[str]]) -> None:
+    for index in sorted(samples):
+        _print_sample(index, samples.pop(index))
 
 
 def generate_main(argv: list[str]) -> int:

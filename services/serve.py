@@ -8,7 +8,10 @@ executor). When a child has used up ``--max-restarts`` within ``--restart-window
 supervisor says so, stops the others and exits 1. A child that exits 2
 (:data:`~services.common.logging.CONFIG_ERROR_STATUS`: its configuration cannot work, e.g. a
 model whose attention heads ``--tensor-parallel-size`` does not divide) is not restarted:
-the supervisor logs its reason, stops the others and exits 2.
+the supervisor logs its reason, stops the others and exits 2. A port another process holds is
+one: the supervisor checks its ports before starting anything (one ``config_error`` line
+naming the port and the ``serve`` flag that sets it, e.g. ``--blockmgr-port``), and a child
+that finds its port taken later exits 2 (its reason is then told with the ``serve`` flag).
 
 The children copy their stderr through the supervisor's (which keeps their last lines to tell
 why one exited) and run in their own process groups, so a Ctrl-C in the terminal reaches only
@@ -25,6 +28,7 @@ import collections
 import ctypes
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -38,7 +42,9 @@ from typing import IO
 import structlog
 
 from services.common.auth import API_KEY_ENV, INTERNAL_TOKEN_ENV
-from services.common.logging import CONFIG_ERROR_STATUS, configure_logging
+from services.common.errors import ConfigError
+from services.common.logging import CONFIG_ERROR_STATUS, config_error, configure_logging
+from services.common.ports import check_ports
 from services.executor.model.runner_config import available_cores
 from services.gateway.reasoning_parsers import PARSERS as REASONING_PARSERS
 from services.gateway.tool_parsers import PARSERS as TOOL_CALL_PARSERS
@@ -51,6 +57,14 @@ STOP_ORDER = ("gateway", "executor", "blockmgr")  # front to back: each one's cl
 # then stops its engine, the block manager has a 5 s grace period.
 STOP_TIMEOUT_S = {"gateway": 40.0, "executor": 20.0, "blockmgr": 10.0}
 TAIL_LINES = 50  # stderr lines kept per child to find why it exited
+LOOPBACK = "127.0.0.1"  # where the block manager and the executor listen
+# The serve flag that sets each child's port flag: a child's configuration error naming its
+# own flag (the block manager's ``--port``) is told with the flag the user gave.
+PORT_FLAGS: dict[str, dict[str, str]] = {
+    "blockmgr": {"--port": "--blockmgr-port"},
+    "executor": {"--port": "--executor-port"},
+    "gateway": {flag: flag for flag in ("--port", "--http-port", "--metrics-port")},
+}
 _stderr_lock = threading.Lock()
 
 
@@ -156,9 +170,10 @@ class Child:
         """Wait (briefly) until everything the exited child wrote has been copied."""
         self._copier.join(timeout)
 
-    def reason(self) -> str:
+    def reason(self, flags: dict[str, str] | None = None) -> str:
         """Why the exited child stopped, in its own words: the ``reason`` of its last
-        ``config_error`` log line, else its last line of output (argparse's error)."""
+        ``config_error`` log line, else its last line of output (argparse's error). The flag
+        the line names (its ``flag``) is told as ``flags`` maps it: the supervisor's own."""
         self.finish_output()
         last = ""
         for raw in reversed(self.tail):
@@ -171,7 +186,12 @@ class Child:
             except ValueError:
                 continue
             if isinstance(record, dict) and record.get("event") == "config_error":
-                return str(record.get("reason", line))
+                reason = str(record.get("reason", line))
+                flag = record.get("flag")
+                if flags and isinstance(flag, str) and flag in flags:
+                    whole_flag = rf"(?<![\w-]){re.escape(flag)}(?![\w-])"
+                    reason = re.sub(whole_flag, flags[flag], reason)
+                return reason
         return last
 
 
@@ -185,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:
         parser.error(str(exc))
+    try:
+        check_ports(_ports(args))
+    except ConfigError as exc:  # before anything starts: restarting cannot free a port
+        return config_error(log, exc)
     model = Path(args.model) if args.model else DEFAULT_MODEL
     if args.model is None and not (model / "config.json").is_file():
         from pagedserve.tools.tiny_model import write_tiny_model
@@ -258,8 +282,8 @@ class Supervisor:
     def _on_exit(self, name: str, status: int, now: float) -> int:
         """Schedule the restart of the child that exited with ``status``; or, when it must not
         be restarted, the status the supervisor exits with."""
-        if status == CONFIG_ERROR_STATUS:  # restarting cannot help
-            reason = self.children[name].reason()
+        if status == CONFIG_ERROR_STATUS:  # restarting cannot help (e.g. a port in use)
+            reason = self.children[name].reason(PORT_FLAGS.get(name))
             self.log.error("service_misconfigured", name=name, status=status, reason=reason)
             return CONFIG_ERROR_STATUS
         recent = [t for t in self.restarts[name] if now - t < self.restart_window_s]
@@ -314,11 +338,26 @@ def executor_defaults(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def _ports(args: argparse.Namespace) -> dict[str, tuple[str, int | None]]:
+    """Each serve flag that sets a port, with the host and port the child binds."""
+    return {
+        "--blockmgr-port": (LOOPBACK, args.blockmgr_port),
+        "--executor-port": (LOOPBACK, args.executor_port),
+        "--port": (args.host, args.port),
+        "--http-port": (args.host, args.http_port),
+        "--metrics-port": (args.host, args.metrics_port),
+    }
+
+
 def _specs(args: argparse.Namespace, model: Path) -> dict[str, list[str]]:
     """The command line of each child, in start order."""
     extra = [*executor_defaults(args), *(a for a in args.executor_args if a != "--")]
     py = [sys.executable, "-m", "services.cli"]
     common = ["--log-level", args.log_level]
+    # The default tiny model's chat template shows tools Hermes-style: it is served so.
+    auto_tools, parser = args.enable_auto_tool_choice, args.tool_call_parser
+    if args.model is None and parser is None:
+        auto_tools, parser = True, "hermes"
     return {
         "blockmgr": [*py, "blockmgr", "--port", str(args.blockmgr_port), *common],
         "executor": [
@@ -329,7 +368,7 @@ def _specs(args: argparse.Namespace, model: Path) -> dict[str, list[str]]:
             "--port",
             str(args.executor_port),
             "--blockmgr-address",
-            f"127.0.0.1:{args.blockmgr_port}",
+            f"{LOOPBACK}:{args.blockmgr_port}",
             *common,
             *extra,
         ],
@@ -347,9 +386,9 @@ def _specs(args: argparse.Namespace, model: Path) -> dict[str, list[str]]:
             "--http-port",
             str(args.http_port),
             "--executor",
-            f"127.0.0.1:{args.executor_port}",
-            *(["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []),
-            *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []),
+            f"{LOOPBACK}:{args.executor_port}",
+            *(["--enable-auto-tool-choice"] if auto_tools else []),
+            *(["--tool-call-parser", parser] if parser else []),
             *(["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []),
             *common,
         ],

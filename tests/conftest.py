@@ -21,6 +21,18 @@ if not shutil.which("nvidia-smi"):
 
 import pytest
 import torch
+from hypothesis import settings
+
+from tests.markers import MARKERS, mark_by_behaviour
+
+# Hypothesis example counts come from a profile (``--hypothesis-profile``, or the
+# HYPOTHESIS_PROFILE variable): ``ci`` (the default) runs each test's own count, ``fast`` a
+# quarter of it (``make test-fast``), ``soak`` ten times it. Tests give their counts through
+# ``tests.hypothesis_budget.examples(n)``, which scales by the profile loaded.
+settings.register_profile("ci", max_examples=100)
+settings.register_profile("fast", max_examples=25)
+settings.register_profile("soak", max_examples=1000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Tiny models on a 2-core machine: intra-op threads only contend (measured: one engine run
 # took 8.9 s with 2 threads under load vs 0.13 s with 1).
@@ -51,7 +63,13 @@ def _no_environment_leak() -> Iterator[None]:
         pytest.fail(f"the test left environment variables changed: {changed}")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    for name, description in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {description}")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mark_by_behaviour(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

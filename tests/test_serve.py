@@ -17,6 +17,7 @@ import pytest
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services import serve
+from services.common.logging import CONFIG_ERROR_STATUS
 from services.executor.service.config import ExecutorConfig
 from tests.procs import ServeStack, free_ports, json_records, run_cli, serve_command, wait_serving
 
@@ -147,8 +148,12 @@ def test_a_second_instance_on_the_same_port_fails_fast(tmp_path):
             text=True,
             timeout=30,
         )
-        assert second.returncode != 0
-        assert "could not bind" in second.stderr or "address" in second.stderr.lower()
+        # A configuration error (no restart can free the port), said in one line.
+        assert second.returncode == CONFIG_ERROR_STATUS, second.stderr[-2000:]
+        errors = [r for r in json_records(second.stderr) if r.get("level") == "error"]
+        assert [r["reason"] for r in errors] == [
+            f"port {first.port} is in use: choose another with --port"
+        ]
     finally:
         first.stop()
 
@@ -291,5 +296,9 @@ def test_the_chat_parsers_given_to_serve_go_to_the_gateway():
     gateway = " ".join(specs["gateway"])
     assert "--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3" in gateway
     assert "--tool-call-parser" not in specs["executor"]
-    plain = set(serve._specs(serve._parser().parse_args([]), Path("m"))["gateway"])
-    assert not {"--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser"} & plain
+    plain = serve._specs(serve._parser().parse_args(["--model", "m"]), Path("m"))["gateway"]
+    parsers = {"--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser"}
+    assert not parsers & set(plain)
+    # The default tiny model's template renders tools as Hermes does: served with its parser.
+    tiny = " ".join(serve._specs(serve._parser().parse_args([]), Path("m"))["gateway"])
+    assert "--enable-auto-tool-choice --tool-call-parser hermes" in tiny

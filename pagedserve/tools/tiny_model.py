@@ -47,7 +47,7 @@ from pagedserve.tools.tiny_tokenizer import (
     save_tokenizer,
 )
 
-__all__ = ["TinyModelSpec", "main", "write_tiny_model"]
+__all__ = ["LLAMA_CHAT_TEMPLATE", "TinyModelSpec", "main", "write_tiny_model"]
 
 Arch = Literal[
     "llama",
@@ -65,6 +65,56 @@ RopeScaling = Literal["none", "linear", "llama3", "longrope"]
 # (gemma3_mm: Gemma3ForConditionalGeneration, a tiny vision tower around the text model)
 ARCHS: tuple[Arch, ...] = get_args(Arch)
 _GEMMA_ARCHS = ("gemma2", "gemma3", "gemma3_mm")
+
+#: The default (llama) checkpoint's chat template: the tiny tokenizer's role markers, and,
+#: when a request has tools, Hermes-style tools, so that ``--tool-call-parser hermes`` reads
+#: the calls: a ``<tools>`` block in the system turn, an assistant turn's calls as
+#: ``<tool_call>`` blocks, a tool's result in a ``<tool_response>`` block. Each tool is one
+#: signature line, ``name(param, ...): description``, not its JSON as Qwen's template writes
+#: it: this tokenizer (768 tokens, learnt from prose) spends some 200 tokens on one tool's
+#: JSON, and the test stacks run at max_model_len 512. A conversation without tools renders
+#: exactly as the tokenizer's plain :data:`~pagedserve.tools.tiny_tokenizer.CHAT_TEMPLATE`.
+LLAMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set loop_messages = messages %}"
+    "{%- if tools %}"
+    "{%- set system = '' %}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{%- set system = messages[0]['content'] + '\n\n' %}"
+    "{%- set loop_messages = messages[1:] %}"
+    "{%- endif %}"
+    "{{- '<|system|>\n' + system + '# Tools\n<tools>' }}"
+    "{%- for tool in tools %}"
+    "{%- set fn = tool.function if tool.function is defined else tool %}"
+    "{{- '\n' + fn.name + '(' }}"
+    "{%- if fn.parameters is defined and fn.parameters.properties is defined %}"
+    "{{- fn.parameters.properties | list | join(', ') }}"
+    "{%- endif %}"
+    "{{- ')' }}"
+    "{%- if fn.description is defined and fn.description %}{{- ': ' + fn.description }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    '{{- \'\n</tools>\nCall a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call>\''
+    " + eos_token + '\n' }}"
+    "{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{{- '<|' + message['role'] + '|>\n' }}"
+    "{%- if message['role'] == 'tool' %}"
+    "{{- '<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{%- else %}"
+    "{{- message['content'] }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- if call.function is defined %}{%- set call = call.function %}{%- endif %}"
+    "{%- if message['content'] or not loop.first %}{{- '\n' }}{%- endif %}"
+    '{{- \'<tool_call>\n{"name": "\' + call.name + \'", "arguments": \' }}'
+    "{{- call.arguments | tojson if call.arguments is not string else call.arguments }}"
+    "{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- eos_token + '\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -122,7 +172,7 @@ def write_tiny_model(
         tokenizer,
         model_dir,
         model_max_length=spec.max_position_embeddings,
-        chat_template=FAMILY_TEMPLATES[spec.arch],
+        chat_template=LLAMA_CHAT_TEMPLATE if spec.arch == "llama" else FAMILY_TEMPLATES[spec.arch],
     )
     return model_dir
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import grpc
 
+from services.common.ports import bind_port
+
 INTERNAL_TOKEN_HEADER = "x-pagedserve-internal-token"
 INTERNAL_TOKEN_ENV = "PAGEDSERVE_INTERNAL_TOKEN"
 API_KEY_ENV = "PAGEDSERVE_API_KEY"  # the gateway's public API key
@@ -114,16 +116,22 @@ class InternalSecurity:
             )
         ]
 
-    def add_port(self, server: grpc.aio.Server, address: str) -> int:
+    def add_port(self, server: grpc.aio.Server, address: str, *, flag: str = "--port") -> int:
+        """Bind ``server`` to ``address`` (``host:port``) and return the bound port. A port
+        another process holds raises :class:`~services.common.ports.PortInUseError` naming
+        ``flag``, the flag that sets it."""
+        host, _, port = address.rpartition(":")
         if not self.tls:
-            return server.add_insecure_port(address)
+            return bind_port(lambda: server.add_insecure_port(address), host, int(port), flag)
         assert self.tls_cert and self.tls_key and self.tls_ca
         credentials = grpc.ssl_server_credentials(
             [(_read(self.tls_key), _read(self.tls_cert))],
             root_certificates=_read(self.tls_ca),
             require_client_auth=True,
         )
-        return server.add_secure_port(address, credentials)
+        return bind_port(
+            lambda: server.add_secure_port(address, credentials), host, int(port), flag
+        )
 
     # ---- the client side ----------------------------------------------------------------
 

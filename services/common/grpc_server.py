@@ -11,19 +11,19 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+
+from services.common import reflection
 
 
 def add_health_and_reflection(
     server: grpc.aio.Server, service_name: str, *, enable_reflection: bool = True
 ) -> health.aio.HealthServicer:
-    """Register ``grpc.health.v1`` (and server reflection) on ``server``."""
+    """Register ``grpc.health.v1`` (and server reflection, ``grpc.reflection.v1`` and
+    ``v1alpha``) on ``server``."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     if enable_reflection:
-        reflection.enable_server_reflection(
-            (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        reflection.enable_reflection(server, (service_name, health.SERVICE_NAME))
     return servicer
 
 

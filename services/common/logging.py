@@ -15,14 +15,17 @@ from typing import Any
 import structlog
 
 from services.common.auth import API_KEY_ENV, INTERNAL_TOKEN_ENV
+from services.common.errors import ConfigError
 
 # Exit status of a service whose configuration cannot work (bad flag, unloadable model, a
-# file that is not there), as argparse exits on a bad flag: restarting it cannot help, so a
-# supervisor (``pagedserve serve``) stops instead of restarting it.
+# file that is not there, a port another process holds), as argparse exits on a bad flag:
+# restarting it cannot help, so a supervisor (``pagedserve serve``) stops instead of
+# restarting it.
 CONFIG_ERROR_STATUS = 2
 # A file named by a flag (model directory, TLS certificate or key) that is not there or cannot
-# be read: a configuration error in every service. (Not every OSError: a port in use may
-# free itself, so "could not bind" stays a failure worth a restart.)
+# be read: a configuration error in every service. (Not every OSError: a bind that fails for
+# another reason than a port in use, :class:`~services.common.ports.PortInUseError`, stays a
+# failure worth a restart.)
 FILE_CONFIG_ERRORS: tuple[type[OSError], ...] = (
     FileNotFoundError,
     IsADirectoryError,
@@ -118,9 +121,13 @@ def loggable(value: object) -> object:
 
 def config_error(log: structlog.stdlib.BoundLogger, exc: BaseException) -> int:
     """Log why the configuration cannot work (``config_error`` with its ``reason``, no
-    traceback: the message names the flag, file or value) and return
-    :data:`CONFIG_ERROR_STATUS`, the status the entry point exits with."""
-    log.error("config_error", reason=str(exc), error=type(exc).__name__)
+    traceback: the message names the flag, file or value; a :class:`ConfigError`'s ``flag``
+    and ``details`` too) and return :data:`CONFIG_ERROR_STATUS`, the status the entry point
+    exits with."""
+    extra: dict[str, object] = {}
+    if isinstance(exc, ConfigError):
+        extra = {**exc.details, **({"flag": exc.flag} if exc.flag else {})}
+    log.error("config_error", reason=str(exc), error=type(exc).__name__, **extra)
     return CONFIG_ERROR_STATUS
 
 

@@ -1,8 +1,9 @@
 """``python -m services.gateway`` / ``pagedserve gateway --model DIR --executor HOST:PORT``.
 
 Exits 0 after SIGTERM / SIGINT, and 2 (:data:`~services.common.logging.CONFIG_ERROR_STATUS`)
-when its configuration cannot work: a bad flag (argparse), a model directory that is not
-there or holds no usable tokenizer, a TLS file that cannot be read.
+when its configuration cannot work: a bad flag (argparse), a port another process holds
+(``--port``, ``--http-port``, ``--metrics-port``: checked before anything is loaded), a model
+directory that is not there or holds no usable tokenizer, a TLS file that cannot be read.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from services.common.logging import (
     configure_logging,
     loggable,
 )
+from services.common.ports import check_ports
 from services.gateway.config import GatewayConfig
 
 # What the start-up raises on a configuration that cannot work (transformers raises
@@ -28,9 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     secrets = [config.api_key, config.security.token]
     log = configure_logging("gateway", config.log_level, secrets=secrets)
     log.info("gateway_starting", config=loggable(config))
-    from services.gateway.server import serve
-
     try:
+        ports = {
+            "--port": config.port,
+            "--http-port": config.http_port,
+            "--metrics-port": config.metrics_port,
+        }
+        check_ports({flag: (config.host, port) for flag, port in ports.items()})
+        from services.gateway.server import serve
+
         return asyncio.run(serve(config))
     except CONFIG_ERRORS as exc:
         return config_error(log, exc)

@@ -11,6 +11,8 @@ import structlog
 import uvicorn
 from fastapi import FastAPI
 
+from services.common.ports import listen_sockets
+
 log = structlog.get_logger(__name__)
 
 
@@ -21,7 +23,15 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int, *, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str,
+        port: int,
+        *,
+        drain_timeout_s: float,
+        flag: str = "--http-port",
+    ) -> None:
         config = uvicorn.Config(
             app,
             host=host,
@@ -33,20 +43,25 @@ class HttpServer:
             timeout_keep_alive=30,
         )
         self._server = _EmbeddedServer(config)
-        self._where = f"{host}:{port}"
+        self._host = host
+        self._port = port
+        self._flag = flag
         self._task: asyncio.Task[None] | None = None
         self.port: int | None = None
 
     async def start(self) -> int:
-        self._task = asyncio.create_task(self._server.serve(), name="http-server")
+        """Listen and return the port. The sockets are bound here, not by uvicorn: a port
+        another process holds raises :class:`~services.common.ports.PortInUseError` naming
+        the flag that sets it (``--http-port``)."""
+        sockets = listen_sockets(self._host, self._port, self._flag)
+        self.port = int(sockets[0].getsockname()[1])
+        self._task = asyncio.create_task(self._server.serve(sockets), name="http-server")
         while not self._server.started:
-            if self._task.done():  # uvicorn logs why and exits (e.g. the port is taken)
+            if self._task.done():  # uvicorn logs why and exits
                 with contextlib.suppress(SystemExit):
                     self._task.result()
-                raise OSError(f"could not serve HTTP on {self._where}")
+                raise OSError(f"could not serve HTTP on {self._host}:{self.port}")
             await asyncio.sleep(0.01)
-        sockets = [s for srv in self._server.servers for s in srv.sockets]
-        self.port = int(sockets[0].getsockname()[1])
         return self.port
 
     async def stop(self) -> None:

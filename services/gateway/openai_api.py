@@ -1,15 +1,20 @@
 """The OpenAI-compatible HTTP front of the gateway (FastAPI), over the same core as gRPC.
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or
-Server-Sent Events ending with ``data: [DONE]``), vLLM's ``POST /tokenize`` and
-``POST /detokenize``, ``GET /health`` and ``GET /metrics`` (the gateway's registry).
+Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (JSON or Server-Sent Events ending with ``data: [DONE]``), vLLM's
+``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` and ``GET /metrics`` (the
+gateway's registry).
 
-Errors are OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}`` with 400
-(invalid request, ``param`` naming the field), 401 (API key), 404 (unknown model), 429 (with
-``--max-concurrent-requests`` running and ``--max-queued-requests`` waiting, or the executor
-refused it for capacity) and 503 (no executor serving). An error before the first token is the
-response's status; one after the stream has started is sent as a last ``data: {"error": ...}``
-event, then ``[DONE]``.
+Every error is OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``
+(``openai_errors``), with 400 (invalid request, ``param`` naming the field as the request
+spelled it; a body that is not JSON says where it breaks), 401 (API key), 404 (unknown model
+or URL), 405 (wrong method), 429 (with ``--max-concurrent-requests`` running and
+``--max-queued-requests`` waiting, or the executor refused it for capacity), 500 and 503 (no
+executor serving). An error before the first token is the response's status; one after the
+stream has started is sent as a last ``data: {"error": ...}`` event, then ``[DONE]``.
+
+Unknown fields are ignored, as vLLM does, but named: in the response's
+``x-pagedserve-ignored-fields`` header and a warning in the log (``openai_fields_ignored``).
 
 A client that disconnects aborts its request on the executor at once, as a gRPC cancel does:
 while it is queued, waiting for its first token, streaming, or waiting for a whole completion.
@@ -27,22 +32,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import time
 from collections.abc import AsyncGenerator, Coroutine, Iterator
 from typing import Any
 
 import structlog
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.v1 import generation_pb2
 from services.common.limits import FieldError
+from services.gateway import openai_errors
 from services.gateway.generation import GenerationCore, GenerationError
-from services.gateway.openai_format import Formatter, HttpError
+from services.gateway.openai_errors import HttpError
+from services.gateway.openai_format import Formatter
 from services.gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -57,6 +65,8 @@ log = structlog.get_logger(__name__)
 Responses = AsyncGenerator[generation_pb2.GenerateResponse, None]
 
 _OPEN_PATHS = ("/health", "/metrics")
+IGNORED_HEADER = "x-pagedserve-ignored-fields"
+_MAX_NAMED = 32  # ignored fields named in the header and the log
 
 
 class _ApiKeyAuth:
@@ -96,14 +106,7 @@ def build_app(
     created = int(time.time())
     if api_key:
         app.add_middleware(_ApiKeyAuth, api_key=api_key)
-
-    @app.exception_handler(HttpError)
-    async def on_http_error(request: Request, exc: HttpError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc.errors()).response()
+    openai_errors.install(app)
 
     def check_model(model: str | None) -> None:
         if model is not None and model != core.model_name:
@@ -111,18 +114,26 @@ def build_app(
 
     # ---- models, health, metrics -------------------------------------------------------------
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    def card() -> dict[str, Any]:
         info = core.pool.info
-        card: dict[str, Any] = {
+        out: dict[str, Any] = {
             "id": core.model_name,
             "object": "model",
             "created": created,
             "owned_by": "pagedserve",
         }
         if info is not None:
-            card["max_model_len"] = info.max_model_len
-        return {"object": "list", "data": [card]}
+            out["max_model_len"] = info.max_model_len
+        return out
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        check_model(model)
+        return card()
 
     @app.get("/health")
     async def health() -> Response:
@@ -135,9 +146,10 @@ def build_app(
     # ---- tokenize / detokenize ---------------------------------------------------------------
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeBody) -> dict[str, Any]:
-        check_model(body.model)
-        with _as_http():
+    async def tokenize(body: TokenizeBody) -> Response:
+        headers = _ignored(body, "/tokenize")
+        with _as_http(headers):
+            check_model(body.model)
             resp = await core.tokenize(body.to_tokenize())
         info = core.pool.info
         out: dict[str, Any] = {
@@ -147,22 +159,24 @@ def build_app(
         }
         if body.return_token_strs:
             out["token_strs"] = list(resp.tokens)
-        return out
+        return JSONResponse(out, headers=headers)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeBody) -> dict[str, Any]:
-        check_model(body.model)
-
-        with _as_http():
-            return {"prompt": core.detokenize(body.to_detokenize()).text}
+    async def detokenize(body: DetokenizeBody) -> Response:
+        headers = _ignored(body, "/detokenize")
+        with _as_http(headers):
+            check_model(body.model)
+            out = {"prompt": core.detokenize(body.to_detokenize()).text}
+        return JSONResponse(out, headers=headers)
 
     # ---- completions --------------------------------------------------------------------------
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
-        check_model(body.model)
+        headers = _ignored(body, "/v1/completions")
         prompt_only = body.prompt_only
-        with _as_http():
+        with _as_http(headers, body.field_names):
+            check_model(body.model)
             gens = body.to_generates()
             capacity = core.admission.max_running + core.admission.max_queued
             if len(gens) > capacity:
@@ -175,12 +189,14 @@ def build_app(
         fmt = Formatter(core, "completions", body.include_usage, logprobs, body.continuous_usage)
         fmt.echo = body.echo
         fmt.prompt_only = prompt_only
-        return _respond(core, gens, DEFAULT_MAX_TOKENS, body.stream, fmt)
+        fmt.field_names = body.field_names
+        return _respond(core, gens, DEFAULT_MAX_TOKENS, body.stream, fmt, headers)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest) -> Response:
-        check_model(body.model)
-        with _as_http():
+        headers = _ignored(body, "/v1/chat/completions")
+        with _as_http(headers, body.field_names):
+            check_model(body.model)
             gen = body.to_generate(auto_tools)
             calls = body.tool_calls(auto_tools)
         fmt = Formatter(core, "chat", body.include_usage, body.logprobs, body.continuous_usage)
@@ -188,32 +204,61 @@ def build_app(
         fmt.auto_tools = auto_tools if body.auto_tool_choice() else None
         fmt.tool_names = frozenset(body.tool_names())
         fmt.parallel_tool_calls = body.parallel_tool_calls
+        fmt.field_names = body.field_names
         # (A constrained output is all answer: the grammar leaves no room to think.)
         if not gen.sampling_params.HasField("structured_outputs"):
             fmt.reasoning = reasoning
-        return _respond(core, [gen], None, body.stream, fmt)
+        return _respond(core, [gen], None, body.stream, fmt, headers)
 
     return app
 
 
 @contextlib.contextmanager
-def _as_http() -> Iterator[None]:
+def _as_http(headers: dict[str, str], names: dict[str, str] | None = None) -> Iterator[None]:
     """A refused request (a bad field in translation, or the core's refusal) as its HTTP
-    error."""
+    error, with the response's ``headers``; ``names``: the request's fields by the internal
+    names they were translated into (filled in as the translation goes)."""
     try:
-        yield
-    except FieldError as exc:
-        raise HttpError.of(GenerationError.invalid(exc)) from None
-    except GenerationError as exc:
-        raise HttpError.of(exc) from None
+        try:
+            yield
+        except FieldError as exc:
+            raise HttpError.of(GenerationError.invalid(exc), names) from None
+        except GenerationError as exc:
+            raise HttpError.of(exc, names) from None
+    except HttpError as exc:
+        exc.headers = headers
+        raise
 
 
-def _validation_error(errors: Any) -> HttpError:
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg', 'invalid')}" if param else "invalid request body"
-    return HttpError(400, message, param, "invalid_argument")
+def ignored_fields(body: BaseModel, prefix: str = "") -> list[str]:
+    """The fields of ``body`` (and of the objects in it) that no field of this server reads,
+    as paths (``max_token``, ``messages[0].nmae``); those sent as null are left out (they
+    change nothing)."""
+    out = [prefix + k for k, v in (body.model_extra or {}).items() if v is not None]
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        if isinstance(value, BaseModel):
+            out += ignored_fields(value, f"{prefix}{name}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    out += ignored_fields(item, f"{prefix}{name}[{i}].")
+    return out
+
+
+def _ignored(body: BaseModel, path: str) -> dict[str, str]:
+    """The response headers that name the fields of ``body`` this server ignored (none if
+    it read them all); each ignored field is logged too (a warning, as vLLM logs them)."""
+    fields = ignored_fields(body)
+    if not fields:
+        return {}
+    named = fields[:_MAX_NAMED]
+    log.warning("openai_fields_ignored", path=path, fields=named, count=len(fields))
+    # (as printable ASCII: a field's name is the client's text, a header is latin-1)
+    value = ", ".join(json.dumps(f)[1:-1] for f in named)
+    if len(fields) > len(named):
+        value += f", (+{len(fields) - len(named)} more)"
+    return {IGNORED_HEADER: value}
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -225,9 +270,10 @@ def _respond(
     default_max_tokens: int | None,
     stream: bool,
     fmt: Formatter,
+    headers: dict[str, str],
 ) -> Response:
     """The response that will run ``requests``, one per prompt (nothing runs before the ASGI
-    server calls it)."""
+    server calls it), with ``headers``."""
     fmt.choices_per_prompt = requests[0].sampling_params.n or 1
     if len(requests) == 1:
         responses = core.generate(
@@ -237,7 +283,7 @@ def _respond(
         )
     else:
         responses = _merged(core, requests, default_max_tokens, fmt)
-    return _EventStream(responses, fmt) if stream else _Completion(responses, fmt)
+    return (_EventStream if stream else _Completion)(responses, fmt, headers)
 
 
 def _name_the_prompt(exc: GenerationError, i: int) -> None:
@@ -309,13 +355,14 @@ class _GenerationResponse(Response):
     media_type = "application/json"
     extra_headers: dict[str, str] | None = None
 
-    def __init__(self, responses: Responses, fmt: Formatter) -> None:
+    def __init__(self, responses: Responses, fmt: Formatter, headers: dict[str, str]) -> None:
         # No Response.__init__: there is no body to render yet.
         self.responses = responses
         self.fmt = fmt
         self.status_code = 200
         self.background = None
-        self.init_headers(self.extra_headers)
+        self.own_headers = headers  # on the response, whatever it turns out to be
+        self.init_headers({**(self.extra_headers or {}), **headers})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with contextlib.aclosing(self.responses):
@@ -330,9 +377,10 @@ class _Completion(_GenerationResponse):
 
     async def _send(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            response: Response = JSONResponse(await self.fmt.collect(self.responses))
+            body = await self.fmt.collect(self.responses)
+            response: Response = JSONResponse(body, headers=self.own_headers)
         except GenerationError as exc:
-            response = HttpError.of(exc).response()
+            response = self.fmt.error(exc).response(self.own_headers)
         await response(scope, receive, send)
 
 
@@ -347,7 +395,7 @@ class _EventStream(_GenerationResponse):
         try:
             first = await anext(self.responses, None)
         except GenerationError as exc:
-            await HttpError.of(exc).response()(scope, receive, send)
+            await self.fmt.error(exc).response(self.own_headers)(scope, receive, send)
             return
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         async with contextlib.aclosing(self.fmt.events(first, self.responses)) as events:

@@ -1,5 +1,6 @@
-"""OpenAI's JSON objects, built from the core's responses: errors, whole completions, and
-the chunks of a stream (one :class:`Formatter` per request).
+"""OpenAI's JSON objects, built from the core's responses: whole completions, the chunks of
+a stream, and errors (``openai_errors``) naming the request's fields (one
+:class:`Formatter` per request).
 
 Streaming: no chunk has empty text (a token that ends inside a UTF-8 character is held, with
 its logprobs, until the character is complete) unless it carries a finish reason.
@@ -16,68 +17,11 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, cast
 
-from fastapi.responses import JSONResponse
-
 from pagedserve.v1 import common_pb2, generation_pb2
-from services.gateway.generation import FINISH_NAMES, ErrorKind, GenerationCore, GenerationError
-from services.gateway.openai_protocol import ToolCalls
+from services.gateway.generation import FINISH_NAMES, GenerationCore, GenerationError
+from services.gateway.openai_errors import HttpError
 from services.gateway.reasoning_parsers import ReasoningParser
-from services.gateway.tool_parsers import ToolCallParser
-
-_HTTP_STATUS = {
-    ErrorKind.INVALID_ARGUMENT: 400,
-    ErrorKind.ALREADY_EXISTS: 400,
-    ErrorKind.RESOURCE_EXHAUSTED: 429,
-    ErrorKind.UNAVAILABLE: 503,
-    ErrorKind.INTERNAL: 500,
-}
-_ERROR_TYPE = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "internal_error",
-    503: "service_unavailable",
-}
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str = ""):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    @classmethod
-    def of(cls, exc: GenerationError) -> HttpError:
-        param = _param(exc.field) if exc.field else None
-        message = exc.message
-        if exc.field and param and message.startswith(exc.field):
-            message = param + message[len(exc.field) :]
-        return cls(_HTTP_STATUS[exc.kind], message, param, exc.kind.value)
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": _ERROR_TYPE.get(self.status, "error"),
-                "param": self.param,
-                "code": self.code or None,
-            }
-        }
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-def _param(field: str) -> str:
-    """A core field path as the OpenAI request names it."""
-    for prefix, name in (
-        ("sampling_params.", ""),
-        ("prompt_token_ids.ids", "prompt"),
-        ("messages.messages", "messages"),
-    ):
-        if field.startswith(prefix):
-            return name + field[len(prefix) :] if name else field[len(prefix) :]
-    return field
+from services.gateway.tool_parsers import ToolCallParser, ToolCalls
 
 
 class Formatter:
@@ -124,6 +68,12 @@ class Formatter:
         # choice: the reply so far, and the reasoning and answer characters sent).
         self.reasoning: ReasoningParser | None = None
         self._thinking: dict[int, tuple[str, int, int]] = {}
+        # Request fields by the internal names they were translated into (errors name them).
+        self.field_names: dict[str, str] = {}
+
+    def error(self, exc: GenerationError) -> HttpError:
+        """The core's error, naming the request's own fields."""
+        return HttpError.of(exc, self.field_names)
 
     def set_prompt(self, ids: list[int], prompt: int = 0) -> None:
         self.prompt_ids[prompt] = list(ids)
@@ -264,7 +214,7 @@ class Formatter:
             if self.include_usage:
                 yield sse(self._chunk([], usage=self._usage_body()))
         except GenerationError as exc:
-            yield sse(HttpError.of(exc).body())
+            yield sse(self.error(exc).body())
         yield b"data: [DONE]\n\n"
 
     def _chunks(self, r: generation_pb2.GenerateResponse, started: set[int]) -> list[dict]:

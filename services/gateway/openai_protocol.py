@@ -3,22 +3,26 @@
 Only shapes live here: every range rule is the gRPC front's (``validation``,
 ``services.common``), applied by the shared core to the translated request. Fields OpenAI
 defines that this server cannot honour (``tool_choice: auto`` without a tool-call parser,
-suffix, echo with stream) are refused by name rather than silently ignored; unknown fields
-are ignored, as vLLM does. vLLM's extra sampling fields are accepted, ``structured_outputs``
-among them, as is OpenAI's ``response_format`` (JSON schema or JSON object).
+suffix, echo with stream) are refused by name rather than silently ignored. Unknown fields
+are ignored, as vLLM does (clients send other servers' extras), but not silently:
+``openai_api`` names them in the response's header and the log. vLLM's extra
+sampling fields are accepted, ``structured_outputs`` among them, as is OpenAI's
+``response_format`` (JSON schema or JSON object). A request field the gateway translates into
+another (``response_format``'s schema into ``structured_outputs.json``) is remembered
+(:meth:`_Sampling.field_names`), so that errors name the field the client sent.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from pagedserve.v1 import common_pb2, generation_pb2
 from services.common.limits import FieldError
-from services.gateway.tool_parsers import ToolCallParser
+from services.gateway.openai_errors import json_type
+from services.gateway.tool_parsers import ToolCallParser, ToolCalls, calls_schema
 
 #: Prompts in one ``/v1/completions`` request (each is admitted as its own request).
 MAX_PROMPTS_PER_REQUEST = 1024
@@ -26,6 +30,8 @@ _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")  # (kept to be named: see ignored_fields)
+
     include_usage: bool = False
     # vLLM's: with include_usage, every chunk carries the usage so far
     continuous_usage_stats: bool = False
@@ -34,7 +40,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions (OpenAI's and vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     stream: bool = False
@@ -72,6 +78,14 @@ class _Sampling(BaseModel):
     length_penalty: float | None = None
     early_stopping: bool | str | None = None
     kv_retention_priority: int | None = None  # ours: keep this prefix cached longer (0..3)
+    # The request's name of a field the gateway translated into another (errors name it).
+    _field_names: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @property
+    def field_names(self) -> dict[str, str]:
+        """Request fields by the internal names they were translated into (after the
+        translation): ``{"structured_outputs.json": "response_format.json_schema.schema"}``."""
+        return self._field_names
 
     def _refuse_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -138,18 +152,22 @@ class _Sampling(BaseModel):
         if guided and self.structured_outputs:
             raise FieldError("structured_outputs", "give it or the guided_* fields, not both")
         rf, so = self.response_format, self.structured_outputs or guided
+        if guided and not self.structured_outputs:
+            self._field_names.update({f"structured_outputs.{k}": f"guided_{k}" for k in guided})
         if rf is not None and rf.get("type", "text") != "text":
             if so:
                 raise FieldError("response_format", "give it or structured_outputs, not both")
             kind = rf.get("type")
             if kind == "json_object":
                 out.json_object = True
+                self._field_names["structured_outputs.json_object"] = "response_format"
             elif kind == "json_schema":
                 spec = rf.get("json_schema")
-                schema = spec.get("schema") if isinstance(spec, dict) else None
-                if not isinstance(schema, dict | bool):
-                    raise FieldError("response_format.json_schema.schema", "is required")
-                out.json = json.dumps(schema)
+                if not isinstance(spec, dict):
+                    raise FieldError("response_format.json_schema", "is required (an object)")
+                field = "response_format.json_schema.schema"
+                out.json = json.dumps(_schema(spec.get("schema"), field))
+                self._field_names["structured_outputs.json"] = field
             else:
                 raise FieldError("response_format.type", "must be text, json_object or json_schema")
         if not so:
@@ -257,14 +275,14 @@ class CompletionRequest(_Sampling):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[ContentPart] | None = None
@@ -314,38 +332,54 @@ class ChatCompletionRequest(_Sampling):
     def tool_calls(self, auto: ToolCallParser | None = None) -> ToolCalls | None:
         """The tool calls the reply must be (``tool_choice`` ``required`` or a named
         function), or None (no tools, ``none``, or ``auto``). ``auto`` needs the gateway's
-        tool-call parser (``auto``), which reads the calls the model chose to make."""
-        if not self.tools or self.tool_choice == "none":
+        tool-call parser (``auto``), which reads the calls the model chose to make. A call
+        required of no tools is refused, as OpenAI does."""
+        choice = self.tool_choice
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        named = isinstance(fn, dict) and choice.get("type", "function") == "function"
+        if choice not in (None, "auto", "none", "required") and not named:
+            raise FieldError(
+                "tool_choice",
+                'must be "auto", "required", "none" or '
+                '{"type": "function", "function": {"name": ...}}',
+            )
+        if not self.tools:
+            if choice == "required" or named:
+                what = '"required"' if choice == "required" else "a named function"
+                raise FieldError("tool_choice", f"{what} needs tools, and the request has none")
+            return None
+        if choice == "none":
             return None
         names: list[str] = []
         params: list[dict[str, Any]] = []
         for i, tool in enumerate(self.tools):
-            fn = tool.get("function") if tool.get("type", "function") == "function" else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            fn_i = tool.get("function") if tool.get("type", "function") == "function" else None
+            name_i = fn_i.get("name") if isinstance(fn_i, dict) else None
+            if not isinstance(fn_i, dict) or not isinstance(name_i, str) or not name_i:
                 raise FieldError(f"tools[{i}]", "must be a function with a name")
-            schema = fn.get("parameters", {"type": "object"})
-            if not isinstance(schema, dict):
-                raise FieldError(f"tools[{i}].function.parameters", "must be a JSON schema")
-            names.append(fn["name"])
-            params.append(schema)
-        choice = self.tool_choice
+            field = f"tools[{i}].function.parameters"
+            names.append(name_i)
+            params.append(_schema(fn_i.get("parameters", {"type": "object"}), field))
         if self.auto_tool_choice():
             if auto is None:
                 raise FieldError(
                     "tool_choice",
                     '"auto" (the default with tools) needs the server started with '
-                    "--enable-auto-tool-choice and a --tool-call-parser for the model; give "
+                    "--enable-auto-tool-choice and the --tool-call-parser of the model's "
+                    "family (hermes: Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1+); or give "
                     '"required", "none" or a named function',
                 )
             return None
         if choice == "required":
-            return ToolCalls(None, _calls_schema(names, params, self.parallel_tool_calls))
-        if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
-            name = choice["function"].get("name")
-            if name not in names:
-                raise FieldError("tool_choice.function.name", f"no tool is named {name!r}")
-            return ToolCalls(name, params[names.index(name)])
-        raise FieldError("tool_choice", "must be auto, required, none or a named function")
+            schema = calls_schema(names, params, self.parallel_tool_calls)
+            one = "tools[0].function.parameters" if len(names) == 1 else "tools"
+            return ToolCalls(None, schema, one)
+        assert isinstance(fn, dict)
+        name = fn.get("name")
+        if name not in names:
+            raise FieldError("tool_choice.function.name", f"no tool is named {name!r}")
+        i = names.index(name)
+        return ToolCalls(name, params[i], f"tools[{i}].function.parameters")
 
     def to_generate(self, auto: ToolCallParser | None = None) -> generation_pb2.GenerateRequest:
         """The request; ``auto``: the gateway's tool-call parser, if it has one."""
@@ -355,6 +389,7 @@ class ChatCompletionRequest(_Sampling):
             if self.response_format or self.structured_outputs:
                 raise FieldError("tool_choice", "cannot be combined with structured outputs")
             self.structured_outputs = {"json": calls.schema}
+            self._field_names["structured_outputs.json"] = calls.field
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "needs logprobs=true")
         if self.max_completion_tokens is not None:
@@ -370,60 +405,15 @@ class ChatCompletionRequest(_Sampling):
         return req
 
 
-@dataclass(frozen=True)
-class ToolCalls:
-    """What a chat reply with tools must be: the arguments of function ``name`` (a named
-    ``tool_choice``), or, with ``name`` None (``required``), a JSON list of one or more
-    ``{"name", "parameters"}`` calls; ``schema`` constrains the output to it."""
-
-    name: str | None
-    schema: dict[str, Any]
-
-    def parse(self, text: str) -> list[tuple[str, str]] | None:
-        """The (function name, arguments JSON) of each call in a complete output; None if
-        it is not one (cut by max_tokens)."""
-        if self.name is not None:
-            try:
-                json.loads(text)
-            except json.JSONDecodeError:
-                return None
-            return [(self.name, text)]
-        try:
-            calls = json.loads(text)
-        except json.JSONDecodeError:
-            return None
-        return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
-
-
-def _calls_schema(names: list[str], params: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """One or more calls of the tools (one with ``parallel`` false), as vLLM constrains
-    ``tool_choice: required``."""
-    return {
-        "type": "array",
-        "minItems": 1,
-        **({} if parallel else {"maxItems": 1}),
-        "items": {
-            "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {"name": {"enum": [name]}, "parameters": schema},
-                    "required": ["name", "parameters"],
-                    "additionalProperties": False,
-                }
-                for name, schema in zip(names, params, strict=True)
-            ]
-        },
-    }
-
-
 class TokenizeBody(BaseModel):
-    """vLLM's ``/tokenize``: a prompt, or chat messages."""
+    """vLLM's ``/tokenize``: a prompt, or chat messages (with the tools a chat shows)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -433,6 +423,8 @@ class TokenizeBody(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise FieldError("prompt", "give exactly one of prompt or messages")
         if self.prompt is not None:
+            if self.tools:
+                raise FieldError("tools", "go with messages, not a prompt")
             req.text = self.prompt
             req.add_special_tokens = self.add_special_tokens
         else:
@@ -440,11 +432,12 @@ class TokenizeBody(BaseModel):
             for i, m in enumerate(self.messages):
                 m.add_to(req.messages.messages, i)
             req.messages.add_generation_prompt = self.add_generation_prompt
+            req.messages.tools.extend(json.dumps(t) for t in self.tools or ())
         return req
 
 
 class DetokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     tokens: list[int] = Field(min_length=0)
@@ -453,6 +446,16 @@ class DetokenizeBody(BaseModel):
         req = generation_pb2.DetokenizeRequest()
         _set_repeated(req.token_ids, "tokens", self.tokens)
         return req
+
+
+def _schema(value: Any, field: str) -> Any:
+    """A JSON schema given as ``field``: an object (or true / false)."""
+    if value is None:
+        raise FieldError(field, "is required")
+    if not isinstance(value, dict | bool):
+        hint = " (give the schema itself, not its JSON text)" if isinstance(value, str) else ""
+        raise FieldError(field, f"must be a JSON schema object, not {json_type(value)}{hint}")
+    return value
 
 
 def _text(content: str | list[ContentPart] | None, index: int) -> str:

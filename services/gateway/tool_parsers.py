@@ -11,6 +11,9 @@ arguments or calls a function the request did not declare stays text, as vLLM re
   </tool_call>`` blocks, text before them the reply's content.
 - ``llama3_json`` (Llama 3.1+): the reply is one JSON call ``{"name": ..., "parameters":
   {...}}`` (or several, separated by ``;``), optionally after ``<|python_tag|>``.
+
+With ``tool_choice`` ``required`` or a named function the reply is constrained to the calls
+instead (:class:`ToolCalls`), and read back from it.
 """
 
 from __future__ import annotations
@@ -142,3 +145,53 @@ PARSERS: dict[str, type[HermesParser] | type[Llama3JsonParser]] = {
 def tool_call_parser(name: str) -> ToolCallParser:
     """The parser named ``name`` (one of :data:`PARSERS`)."""
     return PARSERS[name]()
+
+
+# ---- the calls a request requires (tool_choice required or named) ----------------------------
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    """What a chat reply with tools must be: the arguments of function ``name`` (a named
+    ``tool_choice``), or, with ``name`` None (``required``), a JSON list of one or more
+    ``{"name", "parameters"}`` calls; ``schema`` constrains the output to it."""
+
+    name: str | None
+    schema: dict[str, Any]
+    field: str = "tools"  # the request field the schema comes from (errors name it)
+
+    def parse(self, text: str) -> list[tuple[str, str]] | None:
+        """The (function name, arguments JSON) of each call in a complete output; None if
+        it is not one (cut by max_tokens)."""
+        if self.name is not None:
+            try:
+                json.loads(text)
+            except json.JSONDecodeError:
+                return None
+            return [(self.name, text)]
+        try:
+            calls = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+
+
+def calls_schema(names: list[str], params: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """One or more calls of the tools (one with ``parallel`` false), as vLLM constrains
+    ``tool_choice: required``."""
+    return {
+        "type": "array",
+        "minItems": 1,
+        **({} if parallel else {"maxItems": 1}),
+        "items": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"enum": [name]}, "parameters": schema},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for name, schema in zip(names, params, strict=True)
+            ]
+        },
+    }

@@ -32,6 +32,7 @@ from services.blockmgr.pool.manager import KVBlockManager
 from services.common.blocks import NULL_BLOCK
 from services.common.blocks import first_live_block as first_live
 from tests.blockmgr.helpers import hashes
+from tests.hypothesis_budget import examples
 
 BS = 4
 NUM_BLOCKS = 24
@@ -642,7 +643,7 @@ class HybridS3FIFOPoolMachine(PoolMachine):
 
 
 _settings = settings(
-    max_examples=120,
+    max_examples=examples(120),
     stateful_step_count=40,
     deadline=None,
     derandomize=True,
@@ -652,7 +653,7 @@ TestPoolInvariantsLRU = PoolMachine.TestCase
 TestPoolInvariantsLRU.settings = _settings
 TestPoolInvariantsLFU = LFUPoolMachine.TestCase
 TestPoolInvariantsLFU.settings = _settings
-_adaptive_settings = settings(_settings, max_examples=60)
+_adaptive_settings = settings(_settings, max_examples=examples(60))
 TestPoolInvariantsARC = ARCPoolMachine.TestCase
 TestPoolInvariantsARC.settings = _adaptive_settings
 TestPoolInvariantsS3FIFO = S3FIFOPoolMachine.TestCase
@@ -660,16 +661,16 @@ TestPoolInvariantsS3FIFO.settings = _adaptive_settings
 TestHostTierInvariants = HostTierPoolMachine.TestCase
 TestHostTierInvariants.settings = _adaptive_settings
 TestSwapInvariants = SwapPoolMachine.TestCase
-TestSwapInvariants.settings = settings(_settings, max_examples=80)
+TestSwapInvariants.settings = settings(_settings, max_examples=examples(80))
 TestDiskTierInvariants = DiskTierPoolMachine.TestCase
-TestDiskTierInvariants.settings = settings(_settings, max_examples=80)
+TestDiskTierInvariants.settings = settings(_settings, max_examples=examples(80))
 TestDiskTierARCInvariants = DiskTierARCPoolMachine.TestCase
-TestDiskTierARCInvariants.settings = settings(_settings, max_examples=40)
+TestDiskTierARCInvariants.settings = settings(_settings, max_examples=examples(40))
 TestHybridTierInvariants = HybridTierPoolMachine.TestCase
-TestHybridTierInvariants.settings = settings(_settings, max_examples=60)
+TestHybridTierInvariants.settings = settings(_settings, max_examples=examples(60))
 TestDiskTierS3FIFOInvariants = DiskTierS3FIFOPoolMachine.TestCase
-TestDiskTierS3FIFOInvariants.settings = settings(_settings, max_examples=40)
-_sliding_settings = settings(_settings, max_examples=60)
+TestDiskTierS3FIFOInvariants.settings = settings(_settings, max_examples=examples(40))
+_sliding_settings = settings(_settings, max_examples=examples(60))
 TestSlidingPoolInvariantsLRU = SlidingPoolMachine.TestCase
 TestSlidingPoolInvariantsLRU.settings = _sliding_settings
 TestSlidingPoolInvariantsLFU = SlidingLFUPoolMachine.TestCase

@@ -28,6 +28,7 @@ from services.blockmgr.api.types import (
 from services.blockmgr.client import GrpcClient
 from services.blockmgr.pool.groups import MAX_KV_CACHE_GROUPS
 from tests.blockmgr.helpers import ThreadedServer
+from tests.hypothesis_budget import examples
 from tests.procs import ServiceProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -258,7 +259,7 @@ _INT32 = st.integers(-(2**31), 2**31 - 1)
 
 
 @settings(
-    max_examples=40,
+    max_examples=examples(40),
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture],

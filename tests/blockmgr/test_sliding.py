@@ -33,6 +33,7 @@ from services.blockmgr.pool.manager import KVBlockManager
 from services.blockmgr.service.core import BlockManagerCore
 from services.common.blocks import first_live_block as first_live
 from tests.blockmgr.helpers import hashes, raises_code
+from tests.hypothesis_budget import examples
 
 BS = 4
 SLIDING = AttentionKindName.SLIDING
@@ -75,7 +76,7 @@ def test_first_live_is_the_first_block_a_query_at_pos_still_reads(pos, window, e
     assert first_live(pos, window, BS) == expected
 
 
-@settings(max_examples=150, deadline=None, derandomize=True)
+@settings(max_examples=examples(150), deadline=None, derandomize=True)
 @given(
     cached=st.sets(st.integers(0, 11)),
     n=st.integers(0, 12),
@@ -103,7 +104,7 @@ def test_longest_window_hit_equals_the_brute_force_search(cached, n, window):
     assert len(lookups) == len(set(lookups)) <= n  # every block looked up at most once
 
 
-@settings(max_examples=80, deadline=None, derandomize=True)
+@settings(max_examples=examples(80), deadline=None, derandomize=True)
 @given(
     cached=st.sets(st.tuples(st.integers(0, 2), st.integers(0, 11))),
     n=st.integers(0, 12),
@@ -135,7 +136,7 @@ def test_longest_group_hit_is_the_longest_prefix_every_group_serves(cached, n, w
     assert len(lookups) == len(set(lookups))
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
+@settings(max_examples=examples(40), deadline=None, derandomize=True)
 @given(window=st.integers(1, 70), bs=st.sampled_from([1, 2, 4, 16]), prompt=st.integers(1, 50))
 def test_a_decoding_sequence_never_holds_more_than_the_window_plus_one_block(window, bs, prompt):
     m = KVBlockManager(PoolSpec(600, bs, groups=(KVCacheGroup(AttentionKindName.SLIDING, window),)))

@@ -14,6 +14,7 @@ from services.executor.model.forward_batch import (
     SeqChunk,
     build_forward_batch,
 )
+from tests.hypothesis_budget import examples
 
 
 def test_decode_prefill_and_cache_hit_chunks_flatten_to_exact_tensors() -> None:
@@ -77,7 +78,7 @@ def _chunks(draw: st.DrawFn) -> tuple[list[SeqChunk], int]:
     return chunks, block_size
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(_chunks())
 def test_builder_matches_per_token_reference(case: tuple[list[SeqChunk], int]) -> None:
     chunks, block_size = case

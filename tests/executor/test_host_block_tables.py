@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from services.executor.model.forward_batch import BatchBuilder, SeqChunk
 from services.executor.model.host_block_tables import VERIFY_ENV, HostBlockTables
+from tests.hypothesis_budget import examples
 
 
 def _rows(store: HostBlockTables, tables: list[list[int]]) -> list[list[int]]:
@@ -33,7 +34,7 @@ _STEP = st.tuples(
 )
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(steps=st.lists(_STEP, min_size=1, max_size=25), num_rows=st.integers(1, 3))
 def test_rows_always_equal_their_tables_through_appends_replacements_and_evictions(
     steps: list[tuple[list[str], list[int]]], num_rows: int

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.tools.tiny_model import write_tiny_model
-from pagedserve.tools.tiny_tokenizer import CHAT_TEMPLATE
+from pagedserve.tools.tiny_model import LLAMA_CHAT_TEMPLATE, write_tiny_model
 from services import cli
 from services.executor.model.loader import load_tokenizer, read_model_config
 from services.executor.model.runner import ModelRunner
@@ -63,7 +62,7 @@ def test_chat_template_renders_and_tokenizes_with_one_bos(
     tiny_checkpoint: CheckpointFactory,
 ) -> None:
     tokenizer = load_tokenizer(tiny_checkpoint("llama"))
-    assert tokenizer.chat_template == CHAT_TEMPLATE
+    assert tokenizer.chat_template == LLAMA_CHAT_TEMPLATE
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hello!"},

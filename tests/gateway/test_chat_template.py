@@ -15,6 +15,7 @@ from pagedserve.v1 import generation_pb2 as G
 from services.common.limits import FieldError
 from services.gateway.chat_template import chat_ids
 from services.gateway.openai_protocol import ChatCompletionRequest
+from services.gateway.tool_parsers import tool_call_parser
 from services.gateway.validation import check_messages, check_prompt_bytes
 
 WEATHER = {
@@ -137,6 +138,34 @@ def test_tool_calls_on_a_turn_other_than_the_assistants_are_refused() -> None:
     with pytest.raises(FieldError) as info:
         check_messages(messages, "messages")
     assert info.value.field == "messages.messages[0].tool_calls"
+
+
+def test_the_default_tiny_model_shows_tools_and_calls_as_the_hermes_parser_reads_them(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """The default (llama) tiny checkpoint's template: without tools, the conversation as
+    before; with them, their signatures in the system turn (one line each: the tiny tokenizer
+    spends some 200 tokens on a tool's JSON) and earlier calls as ``<tool_call>`` blocks that
+    ``--tool-call-parser hermes`` parses back."""
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    assert text == "<s><|system|>\nBe brief.</s>\n<|user|>\nHi</s>\n<|assistant|>\n"
+    conversation = _as_transformers_documents_it(CONVERSATION)
+    text = tokenizer.apply_chat_template(
+        conversation, tools=[WEATHER], tokenize=False, add_generation_prompt=True
+    )
+    assert text.startswith("<s><|system|>\nBe brief.\n\n# Tools\n")
+    assert "<tools>\nget_weather(city)\n</tools>\nCall a tool as <tool_call>" in text
+    assert text.count("<|system|>") == 1 and text.endswith("<|assistant|>\n")
+    assert "<|tool|>\n<tool_response>\n18 C\n</tool_response></s>" in text
+    reply = text.split("<|assistant|>\n")[1].split("</s>")[0]
+    parsed = tool_call_parser("hermes").parse(reply, {"get_weather"})
+    assert parsed.calls == [
+        ("get_weather", '{"city": "Paris"}'),
+        ("get_weather", '{"city": "Oslo"}'),
+    ]
+    no_system = tokenizer.apply_chat_template(conversation[1:], tools=[WEATHER], tokenize=False)
+    assert no_system.startswith("<s><|system|>\n# Tools\n")
 
 
 def test_the_prompt_size_limit_counts_every_string_of_the_messages_and_the_tools() -> None:

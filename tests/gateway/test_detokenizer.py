@@ -27,6 +27,7 @@ from tests.gateway.tokenizers_fixtures import (
     byte_token_id,
     sentencepiece_tokenizer,
 )
+from tests.hypothesis_budget import examples
 
 REPLACEMENT = "\ufffd"
 TOKENIZERS = all_tokenizers()
@@ -382,7 +383,7 @@ _text = st.lists(st.sampled_from(_ATOMS), max_size=25).map("".join)
 _sizes = st.lists(st.integers(1, 6), max_size=40)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     name=st.sampled_from(NAMES),
     prompt_text=_text,
@@ -408,7 +409,7 @@ def test_random_text_in_random_chunks_equals_full_decode(
         assert all(REPLACEMENT not in d for d in deltas)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     name=st.sampled_from(NAMES),
     prompt=st.lists(st.integers(0, 400), max_size=8),
@@ -428,7 +429,7 @@ def test_random_token_ids_match_full_decode(name, prompt, output, sizes, skip):
 _SOUP_BYTES = [0xF0, 0x9F, 0x98, 0x80, 0xE4, 0xBD, 0xA0, 0xC3, 0xFF, 0x41]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     name=st.sampled_from(NAMES),
     soup=st.lists(st.sampled_from(_SOUP_BYTES), min_size=MAX_HELD_TOKENS, max_size=120),

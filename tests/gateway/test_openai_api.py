@@ -689,3 +689,108 @@ def test_no_executor_serving_is_503(stack: Stack) -> None:
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503
     finally:
         gw.stop()
+
+
+# ---- the front's own errors: every one in OpenAI's shape --------------------------------------
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "where"),
+    [
+        (b'{"model": "m", "prompt": "x",,}', "line 1 column 30"),
+        (b'{"model": "m",\n  "prompt": }', "line 2 column 13"),
+        (b'{"model": "m", "prompt": "x"', "line 1 column 29"),
+    ],
+)
+def test_a_malformed_json_body_is_400_saying_so_and_where(stack: Stack, raw, where) -> None:
+    r = httpx.post(
+        f"{base_url(stack.http_port)}/completions",
+        content=raw,
+        headers={"content-type": "application/json"},
+    )
+    error = _error(r, 400)
+    assert error["param"] is None and error["type"] == "invalid_request_error", error
+    assert "not valid JSON" in error["message"] and where in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [(b"", "empty"), (b"[1, 2]", "JSON object"), (b'"text"', "JSON object")],
+)
+def test_a_body_that_is_no_json_object_is_400_saying_so(stack: Stack, raw, words) -> None:
+    r = httpx.post(
+        f"{base_url(stack.http_port)}/chat/completions",
+        content=raw,
+        headers={"content-type": "application/json"},
+    )
+    error = _error(r, 400)
+    assert error["param"] is None and words in error["message"], error
+
+
+def test_a_field_of_the_wrong_type_is_400_naming_it(stack: Stack, model: str) -> None:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": "many"}
+    error = _error(httpx.post(f"{base_url(stack.http_port)}/completions", json=body), 400)
+    assert error["param"] == "max_tokens" and "integer" in error["message"], error
+    messages = [{"role": "user", "content": 5}]
+    body = {"model": model, "messages": messages}
+    error = _error(httpx.post(f"{base_url(stack.http_port)}/chat/completions", json=body), 400)
+    assert error["param"].startswith("messages[0].content"), error
+
+
+def test_unknown_routes_and_methods_answer_in_openais_error_shape(stack: Stack) -> None:
+    url = f"http://127.0.0.1:{stack.http_port}"
+    error = _error(httpx.get(f"{url}/v1/nope"), 404)
+    assert error["message"] == "Invalid URL (GET /v1/nope)" and error["param"] is None, error
+    r = httpx.get(f"{base_url(stack.http_port)}/completions")
+    error = _error(r, 405)
+    assert "GET" in error["message"] and "POST" in error["message"], error
+    assert r.headers["allow"] == "POST"
+
+
+def test_models_retrieve_gives_the_served_model_and_404_for_another(client, model) -> None:
+    card = client.models.retrieve(model)
+    assert card.id == model and card.object == "model" and card.owned_by == "pagedserve"
+    assert card == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert info.value.body["code"] == "model_not_found", info.value.body
+    assert "no-such-model" in info.value.body["message"]
+
+
+def test_unknown_fields_are_ignored_but_named_in_a_header_and_the_log(client, model, stack) -> None:
+    """As vLLM: a field this server does not know is ignored (clients send other servers'
+    extras), but not silently: the response names it (``x-pagedserve-ignored-fields``) and
+    the gateway logs it."""
+    raw = client.completions.with_raw_response.create(
+        model=model, prompt=PROMPT, temperature=0, extra_body={"max_token": 3, "top_z": 1}
+    )
+    assert raw.status_code == 200
+    assert raw.headers["x-pagedserve-ignored-fields"] == "max_token, top_z"
+    assert raw.parse().usage.completion_tokens == 16  # max_token is not max_tokens
+    event = stack.gateway.wait_for_event("openai_fields_ignored")
+    assert event["fields"] == ["max_token", "top_z"] and event["level"] == "warning"
+    stream = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi", "nmae": "x"}],
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True, "usage_everywhere": True},
+    )
+    assert stream.headers["x-pagedserve-ignored-fields"] == (
+        "stream_options.usage_everywhere, messages[0].nmae"
+    )
+    assert list(stream.parse())
+    plain = client.completions.with_raw_response.create(model=model, prompt=PROMPT, max_tokens=2)
+    assert "x-pagedserve-ignored-fields" not in plain.headers
+    with pytest.raises(openai.BadRequestError) as info:  # named on a refusal too
+        client.completions.create(
+            model=model, prompt=PROMPT, temperature=-1, extra_body={"max_token": 3}
+        )
+    assert info.value.response.headers["x-pagedserve-ignored-fields"] == "max_token"

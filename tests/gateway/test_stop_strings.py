@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.gateway.stop_strings import StopStringMatcher
+from tests.hypothesis_budget import examples
 
 
 def feed_all(matcher: StopStringMatcher, deltas: Sequence[str]) -> tuple[list[str], str | None]:
@@ -219,7 +220,7 @@ def _longest_held(text: str, stops: list[str]) -> int:
     )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     stops=st.lists(_stop, min_size=1, max_size=4),
     text=_text,
@@ -246,7 +247,7 @@ def test_any_split_into_deltas_gives_the_documented_result_with_minimal_holdback
     assert (emitted, matched) == _reference(stops, deltas, include)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(stops=st.lists(_stop, min_size=1, max_size=4), text=_text, sizes=st.lists(st.integers(1, 6)))
 def test_without_nested_stops_the_result_does_not_depend_on_the_split(stops, text, sizes):
     # When no stop string contains another, stopping at the first completion is also the

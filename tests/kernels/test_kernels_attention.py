@@ -26,6 +26,7 @@ from kernels.testing import (
     PagedBatch,
     make_paged_batch,
 )
+from tests.hypothesis_budget import examples
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -126,7 +127,7 @@ def test_split_with_empty_ranges_writes_zero_for_rows_that_see_no_key() -> None:
     _assert_matches_reference(out, batch)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seqs=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 9)), min_size=1, max_size=4).filter(
         lambda s: any(q > 0 for _, q in s)
