@@ -7,19 +7,10 @@ when its configuration cannot work: a bad flag (argparse), an mTLS file that can
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 from services.blockmgr.service.config import BlockManagerServiceConfig
-from services.common.logging import (
-    FILE_CONFIG_ERRORS,
-    config_error,
-    configure_logging,
-    loggable,
-)
-
-# What the start-up raises on a configuration that cannot work.
-CONFIG_ERRORS: tuple[type[Exception], ...] = (*FILE_CONFIG_ERRORS, ValueError)
+from services.common.bootstrap import run_service
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,15 +20,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return replay_main(args[1:])
     config = BlockManagerServiceConfig.from_args(args)
-    log = configure_logging("blockmgr", config.log_level, secrets=[config.security.token])
-    log.info("blockmgr_starting", config=loggable(config))
     from services.blockmgr.service.server import serve
 
-    try:
-        asyncio.run(serve(config))
-    except CONFIG_ERRORS as exc:
-        return config_error(log, exc)
-    return 0
+    return run_service("blockmgr", config, serve, secrets=[config.security.token])
 
 
 if __name__ == "__main__":

@@ -10,38 +10,31 @@ bad flag (argparse), a model that cannot be loaded or is not supported as config
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 
-from services.common.logging import (
-    FILE_CONFIG_ERRORS,
-    config_error,
-    configure_logging,
-    loggable,
-)
+from services.common.bootstrap import run_service
 from services.executor.model.errors import ModelLoadError
 from services.executor.service.config import ExecutorConfig
-
-# What the start-up (model load, KV-cache sizing) raises on a configuration that cannot work.
-CONFIG_ERRORS: tuple[type[Exception], ...] = (ModelLoadError, ValueError, *FILE_CONFIG_ERRORS)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the executor; the process ends here (see :func:`_exit`)."""
     config = ExecutorConfig.from_args(sys.argv[1:] if argv is None else argv)
-    log = configure_logging("executor", config.log_level, secrets=[config.security.token])
-    log.info("executor_starting", config=loggable(config))
     from services.executor.service.server import serve
 
-    try:
-        code = asyncio.run(serve(config))
-    except CONFIG_ERRORS as exc:
-        code = config_error(log, exc)
-    except Exception:  # e.g. the engine cannot start: say why, and exit without hanging
-        log.exception("executor_failed")
-        code = 1
-    _exit(code)
+    # A model that cannot be loaded as configured is a configuration error; an engine that
+    # cannot start otherwise is said, and the process exits without hanging.
+    _exit(
+        run_service(
+            "executor",
+            config,
+            serve,
+            secrets=[config.security.token],
+            config_errors=(ModelLoadError,),
+            crash_event="executor_failed",
+        )
+    )
     return 1  # unreachable
 
 

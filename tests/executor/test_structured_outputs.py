@@ -20,6 +20,7 @@ from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
 from services.common.structured_outputs import StructuredKind, StructuredOutputs
 from services.executor.core.engine import Engine
+from services.executor.core.grammar import json_schema_grammar
 from services.executor.core.outputs import EngineError
 from services.executor.core.sequence import FinishReason, RequestKey, Resume
 from services.executor.model.launch import build_runner
@@ -133,11 +134,11 @@ def test_constrained_greedy_equals_transformers_under_the_same_grammar(
         tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=[tokenizer.eos_token_id]
     )
     compiler = xgr.GrammarCompiler(info)
-    compiled = {
-        "json": compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False),
+    compiled = {  # JSON schemas as the engine has xgrammar write them (json_schema_grammar)
+        "json": compiler.compile_grammar(json_schema_grammar(json.dumps(SCHEMA))),
         "regex": compiler.compile_regex(REGEX),
         "grammar": compiler.compile_grammar(GRAMMAR),
-        "json_object": compiler.compile_json_schema('{"type": "object"}', any_whitespace=False),
+        "json_object": compiler.compile_grammar(json_schema_grammar('{"type": "object"}')),
     }
     requests = {
         f"{kind}{i}": (

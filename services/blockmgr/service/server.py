@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import grpc
 import structlog
 
 from pagedserve.v1 import blockmgr_pb2 as pb
@@ -11,14 +10,9 @@ from services.blockmgr.service.config import BlockManagerServiceConfig
 from services.blockmgr.service.core import BlockManagerCore
 from services.blockmgr.service.servicer import BlockManagerServicer
 from services.blockmgr.trace.record import TraceWriter
-from services.common.auth import SERVER_OPTIONS
+from services.common.bootstrap import InternalServer
 from services.common.gc_policy import freeze_startup_heap
-from services.common.grpc_server import (
-    MalformedRequestInterceptor,
-    add_health_and_reflection,
-    set_serving,
-    stop_event,
-)
+from services.common.grpc_server import set_serving, stop_event
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
@@ -41,38 +35,19 @@ class BlockManagerServer:
                 retention_steps=config.retention_steps,
             )
         )
-        security = config.security
-        self.server = grpc.aio.server(
-            interceptors=[*security.interceptors(), MalformedRequestInterceptor()],
-            options=[("grpc.max_receive_message_length", 64 * 1024 * 1024), *SERVER_OPTIONS],
-        )
+        self.grpc = InternalServer(config.security, SERVICE_NAME, config.host, config.port)
+        self.server, self.health = self.grpc.server, self.grpc.health
         pb_grpc.add_BlockManagerServicer_to_server(
             BlockManagerServicer(
                 self.core, max_queued_event_batches=config.max_queued_event_batches
             ),
             self.server,
         )
-        self.health = add_health_and_reflection(self.server, SERVICE_NAME)
-        self.port = security.add_port(self.server, f"{config.host}:{config.port}")
-        if self.port == 0:
-            raise OSError(f"could not bind {config.host}:{config.port}")
+        self.port = self.grpc.bind()
 
     async def start(self) -> None:
-        await self.server.start()
+        await self.grpc.start(log, "blockmgr_listening")
         await set_serving(self.health, SERVICE_NAME, True)
-        security = self.config.security
-        log.info(
-            "blockmgr_listening",
-            host=self.config.host,
-            port=self.port,
-            internal_token=bool(security.token),
-            mtls=security.tls,
-        )
-        if not security.token and not security.tls:
-            log.warning(
-                "internal_rpcs_unauthenticated",
-                hint="set --internal-token (or PAGEDSERVE_INTERNAL_TOKEN) on every service",
-            )
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()

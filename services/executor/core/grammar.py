@@ -3,7 +3,10 @@ specification, compiled off the engine thread by the service), a matcher per con
 sample, and the token bitmask applied to the logits before sampling.
 
 JSON is compact (no free whitespace between tokens, as with vLLM's
-``disable_any_whitespace``): a model may otherwise pad forever with blanks.
+``disable_any_whitespace``): a model may otherwise pad forever with blanks. A JSON schema
+goes through xgrammar's converter to EBNF, and its strings bounded by ``minLength`` or
+``maxLength`` are mended there before compiling (see :func:`json_schema_grammar`); a string
+schema with keywords xgrammar would silently drop is refused instead.
 
 A sample's matcher has accepted exactly its output tokens: a preemption keeps it (the
 outputs do not change), a fork of an n > 1 request starts a fresh one per sample, and a
@@ -13,7 +16,9 @@ token the output is complete and the sample stops.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -26,7 +31,7 @@ from torch import Tensor
 from services.common.limits import FieldError
 from services.common.structured_outputs import StructuredKind, StructuredOutputs
 
-__all__ = ["GrammarCompiler", "Matcher", "accept"]
+__all__ = ["GrammarCompiler", "Matcher", "accept", "compile_error_message", "json_schema_grammar"]
 
 log = structlog.get_logger(__name__)
 
@@ -36,6 +41,144 @@ _CACHE_SIZE = 512
 def _choice_grammar(choices: Sequence[str]) -> str:
     # JSON string escapes are EBNF string-literal escapes for xgrammar.
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+# xgrammar (0.1.25 to 0.2.9, the latest; mlc-ai/xgrammar#800) writes a JSON string bounded by
+# minLength / maxLength as a repetition of one character class, printed as _BOUNDED_CLASS: it
+# lets the raw control characters U+0000-U+001F but CR and LF through, which JSON forbids
+# unescaped (RFC 8259, section 7). Each occurrence becomes the class of the characters JSON
+# allows unescaped. Escapes stay out of bounded strings, as before: an escape rule repeated
+# there would leave xgrammar's fast path for a repeated character class (a mask then takes
+# milliseconds a token, not microseconds).
+_BOUNDED_CLASS = r"[^\"\\\r\n]"
+_JSON_CLASS = r"[^\0-\x1f\"\\]"
+# Both that class and the one of unbounded strings (_UNBOUNDED_CLASS) also take surrogate code
+# points, UTF-8 encoded (ED A0 80 to ED BF BF): not UTF-8, they decode to three U+FFFD each,
+# which breaks a bounded string's length. They are left out too where xgrammar's classes
+# can leave them out (some versions, 0.1.34 and 0.2.0 among them, then take no ASCII at all).
+_UNBOUNDED_CLASS = r"[^\0-\x1f\"\\\r\n]"
+_UTF8_JSON_CLASS = r"[^\0-\x1f\"\\\ud800-\udfff]"
+# A printed grammar's string literals (Regex("...") patterns among them) and character
+# classes: a class is replaced as a whole token, never inside a literal or another class.
+_EBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]', re.DOTALL)
+
+# Keywords whose value is a schema, a list of schemas, or a map of names to schemas.
+_SUBSCHEMA = frozenset(
+    {"additionalItems", "additionalProperties", "contains", "else", "if", "items", "not"}
+    | {"propertyNames", "then", "unevaluatedItems", "unevaluatedProperties"}
+)
+_SUBSCHEMAS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems"})
+_SUBSCHEMA_MAPS = frozenset(
+    {"$defs", "definitions", "dependencies", "dependentSchemas", "patternProperties", "properties"}
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _known_format(name: str) -> bool:
+    """xgrammar has a grammar for string format ``name`` (it ignores the others, as
+    jsonschema does unless asked)."""
+    import xgrammar as xgr
+
+    def grammar(schema: dict[str, str]) -> str:
+        return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+
+    unknown = {"type": "string", "format": "x-no-such-format"}
+    return grammar({"type": "string", "format": name}) != grammar(unknown)
+
+
+def _string_keywords(schema: dict[str, Any]) -> list[str]:
+    """The string keywords of ``schema`` that xgrammar could enforce, each group apart (see
+    :func:`_check_string_keywords`)."""
+    found = []
+    if isinstance(schema.get("format"), str) and _known_format(schema["format"]):
+        found.append("format")
+    if isinstance(schema.get("pattern"), str):
+        found.append("pattern")
+    bounds = [
+        key
+        for key, least in (("minLength", 1), ("maxLength", 0))
+        if isinstance(schema.get(key), int) and schema[key] >= least  # minLength 0: no bound
+    ]
+    if bounds:
+        found.append(" and ".join(bounds))
+    return found
+
+
+def _check_string_keywords(schema: Any, path: str = "#") -> None:
+    """Raise ValueError for a subschema of ``schema`` (named by its JSON pointer from
+    ``path``) with string keywords that xgrammar would drop silently, so that its outputs
+    would not validate: it follows ``format``, else ``pattern``, else ``minLength`` /
+    ``maxLength``, and only beside ``"type": "string"`` (with ``enum`` or ``const``, the
+    values listed)."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            _check_string_keywords(item, f"{path}/{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    kind = schema.get("type")
+    found = [] if "enum" in schema or "const" in schema else _string_keywords(schema)
+    if found and kind is None:
+        raise ValueError(f'at {path}: without "type": "string", {", ".join(found)} is ignored')
+    if len(found) > 1 and (kind == "string" or (isinstance(kind, list) and "string" in kind)):
+        raise ValueError(
+            f"at {path}: a string's {', '.join(found)} cannot all be enforced together "
+            "(keep one: put length bounds in the pattern)"
+        )
+    for key, value in schema.items():
+        if key in _SUBSCHEMA or key in _SUBSCHEMAS:
+            _check_string_keywords(value, f"{path}/{key}")
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            for name, item in value.items():
+                _check_string_keywords(item, f"{path}/{key}/{name}")
+
+
+@functools.cache
+def _mended_classes() -> dict[str, str]:
+    """xgrammar's character classes of JSON strings -> the classes that replace them: with
+    surrogates left out if this xgrammar's classes do that right (tried on a small
+    vocabulary: a, é, 🙂, U+D7FF, U+D800 encoded, U+0001)."""
+    import xgrammar as xgr
+
+    vocab = [b"a", "é".encode(), "🙂".encode(), b"\xed\x9f\xbf", b"\xed\xa0\x80", b"\x01", b"</s>"]
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1])
+    compiled = xgr.GrammarCompiler(info).compile_grammar(f"root ::= {_UTF8_JSON_CLASS}")
+    mask = xgr.allocate_token_bitmask(1, len(vocab))
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+    allowed = [bool(int(mask[0, 0]) >> i & 1) for i in range(len(vocab) - 1)]
+    if allowed != [True, True, True, True, False, False]:
+        return {_BOUNDED_CLASS: _JSON_CLASS}
+    return {_BOUNDED_CLASS: _UTF8_JSON_CLASS, _UNBOUNDED_CLASS: _UTF8_JSON_CLASS}
+
+
+def _mend_strings(ebnf: str) -> str:
+    """``ebnf`` (xgrammar's printed grammar of a JSON schema), its strings made of the
+    characters JSON allows unescaped (see ``_BOUNDED_CLASS``)."""
+    mended = _mended_classes()
+    return _EBNF_TOKEN.sub(lambda m: mended.get(m.group(), m.group()), ebnf)
+
+
+def json_schema_grammar(schema: str) -> str:
+    """The EBNF grammar of compact JSON following ``schema``: xgrammar's, its strings bounded
+    by ``minLength`` / ``maxLength`` mended (no raw control character) and, where this
+    xgrammar can, no string taking an encoded surrogate. Raises ValueError for a schema
+    with string keywords that xgrammar would not all enforce."""
+    import xgrammar as xgr
+
+    _check_string_keywords(json.loads(schema))
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    return _mend_strings(str(grammar))
+
+
+# xgrammar's errors start with its log prefix, "[HH:MM:SS] /path/to/source.cc:LINE: ".
+_SOURCE_LOCATION = re.compile(r"\[\d\d:\d\d:\d\d\]\s+\S+:\d+:\s*")
+
+
+def compile_error_message(exc: Exception) -> str:
+    """What ``exc``, an error compiling a specification, says about it: one line, without
+    the library's log prefix (its time and source location)."""
+    text = " ".join(_SOURCE_LOCATION.sub("", str(exc)).split())
+    return text or type(exc).__name__
 
 
 class GrammarCompiler:
@@ -82,7 +225,7 @@ class GrammarCompiler:
             try:
                 future.set_result(self._compile(spec))
             except Exception as exc:  # any compiler error is the request's
-                error = FieldError(spec.field, f"cannot be compiled: {exc}")
+                error = FieldError(spec.field, f"cannot be compiled: {compile_error_message(exc)}")
                 future.set_exception(error)
                 with self._lock:
                     self._cache.pop(spec, None)  # not cached: it may be a transient failure
@@ -92,9 +235,9 @@ class GrammarCompiler:
         c = self._compiler
         match spec.kind:
             case StructuredKind.JSON:
-                return c.compile_json_schema(spec.spec, any_whitespace=False)
+                return c.compile_grammar(json_schema_grammar(spec.spec))
             case StructuredKind.JSON_OBJECT:
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return c.compile_grammar(json_schema_grammar('{"type": "object"}'))
             case StructuredKind.REGEX:
                 return c.compile_regex(spec.spec)
             case StructuredKind.CHOICE:

@@ -6,18 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import structlog
 
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
-from services.common.auth import SERVER_OPTIONS
+from services.common.bootstrap import InternalServer
 from services.common.gc_policy import freeze_startup_heap
-from services.common.grpc_server import (
-    MalformedRequestInterceptor,
-    add_health_and_reflection,
-    set_serving,
-    stop_event,
-)
+from services.common.grpc_server import set_serving, stop_event
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.engine_loop import EngineLoop
 from services.executor.service.servicer import ExecutorServicer
@@ -32,28 +26,16 @@ async def serve(config: ExecutorConfig) -> int:
     """Run until SIGTERM/SIGINT (exit 0) or until the engine dies (exit 1)."""
     aio_loop = asyncio.get_running_loop()
     servicer = ExecutorServicer()
-    security = config.security
-    server = grpc.aio.server(
-        interceptors=[*security.interceptors(), MalformedRequestInterceptor()],
-        options=[("grpc.max_receive_message_length", 64 * 2**20), *SERVER_OPTIONS],
-    )
+    internal = InternalServer(config.security, SERVICE_NAME, config.host, config.port)
+    server, health_servicer = internal.server, internal.health
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
-    health_servicer = add_health_and_reflection(server, SERVICE_NAME)
-    port = security.add_port(server, f"{config.host}:{config.port}")
-    if port == 0:
-        raise OSError(f"could not bind {config.host}:{config.port}")
+    internal.bind()
 
     async def set_health(serving: bool) -> None:
         await set_serving(health_servicer, SERVICE_NAME, serving)
 
     await set_health(False)
-    await server.start()
-    log.info("executor_listening", host=config.host, port=port, **security.redacted())
-    if not security.token and not security.tls:
-        log.warning(
-            "internal_rpcs_unauthenticated",
-            hint="set --internal-token (or PAGEDSERVE_INTERNAL_TOKEN) on every service",
-        )
+    await internal.start(log, "executor_listening")
 
     stop = stop_event()
 
