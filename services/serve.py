@@ -46,8 +46,8 @@ from services.common.errors import ConfigError
 from services.common.logging import CONFIG_ERROR_STATUS, config_error, configure_logging
 from services.common.ports import check_ports
 from services.executor.model.runner_config import available_cores
-from services.gateway.reasoning_parsers import PARSERS as REASONING_PARSERS
-from services.gateway.tool_parsers import PARSERS as TOOL_CALL_PARSERS
+from services.gateway.text.reasoning_parsers import PARSERS as REASONING_PARSERS
+from services.gateway.text.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 
 DEFAULT_MODEL = Path("models/tiny-llama")
 PR_SET_PDEATHSIG = 1

@@ -37,7 +37,7 @@ REGENERATE = ".venv/bin/python -m pagedserve.tools.gen_flags"
 PARSERS: dict[str, str] = {
     "blockmgr": "services.blockmgr.service.config:BlockManagerServiceConfig.parser",
     "executor": "services.executor.service.config:ExecutorConfig.parser",
-    "gateway": "services.gateway.config:GatewayConfig.parser",
+    "gateway": "services.gateway.service.config:GatewayConfig.parser",
     "serve": "services.serve:_parser",
     "bench": "services.bench.serve:parser",
 }

@@ -18,7 +18,7 @@ from services.common.logging import (
     loggable,
 )
 from services.common.ports import check_ports
-from services.gateway.config import GatewayConfig
+from services.gateway.service.config import GatewayConfig
 
 # What the start-up raises on a configuration that cannot work (transformers raises
 # ValueError for a directory without a usable tokenizer).
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             "--metrics-port": config.metrics_port,
         }
         check_ports({flag: (config.host, port) for flag, port in ports.items()})
-        from services.gateway.server import serve
+        from services.gateway.service.server import serve
 
         return asyncio.run(serve(config))
     except CONFIG_ERRORS as exc:

@@ -24,7 +24,7 @@ from services.common.ports import (
     listen_sockets,
     port_in_use,
 )
-from services.gateway.http_server import HttpServer
+from services.gateway.service.http_server import HttpServer
 
 
 @contextlib.contextmanager

@@ -21,13 +21,13 @@ import grpc
 import pytest
 import yaml
 
+from pagedserve.testing.procs import ServiceProcess, wait_serving
 from pagedserve.v1 import generation_pb2 as G
 from pagedserve.v1 import generation_pb2_grpc
 from services.blockmgr.client import GrpcClient
 from services.blockmgr.service.config import BlockManagerServiceConfig
 from services.executor.service.config import ExecutorConfig
-from services.gateway.config import GatewayConfig
-from tests.procs import ServiceProcess, wait_serving
+from services.gateway.service.config import GatewayConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "k8s" / "base"

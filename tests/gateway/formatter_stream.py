@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 from pagedserve.tools.tiny_tokenizer import build_tokenizer
 from pagedserve.v1 import common_pb2
 from pagedserve.v1 import generation_pb2 as G
-from services.gateway.openai_format import Formatter
+from services.gateway.api.openai.format import Formatter
 
 
 def responses(

@@ -1,4 +1,4 @@
-"""The gateway's admission (services/gateway/admission.py): run, queue first come first
+"""The gateway's admission (services/gateway/core/admission.py): run, queue first come first
 served, then refuse; cancelled waiters give up their place and never lose a slot."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from services.executor.service.config import ExecutorConfig
-from services.gateway.admission import Admission
-from services.gateway.config import GatewayConfig
+from services.gateway.core.admission import Admission
+from services.gateway.service.config import GatewayConfig
 
 
 async def _hold(admission: Admission, name: str, order: list[str], release: asyncio.Event) -> None:

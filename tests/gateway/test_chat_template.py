@@ -13,10 +13,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from pagedserve.tools.tiny_tokenizer import FAMILY_TEMPLATES, build_tokenizer, save_tokenizer
 from pagedserve.v1 import generation_pb2 as G
 from services.common.limits import FieldError
-from services.gateway.chat_template import chat_ids
-from services.gateway.openai_protocol import ChatCompletionRequest
-from services.gateway.tool_parsers import tool_call_parser
-from services.gateway.validation import check_messages, check_prompt_bytes
+from services.gateway.api.openai.protocol import ChatCompletionRequest
+from services.gateway.core.validation import check_messages, check_prompt_bytes
+from services.gateway.text.chat_template import chat_ids
+from services.gateway.text.tool_parsers import tool_call_parser
 
 WEATHER = {
     "type": "function",

@@ -1,4 +1,4 @@
-"""Incremental detokenization (services/gateway/detokenizer.py) against two real tokenizers:
+"""Incremental detokenization (services/gateway/text/detokenizer.py) against two real tokenizers:
 byte-level BPE and SentencePiece-style with byte fallback (tests/gateway/tokenizers_fixtures).
 
 The reference everywhere is :func:`expected_text`, the module's documented guarantee written
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerBase
 
-from services.gateway.detokenizer import (
+from services.gateway.text.detokenizer import (
     MAX_CONTEXT_TOKENS,
     MAX_HELD_TOKENS,
     MAX_PROMPT_TAIL_TOKENS,

@@ -9,10 +9,16 @@ from pathlib import Path
 
 import grpc
 
+from pagedserve.testing.procs import (
+    ServiceProcess,
+    async_wait_until,
+    executor_args,
+    gateway_args,
+    wait_serving,
+)
 from pagedserve.v1 import generation_pb2 as G
 from pagedserve.v1 import generation_pb2_grpc
-from services.gateway.executor_client import ExecutorPool
-from tests.procs import ServiceProcess, executor_args, gateway_args, wait_serving
+from services.gateway.fleet.executor_client import ExecutorPool
 
 
 def test_discovered_executors_join_and_departed_ones_drain_then_close() -> None:
@@ -28,9 +34,12 @@ def test_discovered_executors_join_and_departed_ones_drain_then_close() -> None:
         )
         pool.start()
         try:
-            await asyncio.sleep(0.3)  # two resolutions
-            addresses = {c.address for c in pool.connections}
-            assert addresses == {"127.0.0.1:1", "10.0.0.2:50061", "10.0.0.3:50061"}
+            # Two resolutions: .1 joins, then leaves (nothing runs on it) as .3 joins.
+            expected = {"127.0.0.1:1", "10.0.0.2:50061", "10.0.0.3:50061"}
+            await async_wait_until(
+                lambda: {c.address for c in pool.connections} == expected,
+                what="the second resolution's executors",
+            )
             assert not any(c.draining for c in pool.connections)
             # A stream still running on a departing executor keeps it until it is done.
             pool.reconcile({"10.0.0.3:50061"})
@@ -52,11 +61,10 @@ def test_a_draining_executor_waits_for_its_streams() -> None:
         (conn,) = pool.connections
         conn._inflight["busy"] = asyncio.Queue()  # one stream in flight
         pool.reconcile(set())
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # a few of its 0.2 s checks on an idle machine
         assert conn.draining and conn in pool.connections  # kept while the stream runs
         del conn._inflight["busy"]
-        await asyncio.sleep(0.5)
-        assert conn not in pool.connections  # closed once idle
+        await async_wait_until(lambda: conn not in pool.connections, what="closed once idle")
         await pool.close()
 
     asyncio.run(scenario())

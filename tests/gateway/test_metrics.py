@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.executor.service.commands import Load
 from services.executor.service.servicer import load_to_pb
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.core.metrics import GatewayMetrics
 
 
 def _samples(metrics: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

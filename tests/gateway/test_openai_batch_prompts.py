@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.limits import FieldError
-from services.gateway.openai_protocol import MAX_PROMPTS_PER_REQUEST, CompletionRequest
+from services.gateway.api.openai.protocol import MAX_PROMPTS_PER_REQUEST, CompletionRequest
 
 
 def _requests(prompt, **kw):

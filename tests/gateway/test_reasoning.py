@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.gateway.reasoning_parsers import PARSERS
-from services.gateway.tool_parsers import HermesParser
+from services.gateway.text.reasoning_parsers import PARSERS
+from services.gateway.text.tool_parsers import HermesParser
 from tests.gateway.formatter_stream import deltas as _choices
 from tests.gateway.formatter_stream import formatter, responses, stream, whole
 

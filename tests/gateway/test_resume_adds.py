@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pagedserve.v1 import executor_pb2
-from services.gateway.resume import resume_adds
+from services.gateway.core.resume import resume_adds
 
 
 def _original(n: int) -> executor_pb2.AddRequest:

@@ -8,13 +8,14 @@ import asyncio
 
 import pytest
 
+from pagedserve.testing.procs import async_wait_until
 from services.blockmgr.api.hashing import block_hashes
 from services.blockmgr.api.types import Admit, Commit, Free, KVEvent, KVEventKind, PoolSpec
 from services.blockmgr.client import GrpcClient
-from services.gateway.config import GatewayConfig
-from services.gateway.kv_events import KVEventFollower
-from services.gateway.prefix_index import MAX_PROVISIONAL_PER_POOL, PrefixIndex
-from services.gateway.routing import Candidate, Router, RoutingPolicy
+from services.gateway.fleet.kv_events import KVEventFollower
+from services.gateway.fleet.prefix_index import MAX_PROVISIONAL_PER_POOL, PrefixIndex
+from services.gateway.fleet.routing import Candidate, Router, RoutingPolicy
+from services.gateway.service.config import GatewayConfig
 from tests.blockmgr.helpers import ThreadedServer
 
 BS = 4
@@ -258,12 +259,6 @@ def test_the_follower_waits_for_a_pool_then_mirrors_its_events() -> None:
     server = ThreadedServer()
     client = GrpcClient(server.address)
 
-    async def until(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-        deadline = asyncio.get_running_loop().time() + timeout
-        while not cond():
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.02)
-
     async def scenario() -> None:
         index = PrefixIndex()
         follower = KVEventFollower(server.address, index, retry_s=0.05)
@@ -271,7 +266,7 @@ def test_the_follower_waits_for_a_pool_then_mirrors_its_events() -> None:
         await asyncio.sleep(0.2)
         assert not index.is_synced("late")
         epoch = await asyncio.to_thread(lambda: client.register("late", PoolSpec(32, BS)).epoch)
-        await until(lambda: index.is_synced("late"))
+        await async_wait_until(lambda: index.is_synced("late"))
         h = tuple(hashes(PROMPT_A))
 
         def compute_prompt_a() -> None:
@@ -279,10 +274,10 @@ def test_the_follower_waits_for_a_pool_then_mirrors_its_events() -> None:
             client.step("late", epoch, [Commit(1, 0, h), Free((1,))])
 
         await asyncio.to_thread(compute_prompt_a)
-        await until(lambda: index.match("late", h) == 4)
+        await async_wait_until(lambda: index.match("late", h) == 4)
         # Re-registration (an executor restart): a new epoch opens with CLEARED.
         await asyncio.to_thread(lambda: client.register("late", PoolSpec(32, BS)))
-        await until(lambda: index.match("late", h) == 0)
+        await async_wait_until(lambda: index.match("late", h) == 0)
         follower.track(set())  # the executor left the gateway: forgotten
         assert index.last_seq("late") == 0
         await follower.close()

@@ -1,4 +1,4 @@
-"""Stop-string matching over streamed text deltas (services/gateway/stop_strings.py)."""
+"""Stop-string matching over streamed text deltas (services/gateway/text/stop_strings.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.text.stop_strings import StopStringMatcher
 from tests.hypothesis_budget import examples
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.gateway.tool_parsers import HermesParser, Llama3JsonParser, ParsedReply
+from services.gateway.text.tool_parsers import HermesParser, Llama3JsonParser, ParsedReply
 from tests.gateway.formatter_stream import deltas, formatter, responses, stream, whole
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'

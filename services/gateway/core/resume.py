@@ -27,14 +27,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pagedserve.v1 import executor_pb2
-from services.gateway.executor_client import (
+from services.gateway.core.sample_stream import SampleStream
+from services.gateway.fleet.executor_client import (
     ExecutorConnection,
     ExecutorPool,
     ExecutorUnavailable,
     Tagged,
 )
-from services.gateway.routing import Decision
-from services.gateway.sample_stream import SampleStream
+from services.gateway.fleet.routing import Decision
 
 Accept = Callable[[ExecutorConnection], bool]
 

@@ -33,26 +33,18 @@ from services.common.limits import (
     check_token_ids,
     field_of,
 )
-from services.gateway.admission import Admission
-from services.gateway.chat_template import chat_ids
-from services.gateway.config import PROMPT_BYTES_PER_TOKEN, GatewayConfig
-from services.gateway.executor_client import (
-    ExecutorConnection,
-    ExecutorPool,
-    ExecutorUnavailable,
-    Tagged,
-)
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.resume import (
+from services.gateway.core.admission import Admission
+from services.gateway.core.metrics import GatewayMetrics
+from services.gateway.core.resume import (
     Placement,
     executors_for,
     place_again,
     resume_adds,
     unavailable_message,
 )
-from services.gateway.routing import Decision
-from services.gateway.sample_stream import SampleStream
-from services.gateway.validation import (
+from services.gateway.core.sample_stream import SampleStream
+from services.gateway.core.settings import PROMPT_BYTES_PER_TOKEN, GenerationSettings
+from services.gateway.core.validation import (
     DEFAULT_MAX_TOKENS,
     Limits,
     check_input_kind,
@@ -60,6 +52,14 @@ from services.gateway.validation import (
     check_prompt_bytes,
     sampling_to_executor,
 )
+from services.gateway.fleet.executor_client import (
+    ExecutorConnection,
+    ExecutorPool,
+    ExecutorUnavailable,
+    Tagged,
+)
+from services.gateway.fleet.routing import Decision
+from services.gateway.text.chat_template import chat_ids
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -107,7 +107,7 @@ FINISH_NAMES = {  # finish reasons as the APIs and metrics name them
 class GenerationCore:
     def __init__(
         self,
-        config: GatewayConfig,
+        config: GenerationSettings,
         tokenizer: PreTrainedTokenizerBase,
         pool: ExecutorPool,
         metrics: GatewayMetrics,
@@ -116,7 +116,7 @@ class GenerationCore:
         self.tokenizer = tokenizer
         self.pool = pool
         self.metrics = metrics
-        self.model_name = config.served_model_name or config.model.rstrip("/").split("/")[-1]
+        self.model_name = config.model_name
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
         metrics.queued.set_function(lambda: self.admission.num_queued)
         self._tokenizer_threads = ThreadPoolExecutor(

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from services.gateway.generation import ErrorKind, GenerationError
+from services.gateway.core.generation import ErrorKind, GenerationError
 
 log = structlog.get_logger(__name__)
 

@@ -21,7 +21,7 @@ from pagedserve.v1 import blockmgr_pb2, blockmgr_pb2_grpc
 from services.blockmgr.api.convert import events_from_pb
 from services.blockmgr.api.types import EVENTS_LIVE_HEADER
 from services.common.auth import InternalSecurity
-from services.gateway.prefix_index import PrefixIndex
+from services.gateway.fleet.prefix_index import PrefixIndex
 
 log = structlog.get_logger(__name__)
 

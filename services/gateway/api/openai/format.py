@@ -18,10 +18,10 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, cast
 
 from pagedserve.v1 import common_pb2, generation_pb2
-from services.gateway.generation import FINISH_NAMES, GenerationCore, GenerationError
-from services.gateway.openai_errors import HttpError
-from services.gateway.reasoning_parsers import ReasoningParser
-from services.gateway.tool_parsers import ToolCallParser, ToolCalls
+from services.gateway.api.openai.errors import HttpError
+from services.gateway.core.generation import FINISH_NAMES, GenerationCore, GenerationError
+from services.gateway.text.reasoning_parsers import ReasoningParser
+from services.gateway.text.tool_parsers import ToolCallParser, ToolCalls
 
 
 class Formatter:

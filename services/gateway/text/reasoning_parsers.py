@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.gateway.stop_strings import holdback_len
+from services.gateway.text.stop_strings import holdback_len
 
 START, END = "<think>", "</think>"
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
-from services.gateway.generation import ErrorKind, GenerationCore, GenerationError
+from services.gateway.core.generation import ErrorKind, GenerationCore, GenerationError
 
 _STATUS = {
     ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,

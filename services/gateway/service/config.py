@@ -7,11 +7,10 @@ import os
 from dataclasses import dataclass, field
 
 from services.common.auth import InternalSecurity
-from services.gateway.reasoning_parsers import PARSERS as REASONING_PARSERS
-from services.gateway.routing import DEFAULT_LOAD_WEIGHT, RoutingPolicy
-from services.gateway.tool_parsers import PARSERS
-
-PROMPT_BYTES_PER_TOKEN = 32  # more UTF-8 bytes per token than any real text needs
+from services.gateway.core.settings import PROMPT_BYTES_PER_TOKEN, GenerationSettings
+from services.gateway.fleet.routing import DEFAULT_LOAD_WEIGHT, RoutingPolicy
+from services.gateway.text.reasoning_parsers import PARSERS as REASONING_PARSERS
+from services.gateway.text.tool_parsers import PARSERS
 
 
 @dataclass(frozen=True)
@@ -215,6 +214,19 @@ class GatewayConfig:
         except ValueError as exc:
             p.error(str(exc))
         return config
+
+    def generation_settings(self) -> GenerationSettings:
+        """The part of this configuration the generation core reads."""
+        return GenerationSettings(
+            model_name=self.served_model_name or self.model.rstrip("/").split("/")[-1],
+            max_concurrent_requests=self.max_concurrent_requests,
+            max_queued_requests=self.max_queued_requests,
+            max_n=self.max_n,
+            max_prompt_bytes=self.max_prompt_bytes,
+            tokenizer_workers=self.tokenizer_workers,
+            executor_wait_s=self.executor_wait_s,
+            max_resumes=self.max_resumes,
+        )
 
     def validate(self) -> None:
         if not self.executor_addresses and not self.executor_dns:

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from services.common.auth import InternalSecurity
-from services.gateway.routing import Candidate, Decision, Router, RoutingPolicy
+from services.gateway.fleet.routing import Candidate, Decision, Router, RoutingPolicy
 
 log = structlog.get_logger(__name__)
 

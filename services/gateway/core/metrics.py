@@ -13,6 +13,7 @@ index's state (event stream live, confirmed blocks).
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -21,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedserve.v1 import executor_pb2
+from services.common.ports import PortInUseError
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -208,7 +210,14 @@ class GatewayMetrics:
         self._server: Any = None  # the prometheus-client WSGI server, once serving
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Serve ``/metrics`` on ``host:port``; a port another process holds raises
+        :class:`~services.common.ports.PortInUseError` naming ``--metrics-port``."""
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUseError(port, "--metrics-port") from None
+            raise
         self._server = server
         self.port = server.server_port
         return self.port

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.blockmgr.api.hashing import block_hashes
-from services.gateway.prefix_index import PrefixIndex
+from services.gateway.fleet.prefix_index import PrefixIndex
 
 DEFAULT_LOAD_WEIGHT = 0.3
 RECENT_HALF_LIFE_S = 30.0

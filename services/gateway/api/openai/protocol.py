@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from pagedserve.v1 import common_pb2, generation_pb2
 from services.common.limits import FieldError
-from services.gateway.openai_errors import json_type
-from services.gateway.tool_parsers import ToolCallParser, ToolCalls, calls_schema
+from services.gateway.api.openai.errors import json_type
+from services.gateway.text.tool_parsers import ToolCallParser, ToolCalls, calls_schema
 
 #: Prompts in one ``/v1/completions`` request (each is admitted as its own request).
 MAX_PROMPTS_PER_REQUEST = 1024

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.v1 import common_pb2, executor_pb2, generation_pb2
-from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.stop_strings import StopStringMatcher
-from services.gateway.validation import TextOptions
+from services.gateway.core.validation import TextOptions
+from services.gateway.text.detokenizer import IncrementalDetokenizer
+from services.gateway.text.stop_strings import StopStringMatcher
 
 
 @dataclass

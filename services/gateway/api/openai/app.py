@@ -47,19 +47,19 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.v1 import generation_pb2
 from services.common.limits import FieldError
-from services.gateway import openai_errors
-from services.gateway.generation import GenerationCore, GenerationError
-from services.gateway.openai_errors import HttpError
-from services.gateway.openai_format import Formatter
-from services.gateway.openai_protocol import (
+from services.gateway.api.openai import errors as openai_errors
+from services.gateway.api.openai.errors import HttpError
+from services.gateway.api.openai.format import Formatter
+from services.gateway.api.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeBody,
     TokenizeBody,
 )
-from services.gateway.reasoning_parsers import ReasoningParser
-from services.gateway.tool_parsers import ToolCallParser
-from services.gateway.validation import DEFAULT_MAX_TOKENS
+from services.gateway.core.generation import GenerationCore, GenerationError
+from services.gateway.core.validation import DEFAULT_MAX_TOKENS
+from services.gateway.text.reasoning_parsers import ReasoningParser
+from services.gateway.text.tool_parsers import ToolCallParser
 
 log = structlog.get_logger(__name__)
 Responses = AsyncGenerator[generation_pb2.GenerateResponse, None]

@@ -24,7 +24,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from services.gateway.stop_strings import holdback_len
+from services.gateway.text.stop_strings import holdback_len
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ endpoint."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from pathlib import Path
 
 import grpc
@@ -20,18 +21,19 @@ from services.common.grpc_server import (
     set_serving,
     stop_event,
 )
-from services.gateway.config import GatewayConfig
-from services.gateway.executor_client import ExecutorPool
-from services.gateway.generation import GenerationCore
-from services.gateway.http_server import HttpServer
-from services.gateway.kv_events import KVEventFollower
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.openai_api import build_app
-from services.gateway.prefix_index import PrefixIndex
-from services.gateway.reasoning_parsers import PARSERS as REASONING_PARSERS
-from services.gateway.routing import Router, RoutingPolicy
-from services.gateway.servicer import GenerationServicer
-from services.gateway.tool_parsers import tool_call_parser
+from services.common.ports import bind_port
+from services.gateway.api.grpc import GenerationServicer
+from services.gateway.api.openai.app import build_app
+from services.gateway.core.generation import GenerationCore
+from services.gateway.core.metrics import GatewayMetrics
+from services.gateway.fleet.executor_client import ExecutorPool
+from services.gateway.fleet.kv_events import KVEventFollower
+from services.gateway.fleet.prefix_index import PrefixIndex
+from services.gateway.fleet.routing import Router, RoutingPolicy
+from services.gateway.service.config import GatewayConfig
+from services.gateway.service.http_server import HttpServer
+from services.gateway.text.reasoning_parsers import PARSERS as REASONING_PARSERS
+from services.gateway.text.tool_parsers import tool_call_parser
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -70,7 +72,9 @@ class GatewayServer:
         self.server = grpc.aio.server(
             interceptors=[*interceptors, MalformedRequestInterceptor()], options=SERVER_OPTIONS
         )
-        self.core = GenerationCore(config, self.tokenizer, self.pool, self.metrics)
+        self.core = GenerationCore(
+            config.generation_settings(), self.tokenizer, self.pool, self.metrics
+        )
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.core), self.server
         )
@@ -82,11 +86,10 @@ class GatewayServer:
             creds = grpc.ssl_server_credentials(
                 [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
             )
-            self.port = self.server.add_secure_port(address, creds)
+            bind = functools.partial(self.server.add_secure_port, address, creds)
         else:
-            self.port = self.server.add_insecure_port(address)
-        if self.port == 0:
-            raise OSError(f"could not bind {address}")
+            bind = functools.partial(self.server.add_insecure_port, address)
+        self.port = bind_port(bind, config.host, config.port, "--port")
         self._health_task: asyncio.Task[None] | None = None
         self.http: HttpServer | None = None
         if config.http_port is not None:
