@@ -44,7 +44,7 @@ def run_service(
     serve: Callable[[C], Coroutine[Any, Any, int | None]],
     *,
     secrets: Iterable[str | None] = (),
-    ports: Mapping[str, tuple[str, int]] | None = None,
+    ports: Mapping[str, tuple[str, int | None]] | None = None,
     config_errors: tuple[type[Exception], ...] = (),
     crash_event: str | None = None,
 ) -> int:
