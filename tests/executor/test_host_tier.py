@@ -254,7 +254,7 @@ def test_held_back_chunks_keep_samples_and_logprobs_exact_and_free_their_blocks(
                 step += 1
                 # (async scheduling: the batch granted ahead may already carry the chunk)
                 ahead = engine._batch_ahead.chunks if engine._batch_ahead else []
-                waits = [s for s, _ in engine.scheduler.granted] + [c.seq for c in ahead]
+                waits = [s for s, _ in engine.scheduler.held_back.granted] + [c.seq for c in ahead]
                 unrun = ("back2", 0) not in got and any(
                     s.req_id.request_id == "back2" for s in waits
                 )

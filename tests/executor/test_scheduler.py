@@ -90,7 +90,7 @@ def assert_no_leak(engine: Engine, client: InProcessClient) -> None:
     c = client.stats("test").counters
     assert c.num_in_use_blocks == 0 and c.num_sequences == 0
     assert c.num_free_blocks == c.num_usable_blocks
-    assert not engine.scheduler.refs and not engine.requests
+    assert not engine.scheduler.mirror.refs and not engine.requests
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -97,7 +97,10 @@ def test_swapped_sequences_match_transformers_and_recompute_fewer_prompt_tokens(
         assert_pool_empty(engine)
         runs[mode] = engine
     swap, recompute = runs["swap"], runs["recompute"]
-    assert swap.scheduler.num_swapped_out > 0 and recompute.scheduler.num_swapped_out == 0
+    assert (
+        swap.scheduler.swapping.num_swapped_out > 0
+        and recompute.scheduler.swapping.num_swapped_out == 0
+    )
     # A sequence comes back only with room for its next chunk: no swap in and out each step.
     assert swap.scheduler.num_preemptions <= recompute.scheduler.num_preemptions
     stats = swap.link.client.stats(swap.link.pool_id)
@@ -118,7 +121,7 @@ def test_async_scheduling_with_swap_preemption_matches_transformers(
     got = _run(engine, workload)
     for i, (_, _, expected) in enumerate(workload):
         assert got[f"r{i}"] == expected, f"r{i}"
-    assert engine.scheduler.num_swapped_out > 0
+    assert engine.scheduler.swapping.num_swapped_out > 0
     assert_pool_empty(engine)
 
 
@@ -148,7 +151,7 @@ def test_sliding_and_hybrid_models_swap_with_transformers_tokens(
     got = _run(engine, work)
     for i, (_, _, expected) in enumerate(work):
         assert got[f"r{i}"] == expected, f"r{i}"
-    assert engine.scheduler.num_swapped_out > 0 and engine.num_bad_answers == 0
+    assert engine.scheduler.swapping.num_swapped_out > 0 and engine.num_bad_answers == 0
     assert_pool_empty(engine)
 
 
@@ -172,7 +175,7 @@ def test_a_sequence_that_slides_and_preempts_itself_is_swapped_out_whole(
     got = _run(engine, work)
     for i, (_, _, expected) in enumerate(work):
         assert got[f"r{i}"] == expected, f"r{i}"
-    assert engine.scheduler.num_swapped_out > 0 and engine.num_bad_answers == 0
+    assert engine.scheduler.swapping.num_swapped_out > 0 and engine.num_bad_answers == 0
     assert_pool_empty(engine)
 
 
@@ -188,7 +191,7 @@ def test_an_aborted_swapped_out_sequence_gives_its_slots_back(tiny_checkpoint, w
     while engine.has_work:
         engine.step()
     stats = engine.link.client.stats(engine.link.pool_id)
-    assert stats.num_swapped_sequences == 0 and engine.scheduler.swap_slots_used == 0
+    assert stats.num_swapped_sequences == 0 and engine.scheduler.swapping.slots_used == 0
     assert_pool_empty(engine)
 
 
@@ -272,7 +275,7 @@ def test_swap_preemption_at_two_ranks_matches_transformers(tiny_checkpoint, work
         engine.runner.close()
     for i, (_, _, expected) in enumerate(workload):
         assert got[f"r{i}"] == expected, f"r{i}"
-    assert engine.scheduler.num_swapped_out > 0
+    assert engine.scheduler.swapping.num_swapped_out > 0
     assert_pool_empty(engine)
 
 

@@ -81,6 +81,6 @@ def test_sliding_pools_swap_without_a_rejected_answer_or_a_stuck_sequence(
         rejected, sched = _run(slides, num_blocks, seed)
         assert rejected == 0, seed
         assert not sched.has_work, (seed, [(s.seq_id, s.host_slots) for s in sched.swapped])
-        assert sched.num_free_blocks == sched.num_usable_blocks and not sched.refs, seed
-        swapped += sched.num_swapped_out
+        assert sched.num_free_blocks == sched.num_usable_blocks and not sched.mirror.refs, seed
+        swapped += sched.swapping.num_swapped_out
     assert swapped > 0

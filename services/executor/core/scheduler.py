@@ -2,30 +2,31 @@
 
 Every step the scheduler turns its queues into one ordered list of block-manager operations
 (commit, free, fork, grow, admit), and after the block manager answered, into the chunks the
-model computes. It keeps a local mirror of the refcounts of the blocks its sequences hold, so
-that it knows exactly how many blocks a free releases and which grows need a copy-on-write:
-it is the only client of its pool, so the mirror is exact, and it preempts only when the
-pool's free blocks truly cannot cover the step.
+model computes. Order within a step: decode tokens of running sequences first (priority
+order), then their prefill chunks (:mod:`.grows`: when one cannot grow, the newest is
+preempted), then swap-ins (:mod:`.swapping`) or admissions of waiting ones
+(:mod:`.admission`), all within ``max_num_batched_tokens`` and ``max_num_seqs``. A sequence
+preempted by recompute gives up its blocks and waits, to be re-admitted with all its tokens.
 
-Order within a step: decode tokens of running sequences first (priority order), then prefill
-chunks of running sequences, then admissions of waiting ones, all within
-``max_num_batched_tokens`` and ``max_num_seqs``. When a running sequence cannot grow, the
-lowest-priority (newest) unscheduled running sequence is preempted by recompute: its blocks are
-freed and it waits, to be re-admitted later with all its tokens.
+:class:`Scheduler` owns its queues (waiting, running), the forks, frees and commits that go
+out with the next Step, and the pool's free-block count. It holds the parts that own the
+rest, each changed only through its methods:
 
-In a sliding-window pool (``SchedulerConfig.sliding_window``) every grow also releases the
-blocks that fell out of the window of the sequence's queries still to come (the block manager
-applies the same rule, :func:`services.common.blocks.first_live_block`, at the same grow
-entry); their table entries become the null block. A hybrid pool (several KV-cache groups,
-``SchedulerConfig.kv_group_slides``) gives each sequence one table per group, of equal length:
-every grow adds the same number of blocks to each, and only the sliding groups release.
+- :class:`~.table_mirror.TableMirror`: the refcounts of the blocks its sequences hold, and
+  every change to their tables. The scheduler is the only client of its pool, so the mirror
+  is exact: it knows how many blocks a free releases and which grows need a copy-on-write,
+  and preempts only when the pool's free blocks truly cannot cover the step;
+- :class:`~.swapping.Swapping`: the swapped-out sequences and the host slots they hold;
+- :class:`~.held_back.HeldBackChunks`: granted chunks that wait for a tier's fills;
+- :class:`~.tier_failures.TierFailures`: the failed moves still to report.
+
+The async path's planning (:mod:`.ahead`) owns no state.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from collections import Counter
 from collections.abc import Iterable
 
 import structlog
@@ -39,27 +40,23 @@ from services.blockmgr.api.types import (
     PoolCounters,
     RestoredSequence,
     StepResult,
-    Uncache,
 )
-from services.common.blocks import NULL_BLOCK, first_live_block
 from services.executor.core.admission import plan_admissions
-from services.executor.core.ahead import AheadScheduling
+from services.executor.core.ahead import ahead_chunks, next_grows
 from services.executor.core.config import SchedulerConfig
+from services.executor.core.grows import plan_grows
 from services.executor.core.held_back import HeldBackChunks
 from services.executor.core.plan import (
     BadAnswer,
     ScheduledBatch,
     ScheduledChunk,
     SchedulePlan,
-    check_answer,
-    extend_tables,
-    split_tables,
     step_moves,
 )
 from services.executor.core.sequence import FinishReason, SeqStatus, Sequence
-from services.executor.core.swapping import Swapping
-from services.executor.core.table_mirror import TableMirror
-from services.executor.core.tier_failures import TierFailures
+from services.executor.core.swapping import Swapping, check_swaps
+from services.executor.core.table_mirror import TableMirror, pool_view
+from services.executor.core.tier_failures import TierFailures, readers
 
 __all__ = [
     "BadAnswer",
@@ -73,31 +70,41 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 
-class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swapping):
+class Scheduler:
+    """Plans each step (:meth:`plan`, or :meth:`plan_ahead` before the forward), takes the
+    block manager's answer (:meth:`apply`, :meth:`apply_ahead`; :meth:`abandon`), and
+    advances after the forward (:meth:`after_forward`). Single-threaded, like the engine."""
+
     def __init__(self, config: SchedulerConfig, counters: PoolCounters) -> None:
         self.config = config
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key
         self.num_free_blocks = counters.num_free_blocks
         self.num_usable_blocks = counters.num_usable_blocks
-        self.refs: Counter[int] = Counter()  # block id -> how many of our tables hold it
+        self.mirror = TableMirror(config)
+        self.swapping = Swapping(config)
+        self.held_back = HeldBackChunks(config.defer_filled_chunks)
+        self.tier_failures = TierFailures()
         self._to_free: list[RestoredSequence] = []  # the pool's view of seqs to free next Step
         self._forks: dict[int, Fork] = {}  # child seq_id -> pending Fork, sent next Step
         self._commits: list[Commit] = []
         self.num_preemptions = 0
-        self.swapped: list[Sequence] = []  # swapped out (swapping.py), sorted by sort_key
-        self.swap_slots_used = 0
-        self.num_swapped_out = 0
-        self.granted: list[tuple[Sequence, int]] = []  # held back (held_back.py)
-        self._uncache: Uncache | None = None  # failed moves to report (tier_failures.py)
-        self.num_chunks_held_back = 0
 
     # ---- queue management -----------------------------------------------------------------
 
     @property
+    def swapped(self) -> list[Sequence]:
+        """The swapped-out sequences, in priority order (read only)."""
+        return self.swapping.swapped
+
+    @property
+    def num_chunks_held_back(self) -> int:
+        return self.held_back.num_held_back
+
+    @property
     def has_work(self) -> bool:
-        pending = self._to_free or self._commits or self._uncache
-        return bool(self.waiting or self.running or self.swapped or pending)
+        pending = self._to_free or self._commits or self.tier_failures.pending
+        return bool(self.waiting or self.running or self.swapping.swapped or pending)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence for admission."""
@@ -115,12 +122,7 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
         if len(self.running) >= self.config.max_num_seqs or parent.status is not SeqStatus.RUNNING:
             self.add(child)  # (a beam's parent may have been preempted: nothing to share)
             return
-        child.tables = [list(t) for t in parent.tables]
-        child.first_live_block = parent.first_live_block
-        for table in child.tables:
-            for b in table:
-                if b != NULL_BLOCK:
-                    self.refs[b] += 1
+        self.mirror.share(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
         bs = self.config.block_size
         shared = (len(child.token_ids) - 1) // bs  # full blocks of the tokens they share
@@ -136,8 +138,9 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
             return
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
-        elif seq.status is SeqStatus.SWAPPED:
-            self._free_swapped(seq)
+        elif seq.status is SeqStatus.SWAPPED:  # its slots are freed with the next Step
+            self._to_free.append(pool_view(seq))
+            self.swapping.remove(seq)
         else:
             self.running.remove(seq)
             self._drop_blocks(seq)
@@ -148,82 +151,21 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
     # ---- phase one: plan ------------------------------------------------------------------
 
     def plan(self) -> SchedulePlan:
-        cfg = self.config
+        """Phase one of a step: the operations to send (pending commits, forks and frees,
+        the grows of :func:`~.grows.plan_grows`, then swap-ins or admissions)."""
         plan, free = self._open_plan()
-        budget = cfg.max_num_batched_tokens
-        scheduled: set[int] = set()
-        preempted = False
-
-        def schedule(seq: Sequence, k: int) -> bool:
-            nonlocal free, preempted
-            # What its grow releases out of the window counts now, mirrored once granted:
-            # preempted, it goes (or is swapped) out with its tables as the pool holds them.
-            first = self._first_live_after(seq, seq.num_computed_tokens + seq.num_ahead_slots)
-            releasing = self._releasable(seq, first) if window else 0
-            free += releasing
-            need = self._blocks_needed(seq, k)
-            while need > free:
-                victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
-                if victim is seq:
-                    free -= releasing
-                free += self._preempt_for_room(victim, plan)
-                preempted = True
-                if victim is seq:
-                    return False
-                need = self._blocks_needed(seq, k)
-            if window:
-                self._release_to(seq, first)
-            free -= need
-            cows = self._cow_groups(seq, k)
-            if cows:  # mirror the pool: the writer drops its share of the block
-                for g in cows:
-                    self.refs[seq.tables[g][-1]] -= 1
-                plan.cow_ids[seq.seq_id] = cows
-            scheduled.add(seq.seq_id)
-            plan.grows.append((seq, k))
-            plan.grow_blocks.append(need - len(cows))  # the copies' blocks come as BlockCopy
-            if window:
-                plan.grow_first_live.append(seq.first_live_block)
-            return True
-
-        # Decodes first, then prefill chunks of running sequences, in priority order.
-        bs, refs, grows, grow_blocks = cfg.block_size, self.refs, plan.grows, plan.grow_blocks
-        window, groups = cfg.sliding_window, cfg.num_kv_groups
-        running = SeqStatus.RUNNING
-        budget -= self._plan_granted(plan, scheduled)
-        prefills: list[Sequence] = []  # (planning only removes from ``running``)
-        for seq in list(self.running):
-            if seq.status is not running or seq.seq_id in scheduled:
-                continue
-            computed = seq.num_computed_tokens
-            if len(seq.token_ids) == computed:
-                continue  # a beam waiting for a preempted sibling (engine_beams)
-            if len(seq.token_ids) - computed != 1:
-                prefills.append(seq)
-            elif budget <= 0:
-                continue
-            elif (
-                computed % bs
-                and refs[seq.tables[0][-1]] == 1
-                and (groups == 1 or all(refs[t[-1]] == 1 for t in seq.tables))
-            ):
-                # The common decode: room in a last block no one else holds.
-                if window:
-                    free += self._slide(seq, computed + seq.num_ahead_slots)
-                    plan.grow_first_live.append(seq.first_live_block)
-                scheduled.add(seq.seq_id)
-                grows.append((seq, 1))
-                grow_blocks.append(0)
-                budget -= 1
-            elif schedule(seq, 1):
-                budget -= 1
-        for seq in prefills:
-            if seq.status is not running or seq.seq_id in scheduled or budget <= 0:
-                continue
-            k = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            if schedule(seq, k):
-                budget -= k
-
+        scheduled: set[int] = set()  # (held-back chunks first: their slots are held)
+        budget = self.config.max_num_batched_tokens - self.held_back.plan(plan, scheduled)
+        free, budget, preempted = plan_grows(
+            plan,
+            self.running,
+            self.mirror,
+            self.config,
+            free=free,
+            budget=budget,
+            scheduled=scheduled,
+            preempt=self._preempt_for_room,
+        )
         # Children preempted while planning cancelled their own forks.
         plan.forks = list(self._forks.values())
         plan.fork_ids = set(self._forks)
@@ -231,8 +173,10 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
         # No admissions in a step that had to preempt: the pool is under pressure. Swapped-out
         # sequences come back before anything new is admitted.
         if not preempted:
-            if self.swapped:
-                self._plan_swap_ins(plan, free)
+            if self.swapping.swapped:
+                stuck = self.swapping.plan_swap_ins(plan, free, self.running)
+                if stuck is not None:
+                    self._recompute_swapped(stuck, plan)
             else:
                 self._plan_admissions(plan, free, budget)
         return plan
@@ -240,31 +184,17 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
     def _open_plan(self) -> tuple[SchedulePlan, int]:
         """A new plan carrying the pending commits and frees, and the free blocks after them."""
         plan = SchedulePlan(
-            uncache=self._take_uncache(), commits=self._commits, released=self._to_free
+            uncache=self.tier_failures.take(), commits=self._commits, released=self._to_free
         )
         free = self.num_free_blocks
         for view in self._to_free:
-            free += self._release(view.block_ids)
+            free += self.mirror.release(view.block_ids)
             plan.free_seq_ids.append(view.seq_id)
         self._to_free, self._commits = [], []
         return plan, free
 
     def _plan_admissions(self, plan: SchedulePlan, free: int, budget: int) -> None:
         plan_admissions(plan, self.waiting, self.running, self.config, free, budget)
-
-    def _check_answer(
-        self, plan: SchedulePlan, grow: GrowResult | None, admitted: list[AdmitResult]
-    ) -> None:
-        check_answer(
-            plan,
-            grow,
-            admitted,
-            block_size=self.config.block_size,
-            num_blocks=self.num_usable_blocks + 1,
-            refs=self.refs,
-            sliding_window=self.config.sliding_window,
-            group_slides=self.config.group_slides,
-        )
 
     # ---- phase two: apply the block manager's answer ---------------------------------------
 
@@ -275,23 +205,31 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
         that contradicts it raises :class:`BadAnswer` and changes nothing (see
         :meth:`abandon`)."""
         grow, admitted = plan.answers(result)
-        self._check_answer(plan, grow, admitted)
+        self.mirror.check_answer(plan, grow, admitted, num_blocks=self.num_usable_blocks + 1)
         if plan.swap_outs or plan.swap_ins:
-            self._check_swaps(plan, result)
-            self._apply_swaps(plan, result)
+            check_swaps(
+                plan,
+                result,
+                swap_slots=self.config.swap_slots,
+                num_blocks=self.num_usable_blocks + 1,
+            )
+            for seq, block_ids in self.swapping.apply(plan, result):  # back in
+                self.mirror.swap_in(seq, block_ids)
+                seq.status = SeqStatus.RUNNING
+                bisect.insort(self.running, seq, key=_sort_key)
         copies: list[tuple[int, int]] = []
         grows = plan.grows
         if grow is not None:
-            failed = self._apply_grow(plan, grow, copies)
+            failed, copies = self._apply_grow(plan, grow)
             if failed:
                 grows = [(s, k) for s, k in grows if s.seq_id not in failed]
         new_prefills = self._apply_admissions(plan, admitted)
         self.num_free_blocks = result.counters.num_free_blocks
         chunks = [
             ScheduledChunk(s, k, s.num_computed_tokens + k == len(s.token_ids))
-            for s, k in itertools.chain(grows, self._take_granted(plan), new_prefills)
+            for s, k in itertools.chain(grows, self.held_back.take(plan), new_prefills)
         ]
-        return ScheduledBatch(self._hold_back(chunks, result), copies, *step_moves(result))
+        return ScheduledBatch(self.held_back.hold_back(chunks, result), copies, *step_moves(result))
 
     def _apply_admissions(
         self, plan: SchedulePlan, admitted: list[AdmitResult]
@@ -303,14 +241,7 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
             if res.status is not OpStatus.OK:
                 continue
             self.waiting.remove(seq)
-            seq.tables = split_tables(res.block_ids, self.config.num_kv_groups)
-            # Leading null entries (sliding groups): released, out of its first query's window.
-            seq.first_live_block = first_live_block(
-                res.num_cached_tokens, self.config.sliding_window, self.config.block_size
-            )
-            for b in res.block_ids:
-                if b != NULL_BLOCK:
-                    self.refs[b] += 1
+            self.mirror.admit(seq, res.block_ids, res.num_cached_tokens)
             seq.num_computed_tokens = res.num_cached_tokens
             seq.num_committed_blocks = res.num_cached_tokens // self.config.block_size
             if not seq.admitted_once:  # (a resumed sample's output may hit too: not counted)
@@ -322,50 +253,16 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
         return new_prefills
 
     def _apply_grow(
-        self, plan: SchedulePlan, grow: GrowResult, copies: list[tuple[int, int]]
-    ) -> set[int]:
-        failed: set[int] = set()
-        seqs = [s for s, _ in plan.grows]
-        refs, ok = self.refs, OpStatus.OK
-        if grow.statuses.count(ok) == len(seqs):  # the common case: every grow went through
-            for seq, new_ids in zip(seqs, grow.new_block_ids, strict=True):
-                if new_ids:
-                    extend_tables(seq.tables, new_ids)
-                    for b in new_ids:
-                        refs[b] += 1
-        else:
-            failed = self._apply_grow_statuses(plan, seqs, grow)
-        for copy in grow.copies:
-            seq = seqs[copy.entry]
-            # A new list, never an edit in place: runners mirror tables that only grow
-            # (see forward_batch.SeqChunk).
-            table = list(seq.tables[copy.group])
-            table[copy.block_index] = copy.dst
-            seq.tables[copy.group] = table
-            refs[copy.dst] += 1
-            copies.append((copy.src, copy.dst))
+        self, plan: SchedulePlan, grow: GrowResult
+    ) -> tuple[set[int], list[tuple[int, int]]]:
+        """Take the (checked) grow answer into the tables; a sequence whose grow the pool
+        refused is requeued. Returns the ids of those and the block copies to make."""
+        failed, copies = self.mirror.apply_grow(plan, grow)
         if failed:
-            for seq in seqs:
+            for seq, _ in plan.grows:
                 if seq.seq_id in failed:
                     self._requeue_refused(seq)
-        return failed
-
-    def _apply_grow_statuses(
-        self, plan: SchedulePlan, seqs: list[Sequence], grow: GrowResult
-    ) -> set[int]:
-        failed: set[int] = set()
-        for seq, status, new_ids in zip(seqs, grow.statuses, grow.new_block_ids, strict=True):
-            if status is not OpStatus.OK:
-                # Our counters said it fits; the pool disagrees: recompute it later.
-                log.warning("grow_refused", seq_id=seq.seq_id, status=status.name)
-                failed.add(seq.seq_id)
-                for g in plan.cow_ids.get(seq.seq_id, ()):  # it still holds its share
-                    self.refs[seq.tables[g][-1]] += 1
-                continue
-            extend_tables(seq.tables, new_ids)
-            for b in new_ids:
-                self.refs[b] += 1
-        return failed
+        return failed, copies
 
     def abandon(self, plan: SchedulePlan) -> None:
         """Forget the answer to ``plan`` (it contradicted the plan): grows and admissions did
@@ -374,10 +271,85 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
         from this state (a resync) before the next Step."""
         for seq, _ in plan.grows:
             if seq.tables[0]:
-                for g in plan.cow_ids.get(seq.seq_id, ()):
-                    self.refs[seq.tables[g][-1]] += 1
+                self.mirror.take_back_shares(seq, plan.cow_ids.get(seq.seq_id, ()))
         if plan.swap_outs:
-            self._unswap(plan)
+            for seq in self.swapping.unswap(plan):  # recomputed instead
+                self._back_to_waiting(seq)
+
+    # ---- async scheduling (ahead.py) -------------------------------------------------------
+
+    def plan_ahead(
+        self, batch: ScheduledBatch, prompt_logprobs: bool = True
+    ) -> SchedulePlan | None:
+        """Phase one of the *next* step, made before this step's forward (async scheduling),
+        so that its Step round trip overlaps the forward: the running sequences' grows as
+        :meth:`plan` would plan them once ``batch`` has run and been sampled
+        (:func:`~.ahead.next_grows`; one that finishes gives its slot back in the step after),
+        then admissions. None (nothing changed) when the next step must be planned after
+        sampling: samples about to fork, a copy-on-write, too few free blocks without a
+        preemption, or (``prompt_logprobs``: some request asks for them) a prompt whose every
+        logits row is read. Admissions that only the blocks freed by this step's finished
+        sequences would make fit wait one step."""
+        if not batch.chunks or self._forks or self.swapping.swapped:
+            return None  # (swapped-out sequences come back in a step planned after sampling)
+        if prompt_logprobs and any(
+            s.num_computed_tokens < s.prompt_len and s.wants_prompt_logprobs()
+            for s in itertools.chain(self.running, self.waiting)
+        ):
+            return None  # a prompt whose every token's logits are read: planned after sampling
+        cfg, granted = self.config, self.held_back.running()
+        ahead = next_grows(
+            batch,
+            self.running,
+            granted,
+            self.mirror.refs,
+            block_size=cfg.block_size,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+        )
+        if ahead is None:
+            return None
+        need = sum(ahead.grow_blocks)
+        if need > self.num_free_blocks or not (ahead.grows or granted or self.waiting):
+            return None  # (this step's frees are not counted: conservative)
+        plan, free = self._open_plan()
+        plan.grows, plan.grow_blocks, plan.granted = ahead.grows, ahead.grow_blocks, granted
+        if cfg.sliding_window:
+            # What the grows will release, applied with the answer: this step's forward,
+            # whose batch may not be built yet, still reads these tables.
+            first_live_after = self.mirror.first_live_after
+            plan.grow_first_live = [
+                first_live_after(s, held)
+                for (s, _), held in zip(ahead.grows, ahead.held, strict=True)
+            ]
+        self._plan_admissions(plan, free - need, ahead.budget)
+        return plan
+
+    def apply_ahead(self, plan: SchedulePlan, result: StepResult) -> ScheduledBatch:
+        """Take the answer to a :meth:`plan_ahead` plan, after this step's forward and
+        :meth:`after_forward` but before sampling: the next step's batch (the grown
+        sequences' chunks, then the first chunks of the admitted ones). Until that batch
+        runs, ``num_ahead_slots`` counts the slots granted ahead. A grow the pool refused
+        preempts its sequence, as in :meth:`apply` (it is still sampled in this step: its
+        token joins what it recomputes). An answer that contradicts the plan raises
+        :class:`BadAnswer` with nothing applied but, in a sliding-window pool, the releases
+        of the grows it granted (the pool's state either way; a resync restores ours)."""
+        grow, admitted = plan.answers(result)
+        if grow is not None and plan.grow_first_live:
+            # The granted grows' releases, mirrored now that this step's forward has read its
+            # tables, and before the check: the pool may already have handed those blocks out.
+            for (seq, _), status, first in zip(
+                plan.grows, grow.statuses, plan.grow_first_live, strict=True
+            ):
+                if status is OpStatus.OK:
+                    self.mirror.release_to(seq, first)
+        # (no copy-on-write either: one is rejected)
+        self.mirror.check_answer(plan, grow, admitted, num_blocks=self.num_usable_blocks + 1)
+        failed = self._apply_grow(plan, grow)[0] if grow is not None else set()
+        chunks = ahead_chunks(
+            plan.grows, failed, self.held_back.take(plan), self._apply_admissions(plan, admitted)
+        )
+        self.num_free_blocks = result.counters.num_free_blocks
+        return ScheduledBatch(self.held_back.hold_back(chunks, result), [], *step_moves(result))
 
     # ---- after the forward ----------------------------------------------------------------
 
@@ -401,24 +373,6 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
 
     # ---- recovery -------------------------------------------------------------------------
 
-    def pool_view(self, seq: Sequence) -> RestoredSequence:
-        """What the block manager holds for ``seq``: its slots, table and committed hashes
-        (a swapped-out sequence: its host slots instead of a table)."""
-        if seq.status is SeqStatus.SWAPPED:
-            return RestoredSequence(
-                seq.seq_id,
-                seq.num_computed_tokens,
-                (),
-                tuple(seq.block_hashes[: seq.num_committed_blocks]),
-                seq.host_slots,
-            )
-        return RestoredSequence(
-            seq.seq_id,
-            seq.num_computed_tokens + seq.num_ahead_slots,
-            tuple(seq.tables[0]) if len(seq.tables) == 1 else tuple(itertools.chain(*seq.tables)),
-            tuple(seq.block_hashes[: seq.num_committed_blocks]),
-        )
-
     def pre_plan_state(self, plan: SchedulePlan | None) -> list[RestoredSequence]:
         """The pool's sequences as they were before ``plan``'s operations (as they are now,
         without a plan): a restarted block manager restored to this state can take the same
@@ -428,9 +382,9 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
             released = list(self._to_free)
         else:
             forked, released = plan.fork_ids, plan.released
-        live = [self.pool_view(s) for s in self.running if s.tables[0] and s.seq_id not in forked]
-        if self.swapped:
-            live += self.swapped_views()
+        live = [pool_view(s) for s in self.running if s.tables[0] and s.seq_id not in forked]
+        if self.swapping.swapped:
+            live += self.swapping.views()
         return live + released
 
     # ---- internals ------------------------------------------------------------------------
@@ -439,28 +393,64 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
         """Give up ``seq``'s blocks. A fork not yet sent is cancelled: nothing to free in the
         pool, and the blocks that only it held in our mirror are free now (returned). Otherwise
         the Free goes out with the next Step."""
-        freed = 0
         if self._forks.pop(seq.seq_id, None) is not None:
-            freed = sum(self._release(t) for t in seq.tables)
-        elif seq.tables[0]:
-            self._to_free.append(self.pool_view(seq))
-        seq.tables = [[] for _ in seq.tables]
-        return freed
+            return self.mirror.drop(seq)
+        if seq.tables[0]:
+            self._to_free.append(pool_view(seq))
+        self.mirror.detach(seq)
+        return 0
 
     def _preempt_for_room(self, seq: Sequence, plan: SchedulePlan) -> int:
         """Preempt a running sequence while planning: its Free joins this step's operations.
         Returns how many blocks this frees now."""
-        if self._can_swap(seq):
+        if seq.seq_id not in self._forks and self.swapping.can_take(seq):
             return self._swap_out(seq, plan)
         if seq.tables[0] and seq.seq_id not in self._forks:
             plan.free_seq_ids.append(seq.seq_id)
-            plan.released.append(self.pool_view(seq))
-            freed = sum(self._release(t) for t in seq.tables)
-            seq.tables = [[] for _ in seq.tables]
+            plan.released.append(pool_view(seq))
+            freed = self.mirror.drop(seq)
         else:  # a pending fork is cancelled
             freed = self._drop_blocks(seq)
         self._requeue(seq)
         return freed
+
+    def _swap_out(self, seq: Sequence, plan: SchedulePlan) -> int:
+        """Preempt running ``seq`` by swapping it out with ``plan``'s Step; returns how many
+        blocks this frees now."""
+        self.swapping.swap_out(seq, plan)
+        freed = self.mirror.drop(seq)
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        return freed
+
+    def _recompute_swapped(self, seq: Sequence, plan: SchedulePlan) -> None:
+        """``seq`` cannot come back (its blocks do not fit the pool even alone): it is freed
+        with ``plan``'s Step and recomputed instead, never left waiting forever."""
+        log.warning("swapped_sequence_recomputed", seq_id=seq.seq_id, req_id=seq.req_id)
+        plan.free_seq_ids.append(seq.seq_id)
+        plan.released.append(pool_view(seq))
+        self.swapping.remove(seq)
+        self._back_to_waiting(seq)
+
+    def moves_failed(
+        self, device_blocks: Iterable[int], disk_slots: Iterable[int]
+    ) -> list[Sequence]:
+        """Report these failed moves with the next Step (see :mod:`.tier_failures`), and
+        preempt (to recompute) the running sequences whose tables list one of
+        ``device_blocks``; returns them."""
+        blocks, slots = tuple(device_blocks), tuple(disk_slots)
+        self.tier_failures.add(blocks, slots)
+        victims = readers(self.running, blocks)
+        for seq in victims:
+            self.preempt(seq)
+        log.warning(
+            "kv_tier_moves_failed",
+            device_blocks=len(blocks),
+            disk_slots=len(slots),
+            recomputed=[s.seq_id for s in victims],
+        )
+        return victims
 
     def preempt(self, seq: Sequence) -> None:
         """Preempt a running sequence between steps (recomputed when admitted again); its
@@ -477,14 +467,10 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
     def _requeue(self, seq: Sequence) -> None:
         """Move a running sequence that gave up its blocks back to waiting (recompute)."""
         self.running.remove(seq)
-        seq.num_computed_tokens = 0
         seq.num_ahead_slots = 0
-        seq.num_committed_blocks = 0
-        seq.first_live_block = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        seq.status = SeqStatus.WAITING
-        bisect.insort(self.waiting, seq, key=_sort_key)
+        self._back_to_waiting(seq)
         log.warning(
             "sequence_preempted",
             req_id=seq.req_id,
@@ -492,6 +478,12 @@ class Scheduler(AheadScheduling, HeldBackChunks, TierFailures, TableMirror, Swap
             num_tokens=seq.num_tokens,
             num_preemptions=seq.num_preemptions,
         )
+
+    def _back_to_waiting(self, seq: Sequence) -> None:
+        """Queue ``seq``, which holds no blocks now, to be admitted again and recomputed."""
+        seq.num_computed_tokens = seq.num_committed_blocks = seq.first_live_block = 0
+        seq.status = SeqStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_sort_key)
 
 
 def _sort_key(seq: Sequence) -> tuple[int, int, int]:

@@ -3,55 +3,45 @@ manager in the next Step (``UncacheOp``, its first operation), so that it forget
 blocks and slots were cached as, and the sequences whose tables list a block that was not
 filled are computed again. None of them has read it: a sequence whose blocks a Step fills
 runs only after the fills (in line, before the forward; beside it, held back a step), and
-the engine takes the failures before every forward. A part of :class:`~.scheduler.Scheduler`.
+the engine takes the failures before every forward. :class:`TierFailures` is held by
+:class:`~.scheduler.Scheduler`, which preempts those sequences.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
-
-import structlog
-
 from services.blockmgr.api.types import Uncache
-
-if TYPE_CHECKING:
-    from services.executor.core.sequence import Sequence
+from services.executor.core.sequence import Sequence
 
 __all__ = ["TierFailures"]
 
-log = structlog.get_logger(__name__)
-
 
 class TierFailures:
-    if TYPE_CHECKING:  # provided by Scheduler
-        running: list[Sequence]
-        _uncache: Uncache | None
+    """The failed moves not reported yet, as one pending :class:`Uncache`."""
 
-        def preempt(self, seq: Sequence) -> None: ...
+    def __init__(self) -> None:
+        self._uncache: Uncache | None = None
 
-    def moves_failed(
-        self, device_blocks: Iterable[int], disk_slots: Iterable[int]
-    ) -> list[Sequence]:
-        """Report these failed moves with the next Step, and preempt (to recompute) the
-        running sequences whose tables list one of ``device_blocks``; returns them."""
-        blocks, slots = tuple(device_blocks), tuple(disk_slots)
+    @property
+    def pending(self) -> bool:
+        """Some failed moves are still to report (a Step must go out)."""
+        return self._uncache is not None
+
+    def add(self, device_blocks: tuple[int, ...], disk_slots: tuple[int, ...]) -> None:
+        """Report these failed moves with the next Step (with those pending already)."""
         pending = self._uncache or Uncache()
         self._uncache = Uncache(
-            pending.device_blocks + blocks, pending.host_slots, pending.disk_slots + slots
+            pending.device_blocks + device_blocks,
+            pending.host_slots,
+            pending.disk_slots + disk_slots,
         )
-        failed = set(blocks)
-        victims = [s for s in self.running if any(not failed.isdisjoint(t) for t in s.tables)]
-        for seq in victims:
-            self.preempt(seq)
-        log.warning(
-            "kv_tier_moves_failed",
-            device_blocks=len(blocks),
-            disk_slots=len(slots),
-            recomputed=[s.seq_id for s in victims],
-        )
-        return victims
 
-    def _take_uncache(self) -> Uncache | None:
+    def take(self) -> Uncache | None:
+        """The failed moves to report in the Step being planned; none is pending after."""
         uncache, self._uncache = self._uncache, None
         return uncache
+
+
+def readers(running: list[Sequence], device_blocks: tuple[int, ...]) -> list[Sequence]:
+    """The ``running`` sequences whose tables list one of ``device_blocks`` (in order)."""
+    failed = set(device_blocks)
+    return [s for s in running if any(not failed.isdisjoint(t) for t in s.tables)]
