@@ -37,7 +37,7 @@ test: protos lint
 # under the interpreter (interp) or repeat a sweep for another model or configuration
 # (matrix), with a quarter of the hypothesis examples. Markers: tests/markers.py.
 test-fast: protos
-	$(PY) -m pytest -q -m "not e2e and not interp and not matrix" --hypothesis-profile=fast
+	$(PY) -m pytest -q -n 2 -m "not e2e and not interp and not matrix" --hypothesis-profile=fast
 
 # The whole stack on loopback: blockmgr + executor + gateway (localhost:50051). Without
 # MODEL=DIR it serves the tiny default model, written to models/tiny-llama on first use.
@@ -45,19 +45,19 @@ serve: protos
 	$(VENV)/bin/pagedserve serve $(if $(MODEL),--model $(MODEL),) $(SERVE_ARGS)
 
 bench-blockmgr: protos
-	$(PY) bench/blockmgr_bench.py
+	$(PY) -m bench.blockmgr_bench
 
 bench-engine: protos
-	$(PY) bench/engine_bench.py --grpc
+	$(PY) -m bench.engine_bench --grpc
 
 bench-cpu: protos
-	$(PY) bench/cpu_bench.py
+	$(PY) -m bench.cpu_bench
 
 bench-host: protos
-	$(PY) bench/host_bench.py
+	$(PY) -m bench.internals.host_bench
 
 bench-async: protos
-	$(PY) bench/async_bench.py
+	$(PY) -m bench.internals.async_bench
 
 clean:
 	rm -rf $(VENV) pagedserve/v1/*_pb2*.py pagedserve/v1/*_pb2*.pyi

@@ -3,7 +3,7 @@
 - ``e2e``: the test starts processes (a service, the CLI, ``pagedserve serve``, torch ranks of
   a tensor-parallel runner, a container runner).
 - ``interp``: it runs Triton kernels (under the interpreter without CUDA).
-- ``matrix``: it is one case past the first of a sweep (a test run for three models,
+- ``matrix``: it is one case past the first of a sweep (a test run for two models,
   families or configurations or more): the first case stays in the fast loop.
 
 What a test does is read from its source, the sources of the fixtures it uses and of the
@@ -28,7 +28,7 @@ import pytest
 MARKERS = {
     "e2e": "starts processes (services, CLI, torch ranks); set by tests/markers.py",
     "interp": "runs Triton kernels (the interpreter without CUDA); set by tests/markers.py",
-    "matrix": "a case past the first of a sweep of three or more; set by tests/markers.py",
+    "matrix": "a case past the first of a sweep of models or configurations; tests/markers.py",
 }
 
 # Calls that start a process, as they appear in the suite's sources.
@@ -38,7 +38,7 @@ _STARTS_PROCESSES = re.compile(
     r"|tensor_parallel_size\s*=\s*(?!1\b)[\w(]|\btp_size\s*=\s*(?!1\b)[\w(]"
 )
 _RUNS_TRITON = re.compile(r"_triton\b|\bPAGEDSERVE_FORCE_TRITON\b|\bFORCE_TRITON_ENV\b|\btriton\.")
-_SWEEP_MIN_CASES = 3
+_SWEEP_MIN_CASES = 2
 # Parameters that sweep models, families or configurations (``name``: a tiny checkpoint).
 _SWEEP_PARAMS = {"name", "family", "arch", "checkpoint", "model", "config", "configuration"}
 

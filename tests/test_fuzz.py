@@ -19,13 +19,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pagedserve.testing.procs import ServiceProcess, executor_args, gateway_args, wait_serving
 from pagedserve.v1 import blockmgr_pb2 as B
 from pagedserve.v1 import executor_pb2 as E
 from pagedserve.v1 import generation_pb2 as G
 from services.blockmgr.client import GrpcClient
 from services.common.auth import INTERNAL_TOKEN_HEADER
 from services.common.healthcheck import check
-from tests.procs import ServiceProcess, executor_args, gateway_args, wait_serving
 
 TOKEN = "fuzz-token"
 POOL = "fuzzed-executor"
@@ -217,7 +217,6 @@ def _no_block_in_use(stack: dict[str, str]) -> None:
         client.close()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method", list(RPCS))
 def test_fuzzed_rpcs_get_client_errors_never_unknown_or_internal(stack, method) -> None:
     _fuzz(stack, method, SAMPLE)

@@ -237,7 +237,6 @@ def test_rewritten_commands_keep_only_what_docker_does_not_provide(tmp_path):
 # -- the stack ---------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_compose_services_run_and_stream_a_generation(tmp_path):
     model = write_tiny_model(tmp_path / "model")
     stack = ComposeStack({MODEL_TARGET: model}, shell_env=SHELL, log_dir=tmp_path / "logs")

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 import yaml
 
 from pagedserve.testing.procs import ServiceProcess, wait_serving
@@ -152,7 +151,6 @@ def _local(
     return out
 
 
-@pytest.mark.slow
 def test_manifest_commands_run_two_executors_behind_one_gateway(tmp_path: Path) -> None:
     from pagedserve.tools.tiny_model import write_tiny_model
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pagedserve.testing.procs import ROOT, ServiceProcess, executor_args, gateway_args
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.common.healthcheck import check
-from tests.procs import ROOT, ServiceProcess, executor_args, gateway_args
 
 NODE_DIR = ROOT / "examples" / "node"
 API_KEY = "node-example-key"
@@ -136,7 +136,6 @@ def run_node(node: str, *args: str, api_key: str | None = API_KEY) -> subprocess
     )
 
 
-@pytest.mark.slow
 def test_node_client_streams_the_same_greedy_text_as_python(node: str, stack: Stack):
     prompt = "The quick brown fox"
     text, reason, completion_tokens = python_generate(stack.address, prompt, 12)
@@ -150,7 +149,6 @@ def test_node_client_streams_the_same_greedy_text_as_python(node: str, stack: St
     assert f"completion_tokens={completion_tokens}" in r.stderr
 
 
-@pytest.mark.slow
 def test_node_client_exits_non_zero_on_errors(node: str, stack: Stack):
     r = run_node(node, "--address", stack.address, "Hello", api_key=None)
     assert r.returncode == 1
@@ -163,7 +161,6 @@ def test_node_client_exits_non_zero_on_errors(node: str, stack: Stack):
     assert "usage:" in r.stderr
 
 
-@pytest.mark.slow
 def test_node_client_address_from_the_environment(node: str, stack: Stack):
     env_address = {"PAGEDSERVE_ADDRESS": stack.address}
     r = subprocess.run(

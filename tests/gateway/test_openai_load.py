@@ -14,12 +14,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 import httpx
-import pytest
 
+from pagedserve.testing.procs import wait_serving
 from tests.gateway.conftest import Stack
-from tests.procs import wait_serving
-
-pytestmark = pytest.mark.slow
 
 NUM_STREAMS = 512  # guidellm's throughput profile
 PROMPT = "go on"

@@ -6,8 +6,6 @@ cached, the router's predictions match what the executors report, and a block-ma
 from __future__ import annotations
 
 import signal
-import socket
-import time
 import urllib.request
 from collections import defaultdict
 from collections.abc import Iterator
@@ -18,18 +16,18 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.testing.procs import (
+    ServiceProcess,
+    executor_args,
+    gateway_args,
+    wait_serving,
+    wait_until,
+)
 from pagedserve.v1 import generation_pb2 as G
 from pagedserve.v1 import generation_pb2_grpc
-from tests.procs import ServiceProcess, executor_args, gateway_args, wait_serving
 
 BLOCK = 16
 PREFIXES = [[(7 * p + i) % 200 + 10 for i in range(3 * BLOCK)] for p in range(3)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -43,7 +41,7 @@ class Cluster:
     def metrics(self) -> dict[str, dict[tuple[str, ...], float]]:
         """Samples by name, keyed by their label values."""
         body = urllib.request.urlopen(
-            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30
         ).read()
         out: dict[str, dict[tuple[str, ...], float]] = defaultdict(dict)
         for family in text_string_to_metric_families(body.decode()):
@@ -54,14 +52,12 @@ class Cluster:
     def total(self, name: str) -> float:
         return sum(self.metrics().get(name, {}).values())
 
-    def wait_events_live(self, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
+    def wait_events_live(self) -> None:
+        def live() -> bool:
             live = self.metrics().get("pagedserve_routing_kv_events_live", {})
-            if len(live) == len(self.executors) and all(v == 1.0 for v in live.values()):
-                return
-            assert time.monotonic() < deadline, f"KV events not followed: {live}"
-            time.sleep(0.1)
+            return len(live) == len(self.executors) and all(v == 1.0 for v in live.values())
+
+        wait_until(live, what="every executor's KV events followed live", interval=0.1)
 
     def generate(self, prompt: list[int]) -> int:
         """Cached prompt tokens the executor reported for this request."""
@@ -76,21 +72,25 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
-    bm_port, metrics_port = _free_port(), _free_port()
+    # Ports the services bound themselves (one found free beforehand may be taken by then on a
+    # busy machine); a restarted block manager comes back on its own.
     procs: list[ServiceProcess] = []
     try:
-        procs.append(ServiceProcess(["blockmgr", "--port", str(bm_port)], "blockmgr_listening"))
+        procs.append(ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening"))
+        bm_port = procs[0].port
+        assert bm_port is not None
         bm = f"127.0.0.1:{bm_port}"
         for name in ("route-a", "route-b"):
             args = executor_args(tiny_model_dir, bm, "--pool-id", name, "--block-size", "16")
             procs.append(ServiceProcess(args, "executor_ready"))
-        gateway_extra: list[str] = ["--blockmgr-address", bm, "--metrics-port", str(metrics_port)]
+        gateway_extra: list[str] = ["--blockmgr-address", bm, "--metrics-port", "0"]
         for ex in procs[2:]:
             gateway_extra += ["--executor", ex.address]
         gateway = ServiceProcess(
             gateway_args(tiny_model_dir, procs[1].address, *gateway_extra), "gateway_listening"
         )
         procs.append(gateway)
+        metrics_port = int(gateway.wait_for_event("metrics_listening")["metrics_port"])
         wait_serving(gateway.address)
         cluster = Cluster(bm_port, procs[0], procs[1:3], gateway, metrics_port)
         yield cluster
@@ -100,7 +100,6 @@ def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
             p.stop()
 
 
-@pytest.mark.slow
 def test_repeated_prefixes_go_where_they_are_cached_and_predictions_match(
     cluster: Cluster,
 ) -> None:
@@ -124,7 +123,6 @@ def test_repeated_prefixes_go_where_they_are_cached_and_predictions_match(
     assert sum(blocks.values()) >= 3 * 3  # every prefix's 3 blocks, confirmed by events
 
 
-@pytest.mark.slow
 def test_a_block_manager_restart_clears_the_index_and_routing_recovers(cluster: Cluster) -> None:
     cluster.wait_events_live()
     cluster.blockmgr.proc.send_signal(signal.SIGKILL)
