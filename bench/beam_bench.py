@@ -17,58 +17,50 @@ fp32): our engine (all at once, continuous batching) against transformers'
 ``generate(num_beams=4, num_return_sequences=4)`` on one left-padded batch; output tok/s
 counts the 4 x 64 tokens returned per request; and how many requests return the same beams.
 
-Usage: ``python bench/beam_bench.py [--requests 16] [--throughput]``. Not a test: prints
+Usage: ``python -m bench.beam_bench [--requests 16] [--throughput]``. Not a test: prints
 markdown.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import torch
+from transformers import AutoModelForCausalLM
 
-import torch  # noqa: E402
-from cpu_model import cpu_model, random_prompts  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-from pagedserve.tools.tiny_model import write_tiny_model  # noqa: E402
-from services.blockmgr.client import InProcessClient  # noqa: E402
-from services.common.blocks import NULL_BLOCK  # noqa: E402
-from services.common.logging import configure_logging  # noqa: E402
-from services.common.sampling_params import SamplingParams  # noqa: E402
-from services.executor.core.engine import Engine  # noqa: E402
-from services.executor.core.sequence import RequestKey  # noqa: E402
-from services.executor.model.launch import build_runner  # noqa: E402
-from services.executor.model.runner_config import available_cores  # noqa: E402
-from services.executor.service.config import ExecutorConfig  # noqa: E402
-from services.executor.service.startup import build_engine  # noqa: E402
+from bench.common.engines import EngineSystem, run_requests
+from bench.common.hf import hf_beams
+from bench.common.models import cpu_engine_config, write_cpu_model
+from bench.common.workloads import random_prompts
+from pagedserve.tools.tiny_model import write_tiny_model
+from services.common.logging import configure_logging
+from services.executor.api import (
+    ExecutorConfig,
+    InProcessEngine,
+    SamplingParams,
+    available_cores,
+)
 
 WORKLOADS = {"short": (20, 100), "long": (200, 800)}
 
 
-def _engine(config: ExecutorConfig, runner: object) -> Engine:
-    engine, _ = build_engine(config, runner=runner, blockmgr=InProcessClient())  # type: ignore[arg-type]
-    return engine
-
-
-def memory_saving(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> float:
+def memory_saving(
+    engine: InProcessEngine, requests: list[tuple[list[int], SamplingParams]]
+) -> float:
     """1 - (blocks held with sharing) / (blocks held without), summed over the steps."""
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
     shared = unshared = 0
-    while engine.has_work:
-        engine.step()
-        tables = [[b for b in s.block_table if b != NULL_BLOCK] for s in engine.scheduler.running]
-        shared += len({b for t in tables for b in t})
-        unshared += sum(len(t) for t in tables)
+
+    def count(_outputs: object) -> None:
+        nonlocal shared, unshared
+        usage = engine.kv_usage()
+        shared += usage.num_distinct_blocks
+        unshared += usage.num_blocks
+
+    run_requests(engine, [(f"r{i}", p, sp) for i, (p, sp) in enumerate(requests)], on_step=count)
     return 1 - shared / unshared
 
 
@@ -85,8 +77,8 @@ def fig15(args: argparse.Namespace) -> None:
             max_model_len=1024,
             max_num_batched_tokens=4096,
         )
-        runner = build_runner(config.runner_config())
-        vocab = runner.config.vocab_size
+        system = EngineSystem(config)
+        vocab = system.model.vocab_size
         print(
             f"## Memory saved by sharing: {args.requests} requests at once, block size 16, "
             "outputs 32-128 tokens\n"
@@ -116,7 +108,8 @@ def fig15(args: argparse.Namespace) -> None:
                         )
                         for i, (p, m) in enumerate(zip(prompts, outs, strict=True))
                     ]
-                    row.append(memory_saving(_engine(config, runner), reqs))
+                    with system.engine() as engine:
+                        row.append(memory_saving(engine, reqs))
                 cells = " | ".join(f"{x:.1%}" for x in row)
                 print(f"| {workload} ({lo}-{hi}) | {mode} | {cells} |")
 
@@ -125,52 +118,23 @@ def throughput(args: argparse.Namespace) -> None:
     rng = random.Random(1)
     k, new, num = 4, 64, 16
     with tempfile.TemporaryDirectory(prefix="beam_bench_") as tmp:
-        config, runner = cpu_model(Path(tmp) / "model", args.threads)
-        model_dir = config.model
-        vocab = runner.config.vocab_size
+        model_dir = write_cpu_model(Path(tmp) / "model")
+        system = EngineSystem(cpu_engine_config(model_dir, args.threads))
+        vocab = system.model.vocab_size
         prompts = random_prompts(rng, vocab, num)
         params = SamplingParams(n=k, use_beam_search=True, max_tokens=new, ignore_eos=True)
-        ours: dict[str, dict[int, list[int]]] = {}
+        requests = [(f"r{i}", p, params) for i, p in enumerate(prompts)]
         walls = []
         for _ in range(2):  # a warm-up, then the timed run
-            engine = _engine(config, runner)
-            t0 = time.perf_counter()
-            for i, p in enumerate(prompts):
-                engine.add_request(RequestKey(0, f"r{i}"), p, params)
-            ours = {}
-            while engine.has_work:
-                for o in engine.step():
-                    ours.setdefault(o.req_id.request_id, {})[o.index] = o.token_ids
-            walls.append(time.perf_counter() - t0)
+            with system.engine() as engine:
+                run = run_requests(engine, requests)
+            walls.append(run.wall_s)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         torch.set_num_threads(args.threads)
-        gc = copy.deepcopy(hf.generation_config)
-        gc.eos_token_id = [hf.config.vocab_size + 1]  # no end token, as ignore_eos
-        pad = int(hf.config.pad_token_id)
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = (
-            torch.arange(width)[None, :]
-            >= (width - torch.tensor([len(p) for p in prompts]))[:, None]
-        ).long()
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = hf.generate(
-                ids,
-                attention_mask=mask,
-                generation_config=gc,
-                num_beams=k,
-                num_return_sequences=k,
-                do_sample=False,
-                max_new_tokens=new,
-                pad_token_id=pad,
-            )
+        beams = hf_beams(hf, prompts, k, new)
         hf_wall = time.perf_counter() - t0
-        same = sum(
-            [ours[f"r{i}"][j] for j in range(k)]
-            == [out[i * k + j, width:].tolist() for j in range(k)]
-            for i in range(num)
-        )
+        same = sum([run.samples[(f"r{i}", j)] for j in range(k)] == beams[i] for i in range(num))
     tokens = num * k * new
     print(
         f"\n## Beam search throughput: width {k}, {num} requests, prompts 35-254, {new} new "

@@ -8,37 +8,26 @@ Reports, for each transport:
 - latency of an admission-heavy step (32 frees + 32 admissions of 512-token prompts with their
   hashes, half of them hitting a shared 256-token prefix).
 
-The gRPC server runs as a separate process (``python -m services.blockmgr``), as in production.
-Usage: ``python bench/blockmgr_bench.py [--steps N]``. Not a test: prints a markdown table.
+The gRPC server runs as a separate process (``pagedserve blockmgr``), as in production.
+Usage: ``python -m bench.blockmgr_bench [--steps N]``. Not a test: prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import socket
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from services.blockmgr.api.hashing import block_hashes, hash_block  # noqa: E402
-from services.blockmgr.api.protocol import BlockManagerClient  # noqa: E402
-from services.blockmgr.api.types import Admit, Commit, Free, Grow, OpStatus, PoolSpec  # noqa: E402
-from services.blockmgr.client import GrpcClient, InProcessClient  # noqa: E402
+from bench.common.stats import percentile as pct
+from pagedserve.testing.procs import ServiceProcess
+from services.blockmgr.api.hashing import block_hashes, hash_block
+from services.blockmgr.api.protocol import BlockManagerClient
+from services.blockmgr.api.types import Admit, Commit, Free, Grow, OpStatus, PoolSpec
+from services.blockmgr.client import GrpcClient, InProcessClient
 
 BS = 16
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def decode_steps(client: BlockManagerClient, steps: int) -> list[float]:
@@ -127,31 +116,14 @@ def churn_ops_per_second(client: BlockManagerClient, seconds: float) -> float:
     return block_ops / (time.perf_counter() - start)
 
 
-def start_server() -> tuple[subprocess.Popen[str], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.blockmgr", "--port", str(port)],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if json.loads(line).get("event") == "blockmgr_listening":
-            return proc, f"127.0.0.1:{port}"
-    raise RuntimeError("block manager did not start")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--churn-seconds", type=float, default=3.0)
     args = ap.parse_args()
 
-    proc, address = start_server()
+    server = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")
+    address = server.address
     rows = []
     try:
         clients: list[tuple[str, BlockManagerClient]] = [
@@ -165,8 +137,7 @@ def main() -> None:
             rows.append((name, ops_s, dec, adm))
             client.close()
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
     print(f"\nblock manager benchmark ({os.cpu_count()} CPUs, {args.steps} decode steps)\n")
     print(

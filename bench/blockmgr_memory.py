@@ -7,7 +7,7 @@ prints the traced Python memory and the process RSS; at the end the allocation s
 grew most between the first checkpoint (after the event buffer and caches filled) and the
 last. Steady traced memory = no leak; growth names its line.
 
-    .venv/bin/python bench/blockmgr_memory.py [--steps 120000] [--every 10000]
+    .venv/bin/python -m bench.blockmgr_memory [--steps 120000] [--every 10000]
 """
 
 from __future__ import annotations
@@ -16,11 +16,7 @@ import argparse
 import gc
 import random
 import resource
-import sys
 import tracemalloc
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.blockmgr.api.hashing import block_hashes
 from services.blockmgr.api.types import Admit, Commit, Free, Grow, PoolSpec

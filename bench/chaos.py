@@ -1,6 +1,6 @@
 """Chaos run of the whole stack: streams under load while each service is killed in turn.
 
-    .venv/bin/python bench/chaos.py [--streams 32] [--max-tokens 128] [--executors 2]
+    .venv/bin/python -m bench.chaos [--streams 32] [--max-tokens 128] [--executors 2]
         [--seeded] [--soak-s 600]
 
 The services run as processes on loopback with an internal token, like `pagedserve serve`:
@@ -24,7 +24,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,21 +35,13 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from pagedserve.v1 import generation_pb2 as G  # noqa: E402
-from pagedserve.v1 import generation_pb2_grpc  # noqa: E402
-from services.blockmgr.client import GrpcClient  # noqa: E402
-from services.common.healthcheck import check  # noqa: E402
+from pagedserve.testing.procs import ROOT, free_ports
+from pagedserve.v1 import generation_pb2 as G
+from pagedserve.v1 import generation_pb2_grpc
+from services.blockmgr.client import GrpcClient
+from services.common.healthcheck import check
 
 TOKEN = "chaos-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Service:
@@ -236,8 +227,7 @@ def main() -> None:
         from pagedserve.tools.tiny_model import write_tiny_model
 
         model = str(write_tiny_model(tmp / "model"))
-    bm_port, gw_port, metrics_port = free_port(), free_port(), free_port()
-    ex_ports = [free_port() for _ in range(args.executors)]
+    bm_port, gw_port, metrics_port, *ex_ports = free_ports(3 + args.executors)
     executors = {
         f"executor{'' if i == 0 else i + 1}": Service(
             "executor",

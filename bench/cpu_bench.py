@@ -35,7 +35,7 @@ Output tok/s counts the tokens requested, over the wall clock of the whole set; 
 decode step at 64 sequences is broken down, for ours and each ablation: attention, linear
 layers (matmuls), the rest of the forward, and the engine's host work.
 
-Usage: ``python bench/cpu_bench.py [--family llama] [--workloads fixed,variable]
+Usage: ``python -m bench.cpu_bench [--family llama] [--workloads fixed,variable]
 [--repeats 2] [--threads N]`` (``--num-requests 16`` for a quick smoke run). Not a test:
 prints markdown; exit status 1 if, in fp32, a greedy output of ``ours`` differs from
 ``hf-static``'s.
@@ -55,27 +55,18 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, GenerationConfig
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from engine_bench import (  # noqa: E402
-    OurSystem,
-    Req,
-    hf_generate,
-    make_requests,
-    mismatches,
-    run_ours,
-    write_bench_model,
-)
-from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
-
-from kernels import ops  # noqa: E402
-from kernels.cpu_linear import CPU_LINEAR_ENV  # noqa: E402
-from services.common.logging import configure_logging  # noqa: E402
-from services.executor.model.runner_config import available_cores  # noqa: E402
+from bench.common.engines import EngineSystem
+from bench.common.models import write_bench_model
+from bench.common.workloads import Req, make_requests
+from bench.engine_bench import hf_batch, mismatches, model_sizes, our_system, run_ours
+from kernels import ops
+from kernels.cpu_linear import CPU_LINEAR_ENV
+from services.common.logging import configure_logging
+from services.executor.api import available_cores
 
 WORKLOADS = {"fixed": (64, 64), "variable": (16, 128)}
 FAMILIES = ("llama", "qwen3_moe", "gemma3")
@@ -113,10 +104,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def write_model(directory: Path, args: argparse.Namespace, max_len: int) -> str:
-    """The random checkpoint of ``args.family``: the Llama of ``write_bench_model``, or a
-    Qwen3-MoE / Gemma 3 of the same sizes, seed and init scale (``write_tiny_model``'s)."""
+    """The random checkpoint of ``args.family``: a Llama, or a Qwen3-MoE / Gemma 3 of the
+    same sizes, seed and init scale (``write_tiny_model``'s)."""
     extra = {"sliding_window": args.sliding_window} if args.family == "gemma3" else {}
-    return write_bench_model(directory, args, max_len, args.family, **extra)
+    sizes = model_sizes(args)
+    path = write_bench_model(
+        directory, arch=args.family, seed=args.model_seed, max_len=max_len, **sizes, **extra
+    )
+    return str(path)
 
 
 def describe_model(args: argparse.Namespace, model: Any) -> str:
@@ -144,9 +139,8 @@ def describe_model(args: argparse.Namespace, model: Any) -> str:
 
 
 def _requests(args: argparse.Namespace, workload: str, vocab: int) -> list[Req]:
-    lo, hi = WORKLOADS[workload]
-    ns = argparse.Namespace(**{**vars(args), "min_output": lo, "max_output": hi})
-    return make_requests(ns, vocab)
+    prompts = (args.min_prompt, args.max_prompt)
+    return make_requests(args.num_requests, prompts, WORKLOADS[workload], vocab, args.seed)
 
 
 @contextmanager
@@ -191,7 +185,7 @@ def _attempt(name: str, fn: Callable[[], Any], unsupported: dict[str, str]) -> A
 
 
 def run_hf_static(model: Any, reqs: list[Req], pad_id: int) -> dict[str, list[int]]:
-    return {r.req_id: t for r, t in zip(reqs, hf_generate(model, reqs, pad_id), strict=True)}
+    return {r.req_id: t for r, t in zip(reqs, hf_batch(model, reqs, pad_id), strict=True)}
 
 
 def run_hf_continuous(model: Any, reqs: list[Req]) -> dict[str, list[int]]:
@@ -244,29 +238,22 @@ class _Timers:
             ops.paged_attention, ops.linear, torch.nn.functional.linear = saved
 
 
-def decode_breakdown(system: OurSystem, reqs: list[Req], num_seqs: int) -> dict[str, float]:
-    """Mean ms per pure-decode step of ``num_seqs`` sequences: forward, attention, linear,
-    the rest of the forward, and the engine's host work."""
+def decode_breakdown(system: EngineSystem, reqs: list[Req], num_seqs: int) -> dict[str, float]:
+    """Mean ms per pure-decode step of ``num_seqs`` sequences: forward (the model's run, the
+    batch built before it), attention, linear, the rest of the forward, and the engine's host
+    work."""
     timers = _Timers()
-    inner = system.runner.runner
-    launch = inner.launch
-    steps: list[tuple[float, float, float]] = []  # forward, attention, linear
-
-    def measured_launch(prepared: Any) -> Any:
-        layout = prepared.host.layout
-        decode = layout.num_tokens == layout.num_seqs == num_seqs
-        a0, l0, t0 = timers.attention, timers.linear, time.perf_counter()
-        out = launch(prepared)
-        if decode:
-            steps.append((time.perf_counter() - t0, timers.attention - a0, timers.linear - l0))
-        return out
-
-    inner.launch = measured_launch
+    timer = system.timer  # the engines' runner hook: each forward, with the ops' time in it
+    timer.records.clear()
+    timer.probe = lambda: (timers.attention, timers.linear)
+    timer.enabled = True
     try:
         with timers.installed():
             res = run_ours(system, [reqs], pad_to_batch_max=False)
     finally:
-        del inner.launch
+        timer.enabled, timer.probe = False, None
+    steps = [(r.seconds, *r.deltas) for r in timer.decode(num_seqs)]  # forward, att, lin
+    timer.records.clear()
     if not steps:
         raise RuntimeError(f"no pure-decode step of {num_seqs} sequences")
     fwd, att, lin = (1e3 * statistics.fmean(x) for x in zip(*steps, strict=True))
@@ -300,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab = hf.config.vocab_size
         n_params = sum(p.numel() for p in hf.parameters())
         has_cb = hasattr(hf, "generate_batch")
-        ours = OurSystem(
+        ours = our_system(
             model_dir, max_len, 4096, 256, None, dtype=args.dtype, cpu_threads=args.threads
         )
         torch.set_num_threads(args.threads)

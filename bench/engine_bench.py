@@ -33,11 +33,11 @@ Correctness is checked in the same run: our greedy tokens must equal HF's (misma
 torch runs single-threaded (``torch.set_num_threads(1)``): on a small, shared CPU box more
 threads make tiny-model forwards far slower, and one thread makes runs comparable.
 
-Usage: ``python bench/engine_bench.py [--num-requests 128] [--repeats 2] [--grpc]`` (about 3
+Usage: ``python -m bench.engine_bench [--num-requests 128] [--repeats 2] [--grpc]`` (about 3
 minutes on 2 CPU cores with ``--grpc``); ``--only a/ours,b/ours`` runs a subset (for a profile:
-``python -m cProfile -s cumtime bench/engine_bench.py --only b/ours --repeats 1``), ``--watermark``
-and ``--max-num-batched-tokens`` set our scheduler's knobs, ``--help`` lists the sizes. Exit
-status 1 if any greedy output differs. Not a test: prints markdown.
+``python -m cProfile -s cumtime -m bench.engine_bench --only b/ours --repeats 1``),
+``--watermark`` and ``--max-num-batched-tokens`` set our scheduler's knobs, ``--help`` lists
+the sizes. Exit status 1 if any greedy output differs. Not a test: prints markdown.
 """
 
 from __future__ import annotations
@@ -46,12 +46,9 @@ import argparse
 import contextlib
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -59,76 +56,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: E402
+from bench.common.engines import EngineSystem, greedy
+from bench.common.hf import hf_generate
+from bench.common.models import write_bench_model
+from bench.common.stats import median as med
+from bench.common.stats import percentile as pct
+from bench.common.stats import spread
+from bench.common.workloads import BOS_ID, Req, make_requests, requested_tokens
+from pagedserve.testing.procs import ServiceProcess
+from services.common.logging import configure_logging
+from services.executor.api import ExecutorConfig
 
-from pagedserve.tools.tiny_model import write_tiny_model  # noqa: E402
-from services.blockmgr.api.protocol import BlockManagerClient  # noqa: E402
-from services.blockmgr.client import GrpcClient, InProcessClient  # noqa: E402
-from services.common.logging import configure_logging  # noqa: E402
-from services.common.sampling_params import SamplingParams  # noqa: E402
-from services.executor.core.engine import Engine  # noqa: E402
-from services.executor.core.sequence import RequestKey  # noqa: E402
-from services.executor.model.forward_batch import PreparedForward, SeqChunk  # noqa: E402
-from services.executor.model.launch import build_runner  # noqa: E402
-from services.executor.model.runner import ModelRunner  # noqa: E402
-from services.executor.service.config import ExecutorConfig  # noqa: E402
-from services.executor.service.startup import build_engine  # noqa: E402
-
-BOS_ID = 1  # the tiny tokenizer's <s>; prompts start with it, as a tokenizer would do
-FIRST_ORDINARY_ID = 3  # ids 0..2 are <pad>, <s>, </s>
+__all__ = ["EngineSystem", "RunResult", "mismatches", "model_sizes", "our_system", "run_ours"]
 
 
-# ---- requests -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Req:
-    req_id: str
-    prompt: list[int]
-    max_tokens: int
-
-
-def write_bench_model(
-    directory: Path, args: argparse.Namespace, max_len: int, arch: str = "llama", **extra: Any
-) -> str:
-    """The benchmark's random model (a Llama unless ``arch`` says otherwise), of the sizes in
-    ``args``, written to ``directory``; ``extra``: further ``write_tiny_model`` arguments."""
-    return str(
-        write_tiny_model(
-            directory,
-            arch=arch,  # type: ignore[arg-type]
-            seed=args.model_seed,
-            hidden_size=args.hidden_size,
-            num_layers=args.num_layers,
-            num_heads=args.num_heads,
-            num_kv_heads=args.num_kv_heads,
-            intermediate_size=args.intermediate_size,
-            max_position_embeddings=max(2048, max_len),
-            **extra,
-        )
-    )
-
-
-def make_requests(args: argparse.Namespace, vocab_size: int) -> list[Req]:
-    """A fixed, seeded set: prompt and output lengths uniform in their ranges."""
-    rng = random.Random(args.seed)
-    reqs = []
-    for i in range(args.num_requests):
-        n_prompt = rng.randint(args.min_prompt, args.max_prompt)
-        prompt = [BOS_ID] + [
-            rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(n_prompt - 1)
-        ]
-        reqs.append(Req(f"r{i}", prompt, rng.randint(args.min_output, args.max_output)))
-    return reqs
-
-
-def requested_tokens(reqs: Sequence[Req]) -> int:
-    return sum(r.max_tokens for r in reqs)
+def model_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """The model sizes the command line asks for, as ``write_bench_model`` takes them."""
+    return {
+        "hidden_size": args.hidden_size,
+        "num_layers": args.num_layers,
+        "num_heads": args.num_heads,
+        "num_kv_heads": args.num_kv_heads,
+        "intermediate_size": args.intermediate_size,
+    }
 
 
 # ---- static batching ------------------------------------------------------------------------
@@ -224,40 +178,16 @@ class RunResult:
     waste: WasteStats | None = None
 
 
-def pad_left(batch: Sequence[Req], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r.prompt) for r in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for i, r in enumerate(batch):
-        ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
-        mask[i, width - len(r.prompt) :] = 1
-    return ids, mask
-
-
-@torch.inference_mode()
-def hf_generate(model: PreTrainedModel, batch: Sequence[Req], pad_id: int) -> list[list[int]]:
-    """One static batch; returns each row's requested tokens (the rest is wasted work)."""
-    ids, mask = pad_left(batch, pad_id)
-    n = max(r.max_tokens for r in batch)
-    out = model.generate(
-        ids,
-        attention_mask=mask,
-        do_sample=False,
-        max_new_tokens=n,
-        min_new_tokens=n,
-        pad_token_id=pad_id,
-    )
-    assert out.shape[1] == ids.shape[1] + n, "generate stopped early"
-    return [
-        out[i, ids.shape[1] : ids.shape[1] + r.max_tokens].tolist() for i, r in enumerate(batch)
-    ]
+def hf_batch(model: PreTrainedModel, batch: Sequence[Req], pad_id: int) -> list[list[int]]:
+    """One static batch through HF ``generate()``: each row's requested tokens."""
+    return hf_generate(model, [r.prompt for r in batch], [r.max_tokens for r in batch], pad_id)
 
 
 def run_hf_static(model: PreTrainedModel, batches: list[list[Req]], pad_id: int) -> RunResult:
     outputs: dict[str, list[int]] = {}
     t0, c0 = time.perf_counter(), time.process_time()
     for batch in batches:
-        for r, toks in zip(batch, hf_generate(model, batch, pad_id), strict=True):
+        for r, toks in zip(batch, hf_batch(model, batch, pad_id), strict=True):
             outputs[r.req_id] = toks
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     steps = sum(max(r.max_tokens for r in b) for b in batches)
@@ -268,47 +198,18 @@ def run_hf_static(model: PreTrainedModel, batches: list[list[Req]], pad_id: int)
 # ---- our engine -----------------------------------------------------------------------------
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-class CountingRunner:
-    """The engine's runner, counting the tokens each forward computes (to see the cost of
-    recomputing preempted sequences); everything else is the real runner's."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.num_computed_tokens = 0
-
-    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        return self.launch(self.prepare(chunks))
-
-    def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedForward:
-        self.num_computed_tokens += sum(len(c.token_ids) for c in chunks)
-        return self.runner.prepare(chunks)
-
-    def launch(self, prepared: PreparedForward) -> torch.Tensor:
-        return self.runner.launch(prepared)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.runner, name)
-
-
-class OurSystem:
-    """A loaded runner (model + KV cache, reused) and a fresh engine per run, so that no run
-    sees blocks another left in the prefix cache."""
-
-    def __init__(
-        self,
-        model_dir: str,
-        max_model_len: int,
-        num_kv_blocks: int,
-        max_num_seqs: int,
-        blockmgr_address: str | None = None,
-        dtype: str = "float32",
-        **config: Any,
-    ) -> None:
-        self.config = ExecutorConfig(
+def our_system(
+    model_dir: str,
+    max_model_len: int,
+    num_kv_blocks: int,
+    max_num_seqs: int,
+    blockmgr_address: str | None = None,
+    dtype: str = "float32",
+    **config: Any,
+) -> EngineSystem:
+    """Our engine on the CPU: the model loaded once, a fresh engine per run."""
+    return EngineSystem(
+        ExecutorConfig(
             model=model_dir,
             dtype=dtype,
             device="cpu",
@@ -316,74 +217,61 @@ class OurSystem:
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             **config,
-        )
-        self.runner = CountingRunner(build_runner(self.config.runner_config()))
-        self.address = blockmgr_address
-        self._runs = 0
-
-    def engine(self) -> tuple[Engine, BlockManagerClient]:
-        self._runs += 1
-        client: BlockManagerClient = GrpcClient(self.address) if self.address else InProcessClient()
-        config = ExecutorConfig(**{**self.config.__dict__, "pool_id": f"bench-{self._runs}"})
-        runner: Any = self.runner  # duck-typed ModelRunner
-        engine, _ = build_engine(config, runner=runner, blockmgr=client)
-        return engine, client
+        ),
+        blockmgr_address,
+    )
 
 
-def run_ours(system: OurSystem, waves: list[list[Req]], *, pad_to_batch_max: bool) -> RunResult:
+def run_ours(system: EngineSystem, waves: list[list[Req]], *, pad_to_batch_max: bool) -> RunResult:
     """Run ``waves`` one after the other (one wave = continuous batching of everything;
     several waves with ``pad_to_batch_max`` = static batching on our engine)."""
-    engine, client = system.engine()
-    bs = system.config.block_size
-    sched = engine.scheduler
     outputs: dict[str, list[int]] = {r.req_id: [] for w in waves for r in w}
     asked = {r.req_id: r.max_tokens for w in waves for r in w}
     res = RunResult(0.0, 0.0, outputs, waste=WasteStats())
     assert res.waste is not None
-    rt0, pre0, ahead0 = engine.link.num_round_trips, sched.num_preemptions, engine.num_steps_ahead
-    tok0 = system.runner.num_computed_tokens
+    tok0 = system.timer.num_tokens
     conc_sum = 0
     instr_s = 0.0  # bookkeeping time, taken off the wall clock
-    t0, c0 = time.perf_counter(), time.process_time()
-    for wave in waves:
-        n_wave = max(r.max_tokens for r in wave)
-        for r in wave:
-            engine.add_request(
-                RequestKey(0, r.req_id),
-                r.prompt,
-                greedy(n_wave if pad_to_batch_max else r.max_tokens),
-            )
-        while engine.has_work:
-            ts = time.perf_counter()
-            outs = engine.step()
-            te = time.perf_counter()
-            for o in outs:
-                outputs[o.req_id.request_id].extend(o.token_ids)
-            res.step_s.append(te - ts)
-            res.host_s.append(engine.last_step_host_s)
-            res.forward_s.append(engine.last_step_forward_s)
-            running = sched.running
-            conc_sum += len(running)
-            res.max_concurrency = max(res.max_concurrency, len(running))
-            # Slots granted ahead (async scheduling) are for tokens of the next forward.
-            per_seq = [
-                len(s.block_table) * bs - s.num_computed_tokens - s.num_ahead_slots for s in running
-            ]
-            allocated = sum(len(s.block_table) for s in running) * bs
-            res.waste.add(sum(per_seq), allocated, len(running), max(per_seq, default=0))
-            instr_s += time.perf_counter() - te
-    res.wall_s = time.perf_counter() - t0 - instr_s
-    res.cpu_s = time.process_time() - c0 - instr_s
-    client.close()
+    with system.engine() as engine:
+        t0, c0 = time.perf_counter(), time.process_time()
+        for wave in waves:
+            n_wave = max(r.max_tokens for r in wave)
+            for r in wave:
+                engine.submit(
+                    r.prompt,
+                    greedy(n_wave if pad_to_batch_max else r.max_tokens),
+                    request_id=r.req_id,
+                )
+            while engine.has_work:
+                ts = time.perf_counter()
+                outs = engine.step()
+                te = time.perf_counter()
+                for o in outs:
+                    outputs[o.request_id].extend(o.token_ids)
+                res.step_s.append(te - ts)
+                stats = engine.stats()
+                res.host_s.append(stats.last_step_host_s)
+                res.forward_s.append(stats.last_step_forward_s)
+                # Slots granted ahead (async scheduling) are for tokens of the next forward.
+                kv = engine.kv_usage()
+                conc_sum += kv.num_seqs
+                res.max_concurrency = max(res.max_concurrency, kv.num_seqs)
+                res.waste.add(
+                    kv.num_unused_slots, kv.num_slots, kv.num_seqs, kv.max_seq_unused_slots
+                )
+                instr_s += time.perf_counter() - te
+        res.wall_s = time.perf_counter() - t0 - instr_s
+        res.cpu_s = time.process_time() - c0 - instr_s
+        final = engine.stats()
     for rid, toks in outputs.items():
         assert len(toks) >= asked[rid], f"{rid}: {len(toks)} tokens < {asked[rid]}"
         del toks[asked[rid] :]
     res.num_steps = len(res.step_s)
     res.mean_concurrency = conc_sum / max(1, res.num_steps)
-    res.round_trips = engine.link.num_round_trips - rt0
-    res.steps_ahead = engine.num_steps_ahead - ahead0
-    res.preemptions = sched.num_preemptions - pre0
-    res.computed_tokens = system.runner.num_computed_tokens - tok0
+    res.round_trips = final.num_round_trips
+    res.steps_ahead = final.num_steps_ahead
+    res.preemptions = final.num_preemptions
+    res.computed_tokens = system.timer.num_tokens - tok0
     return res
 
 
@@ -392,58 +280,15 @@ def run_ours(system: OurSystem, waves: list[list[Req]], *, pad_to_batch_max: boo
 
 @contextlib.contextmanager
 def blockmgr_process() -> Iterator[str]:
-    """``python -m services.blockmgr`` on a free loopback port; yields its address."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.blockmgr", "--port", str(port), "--log-level", "WARNING"],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    """``pagedserve blockmgr`` on a free loopback port; yields its address."""
+    proc = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")
     try:
-        deadline = time.monotonic() + 30
-        while True:  # WARNING level hides "blockmgr_listening": poll the port instead
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"block manager exited: {proc.stderr.read() if proc.stderr else ''}"
-                )
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("block manager did not start")
-            time.sleep(0.1)
-        # Drain its stderr so a chatty server can never block on a full pipe.
-        assert proc.stderr is not None
-        threading.Thread(target=proc.stderr.read, daemon=True).start()
-        yield f"127.0.0.1:{port}"
+        yield proc.address
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc.stop()
 
 
 # ---- reporting ------------------------------------------------------------------------------
-
-
-def med(xs: Sequence[float]) -> float:
-    return statistics.median(xs)
-
-
-def pct(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def spread(xs: Sequence[float], fmt: str = "{:.1f}") -> str:
-    if len(xs) == 1:
-        return fmt.format(xs[0])
-    return f"{fmt.format(med(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
 
 
 def mismatches(got: dict[str, list[int]], ref: dict[str, list[int]], ids: Sequence[str]) -> int:
@@ -546,7 +391,11 @@ def main(argv: list[str] | None = None) -> None:
     budget = int(args.budget_seqs * max_len) // bs * bs
 
     with tempfile.TemporaryDirectory(prefix="engine_bench_") as tmp:
-        model_dir = write_bench_model(Path(tmp) / "model", args, max_len)
+        model_dir = str(
+            write_bench_model(
+                Path(tmp) / "model", seed=args.model_seed, max_len=max_len, **model_sizes(args)
+            )
+        )
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         # ignore_eos on our side makes EOS an ordinary token; HF must neither stop at it nor
         # ban it (min_new_tokens does, when the config has an EOS id), or greedy tokens differ.
@@ -555,7 +404,13 @@ def main(argv: list[str] | None = None) -> None:
         pad_id = int(hf.config.pad_token_id)
         vocab = hf.config.vocab_size
         n_params = sum(p.numel() for p in hf.parameters())
-        reqs = make_requests(args, vocab)
+        reqs = make_requests(
+            args.num_requests,
+            (args.min_prompt, args.max_prompt),
+            (args.min_output, args.max_output),
+            vocab,
+            args.seed,
+        )
         total = requested_tokens(reqs)
         # Tokens a forward must see: every prompt token and every output token but the last.
         needed = sum(len(r.prompt) for r in reqs) + total - len(reqs)
@@ -572,12 +427,13 @@ def main(argv: list[str] | None = None) -> None:
             "cpu_threads": 1,  # as torch.set_num_threads(1) above: the runner sets its own
         }
         ours = {
-            k: OurSystem(model_dir, max_len, kv_blocks[k], max_seqs[k], None, **knobs) for k in "ab"
+            k: our_system(model_dir, max_len, kv_blocks[k], max_seqs[k], None, **knobs)
+            for k in "ab"
         }
 
         # Warm-up (first-call costs of torch / transformers), untimed.
         warm = [Req(f"w{i}", [BOS_ID, 5 + i, 7, 9], 4) for i in range(2)]
-        hf_generate(hf, warm, pad_id)
+        hf_batch(hf, warm, pad_id)
         run_ours(ours["a"], [warm], pad_to_batch_max=False)
 
         def system(name: str) -> Callable[[], RunResult]:
@@ -598,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
         with grpc_ctx as address:
             if address:
                 for key, extra in (("grpc", {}), ("grpc-async", {"async_scheduling": True})):
-                    ours[key] = OurSystem(
+                    ours[key] = our_system(
                         model_dir, max_len, kv_blocks["a"], 1024, address, **knobs, **extra
                     )
                     run_ours(ours[key], [warm], pad_to_batch_max=False)
@@ -626,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
                         results[name][0].outputs, ref, ids
                     )
         sample = random.Random(args.seed + 1).sample(reqs, min(args.check, len(reqs)))
-        alone = {r.req_id: hf_generate(hf, [r], pad_id)[0] for r in sample}
+        alone = {r.req_id: hf_batch(hf, [r], pad_id)[0] for r in sample}
         for name in results:
             checks[f"{name} vs HF generate() alone (unpadded), sample of {len(alone)}"] = (
                 mismatches(results[name][0].outputs, alone, list(alone))
@@ -659,7 +515,7 @@ def report(
     checks: dict[str, int],
     reqs: list[Req],
     batches: dict[str, list[list[Req]]],
-    ours: dict[str, OurSystem],
+    ours: dict[str, EngineSystem],
     budget: int,
     vocab: int,
     n_params: int,
@@ -702,7 +558,7 @@ def report(
     )
     out(
         f"- (b) same batch size {args.batch_size}: ours max_num_seqs {args.batch_size}, "
-        f"{ours['b'].runner.num_blocks} KV blocks (never binding). Static: {len(bb)} batches "
+        f"{ours['b'].num_kv_blocks} KV blocks (never binding). Static: {len(bb)} batches "
         f"of <= {args.batch_size}"
     )
     out(

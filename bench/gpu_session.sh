@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Everything to check on a GPU host, in one call:
-#   1. the kernel checks and bandwidth tables (bench/gpu_check.py), and the newer families'
-#      kernels (sliding window, soft-cap, fused MoE: bench/gpu_check_families.py),
+#   1. the kernel checks and bandwidth tables (bench.internals.gpu_check), and the newer
+#      families' kernels (sliding window, soft-cap, fused MoE: bench.internals.gpu_check_families),
 #   2. every `gpu` test (fused kernels in bf16, CUDA graphs vs eager, no recapture),
-#   3. the engine benchmark with and without CUDA graphs (bench/gpu_engine.py),
-#   4. on a host with several GPUs, tensor parallelism over NCCL (bench/tp_bench.py).
+#   3. the engine benchmark with and without CUDA graphs (bench.internals.gpu_engine),
+#   4. on a host with several GPUs, tensor parallelism over NCCL (bench.internals.tp_bench).
 # Usage: `bash bench/gpu_session.sh` from anywhere; logs go to $OUT when set, else /tmp.
 # A GPU host without network access gets the Python packages it lacks as wheel files: put
 # them in $WHEELS_DIR (default .whl; a relative path is taken from the repository root) and
@@ -24,18 +24,18 @@ if [ -d "$wheels" ]; then
 fi
 python3 -m pagedserve._protogen || exit 1
 status=0
-timeout 150 python3 bench/gpu_check.py 2>&1 | tee "$out/gpu_check.log" || status=1
-timeout 90 python3 bench/gpu_check_families.py 2>&1 | tee "$out/gpu_check_families.log" \
+timeout 150 python3 -m bench.internals.gpu_check 2>&1 | tee "$out/gpu_check.log" || status=1
+timeout 90 python3 -m bench.internals.gpu_check_families 2>&1 | tee "$out/gpu_check_families.log" \
   || status=1
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" \
   || status=1
-timeout 270 python3 bench/gpu_engine.py "$@" 2>&1 | grep -v '"event"' \
+timeout 270 python3 -m bench.internals.gpu_engine "$@" 2>&1 | grep -v '"event"' \
   | tee "$out/gpu_engine.log" || status=1
 num_gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$num_gpus" -ge 2 ]; then
   sizes=1,2
   [ "$num_gpus" -ge 4 ] && sizes=1,2,4
-  timeout 300 python3 bench/tp_bench.py --device cuda --sizes "$sizes" --hidden-size 4096 \
+  timeout 300 python3 -m bench.internals.tp_bench --device cuda --sizes "$sizes" --hidden-size 4096 \
     --intermediate-size 14336 --num-heads 32 --num-layers 2 --batch 64 --prompt-len 512 \
     2>&1 | tee "$out/tp_bench.log" || status=1
 fi

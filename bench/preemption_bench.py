@@ -7,7 +7,7 @@ batch, in one run:
   offloaded, and onboarded on the re-admission's prefix hit);
 - ``swap``: ``--preemption-mode swap``: the sequence's blocks go to the host tier and back.
 
-    .venv/bin/python bench/preemption_bench.py [--num-requests 48] [--num-kv-blocks 97]
+    .venv/bin/python -m bench.preemption_bench [--num-requests 48] [--num-kv-blocks 97]
 
 A random Llama (hidden 256, 4 layers, 8 query / 2 KV heads, fp32, 2 torch threads), block
 size 16, the engine in-process, greedy with ``ignore_eos``, all requests at t=0. Two
@@ -23,21 +23,15 @@ import argparse
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.common.engines import greedy, run_requests
+from bench.common.timers import ForwardTimer
 from pagedserve.tools.tiny_model import write_tiny_model
-from services.blockmgr.client import InProcessClient
-from services.common.sampling_params import SamplingParams
-from services.executor.core.engine import Engine
-from services.executor.core.sequence import RequestKey
-from services.executor.service.config import ExecutorConfig
-from services.executor.service.startup import build_engine
+from services.executor.api import ExecutorConfig, InProcessEngine
 
 MODES = {
     "recompute": {"preemption_mode": "recompute"},
@@ -46,8 +40,8 @@ MODES = {
 }
 
 
-def make_engine(args: argparse.Namespace, model: str, mode: str) -> Engine:
-    config = ExecutorConfig(
+def engine_config(args: argparse.Namespace, model: str, mode: str) -> ExecutorConfig:
+    return ExecutorConfig(
         model=model,
         dtype="float32",
         device="cpu",
@@ -58,36 +52,21 @@ def make_engine(args: argparse.Namespace, model: str, mode: str) -> Engine:
         cpu_threads=args.threads,
         **MODES[mode],
     )
-    engine, _ = build_engine(config, blockmgr=InProcessClient())
-    return engine
 
 
-def run(engine: Engine, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
-    computed = 0
-    after_forward = engine.scheduler.after_forward
-
-    def counting(chunks):  # type: ignore[no-untyped-def]
-        nonlocal computed
-        chunks = list(chunks)
-        computed += sum(c.num_new_tokens for c in chunks)
-        return after_forward(chunks)
-
-    engine.scheduler.after_forward = counting  # type: ignore[method-assign]
-    for i, (prompt, n) in enumerate(requests):
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
-    got: dict[str, list[int]] = {}
-    start = time.perf_counter()
-    while engine.has_work:
-        for o in engine.step():
-            got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
-    wall = time.perf_counter() - start
-    stats = engine.link.client.stats(engine.link.pool_id)
+def run(config: ExecutorConfig, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+    counter = ForwardTimer(enabled=False)  # counts the tokens the forwards compute
+    with InProcessEngine(config, runner_hook=counter) as engine:
+        done = run_requests(
+            engine, [(f"r{i}", prompt, greedy(n)) for i, (prompt, n) in enumerate(requests)]
+        )
+        stats = engine.kv_stats()
+        preemptions = engine.stats().num_preemptions
     return {
-        "tokens": got,
-        "tok_s": sum(n for _, n in requests) / wall,
-        "preemptions": engine.scheduler.num_preemptions,
-        "computed": computed,
+        "tokens": done.tokens,
+        "tok_s": sum(n for _, n in requests) / done.wall_s,
+        "preemptions": preemptions,
+        "computed": counter.num_tokens,
         "swapped": (stats.num_swapped_out_blocks, stats.num_swapped_in_blocks),
     }
 
@@ -137,7 +116,7 @@ def main() -> int:
         )
         print("|---|---|---:|---:|---:|---:|")
         for name, requests in workloads(args).items():
-            rows = {mode: run(make_engine(args, model, mode), requests) for mode in MODES}
+            rows = {mode: run(engine_config(args, model, mode), requests) for mode in MODES}
             base = rows["recompute"]
             for mode, r in rows.items():
                 same = r["tokens"] == base["tokens"]

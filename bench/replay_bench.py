@@ -2,7 +2,7 @@
 (``--record-trace``'s format), then replayed under each policy by ``pagedserve blockmgr
 replay``'s code.
 
-    .venv/bin/python bench/replay_bench.py [--conversations 48] [--turns 6]
+    .venv/bin/python -m bench.replay_bench [--conversations 48] [--turns 6]
 
 The engine runs in-process over a tiny random Llama (CPU, fp32), its block manager recording.
 Each turn of a conversation sends its whole history plus a new user message of 100-300 tokens
@@ -23,20 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.multiturn import final_lengths, turn_plan
+from bench.common.engines import greedy, run_requests
+from bench.common.workloads import final_lengths, turn_plan
 from pagedserve.tools.tiny_model import write_tiny_model
 from services.blockmgr.api.types import EvictionPolicyName, Free, Grow
 from services.blockmgr.client import InProcessClient
 from services.blockmgr.service.core import BlockManagerCore
 from services.blockmgr.trace.record import StepRecord, TraceWriter, read_trace
 from services.blockmgr.trace.replay import replay
-from services.common.sampling_params import SamplingParams
-from services.executor.core.sequence import RequestKey
-from services.executor.model.launch import build_runner
-from services.executor.service.config import ExecutorConfig
-from services.executor.service.startup import build_engine
+from services.executor.api import ExecutorConfig, InProcessEngine
 
 
 def main() -> int:
@@ -72,28 +67,25 @@ def main() -> int:
         trace_path = Path(tmp) / "trace.jsonl"
         trace = TraceWriter(trace_path)
         core = BlockManagerCore(trace=trace)
-        engine, _ = build_engine(
-            config, runner=build_runner(config.runner_config()), blockmgr=InProcessClient(core)
-        )
-        vocab = engine.settings.vocab_size
+        engine = InProcessEngine(config, blockmgr=InProcessClient(core))
+        vocab = engine.served.vocab_size
         histories = [[1] for _ in plan]
         start = time.perf_counter()
         for turn in range(args.turns):
+            requests = []
             for c, conv in enumerate(plan):
                 message, output = conv[turn]
                 histories[c].extend(rng.randrange(3, vocab) for _ in range(message))
-                params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
-                engine.add_request(RequestKey(0, f"c{c}t{turn}"), list(histories[c]), params)
-            got: dict[str, list[int]] = {}
-            while engine.has_work:
-                for o in engine.step():
-                    got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
+                requests.append((f"c{c}t{turn}", list(histories[c]), greedy(output)))
+            got = run_requests(engine, requests).tokens
             for c in range(len(plan)):
                 histories[c].extend(got[f"c{c}t{turn}"])
         wall = time.perf_counter() - start
-        live = core.stats(engine.link.pool_id)
+        live = engine.kv_stats()
+        preemptions = engine.stats().num_preemptions
+        records = list(read_trace(trace_path))  # (flushed line by line)
+        engine.close()  # (its pool's unregistration comes after the records read)
         trace.close()
-        records = list(read_trace(trace_path))
     steps = [r for r in records if isinstance(r, StepRecord)]
     num_ops = sum(len(r.ops) for r in steps)
     # Grow and Free entries one by one: the per-sequence operations a Step carries.
@@ -109,7 +101,7 @@ def main() -> int:
     ratio = live.prefix_cache_hits_tokens / live.prefix_cache_queries_tokens
     print(
         f"Live run (LRU): {wall:.0f} s, prompt-token hit ratio {ratio:.1%}, "
-        f"{live.num_evicted_blocks} blocks evicted, {engine.scheduler.num_preemptions} "
+        f"{live.num_evicted_blocks} blocks evicted, {preemptions} "
         "preemptions.\n"
     )
     print(

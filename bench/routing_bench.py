@@ -1,6 +1,6 @@
 """Routing policies across several executors, on a workload of repeated system prompts.
 
-    .venv/bin/python bench/routing_bench.py [--executors 4] [--blocks 192] [--prefixes 32]
+    .venv/bin/python -m bench.routing_bench [--executors 4] [--blocks 192] [--prefixes 32]
         [--per-prefix 16] [--prefix-len 256] [--rate 40] [--policies ...] [--load-weights ...]
 
 Set-up: a block manager, ``--executors`` executors (tiny random Llama, CPU, one torch thread
@@ -33,12 +33,11 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.common.stats import percentile
+from pagedserve.testing.procs import ServiceProcess, gateway_args, wait_serving
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import generation_pb2 as G
 from pagedserve.v1 import generation_pb2_grpc
-from tests.procs import ServiceProcess, gateway_args, wait_serving
 
 SUFFIX_LEN = 16
 
@@ -200,7 +199,7 @@ def run(model: Path, args: argparse.Namespace, name: str, routing: list[str], re
         "computed": prompt - cached,
         "tok_s": sum(r.output_tokens for r in results) / wall,
         "ttft_p50": statistics.median(ttfts) * 1e3,
-        "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] * 1e3,
+        "ttft_p99": percentile(ttfts, 0.99) * 1e3,
         "imbalance": max(counts) / statistics.mean(counts),
         "counts": counts,
     }

@@ -1,11 +1,12 @@
 """The served stack against the in-process engine, on the same requests, in one run.
 
-The CPU bench's model (``bench/cpu_model.py``: a random Llama, hidden 512, 4 layers, fp32)
+The CPU bench's model (``bench.common.models.write_cpu_model``: a random Llama, hidden 512,
+4 layers, fp32)
 and the requests ``pagedserve bench serve --random-input-len 145 --random-range-ratio 0.75
 --random-output-len 64 --num-prompts 64 --ignore-eos`` sends (the same seed, so the same
 token ids and lengths), all at once:
 
-- **in-process**: the engine of ``bench/engine_bench.py`` (no gRPC, no gateway, no block
+- **in-process**: the engine of ``bench.engine_bench`` (no gRPC, no gateway, no block
   manager process), on every core;
 - **stack**: ``pagedserve serve`` (block manager, executor and gateway, three processes on
   loopback) with each ``--variant``'s executor flags, driven by this process through
@@ -16,7 +17,7 @@ between the two, so both see the same machine; the table gives medians: output t
 stack's share of the in-process figure, TTFT and TPOT, and the cores each process used
 during the stack's runs (Linux ``/proc``; the client is this process).
 
-    .venv/bin/python bench/stack_bench.py [--repeats 3] \\
+    .venv/bin/python -m bench.stack_bench [--repeats 3] \\
         [--variant default=] [--variant "sync=--no-async-scheduling"]
 """
 
@@ -33,19 +34,16 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from cpu_model import write_cpu_model  # noqa: E402
-from engine_bench import OurSystem, Req, run_ours  # noqa: E402
-
-from services.bench.backends import GrpcBackend  # noqa: E402
-from services.bench.datasets import BenchRequest, random_requests  # noqa: E402
-from services.bench.results import summarize  # noqa: E402
-from services.common.logging import configure_logging  # noqa: E402
-from services.executor.model.runner_config import available_cores  # noqa: E402
-from tests.procs import free_ports, wait_serving  # noqa: E402
+from bench.common.engines import EngineSystem
+from bench.common.models import write_cpu_model
+from bench.common.workloads import Req
+from bench.engine_bench import our_system, run_ours
+from pagedserve.testing.procs import ROOT, free_ports, wait_serving
+from services.bench.backends import GrpcBackend
+from services.bench.datasets import BenchRequest, random_requests
+from services.bench.results import summarize
+from services.common.logging import configure_logging
+from services.executor.api import available_cores
 
 VOCAB = 621  # the tiny tokenizer's, as the gateway reports it
 
@@ -151,7 +149,7 @@ def _stack_run(stack: Stack, requests: list[BenchRequest]) -> dict[str, float]:
     }
 
 
-def _engine_run(system: OurSystem, reqs: list[Req]) -> float:
+def _engine_run(system: EngineSystem, reqs: list[Req]) -> float:
     t0 = time.perf_counter()
     res = run_ours(system, [reqs], pad_to_batch_max=False)
     wall = time.perf_counter() - t0
@@ -171,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = available_cores()
     with tempfile.TemporaryDirectory(prefix="stack_bench_") as tmp:
         model = write_cpu_model(Path(tmp) / "model")
-        system = OurSystem(str(model), 512, 4096, 256, None, cpu_threads=threads)
+        system = our_system(str(model), 512, 4096, 256, None, cpu_threads=threads)
         print(
             f"# Stack against in-process: {args.num_prompts} requests at once, prompts "
             f"{min(r.prompt_len for r in requests)}-{max(r.prompt_len for r in requests)}, "

@@ -4,7 +4,7 @@ a client streams and once while the executor is idle. Reports when the client go
 (the gateway runs with ``--max-resumes 0``: the stream ends when the executor ends it) and
 when the executor exited (with its status).
 
-    .venv/bin/python bench/tp_rank_loss.py [--repeats 2]
+    .venv/bin/python -m bench.tp_rank_loss [--repeats 2]
 """
 
 from __future__ import annotations
@@ -12,19 +12,16 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import grpc
 
+from pagedserve.testing.procs import ServiceProcess, gateway_args, wait_serving
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import generation_pb2 as G
 from pagedserve.v1 import generation_pb2_grpc
-from tests.procs import ServiceProcess, gateway_args, wait_serving
 
 
 def one_run(model: Path, streaming: bool) -> tuple[float | None, float, int]:

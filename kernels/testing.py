@@ -1,4 +1,4 @@
-"""Builders of random paged batches, shared by the kernel tests and ``bench/gpu_check.py``.
+"""Builders of random paged batches, shared by the kernel tests and ``bench.internals.gpu_check``.
 
 A batch is described by one ``(context_len, query_len)`` pair per sequence:
 ``(0, n)`` is a fresh prefill, ``(c, 1)`` a decode step after ``c`` tokens, ``(c, n)``

@@ -14,12 +14,19 @@ import grpc
 import httpx
 import pytest
 
+from pagedserve.testing.procs import (
+    ServeStack,
+    free_ports,
+    json_records,
+    run_cli,
+    serve_command,
+    wait_serving,
+)
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services import serve
 from services.common.logging import CONFIG_ERROR_STATUS
 from services.executor.service.config import ExecutorConfig
-from tests.procs import ServeStack, free_ports, json_records, run_cli, serve_command, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,7 +144,7 @@ def test_children_die_with_a_killed_supervisor(tmp_path):
 
 
 def test_a_second_instance_on_the_same_port_fails_fast(tmp_path):
-    from tests.procs import ServiceProcess
+    from pagedserve.testing.procs import ServiceProcess
 
     first = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")
     try:

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pagedserve.testing.procs import ServeStack, wait_serving
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.executor.greedy import hf_beams
-from tests.procs import ServeStack, wait_serving
 
 G = generation_pb2
 MAX_TOKENS = 10

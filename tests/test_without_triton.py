@@ -8,8 +8,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+from pagedserve.testing.procs import ROOT, ServeStack, run_cli
 from pagedserve.tools.tiny_model import write_tiny_model
-from tests.procs import ROOT, ServeStack, run_cli
 
 # Imported first by every Python process given this directory on PYTHONPATH: triton is then
 # as if not installed (``import triton`` fails, ``importlib.util.find_spec`` finds nothing).

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pagedserve.testing.procs import ServiceProcess
 from pagedserve.v1 import blockmgr_pb2 as pb
 from pagedserve.v1 import blockmgr_pb2_grpc as pb_grpc
 from services.blockmgr.api import convert, convert_results
@@ -29,7 +30,6 @@ from services.blockmgr.client import GrpcClient
 from services.blockmgr.pool.groups import MAX_KV_CACHE_GROUPS
 from tests.blockmgr.helpers import ThreadedServer
 from tests.hypothesis_budget import examples
-from tests.procs import ServiceProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import socket
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -191,6 +190,13 @@ def test_generation_survives_a_block_manager_restart(llama, workload, async_sche
     server = ThreadedServer(config)
     client = GrpcClient(f"127.0.0.1:{port}", timeout_s=2.0)
     health: list[bool] = []
+    outage_seen = threading.Event()
+
+    def on_health(healthy: bool) -> None:
+        health.append(healthy)
+        if not healthy:
+            outage_seen.set()
+
     config_e = ExecutorConfig(
         model=llama,
         dtype="float32",
@@ -204,7 +210,7 @@ def test_generation_survives_a_block_manager_restart(llama, workload, async_sche
         config_e,
         runner=build_runner(config_e.runner_config()),
         blockmgr=client,
-        on_health=health.append,
+        on_health=on_health,
     )
     got: dict[str, list[int]] = {}
     for i, (prompt, max_tokens, _) in enumerate(workload):
@@ -222,8 +228,8 @@ def test_generation_survives_a_block_manager_restart(llama, workload, async_sche
 
     restarted: list[ThreadedServer] = []
 
-    def restart_later() -> None:
-        time.sleep(0.5)
+    def restart_later() -> None:  # once the engine has met the outage (or after a minute)
+        outage_seen.wait(60)
         restarted.append(ThreadedServer(config))
 
     t = threading.Thread(target=restart_later)

@@ -1,4 +1,4 @@
-"""``bench/gpu_engine.py`` works before it meets a GPU: its ``--cpu-dry-run`` runs every code
+"""``bench.internals.gpu_engine`` works before it meets a GPU: its ``--cpu-dry-run`` runs every code
 path (model writing, graphed, async-scheduling and eager engine runs, profiling, HF static
 batching, the report) with a tiny model on the CPU."""
 
@@ -13,7 +13,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def test_gpu_engine_cpu_dry_run_prints_every_row_and_graphed_equals_eager() -> None:
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "gpu_engine.py"), "--cpu-dry-run"],
+        [sys.executable, "-m", "bench.internals.gpu_engine", "--cpu-dry-run"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedserve.testing.procs import ROOT
 from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
 from services.executor.core.sequence import RequestKey
@@ -34,12 +35,14 @@ from services.executor.model.runner import ModelRunner
 from services.executor.model.workers import WorkerGroup
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
-from tests.procs import ROOT
 
 from .conftest import load_runner
 from .greedy import BlockAllocator, GreedySeq, hf_greedy, run_greedy, shared_prefix_workload
 
 MAX_LEN = 512
+# A start-up failure ends it well within this (rank processes start in seconds; several times
+# that on a loaded machine), far from the 600 s --distributed-timeout it must not wait for.
+STARTUP_BOUND_S = 120
 PARITY_MODELS = {
     "kv_heads_divisible": "llama_mha",
     "one_kv_head_replicated": "llama_head_dim",
@@ -293,10 +296,8 @@ def test_a_dead_rank_is_reported_while_idle_and_fails_the_next_step(tp_runner):
     runner.execute([chunk])
     pid = runner.workers.processes[0].pid
     assert pid is not None
-    t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    assert lost.wait(5), "the watcher did not report the dead rank"
-    assert time.monotonic() - t0 < 5
+    assert lost.wait(60), "the watcher did not report the dead rank"
     assert "rank 1" in str(errors[0]) and "-9" in str(errors[0])
     with pytest.raises(WorkerLost):
         runner.execute([chunk])
@@ -315,7 +316,7 @@ def test_a_rank_that_cannot_load_its_shard_fails_startup_with_its_reason(tmp_pat
         build_runner(
             ExecutorConfig(model=str(model), device="cpu", tensor_parallel_size=3).runner_config()
         )
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < STARTUP_BOUND_S  # not --distributed-timeout (600 s)
 
 
 def test_a_start_up_failure_on_rank_0_alone_stops_the_workers_at_once(tiny_checkpoint, monkeypatch):
@@ -338,7 +339,7 @@ def test_a_start_up_failure_on_rank_0_alone_stops_the_workers_at_once(tiny_check
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="cannot size"):
         load_runner(tiny_checkpoint("llama"), tensor_parallel_size=2)
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < STARTUP_BOUND_S  # not --distributed-timeout (600 s)
     assert all(p.exitcode is not None for p in launched[0].processes)
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import random
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
+from pagedserve.testing.procs import wait_until
 from services.blockmgr.api.protocol import BlockManagerClient
 from services.blockmgr.client import GrpcClient, InProcessClient
 from services.blockmgr.service.config import BlockManagerServiceConfig
@@ -126,8 +126,9 @@ def run_across_a_blockmgr_restart(
     released: Callable[[Engine], bool],
 ) -> None:
     """Run ``workload`` on an engine over a block-manager service that is stopped once
-    ``released(engine)`` holds (after 12 steps at least) and started again half a second
-    later: the tokens are transformers' and the pool is restored once, empty at the end."""
+    ``released(engine)`` holds (after 12 steps at least) and started again once the engine
+    has met the outage: the tokens are transformers' and the pool is restored once, empty at
+    the end."""
     port = free_port()
     config = BlockManagerServiceConfig(port=port, grace_period_s=0.1)
     server = ThreadedServer(config)
@@ -145,7 +146,14 @@ def run_across_a_blockmgr_restart(
     assert released(engine)
     server.stop()
     restarted: list[ThreadedServer] = []
-    t = threading.Thread(target=lambda: (time.sleep(0.5), restarted.append(ThreadedServer(config))))
+
+    def restart() -> None:  # once the engine has met the outage (or given up waiting for it)
+        try:
+            wait_until(lambda: not engine.link.healthy, what="the engine meeting the outage")
+        finally:
+            restarted.append(ThreadedServer(config))
+
+    t = threading.Thread(target=restart)
     t.start()
     try:
         while engine.has_work:

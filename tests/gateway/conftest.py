@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from pagedserve.testing.procs import EVENT_TIMEOUT_S, ServiceProcess, wait_serving
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import generation_pb2_grpc
 from services.blockmgr.client import GrpcClient
-from tests.procs import ServiceProcess, wait_serving
 
 POOL_ID = "gateway-tests"
 
@@ -41,9 +41,10 @@ class Stack:
         finally:
             client.close()
 
-    def wait_blocks_free(self, timeout: float = 5.0) -> int:
+    def wait_blocks_free(self, timeout: float = EVENT_TIMEOUT_S) -> int:
         """Blocks still in use once the pool settles (finished sequences are freed by the
-        executor's next step, just after their final token went out)."""
+        executor's next step, just after their final token went out), or once ``timeout``
+        has passed."""
         deadline = time.monotonic() + timeout
         while (n := self.blocks_in_use()) and time.monotonic() < deadline:
             time.sleep(0.05)

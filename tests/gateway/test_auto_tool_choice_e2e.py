@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from pagedserve.testing.procs import ServiceProcess, gateway_args, wait_serving
 from tests.gateway.conftest import Stack
 from tests.gateway.test_structured_outputs_e2e import ASK, TIME, WEATHER
-from tests.procs import ServiceProcess, gateway_args, wait_serving
 
 CALL = (
     r'Checking\.<tool_call>\{"name": "get_weather", "arguments": '

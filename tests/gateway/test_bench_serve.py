@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from pagedserve.testing.procs import wait_serving
 from services.bench.results import parse_goodput
 from services.bench.serve import main
 from tests.gateway.conftest import Stack
-from tests.procs import wait_serving
 
 API_KEY = "bench-key-0123456789"
 

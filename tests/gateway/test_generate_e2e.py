@@ -12,8 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.testing.procs import ServiceProcess, wait_serving, wait_until
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.procs import ServiceProcess, wait_serving
 
 G = generation_pb2
 STOP, LENGTH, ABORT = (
@@ -375,22 +375,25 @@ def test_admission_limit_refuses_at_once_beyond_max_concurrent_requests(stack):
         calls = [stub.Generate(long) for _ in range(2)]
         for call in calls:
             next(iter(call))  # both streams are running
-        t0 = time.monotonic()
+        short = G.GenerateRequest(prompt="x", sampling_params=greedy(2))
         with pytest.raises(grpc.RpcError) as info:
-            list(
-                stub.Generate(G.GenerateRequest(prompt="x", sampling_params=greedy(2)), timeout=10)
-            )
+            list(stub.Generate(short, timeout=60))
+        # Refused at once: queued, it would have run once a long stream ended (OK) or met its
+        # deadline (DEADLINE_EXCEEDED), never RESOURCE_EXHAUSTED.
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert time.monotonic() - t0 < 2
+        assert "max_queued_requests=0" in info.value.details()
         for call in calls:
             call.cancel()
-        time.sleep(0.3)
-        assert (
-            collect(
-                stub.Generate(G.GenerateRequest(prompt="x", sampling_params=greedy(2)), timeout=30)
-            )[0]["finals"]
-            == 1
-        )
+
+        def admitted() -> dict | None:
+            """The short request's samples, once the cancelled streams have left."""
+            try:
+                return collect(stub.Generate(short, timeout=60))
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                return None
+
+        assert wait_until(admitted, what="a request admitted again")[0]["finals"] == 1
     finally:
         assert gw.stop() == 0
 
@@ -485,21 +488,20 @@ def test_metrics_endpoint_exposes_latency_histograms_and_counters(stack):
         if line.startswith("pagedserve_executor_steps_scheduled_ahead_total")
     )
     assert float(ahead.split()[-1]) > 0  # the stack's executor runs --async-scheduling
+
     # Once the engine is idle its last load reaches the gateway: no block shows as in use.
-    deadline = time.monotonic() + 5
-    while True:
+    def usage() -> float:
         body = (
-            urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5)
+            urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=30)
             .read()
             .decode()
         )
-        usage = next(
+        line = next(
             line for line in body.splitlines() if line.startswith("pagedserve_kv_cache_usage_ratio")
         )
-        if float(usage.split()[-1]) == 0.0:
-            break
-        assert time.monotonic() < deadline, usage
-        time.sleep(0.05)
+        return float(line.split()[-1])
+
+    wait_until(lambda: usage() == 0.0, what="pagedserve_kv_cache_usage_ratio back to 0")
 
 
 def test_tls_serves_encrypted_clients_only(stack, tmp_path):
@@ -576,14 +578,12 @@ def test_huge_prompts_are_refused_without_stalling_other_streams(stack):
 
         t = threading.Thread(target=stream)
         t.start()
-        while len(arrivals) < 5:  # the stream is flowing
-            time.sleep(0.01)
+        wait_until(lambda: len(arrivals) >= 5, what="the stream flowing")
         huge = "lorem ipsum dolor " * 215_000  # 3.9 MB: tokenized (in a thread), then too long
+        refused = G.GenerateRequest(prompt=huge, sampling_params=greedy(2))
         t0 = time.monotonic()
-        with pytest.raises(grpc.RpcError) as info:
-            list(
-                stub.Generate(G.GenerateRequest(prompt=huge, sampling_params=greedy(2)), timeout=60)
-            )
+        with pytest.raises(grpc.RpcError) as info:  # (seconds; 40 s on a loaded 2-core machine)
+            list(stub.Generate(refused, timeout=300))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "max_model_len" in info.value.details()
         t1 = time.monotonic()
@@ -594,8 +594,12 @@ def test_huge_prompts_are_refused_without_stalling_other_streams(stack):
         assert "--max-prompt-bytes=16384" in info.value.details()
         t.join()
         during = [b - a for a, b in itertools.pairwise(arrivals) if t0 <= b <= t1]
-        assert t1 - t0 > 0.3 and len(during) >= 3, (t1 - t0, len(during))  # it did take a while
-        assert max(during) < 0.1, f"a stream stalled {max(during):.3f} s while tokenizing"
+        window = t1 - t0
+        assert window > 0.3 and len(during) >= 3, (window, len(during))  # it did take a while
+        # Tokenized on the event loop, the stream would stop for about the whole tokenization;
+        # off it, the stream's gaps stay token gaps (~3 ms; 0.15 s at most on a loaded machine).
+        stall = max(during)
+        assert stall < window / 4, f"a stream stalled {stall:.3f} s of {window:.3f} s tokenizing"
     finally:
         assert gw.stop() == 0
 
@@ -617,10 +621,9 @@ def test_sigterm_drains_running_streams_and_refuses_new_ones(stack):
 
     t = threading.Thread(target=stream)
     t.start()
-    while len(got) < 3:
-        time.sleep(0.01)
+    wait_until(lambda: len(got) >= 3 or errors, what="the stream flowing")
     gw.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    gw.wait_for_event("gateway_draining", timeout=60)  # logged as the server stops accepting
     with pytest.raises(grpc.RpcError) as info:  # draining: nothing new is accepted
         list(stub.Generate(G.GenerateRequest(prompt="late", sampling_params=greedy(2)), timeout=10))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -17,9 +17,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from pagedserve.testing.procs import ServiceProcess, gateway_args, wait_serving
 from pagedserve.v1 import generation_pb2 as G
 from tests.gateway.conftest import Stack
-from tests.procs import ServiceProcess, gateway_args, wait_serving
 
 PROMPT = "The quick brown fox"
 MESSAGES = [

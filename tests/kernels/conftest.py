@@ -3,7 +3,7 @@
 Without CUDA the Triton kernels run under the interpreter (``TRITON_INTERPRET=1``, set by
 ``tests/conftest.py`` before triton is imported); bf16 is not faithful there, so CPU
 tests use fp32 and fp16 and bf16 is covered by ``@pytest.mark.gpu`` tests. Case matrices
-and tolerances live in :mod:`kernels.testing` (shared with ``bench/gpu_check.py``).
+and tolerances live in :mod:`kernels.testing` (shared with ``bench.internals.gpu_check``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``bench/gpu_check.py`` works before it meets a GPU.
+"""``bench.internals.gpu_check`` works before it meets a GPU.
 
 The script cannot be run for real here, so its every code path is exercised by its
 ``--cpu-dry-run`` mode (Triton interpreter, tiny shapes), and its CPU-only exit path is
@@ -7,7 +7,7 @@ checked as CI sees it.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import subprocess
 import sys
@@ -18,12 +18,12 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "bench" / "gpu_check.py"
+SCRIPT = "bench.internals.gpu_check"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
+        [sys.executable, "-m", SCRIPT, *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -33,12 +33,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _load_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_check", module)  # dataclasses look it up
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(SCRIPT)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
@@ -73,10 +68,10 @@ def test_gpu_check_exits_nonzero_when_a_check_fails(monkeypatch: pytest.MonkeyPa
 
 
 def test_the_families_gpu_check_runs_end_to_end_as_a_cpu_dry_run() -> None:
-    """``bench/gpu_check_families.py`` (sliding window, soft-cap, fused MoE) before it meets a
-    GPU: every step under the interpreter, every check passing."""
+    """``bench.internals.gpu_check_families`` (sliding window, soft-cap, fused MoE) before it
+    meets a GPU: every step under the interpreter, every check passing."""
     r = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "gpu_check_families.py"), "--cpu-dry-run"],
+        [sys.executable, "-m", "bench.internals.gpu_check_families", "--cpu-dry-run"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -73,7 +73,7 @@ class ModelRunner:
         # Whether a Step's fills run beside the forward (see host_kv): on CUDA, where a copy
         # engine does them; one rank only (the other ranks would need the wait before each
         # forward too). On the CPU the copies would take the cores the forward computes on:
-        # measured no faster (bench/multiturn_bench.py --fills-beside).
+        # measured no faster (bench.internals.multiturn_bench --fills-beside).
         self.fills_async: bool = host is not None and workers is None and self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         self.builder = BatchBuilder(

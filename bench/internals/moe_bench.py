@@ -16,7 +16,7 @@ Routing is random top-k of softmaxed random logits. The variants run interleaved
 ``--repeats`` rounds after warm-up; cells are min / median ms per call, and "differs" marks
 a variant whose output is not bit-identical to the served one.
 
-Usage: ``python bench/moe_bench.py [--tokens 64 512] [--threads 1]``. Prints markdown.
+Usage: ``python -m bench.internals.moe_bench [--tokens 64 512] [--threads 1]``. Prints markdown.
 """
 
 from __future__ import annotations
@@ -26,18 +26,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.nn.functional as F
+from torch import Tensor
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import Tensor  # noqa: E402
-
-from kernels.cpu_moe import fused_moe_cpu  # noqa: E402
-from kernels.moe_reference import fused_moe_reference  # noqa: E402
-from kernels.reference import silu_and_mul  # noqa: E402
+from kernels.cpu_moe import fused_moe_cpu
+from kernels.moe_reference import fused_moe_reference
+from kernels.reference import silu_and_mul
 
 MoEFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 

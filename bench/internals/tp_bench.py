@@ -15,7 +15,7 @@ only step times are reported. Every rank gets ``--threads-per-rank`` torch threa
 (default: the cores divided by the largest TP size, so TP=N is not oversubscribed); TP=1 is
 also run with all the cores, the fair baseline on a CPU.
 
-    .venv/bin/python bench/tp_bench.py [--sizes 1,2] [--device cpu|cuda]
+    .venv/bin/python -m bench.internals.tp_bench [--sizes 1,2] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -23,12 +23,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

@@ -1,7 +1,7 @@
 """A burst of requests sharing a long prefix, all arriving in one step: with and without
 holding back the admissions whose prefix another request is computing in that step.
 
-    .venv/bin/python bench/prefix_burst.py [--requests 64] [--prefix 256] [--tail 8]
+    .venv/bin/python -m bench.internals.prefix_burst [--requests 64] [--prefix 256] [--tail 8]
 
 The engine runs in-process over a tiny random Llama (CPU, fp32, one torch thread), greedy,
 ``ignore_eos``. Reported per mode: prompt tokens computed, TTFT p50 / p99 (wall time from
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -22,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.common.stats import percentile
 from pagedserve.tools.tiny_model import write_tiny_model
 from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
@@ -61,7 +59,7 @@ def run(model: str, prompts: list[list[int]], max_tokens: int, hold_back: bool) 
     return {
         "prompt_tokens": engine.num_prompt_tokens,
         "ttft_p50": statistics.median(ts),
-        "ttft_p99": ts[int(0.99 * (len(ts) - 1))],
+        "ttft_p99": percentile(ts, 0.99),
         "wall": wall,
         "tokens": tokens,
     }

@@ -1,7 +1,7 @@
 """What structured outputs cost per decode step: the in-process engine at 64 running
 sequences, unconstrained against a JSON schema, on this CPU.
 
-The model is ``cpu_bench.py``'s random Llama (hidden 512, 4 layers, 8 query / 2 KV heads,
+The model is ``bench.cpu_bench``'s random Llama (hidden 512, 4 layers, 8 query / 2 KV heads,
 MLP 1024, the tiny tokenizer's 621-token vocabulary, fp32). 64 requests at t=0 with prompts
 of 35-254 random tokens, greedy, 64 output tokens each: ``unconstrained`` with
 ``ignore_eos``; ``json`` under a schema that cannot be complete within 64 tokens (an array of
@@ -12,8 +12,8 @@ decodes all 64 steps under its grammar. Reported per system: the median wall tim
 ``--repeats`` interleaved runs. Every ``json`` output is checked to be a prefix the grammar
 accepts (the engine would have refused a token otherwise).
 
-Usage: ``python bench/structured_bench.py [--repeats 3] [--threads N]``. Not a test: prints
-markdown.
+Usage: ``python -m bench.internals.structured_bench [--repeats 3] [--threads N]``. Not a test:
+prints markdown.
 """
 
 from __future__ import annotations
@@ -22,27 +22,24 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import torch
 
-import torch  # noqa: E402
-from cpu_model import cpu_model, random_prompts  # noqa: E402
-
-from services.blockmgr.client import InProcessClient  # noqa: E402
-from services.common.logging import configure_logging  # noqa: E402
-from services.common.sampling_params import SamplingParams  # noqa: E402
-from services.common.structured_outputs import StructuredKind, StructuredOutputs  # noqa: E402
-from services.executor.core.engine import Engine  # noqa: E402
-from services.executor.core.sequence import RequestKey  # noqa: E402
-from services.executor.model.runner_config import available_cores  # noqa: E402
-from services.executor.service.startup import build_engine  # noqa: E402
+from bench.common.models import cpu_engine_config, write_cpu_model
+from bench.common.workloads import random_prompts
+from services.blockmgr.client import InProcessClient
+from services.common.logging import configure_logging
+from services.common.sampling_params import SamplingParams
+from services.common.structured_outputs import StructuredKind, StructuredOutputs
+from services.executor.core.engine import Engine
+from services.executor.core.sequence import RequestKey
+from services.executor.model.launch import build_runner
+from services.executor.model.runner_config import available_cores
+from services.executor.service.startup import build_engine
 
 SCHEMA = {
     "type": "array",
@@ -105,7 +102,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="structured_bench_") as tmp:
-        config, runner = cpu_model(Path(tmp) / "model", args.threads, num_kv_blocks=2048)
+        model = write_cpu_model(Path(tmp) / "model")
+        config = cpu_engine_config(model, args.threads, num_kv_blocks=2048)
+        runner = build_runner(config.runner_config())
         vocab = runner.config.vocab_size
         prompts = random_prompts(rng, vocab, NUM_SEQS)
         systems = {

@@ -6,7 +6,7 @@ KV-cache memory:
 - ``gemma3``: a Gemma-3-shaped model, 5 sliding layers to 1 global (a hybrid pool of 6 groups,
   one layer each, vs ``--disable-hybrid-kv-cache-manager``).
 
-    .venv/bin/python bench/sliding_bench.py [--family mistral|gemma3|both] [--window 64]
+    .venv/bin/python -m bench.internals.sliding_bench [--family mistral|gemma3|both] [--window 64]
 
 The engine runs in-process over a tiny random model (CPU, fp32, 2 torch threads), greedy,
 ``ignore_eos``. Reported per pool kind:
@@ -33,8 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedserve.tools.tiny_model import write_tiny_model
 from services.blockmgr.client import InProcessClient

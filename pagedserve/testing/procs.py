@@ -1,8 +1,13 @@
-"""Real service processes for end-to-end tests: start, read the bound port from the JSON log,
-stop with SIGTERM."""
+"""Real service processes for the end-to-end tests and the benchmarks: start, read the bound
+port from the JSON log, stop with SIGTERM.
+
+The services run as ``python -m services.cli`` from the repository root (``ROOT``): this
+module is meant for a checkout (an editable install), where ``services`` is importable
+there."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -11,12 +16,52 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from services.common.healthcheck import check
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
+T = TypeVar("T")
+
+# How long a test waits for something another process or thread does before it fails: ample
+# on a loaded machine. A test that proves something happens promptly waits for the event and
+# fails only past this bound; where it must prove a wait did not happen, it checks a log line
+# or a status, not the time taken.
+EVENT_TIMEOUT_S = 60.0
+
+
+def wait_until(
+    condition: Callable[[], T],
+    timeout: float = EVENT_TIMEOUT_S,
+    *,
+    what: str = "",
+    interval: float = 0.05,
+) -> T:
+    """Poll ``condition`` until it returns a true value, and return that value; fail after
+    ``timeout`` seconds, saying ``what`` was awaited."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what or 'the condition'} not within {timeout:g} s")
+        time.sleep(interval)
+    return value
+
+
+async def async_wait_until(
+    condition: Callable[[], object],
+    timeout: float = EVENT_TIMEOUT_S,
+    *,
+    what: str = "",
+    interval: float = 0.02,
+) -> None:
+    """:func:`wait_until` inside an event loop (the loop runs while it waits)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what or 'the condition'} not within {timeout:g} s")
+        await asyncio.sleep(interval)
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

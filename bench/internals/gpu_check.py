@@ -1,6 +1,6 @@
 """GPU check of the KV-cache kernels: correctness on CUDA, then bandwidth tables.
 
-    python bench/gpu_check.py [--iters N] [--no-bench] [--cpu-dry-run]
+    python -m bench.internals.gpu_check [--iters N] [--no-bench] [--cpu-dry-run]
 
 1. Correctness: every Triton kernel against the torch reference in bf16 and fp16 (and
    fp32 for the pairwise cases), on CUDA; one ``PASS``/``FAIL`` line per check with its
@@ -33,12 +33,9 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import ops, reference
 from kernels.testing import (

@@ -1,7 +1,7 @@
 """GPU engine benchmark: decode speed with CUDA graphs against ``--enforce-eager`` and HF.
 
-    python bench/gpu_engine.py [--preset llama-1b] [--num-requests 256] [--skip-hf]
-    python bench/gpu_engine.py --cpu-dry-run        # every code path, tiny, on the CPU
+    python -m bench.internals.gpu_engine [--preset llama-1b] [--num-requests 256] [--skip-hf]
+    python -m bench.internals.gpu_engine --cpu-dry-run    # every code path, tiny, on the CPU
 
 Writes a random-weight Llama (``llama-1b``: hidden 2048, 16 layers, 32 query / 8 KV heads,
 head_dim 64, intermediate 8192, vocab 32000, about 1.1 B parameters) in bf16, then runs the
@@ -23,27 +23,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.common.hf import hf_generate
+from bench.common.timers import ForwardTimer
+from bench.common.workloads import Req, make_requests
 from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
+from services.executor.api.hooks import HookedRunner
 from services.executor.core.engine import Engine
 from services.executor.core.outputs import SeqOutput
 from services.executor.core.sequence import RequestKey
 from services.executor.model.cuda_graphs import EagerGraphBackend
-from services.executor.model.forward_batch import PreparedForward, SeqChunk
-from services.executor.model.host_kv import MoveFailures
 from services.executor.model.launch import build_runner
 from services.executor.model.runner import ModelRunner
 from services.executor.service.config import ExecutorConfig
@@ -68,12 +66,6 @@ PRESETS: dict[str, dict[str, int]] = {
     ),
 }
 FULL_BATCH = 200
-
-
-@dataclass
-class Req:
-    prompt: list[int]
-    max_tokens: int
 
 
 @dataclass
@@ -109,50 +101,10 @@ def write_model(preset: str, device: str, dtype: torch.dtype, out: Path) -> Path
     return out
 
 
-def make_requests(
-    n: int, vocab: int, prompt: tuple[int, int], output: tuple[int, int]
-) -> list[Req]:
-    rng = random.Random(0)
-    return [
-        Req(
-            [1] + [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt) - 1)],
-            rng.randint(*output),
-        )
-        for _ in range(n)
-    ]
-
-
-class TimedRunner:
-    """Wraps the runner: records whether each forward was a full-batch pure decode."""
-
-    def __init__(self, inner: ModelRunner) -> None:
-        self.inner = inner
-        self.device, self.num_blocks = inner.device, inner.num_blocks
-        self.last_decode_batch = 0
-        self.last_chunks: list[SeqChunk] = []
-
-        self._built: dict[int, list[SeqChunk]] = {}  # prepared forward -> its chunks
-
-    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        return self.launch(self.prepare(chunks))
-
-    def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedForward:
-        prepared = self.inner.prepare(chunks)
-        self._built[id(prepared)] = list(chunks)
-        return prepared
-
-    def launch(self, prepared: PreparedForward) -> torch.Tensor:
-        chunks = self._built.pop(id(prepared))
-        decode = all(len(c.token_ids) == 1 for c in chunks)
-        self.last_decode_batch = len(chunks) if decode else 0
-        self.last_chunks = chunks
-        return self.inner.launch(prepared)
-
-    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        self.inner.copy_blocks(pairs)
-
-    def take_failed_moves(self) -> MoveFailures | None:  # (the engine asks: it wrapped inner)
-        return self.inner.take_failed_moves()
+def decode_batch(timer: ForwardTimer) -> int:
+    """The sequences of the last forward if it was a pure decode, else 0."""
+    last = timer.last
+    return last.info.num_seqs if last is not None and last.info.is_decode else 0
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -219,13 +171,13 @@ def run_engine(
     inner = build_runner(config.runner_config())
     if device.type != "cuda" and not eager:  # the dry run exercises the graph path too
         inner.capture_decode_graphs(config.capture_sizes, EagerGraphBackend())
-    engine, _ = build_engine(config, runner=inner, blockmgr=InProcessClient())
-    runner = TimedRunner(inner)
-    engine.runner = runner
+    timer = ForwardTimer()  # what each forward computed (its time means little on CUDA)
+    runner = HookedRunner(inner, timer)
+    engine, _ = build_engine(config, runner=runner, blockmgr=InProcessClient())  # type: ignore[arg-type]
     run = Run(name)
-    for i, r in enumerate(reqs):
+    for r in reqs:
         engine.add_request(
-            RequestKey(0, str(i)),
+            RequestKey(0, r.req_id),
             r.prompt,
             SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True),
         )
@@ -234,13 +186,16 @@ def run_engine(
     t0 = time.perf_counter()
     while engine.has_work:
         s0 = time.perf_counter()
-        if not profiled and runner.last_decode_batch >= full and args.profile:
+        if not profiled and decode_batch(timer) >= full and args.profile:
             run.busy_share, run.launches, outputs = profile_step(engine, device)
-            run.floor_ms = floor_ms(inner, runner.last_chunks, copy_bandwidth(device))
+            last = timer.last
+            assert last is not None
+            bandwidth = copy_bandwidth(device)
+            run.floor_ms = floor_ms(inner, last.info.num_context_tokens, bandwidth)
             profiled = True
         else:
             outputs = engine.step()
-            if runner.last_decode_batch >= full:
+            if decode_batch(timer) >= full:
                 wall = time.perf_counter() - s0
                 run.decode_steps.append((wall, engine.last_step_host_s, engine.last_step_forward_s))
         for o in outputs:
@@ -255,12 +210,13 @@ def run_engine(
     return run
 
 
-def floor_ms(runner: ModelRunner, chunks: Sequence[SeqChunk], bandwidth: float) -> float:
-    """Weights once plus every sequence's K/V once, at the device copy rate (read share)."""
+def floor_ms(runner: ModelRunner, context_tokens: int, bandwidth: float) -> float:
+    """Weights once plus every sequence's K/V (``context_tokens``) once, at the device copy
+    rate (read share)."""
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     mc = runner.config
     per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.kv_cache.element_size()
-    kv = sum(c.num_computed_tokens + len(c.token_ids) for c in chunks) * per_token
+    kv = context_tokens * per_token
     return (weights + kv) / (bandwidth / 2) * 1e3
 
 
@@ -274,21 +230,9 @@ def run_hf(model_dir: Path, reqs: list[Req], batch: int, args: argparse.Namespac
     t0 = time.perf_counter()
     for start in range(0, len(reqs), batch):
         part = reqs[start : start + batch]
-        width = max(len(r.prompt) for r in part)
-        ids = torch.zeros(len(part), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, r in enumerate(part):
-            ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
-            mask[i, width - len(r.prompt) :] = 1
-        with torch.inference_mode():
-            model.generate(
-                ids.to(args.device),
-                attention_mask=mask.to(args.device),
-                max_new_tokens=max(r.max_tokens for r in part),
-                do_sample=False,
-                pad_token_id=0,
-            )
-        run.output_tokens += sum(r.max_tokens for r in part)
+        prompts, lengths = [r.prompt for r in part], [r.max_tokens for r in part]
+        hf_generate(model, prompts, lengths, pad_id=0, exact=False)
+        run.output_tokens += sum(lengths)
     if args.device == "cuda":
         torch.cuda.synchronize()
     run.wall_s = time.perf_counter() - t0
@@ -370,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model {args.preset} written in {time.perf_counter() - t0:.1f} s", flush=True)
         vocab = PRESETS[args.preset]["vocab_size"]
         reqs = make_requests(
-            args.num_requests, vocab, tuple(args.prompt_range), tuple(args.output_range)
+            args.num_requests, tuple(args.prompt_range), tuple(args.output_range), vocab, seed=0
         )
         graphed = run_engine("ours, CUDA graphs", model_dir, reqs, args, eager=False)
         print(f"graphed run: {graphed.tok_s:,.0f} tok/s", flush=True)

@@ -1,7 +1,7 @@
 """Multi-turn chat against the KV-cache tiers: no tier, a host tier, a smaller host tier over a
 disk tier, and an "infinite" device cache, in one run.
 
-    .venv/bin/python bench/multiturn_bench.py [--conversations 48] [--turns 6]
+    .venv/bin/python -m bench.internals.multiturn_bench [--conversations 48] [--turns 6]
         [--small-host 0.05] [--fills-beside] [--alternate 3]
 
 N conversations of T turns. Each turn sends the conversation's whole history plus a new user
@@ -40,11 +40,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
-from bench.multiturn import final_lengths, turn_plan
+from bench.common.stats import percentile
+from bench.common.workloads import final_lengths, turn_plan
 from pagedserve.tools.tiny_model import write_tiny_model
 from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
@@ -104,7 +103,7 @@ def run(
         "loaded": stats.num_loaded_blocks,
         "computed": stats.prefix_cache_queries_tokens - stats.prefix_cache_hits_tokens,
         "ttft_p50": statistics.median(ttfts),
-        "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "ttft_p99": percentile(ttfts, 0.99),
         "tok_s": num_output / wall,
         "outputs": outputs,
         "offloaded": stats.num_offloaded_blocks,

@@ -1,7 +1,7 @@
 """GPU check of the kernels the newer model families use: correctness against the torch
 references, then timings.
 
-    python bench/gpu_check_families.py [--iters N] [--cpu-dry-run]
+    python -m bench.internals.gpu_check_families [--iters N] [--cpu-dry-run]
 
 1. Sliding-window decode attention (Mistral / Gemma sliding layers): Llama-3-8B heads (32 q /
    8 kv, head_dim 128), block 16, bf16, batch 64 at a 16k context, with no window and windows
@@ -28,11 +28,8 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import ops, reference
 from kernels.moe_reference import fused_moe_reference

@@ -6,7 +6,7 @@ decode, prompts of 300 tokens. The runner still builds the real forward batch (t
 the model runner uses), so the figure covers planning + block-manager Step + batch build +
 sampling + output building: ``Engine.step()`` wall time, minus nothing.
 
-    .venv/bin/python bench/host_bench.py [--num-seqs 256] [--prompt-len 300] [--steps 300]
+    .venv/bin/python -m bench.internals.host_bench [--num-seqs 256] [--prompt-len 300] [--steps 300]
 """
 
 from __future__ import annotations
@@ -14,16 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
+from bench.common.stats import percentile
 from services.blockmgr.api.types import PoolSpec
 from services.blockmgr.client import InProcessClient
 from services.common.gc_policy import freeze_startup_heap
@@ -130,9 +127,8 @@ def main() -> None:
         outs = engine.step()
         times.append(time.perf_counter() - t0)
         assert len(outs) == args.num_seqs
-    times.sort()
     p50 = statistics.median(times) * 1e3
-    p99 = times[int(0.99 * (len(times) - 1))] * 1e3
+    p99 = percentile(times, 0.99) * 1e3
     mean = statistics.fmean(times) * 1e3
     print(
         f"host work per decode step, {args.num_seqs} seqs, prompts {args.prompt_len}, "

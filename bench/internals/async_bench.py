@@ -13,7 +13,7 @@ device; 0 ms shows the pure host cost.
 Each configuration runs ``--steps`` timed decode steps after a warm-up, configurations
 interleaved ``--rounds`` times; the figure is the median of the per-round medians.
 
-    .venv/bin/python bench/async_bench.py [--forward-ms 0,3.5] [--steps 200] [--rounds 3]
+    .venv/bin/python -m bench.internals.async_bench [--forward-ms 0,3.5] [--steps 200] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -21,17 +21,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
-from bench.host_bench import VOCAB, NullRunner
+from bench.internals.host_bench import VOCAB, NullRunner
+from pagedserve.testing.procs import ServiceProcess
 from services.blockmgr.api.protocol import BlockManagerClient
 from services.blockmgr.api.types import PoolSpec
 from services.blockmgr.client import GrpcClient, InProcessClient
@@ -44,7 +41,6 @@ from services.executor.core.sampler import Sampler
 from services.executor.core.scheduler import SchedulerConfig
 from services.executor.core.sequence import RequestKey
 from services.executor.model.forward_batch import PreparedForward
-from tests.procs import ServiceProcess
 
 
 class DeviceRunner(NullRunner):
