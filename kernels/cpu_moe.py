@@ -13,7 +13,7 @@ one ``[T * k, H]`` buffer; one ``index_copy_`` puts each row at (token, rank of 
 among the token's), one multiply applies the routing weights, and the ``k`` terms are
 added one by one. The loop is over the experts a step hits, never over tokens.
 
-Measured (``python -m bench.internals.moe_bench``, one thread, fp32): the matmuls dominate, so it is as
+Measured (``bench.internals.moe_bench``, one thread, fp32): the matmuls dominate, so it is as
 fast as the per-expert ``torch.where`` loop once experts see many tokens, and faster when
 many experts see few (64 experts, top-8, one token: 0.84 ms against 1.23 ms). One
 ``index_add_`` of the weighted rows into zeros costs the same, but in fp16/bf16 it rounds
