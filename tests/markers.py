@@ -39,8 +39,12 @@ _STARTS_PROCESSES = re.compile(
 )
 _RUNS_TRITON = re.compile(r"_triton\b|\bPAGEDSERVE_FORCE_TRITON\b|\bFORCE_TRITON_ENV\b|\btriton\.")
 _SWEEP_MIN_CASES = 2
-# Parameters that sweep models, families or configurations (``name``: a tiny checkpoint).
-_SWEEP_PARAMS = {"name", "family", "arch", "checkpoint", "model", "config", "configuration"}
+# Parameters that sweep models, families or configurations (``name``: a tiny checkpoint or an
+# engine configuration; the others: the engine's transport, scheduling and dtypes).
+_SWEEP_PARAMS = {
+    *("name", "family", "arch", "checkpoint", "model", "config", "configuration"),
+    *("transport", "async_scheduling", "dtype"),
+}
 
 
 def _source(obj: Any) -> str:
