@@ -13,7 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from pagedserve.testing.procs import EVENT_TIMEOUT_S, ServiceProcess, wait_serving
+from pagedserve.testing.procs import (
+    EVENT_TIMEOUT_S,
+    ServiceProcess,
+    gateway_args,
+    wait_serving,
+)
 from pagedserve.tools.tiny_model import write_tiny_model
 from pagedserve.v1 import generation_pb2_grpc
 from services.blockmgr.client import GrpcClient
@@ -52,23 +57,7 @@ class Stack:
 
     def start_gateway(self, *extra: str) -> ServiceProcess:
         return ServiceProcess(
-            [
-                "gateway",
-                "--model",
-                str(self.model_dir),
-                "--port",
-                "0",
-                "--host",
-                "127.0.0.1",
-                "--metrics-port",
-                "-1",
-                "--http-port",
-                "0",
-                "--executor",
-                self.executor.address,
-                *extra,
-            ],
-            "gateway_listening",
+            gateway_args(self.model_dir, self.executor.address, *extra), "gateway_listening"
         )
 
 

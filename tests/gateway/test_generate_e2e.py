@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.testing.procs import ServiceProcess, wait_serving, wait_until
+from pagedserve.testing.procs import ServiceProcess, gateway_args, wait_serving, wait_until
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 G = generation_pb2
@@ -405,21 +405,7 @@ def test_health_not_serving_until_an_executor_is_ready(stack, tiny_model_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     gw = ServiceProcess(
-        [
-            "gateway",
-            "--model",
-            str(tiny_model_dir),
-            "--port",
-            "0",
-            "--host",
-            "127.0.0.1",
-            "--metrics-port",
-            "-1",
-            "--http-port",
-            "0",
-            "--executor",
-            f"127.0.0.1:{port}",
-        ],
+        gateway_args(tiny_model_dir, f"127.0.0.1:{port}"),
         "gateway_listening",
     )
     executor = None
