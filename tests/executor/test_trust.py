@@ -22,11 +22,9 @@ from services.common.auth import INTERNAL_TOKEN_HEADER
 
 TOKEN = "trust-test-token"
 METADATA = ((INTERNAL_TOKEN_HEADER, TOKEN),)
-# The pool's lease must outlast the executor's start-up after it registered the pool (loading
-# the tokenizer and the grammar compiler: no call renews the lease meanwhile), 7 s on a loaded
-# 2-core machine: a shorter lease expires there and the executor dies with NOT_FOUND. Then an
-# idle executor renews it once a third of it has passed (checked every half second).
-LEASE_S = 15.0
+# The executor registers its pool once its slow start-up is done (test_startup_order.py), and
+# an idle executor renews the lease once a third of it has passed (checked every half second).
+LEASE_S = 6.0
 
 
 def _executor(model: str, blockmgr: ServiceProcess, pool_id: str, *extra: str) -> ServiceProcess:

@@ -7,7 +7,7 @@ import hashlib
 import hmac
 import json
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +143,11 @@ def _build_engine(
             f"full-attention layers) and the block manager serves {max_groups} per pool: run "
             "one that serves hybrid pools, or pass --disable-hybrid-kv-cache-manager"
         )
+    # Everything slow is built before the pool is registered: nothing renews its lease until
+    # the engine loop runs, so a short lease could expire first (the executor would then find
+    # its pool gone, NOT_FOUND, on its first Step).
+    eos = eos_token_ids(config.model, mc)
+    grammars = grammar_compiler(config.model, mc.vocab_size, eos)
     link = BlockManagerLink(
         client,
         pool_id,
@@ -184,7 +189,7 @@ def _build_engine(
     settings = EngineSettings(
         max_model_len=mc.max_model_len,
         vocab_size=mc.vocab_size,
-        eos_token_ids=eos_token_ids(config.model, mc),
+        eos_token_ids=eos,
         scheduler=SchedulerConfig(
             block_size=bs,
             max_num_seqs=config.max_num_seqs,
@@ -200,7 +205,7 @@ def _build_engine(
         seed=config.seed,
         async_scheduling=config.async_scheduling,
     )
-    engine = Engine(settings, runner, link, grammar_compiler(config.model, mc.vocab_size, settings))
+    engine = Engine(settings, runner, link, grammars)
     served = ServedModel(
         name=config.served_model_name or Path(config.model).name,
         dtype=str(runner.dtype).removeprefix("torch."),
@@ -217,7 +222,7 @@ def _build_engine(
 
 
 def grammar_compiler(
-    model_dir: str, vocab_size: int, settings: EngineSettings
+    model_dir: str, vocab_size: int, eos_token_ids: Sequence[int]
 ) -> GrammarCompiler | None:
     """The structured-output grammar compiler over the checkpoint's tokenizer; None (such
     requests refused, the rest served) when the checkpoint has no tokenizer."""
@@ -227,7 +232,7 @@ def grammar_compiler(
         log.warning("structured_outputs_unavailable", reason=str(exc))
         return None
     try:
-        return GrammarCompiler(tokenizer, vocab_size, settings.eos_token_ids)
+        return GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
     except Exception as exc:  # a tokenizer xgrammar cannot read: serve the rest
         log.warning("structured_outputs_unavailable", reason=repr(exc))
         return None
