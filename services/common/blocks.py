@@ -54,6 +54,14 @@ def blocks_to_grow(num_tokens: int, num_new_tokens: int, num_held: int, block_si
     return need if need > 0 else 0
 
 
+def slots_after_grow(num_tokens: int, num_slots: int, num_new_tokens: int, lookahead: int) -> int:
+    """The token slots a sequence holding ``num_slots`` slots for ``num_tokens`` (verified)
+    tokens holds after a grow by ``num_new_tokens`` with ``lookahead`` slots beyond them
+    (speculative decoding's drafts): slots are never given back by a grow."""
+    slots = num_tokens + num_new_tokens + lookahead
+    return slots if slots > num_slots else num_slots
+
+
 def usable_blocks(num_blocks: int) -> int:
     """Blocks of a pool of ``num_blocks`` that can be handed out (all but the null block)."""
     return num_blocks - 1

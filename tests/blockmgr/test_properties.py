@@ -56,6 +56,7 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.m = self._manager()
         self.tokens: dict[int, list[int]] = {}  # our model of each live sequence's tokens
+        self.lookahead: dict[int, int] = {}  # slots a sequence holds beyond its tokens
         self.next_id = 0
 
     def _manager(self) -> KVBlockManager:
@@ -111,6 +112,7 @@ class PoolMachine(RuleBasedStateMachine):
         lives = self.m.seqs[seq_id].first_lives
         if r.statuses[0] is OpStatus.OK:
             self.tokens[seq_id] += [data.draw(st.integers(0, 2)) for _ in range(n)]
+            self.lookahead[seq_id] = max(0, self.lookahead.get(seq_id, 0) - n)
             expected = [max(a, b) for a, b in zip(before[1], self._lives(old), strict=True)]
             assert lives == expected
             new = r.new_block_ids[0]
@@ -118,6 +120,22 @@ class PoolMachine(RuleBasedStateMachine):
         else:  # all or nothing
             assert self._tables()[seq_id] == before
         assert r.first_live_blocks == (tuple(lives) if any(self.windows) else ())
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), n=st.integers(0, 4), lookahead=st.integers(0, 7))
+    def speculate(self, data: st.DataObject, n: int, lookahead: int) -> None:
+        """Speculative decoding: ``n`` more verified tokens, ``lookahead`` draft slots beyond
+        them; rejected drafts' slots are kept."""
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        before = self._tables()[seq_id]
+        (r,) = self.m.step([Grow((seq_id,), (n,), (lookahead,))])
+        if r.statuses[0] is OpStatus.OK:
+            slots = len(self.tokens[seq_id]) + self.lookahead.get(seq_id, 0)
+            self.tokens[seq_id] += [data.draw(st.integers(0, 2)) for _ in range(n)]
+            after = max(slots, len(self.tokens[seq_id]) + lookahead)
+            self.lookahead[seq_id] = after - len(self.tokens[seq_id])
+        else:
+            assert self._tables()[seq_id] == before
 
     @precondition(lambda self: self.tokens)
     @rule(n=st.integers(0, 5))
@@ -128,6 +146,7 @@ class PoolMachine(RuleBasedStateMachine):
         for seq_id, status in zip(seq_ids, r.statuses, strict=True):
             if status is OpStatus.OK:
                 self.tokens[seq_id] += [1] * n
+                self.lookahead[seq_id] = max(0, self.lookahead.get(seq_id, 0) - n)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -143,7 +162,7 @@ class PoolMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(sorted(self.tokens)))
         child = self._new_id()
         self.m.step([Fork(parent, child)])
-        self.tokens[child] = list(self.tokens[parent])
+        self.tokens[child] = list(self.tokens[parent])  # (its parent's lookahead stays its own)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -151,6 +170,7 @@ class PoolMachine(RuleBasedStateMachine):
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
         self.m.step([Free((seq_id,))])
         del self.tokens[seq_id]
+        self.lookahead.pop(seq_id, None)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -169,7 +189,12 @@ class PoolMachine(RuleBasedStateMachine):
     def restart_and_restore(self) -> None:
         """Rebuild the pool from the live tables, as an executor does after a restart."""
         live = [
-            RestoredSequence(s, st_.num_tokens, tuple(self.m.block_table(s)))
+            RestoredSequence(
+                s,
+                st_.num_tokens,
+                tuple(self.m.block_table(s)),
+                num_lookahead=st_.num_slots - st_.num_tokens,
+            )
             for s, st_ in self.m.seqs.items()
         ]
         fresh = self._manager()
@@ -222,10 +247,24 @@ class PoolMachine(RuleBasedStateMachine):
         assert c.num_cached_free_blocks <= c.num_free_blocks
 
     @invariant()
-    def tables_cover_exactly_their_tokens(self) -> None:
+    def tables_cover_exactly_their_tokens_and_lookahead_slots(self) -> None:
         for seq_id, s in self.m.seqs.items():
-            assert [len(t) for t in s.tables] == [-(-s.num_tokens // BS)] * len(self.windows)
+            assert [len(t) for t in s.tables] == [-(-s.num_slots // BS)] * len(self.windows)
             assert s.num_tokens == len(self.tokens[seq_id])
+            assert s.num_slots - s.num_tokens == self.lookahead.get(seq_id, 0)
+
+    @invariant()
+    def no_block_past_the_verified_tokens_is_shared_or_cached(self) -> None:
+        """A block holding a draft's slot (beyond the last full block of verified tokens) is
+        the sequence's own, and never matchable."""
+        pool = self.m.pool
+        for s in self.m.seqs.values():
+            for table in s.tables:
+                for b in table[s.num_tokens // BS :]:
+                    if b:
+                        assert pool.block_hash[b] is None
+                for b in table[-(-s.num_tokens // BS) :]:
+                    assert pool.refcount[b] == 1
 
     @invariant()
     def hash_index_is_consistent_and_matches_block_contents(self) -> None:
@@ -405,16 +444,24 @@ class SwapPoolMachine(HostTierPoolMachine):
         seq_id = data.draw(st.sampled_from(sorted(self.swapped)))
         self.m.step([Free((seq_id,))])
         del self.swapped[seq_id]
+        self.lookahead.pop(seq_id, None)
 
     @rule()
     def restart_and_restore(self) -> None:
         """Rebuild the pool, swapped-out sequences included, as an executor does."""
         self._forward()
         seqs = [
-            RestoredSequence(s, st_.num_tokens, tuple(self.m.block_table(s)))
+            RestoredSequence(
+                s,
+                st_.num_tokens,
+                tuple(self.m.block_table(s)),
+                num_lookahead=st_.num_slots - st_.num_tokens,
+            )
             for s, st_ in self.m.seqs.items()
         ] + [
-            RestoredSequence(s, sw.num_tokens, (), (), tuple(sw.slots))
+            RestoredSequence(
+                s, sw.num_tokens, (), (), tuple(sw.slots), sw.num_slots - sw.num_tokens
+            )
             for s, sw in self.m.swapped.items()
         ]
         fresh = self._manager()
@@ -438,7 +485,8 @@ class SwapPoolMachine(HostTierPoolMachine):
         assert not set(refs) & set(host.slot_of.values()) and not set(refs) & set(host._free)
         for seq_id, sw in self.m.swapped.items():
             assert sw.num_tokens == len(self.swapped[seq_id])
-            assert len(sw.slots) == -(-sw.num_tokens // BS) * len(self.windows)
+            assert len(sw.slots) == -(-sw.num_slots // BS) * len(self.windows)
+            assert sw.num_slots - sw.num_tokens == self.lookahead.get(seq_id, 0)
 
     def teardown(self) -> None:
         if self.m.swapped:

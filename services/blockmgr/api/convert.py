@@ -151,6 +151,7 @@ def restored_to_pb(seqs: Sequence[RestoredSequence]) -> list[pb.RestoredSequence
             block_ids=s.block_ids,
             block_hashes=s.block_hashes,
             host_slots=s.host_slots,
+            num_lookahead=s.num_lookahead,
         )
         for s in seqs
     ]
@@ -164,6 +165,7 @@ def restored_from_pb(seqs: Sequence[pb.RestoredSequence]) -> list[RestoredSequen
             tuple(s.block_ids),
             tuple(s.block_hashes),
             tuple(s.host_slots),
+            s.num_lookahead,
         )
         for s in seqs
     ]

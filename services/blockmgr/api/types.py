@@ -96,10 +96,18 @@ class Admit:
 
 @dataclass(frozen=True, slots=True)
 class Grow:
-    """Append ``num_tokens[i]`` token slots to ``seq_ids[i]``; each entry all or nothing."""
+    """Append ``num_tokens[i]`` token slots to ``seq_ids[i]``; each entry all or nothing.
+
+    ``num_lookahead[i]`` (speculative decoding; empty: 0 for every entry): slots the sequence
+    holds *beyond* its tokens after the grow, for draft tokens not verified yet. Its tokens
+    (``num_tokens``) count verified tokens only: only blocks made entirely of them can be
+    committed, and a sliding window releases by them. Slots are never given back by a grow:
+    the sequence holds ``max(its slots before, its tokens after + num_lookahead[i])`` slots,
+    and rejected drafts' slots are simply written again by the next step."""
 
     seq_ids: tuple[int, ...]
     num_tokens: tuple[int, ...]
+    num_lookahead: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +323,13 @@ class RestoredSequence:
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...] = ()  # hashes of its first committed full blocks
     host_slots: tuple[int, ...] = ()
+    # Slots held beyond its tokens (a grow's lookahead): its tables cover
+    # num_tokens + num_lookahead slots.
+    num_lookahead: int = 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_tokens + self.num_lookahead
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,14 @@ def validate_step(
         if isinstance(op, Grow):
             if len(op.seq_ids) != len(op.num_tokens):
                 raise invalid(f"{where}.grow: seq_ids and num_tokens differ in length")
+            if op.num_lookahead and len(op.num_lookahead) != len(op.seq_ids):
+                raise invalid(
+                    f"{where}.grow.num_lookahead: {len(op.num_lookahead)} entries for "
+                    f"{len(op.seq_ids)} seq_ids (give one per entry, or none)"
+                )
+            for j, la in enumerate(op.num_lookahead):
+                if not 0 <= la <= MAX_TOKENS:
+                    raise invalid(f"{where}.grow.num_lookahead[{j}] must be >= 0, got {la}")
             if len(set(op.seq_ids)) != len(op.seq_ids):
                 dup = next(x for j, x in enumerate(op.seq_ids) if x in op.seq_ids[:j])
                 raise invalid(f"{where}.grow.seq_ids: seq_id {dup} is listed twice")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from services.blockmgr.api.types import BlockCopy, Grow, GrowResult, OpStatus
 from services.blockmgr.pool.tables import TableState
-from services.common.blocks import NULL_BLOCK, blocks_to_grow, first_live_block
+from services.common.blocks import NULL_BLOCK, first_live_block, slots_after_grow
 
 __all__ = ["grow"]
 
@@ -18,7 +18,8 @@ def grow(st: TableState, op: Grow, failed: set[int]) -> GrowResult:
     allocations. Then every group's table grows by the same number of blocks (group-major in
     ``new_block_ids``), after a private copy of a shared, partly filled last block where needed. A
     failed or skipped entry releases nothing. In pools with a sliding group, ``first_live_blocks``
-    reports each entry's first_live per group (entry-major)."""
+    reports each entry's first_live per group (entry-major). Lookahead slots (``num_lookahead``)
+    are held beyond the tokens; the windows release by the tokens (verified) only."""
     pool, bs, windows, seqs = st.pool, st.block_size, st.windows, st.seqs
     sliding = st.any_sliding
     refcount = pool.refcount
@@ -27,6 +28,7 @@ def grow(st: TableState, op: Grow, failed: set[int]) -> GrowResult:
     copies: list[BlockCopy] = []
     first_lives: list[int] = []
     ok, empty = OpStatus.OK, ()
+    lookahead = op.num_lookahead
     for entry, (seq_id, n) in enumerate(zip(op.seq_ids, op.num_tokens, strict=True)):
         if failed and seq_id in failed:  # absent if its admission failed in this step
             statuses.append(OpStatus.SKIPPED)
@@ -37,10 +39,14 @@ def grow(st: TableState, op: Grow, failed: set[int]) -> GrowResult:
             continue
         state = seqs[seq_id]
         tables, old, starts = state.tables, state.num_tokens, state.first_lives
-        need = blocks_to_grow(old, n, len(tables[0]), bs)
-        # Writing into a shared, partially filled last block needs a private copy first; it
-        # is never a released one (the last block is released only when full, W = 1).
-        cows = [refcount[t[-1]] > 1 for t in tables] if n and old % bs and tables[0] else None
+        slots = slots_after_grow(old, state.num_slots, n, lookahead[entry] if lookahead else 0)
+        need = max(0, -(-slots // bs) - len(tables[0]))
+        # Writing into a shared, partially filled block (the one the first new token lands
+        # in) needs a private copy first; it is never a released one (a block is released only
+        # when full, W = 1).
+        at = old // bs
+        writes = slots > old
+        cows = [refcount[t[at]] > 1 for t in tables] if writes and old % bs else None
         lives = (
             [max(first_live_block(old, w, bs), s) for w, s in zip(windows, starts, strict=True)]
             if sliding
@@ -48,6 +54,7 @@ def grow(st: TableState, op: Grow, failed: set[int]) -> GrowResult:
         )
         if not need and not (cows and any(cows)) and lives == starts:
             state.num_tokens = old + n  # the common decode case: room left in the last block
+            state.num_slots = slots
             statuses.append(ok)
             new_ids.append(empty)
             if sliding:
@@ -76,8 +83,9 @@ def grow(st: TableState, op: Grow, failed: set[int]) -> GrowResult:
             state.first_lives = lives
         added: tuple[int, ...] = ()
         for g, table in enumerate(tables):
-            added += st.extend_table(table, entry, need, bool(cows and cows[g]), copies, g)
+            added += st.extend_table(table, entry, need, bool(cows and cows[g]), copies, g, at)
         state.num_tokens = old + n
+        state.num_slots = slots
         statuses.append(ok)
         new_ids.append(added)
         if sliding:

@@ -63,7 +63,6 @@ from services.blockmgr.tiers.moves import (
 from services.common.blocks import (
     NULL_BLOCK,
     blocks_for_tokens,
-    blocks_to_grow,
     needs_cow,
 )
 
@@ -287,6 +286,7 @@ class KVBlockManager:
         copies: list[BlockCopy] = []
         refcount = pool.refcount
         ok, empty = OpStatus.OK, ()
+        lookahead = op.num_lookahead
         for entry, (seq_id, n) in enumerate(zip(op.seq_ids, op.num_tokens, strict=True)):
             if failed and seq_id in failed:
                 statuses.append(OpStatus.SKIPPED)
@@ -295,21 +295,29 @@ class KVBlockManager:
             state = seqs[seq_id]
             table, old = state.tables[0], state.num_tokens
             new_total = old + n
-            need = blocks_to_grow(old, n, len(table), bs)
-            # Writing into a shared, partially filled last block needs a private copy first.
-            cow = needs_cow(old, n, bs, refcount[table[-1]] if table else 0)
-            if not need and not cow:  # the common decode case: room left in the last block
+            slots = new_total + lookahead[entry] if lookahead else new_total
+            if slots < state.num_slots:
+                slots = state.num_slots  # (a grow never gives slots back)
+            need = -(-slots // bs) - len(table)
+            # Writing into a shared, partially filled block (the one the first new token lands
+            # in: the last one, unless the sequence holds lookahead slots) needs a private copy.
+            at = old // bs
+            cow = needs_cow(old, slots - old, bs, refcount[table[at]] if old % bs else 0)
+            if need <= 0 and not cow:  # the common decode case: room left in the last block
                 state.num_tokens = new_total
+                state.num_slots = slots
                 statuses.append(ok)
                 new_ids.append(empty)
                 continue
+            need = max(need, 0)
             if need + cow > pool.num_free:
                 failed.add(seq_id)
                 statuses.append(OpStatus.RESOURCE_EXHAUSTED)
                 new_ids.append(())
                 continue
-            added = self.tables.extend_table(table, entry, need, cow, copies)
+            added = self.tables.extend_table(table, entry, need, cow, copies, 0, at)
             state.num_tokens = new_total
+            state.num_slots = slots
             statuses.append(OpStatus.OK)
             new_ids.append(added)
         return GrowResult(tuple(statuses), tuple(new_ids), tuple(copies))
@@ -320,13 +328,15 @@ class KVBlockManager:
             return ForkResult(OpStatus.SKIPPED)
         parent = self.seqs[op.parent_seq_id]
         shared = 0
+        # The blocks of the parent's tokens: its lookahead slots, if any, stay its own.
+        held = blocks_for_tokens(parent.num_tokens, self.block_size)
         for table, live in zip(parent.tables, parent.first_lives, strict=True):
-            for block_id in table[live:]:  # null entries hold no reference
+            for block_id in table[live:held]:  # null entries hold no reference
                 self.pool.incref(block_id)
-            shared += len(table) - live
+            shared += max(0, held - live)
         self.tables.adopt(
             op.child_seq_id,
-            [list(t) for t in parent.tables],
+            [t[:held] for t in parent.tables],
             parent.num_tokens,
             list(parent.first_lives),
             parent.priority,

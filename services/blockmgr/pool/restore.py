@@ -41,12 +41,14 @@ def restore(st: TableState, sequences: Sequence[RestoredSequence]) -> int:
         seen.add(seq.seq_id)
         if not 0 <= seq.num_tokens <= MAX_TOKENS:
             raise invalid(f"{where}.num_tokens must be >= 0")
+        if not 0 <= seq.num_lookahead <= MAX_TOKENS:
+            raise invalid(f"{where}.num_lookahead must be >= 0")
         if seq.host_slots:
             continue  # swapped out (check_swapped)
-        n = blocks_for_tokens(seq.num_tokens, bs)
+        n = blocks_for_tokens(seq.num_slots, bs)
         if len(seq.block_ids) != n * num_groups:
             raise invalid(
-                f"{where}.block_ids: {seq.num_tokens} tokens need {n} blocks in each of "
+                f"{where}.block_ids: {seq.num_slots} token slots need {n} blocks in each of "
                 f"{num_groups} group(s), got {len(seq.block_ids)}"
             )
         tables: list[list[int]] = []
@@ -79,7 +81,7 @@ def restore(st: TableState, sequences: Sequence[RestoredSequence]) -> int:
         for table, live in zip(tables, lives, strict=True):
             for block_id in table[live:]:
                 refcount[block_id] += 1
-        st.adopt(seq.seq_id, tables, seq.num_tokens, lives)
+        st.adopt(seq.seq_id, tables, seq.num_tokens, lives, num_slots=seq.num_slots)
         if st.enable_prefix_caching:
             for g, table in enumerate(tables):
                 for block_id, block_hash in zip(table, seq.block_hashes, strict=False):

@@ -80,7 +80,7 @@ def swap_out(st: TableState, op: SwapOut, failed: set[int]) -> SwapOutResult:
             else:
                 host.share_swapped(slot)
             slots.append(slot)
-        st.swapped[seq_id] = SwappedSeq(slots, state.num_tokens, state.priority)
+        st.swapped[seq_id] = SwappedSeq(slots, state.num_tokens, state.priority, state.num_slots)
         freed += st.release([seq_id])
         statuses.append(OpStatus.OK)
         slots_out.append(tuple(slots))
@@ -146,7 +146,7 @@ def swap_in(st: TableState, op: SwapIn, failed: set[int]) -> SwapInResult:
         n = len(table) // st.num_groups
         by_group = [table[g * n : (g + 1) * n] for g in range(st.num_groups)]
         lives = [next((i for i, b in enumerate(t) if b != NULL_BLOCK), n) for t in by_group]
-        st.adopt(seq_id, by_group, swapped.num_tokens, lives, swapped.priority)
+        st.adopt(seq_id, by_group, swapped.num_tokens, lives, swapped.priority, swapped.num_slots)
         statuses.append(OpStatus.OK)
         tables.append(tuple(table))
     return SwapInResult(tuple(statuses), tuple(tables))
@@ -165,12 +165,12 @@ def check_swapped(st: TableState, sequences: Sequence[RestoredSequence]) -> None
         check_seq_id(seq.seq_id, f"{where}.seq_id")
         if seq.block_ids:
             raise invalid(f"{where}: a swapped-out sequence has host_slots, not block_ids")
-        per_group = blocks_for_tokens(seq.num_tokens, st.block_size)
+        per_group = blocks_for_tokens(seq.num_slots, st.block_size)
         n = per_group * st.num_groups
         if len(seq.host_slots) != n:
             raise invalid(
-                f"{where}.host_slots: {seq.num_tokens} tokens in {st.num_groups} group(s) need "
-                f"{n} slots, got {len(seq.host_slots)}"
+                f"{where}.host_slots: {seq.num_slots} token slots in {st.num_groups} group(s) "
+                f"need {n} slots, got {len(seq.host_slots)}"
             )
         held = [slot for slot in seq.host_slots if slot != NO_SLOT]
         if len(set(held)) != len(held):
@@ -204,4 +204,6 @@ def restore_swapped(st: TableState, sequences: Sequence[RestoredSequence]) -> No
             g, i = divmod(j, per_group)
             block_hash = seq.block_hashes[i] if i < len(seq.block_hashes) else None
             host.hold_swapped(slot, group_key(block_hash, g) if block_hash is not None else None)
-        st.swapped[seq.seq_id] = SwappedSeq(list(seq.host_slots), seq.num_tokens)
+        st.swapped[seq.seq_id] = SwappedSeq(
+            list(seq.host_slots), seq.num_tokens, num_slots=seq.num_slots
+        )

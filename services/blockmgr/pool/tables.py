@@ -4,7 +4,8 @@ operations (:mod:`.manager`), grow (:mod:`.grow`), swapping (:mod:`.swap`) and r
 dispatches to them.
 
 A sequence has one table per KV-cache group, each with one entry per block of its
-``num_tokens`` slots; in a sliding group the entries before ``first_lives[g]`` are
+``num_slots`` slots: its ``num_tokens`` (verified) tokens, and speculative decoding's lookahead
+slots beyond them, if any; in a sliding group the entries before ``first_lives[g]`` are
 :data:`NULL_BLOCK` and hold no reference. A swapped-out sequence holds host slots instead.
 """
 
@@ -25,7 +26,7 @@ class SeqState:
     """A live sequence's tables, per group, and per group ``first_lives``: the entries before
     it are :data:`NULL_BLOCK` (always 0 in a full group)."""
 
-    __slots__ = ("first_lives", "num_tokens", "priority", "tables")
+    __slots__ = ("first_lives", "num_slots", "num_tokens", "priority", "tables")
 
     def __init__(
         self,
@@ -33,9 +34,11 @@ class SeqState:
         num_tokens: int,
         first_lives: list[int],
         priority: int = 0,
+        num_slots: int | None = None,
     ) -> None:
         self.tables = tables
         self.num_tokens = num_tokens
+        self.num_slots = num_tokens if num_slots is None else num_slots  # >= num_tokens
         self.first_lives = first_lives
         self.priority = priority  # retention priority its hits and commits give their blocks
 
@@ -52,13 +55,16 @@ class SeqState:
 
 class SwappedSeq:
     """A swapped-out sequence: the host slots of its tables, group-major (:data:`NO_SLOT` for
-    a null entry), and its token slots."""
+    a null entry), its tokens and its slots (>= its tokens: lookahead)."""
 
-    __slots__ = ("num_tokens", "priority", "slots")
+    __slots__ = ("num_slots", "num_tokens", "priority", "slots")
 
-    def __init__(self, slots: list[int], num_tokens: int, priority: int = 0) -> None:
+    def __init__(
+        self, slots: list[int], num_tokens: int, priority: int = 0, num_slots: int | None = None
+    ) -> None:
         self.slots = slots
         self.num_tokens = num_tokens
+        self.num_slots = num_tokens if num_slots is None else num_slots
         self.priority = priority
 
 
@@ -89,17 +95,20 @@ class TableState:
         cow: bool,
         copies: list[BlockCopy],
         group: int = 0,
+        cow_index: int = -1,
     ) -> tuple[int, ...]:
         """Grow entry ``entry``'s writes to ``table`` (of ``group``), which the pool has room
-        for: a private copy of the shared last block when ``cow`` (recorded in ``copies``),
-        then ``need`` new blocks appended. Returns the new blocks."""
+        for: a private copy of the shared block at ``cow_index`` (the last by default; the one
+        the first new token lands in) when ``cow`` (recorded in ``copies``), then ``need`` new
+        blocks appended. Returns the new blocks."""
         pool = self.pool
         if cow:
-            src = table[-1]
+            index = cow_index % len(table)
+            src = table[index]
             dst = pool.allocate()
-            table[-1] = dst
+            table[index] = dst
             pool.decref(src)
-            copies.append(BlockCopy(entry, len(table) - 1, src, dst, group))
+            copies.append(BlockCopy(entry, index, src, dst, group))
             self.num_cow_copies += 1
         added = tuple(pool.allocate() for _ in range(need)) if need > 0 else ()
         table.extend(added)
@@ -112,10 +121,11 @@ class TableState:
         num_tokens: int,
         first_lives: list[int],
         priority: int = 0,
+        num_slots: int | None = None,
     ) -> None:
         """``seq_id`` (admitted, forked, swapped back in or restored) holds ``tables`` from now
         on (their references already taken)."""
-        self.seqs[seq_id] = SeqState(tables, num_tokens, first_lives, priority)
+        self.seqs[seq_id] = SeqState(tables, num_tokens, first_lives, priority, num_slots)
         self.recently_freed.pop(seq_id, None)
 
     def release(self, seq_ids: Sequence[int]) -> int:

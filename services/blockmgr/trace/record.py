@@ -12,7 +12,8 @@ written. Lines are written whole (line-buffered). Hashes are base64. A line::
      retention_priority]},
      {"grow": [[seq...], [n...]]}, {"fork": [parent, child]}, {"free": [seq...]},
      {"commit": [seq, start, [hash...]]}, {"swap_out": [seq...]}, {"swap_in": [seq...]}]}
-    {"t": "restore", "pool": "p", "seqs": [[seq, num_tokens, [block...], [hash...], [slot...]]]}
+    {"t": "restore", "pool": "p",
+     "seqs": [[seq, num_tokens, [block...], [hash...], [slot...], num_lookahead]]}
     {"t": "unregister", "pool": "p"}
 
 :func:`read_trace` gives the records back as domain objects; :mod:`.replay` runs them.
@@ -159,7 +160,14 @@ class TraceWriter:
 
     def restore(self, pool_id: str, sequences: Sequence[RestoredSequence]) -> None:
         seqs = [
-            [s.seq_id, s.num_tokens, list(s.block_ids), _b64(s.block_hashes), list(s.host_slots)]
+            [
+                s.seq_id,
+                s.num_tokens,
+                list(s.block_ids),
+                _b64(s.block_hashes),
+                list(s.host_slots),
+                s.num_lookahead,
+            ]
             for s in sequences
         ]
         self._write({"t": "restore", "pool": pool_id, "seqs": seqs})
@@ -211,7 +219,12 @@ def _record(d: dict[str, Any]) -> TraceRecord:
     if kind == "restore":
         seqs = tuple(
             RestoredSequence(
-                s[0], s[1], tuple(s[2]), _unb64(s[3]), tuple(s[4] if len(s) > 4 else ())
+                s[0],
+                s[1],
+                tuple(s[2]),
+                _unb64(s[3]),
+                tuple(s[4] if len(s) > 4 else ()),
+                s[5] if len(s) > 5 else 0,
             )
             for s in d["seqs"]
         )

@@ -129,13 +129,22 @@ class _ReplayedPool:
         kept: list[Operation] = []
         for op in ops:
             if isinstance(op, Grow):
+                lookahead = op.num_lookahead or (0,) * len(op.seq_ids)
                 entries = [
-                    (s, n) for s, n in zip(op.seq_ids, op.num_tokens, strict=True) if s in tokens
+                    (s, n, la)
+                    for s, n, la in zip(op.seq_ids, op.num_tokens, lookahead, strict=True)
+                    if s in tokens
                 ]
-                for s, n in entries:
+                for s, n, _ in entries:
                     tokens[s] += n
                 if entries:
-                    kept.append(Grow(tuple(s for s, _ in entries), tuple(n for _, n in entries)))
+                    kept.append(
+                        Grow(
+                            tuple(e[0] for e in entries),
+                            tuple(e[1] for e in entries),
+                            tuple(e[2] for e in entries) if op.num_lookahead else (),
+                        )
+                    )
             elif isinstance(op, Free):
                 live = tuple(s for s in op.seq_ids if s in tokens or s in swapped)
                 for s in live:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from services.common.limits import FieldError, check_prompt, check_request_id, check_token_ids
 from services.common.sampling_params import SamplingParams
@@ -41,6 +42,8 @@ class SchedulerConfig:
     # The runner fills blocks from the tiers beside the forward (its ``fills_async``): a
     # chunk whose tables hold a block its Step fills waits for the next step, granted.
     defer_filled_chunks: bool = False
+    # Speculative decoding is on (core.spec): running sequences may compute drafts.
+    speculative: bool = False
 
     @property
     def group_slides(self) -> tuple[bool, ...]:
@@ -61,6 +64,8 @@ class EngineSettings:
     seed: int = 0
     # Plan the next step before this step's forward and send its Step without waiting.
     async_scheduling: bool = False
+    # Speculative decoding (core.spec.config.SpeculativeConfig), or None.
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         cfg = self.scheduler

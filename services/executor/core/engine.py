@@ -49,6 +49,7 @@ from services.executor.core.scheduler import (
 )
 from services.executor.core.sequence import FinishReason, Request, RequestKey, Resume, SeqStatus
 from services.executor.core.sequence import Sequence as Seq
+from services.executor.core.spec.decoding import Speculation
 
 log = structlog.get_logger(__name__)
 
@@ -90,7 +91,14 @@ class Engine(AheadEngine, BeamSearchEngine):
         self._disk_moves = hasattr(runner, "take_failed_moves")  # moves that may fail
         self.num_failed_moves = 0
         self.num_blocks_moved = dict.fromkeys(MOVE_KINDS, 0)  # the tiers' moves, by kind
-        scheduler_config = replace(settings.scheduler, defer_filled_chunks=self._fills_async)
+        # Speculative decoding: drafts proposed after sampling, verified by the next forward.
+        spec = settings.speculative_config
+        self.spec = Speculation(spec, self._eos, settings.max_model_len) if spec else None
+        scheduler_config = replace(
+            settings.scheduler,
+            defer_filled_chunks=self._fills_async,
+            speculative=self.spec is not None,
+        )
         self.scheduler = Scheduler(scheduler_config, link.counters())
         self._batch_ahead: ScheduledBatch | None = None  # the next step's, already granted
         self._num_prompt_logprobs = 0  # live requests asking for prompt log-probabilities
@@ -301,7 +309,11 @@ class Engine(AheadEngine, BeamSearchEngine):
         if launch_first:
             ahead = self._send_ahead(batch)
         sampled = [c.seq for c in batch.chunks if c.need_logits]
+        if self.spec is not None and logits is not None:
+            logits = self.spec.verify(batch.chunks, logits)
         self.num_prompt_tokens += self.scheduler.after_forward(batch.chunks)
+        if self.spec is not None:
+            self.spec.accept(sampled)
         rejected = self._receive_ahead(*ahead) if ahead is not None else None
         next_batch = self._batch_ahead
         if self._preparing is not None and next_batch is not None and next_batch.chunks:
@@ -315,6 +327,8 @@ class Engine(AheadEngine, BeamSearchEngine):
                 raise
         if self._num_beam_requests:
             self._unsplit_beams()
+        if self.spec is not None:
+            self.spec.propose(sampled, len(self.scheduler.running))
         if rejected is not None:  # after sampling: it may retire sequences sampled above
             self._distrust(*rejected)
             outputs.extend(self._take_pending())
@@ -406,7 +420,8 @@ class Engine(AheadEngine, BeamSearchEngine):
                 seq.token_ids.append(token)
                 if seq.matcher is not None:
                     accept(seq.matcher, token)
-            out = SeqOutput(seq.req_id, seq.index, [token])
+            new = self.spec.emitted(seq, token) if self.spec is not None else [token]
+            out = SeqOutput(seq.req_id, seq.index, new)
             if len(seq.token_ids) - seq.prompt_len == 1:  # the first token also reports
                 out.usage = _usage(seq)  # the prompt's cache hits
                 if seq.index == 0 and seq.prompt_logprobs:
@@ -418,7 +433,7 @@ class Engine(AheadEngine, BeamSearchEngine):
                 self._settle(seq, out)
             else:
                 emitted.append(seq)
-        self.num_generation_tokens += len(outs)
+        self.num_generation_tokens += sum(len(o.token_ids) for o in outs)
         if children:
             self._join_children(seqs, children)
         if not settle_now:

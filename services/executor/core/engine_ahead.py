@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from services.executor.core.plan import ScheduledChunk
     from services.executor.core.runner import Runner
     from services.executor.core.scheduler import Scheduler
+    from services.executor.core.spec.decoding import Speculation
 
 __all__ = ["AheadEngine", "PreparedBatch"]
 
@@ -58,6 +59,7 @@ class AheadEngine:
         _preparing: PreparingRunner | None
         _num_prompt_logprobs: int
         _num_beam_requests: int
+        spec: Speculation | None
         _fills_async: bool
 
         def _take_failed_moves(self, *, wait: bool = False) -> set[int]: ...
@@ -117,8 +119,8 @@ class AheadEngine:
         if self._fills_async and self.runner.filling:  # type: ignore[attr-defined]
             # The Step must report the failed ones (none is this batch's: held back).
             self._take_failed_moves(wait=True)
-        if self._num_beam_requests:  # beams re-fork after sampling, every step
-            return None
+        if self._num_beam_requests or self.spec is not None:
+            return None  # beams re-fork, and drafts are proposed, after sampling
         # (Only while a request asks for prompt log-probabilities need it look for one.)
         plan = self.scheduler.plan_ahead(batch, bool(self._num_prompt_logprobs))
         if plan is None:

@@ -11,6 +11,7 @@ the sequence's queries still to come, as the block manager does at the same grow
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 from services.executor.core.config import SchedulerConfig
@@ -79,12 +80,22 @@ def plan_grows(
         if seq.status is not is_running or seq.seq_id in scheduled:
             continue
         computed = seq.num_computed_tokens
+        seq.num_scheduled_drafts = 0
         if len(seq.token_ids) == computed:
             continue  # a beam waiting for a preempted sibling (engine_beams)
         if len(seq.token_ids) - computed != 1:
             prefills.append(seq)
         elif budget <= 0:
             continue
+        elif seq.draft_token_ids and budget > 1 and _private_tail(seq, refs, bs):
+            # Speculative decoding: its token and its drafts, verified by this forward.
+            drafts = min(len(seq.draft_token_ids), budget - 1)
+            seq.num_scheduled_drafts = drafts
+            if schedule(seq, 1 + drafts):
+                budget -= 1 + drafts
+                plan.num_drafts += drafts
+            else:
+                seq.num_scheduled_drafts = 0
         elif (
             computed % bs
             and refs[seq.tables[0][-1]] == 1
@@ -107,3 +118,11 @@ def plan_grows(
         if schedule(seq, k):
             budget -= k
     return free, budget, preempted
+
+
+def _private_tail(seq: Sequence, refs: Counter[int], block_size: int) -> bool:
+    """Whether no other table holds a block ``seq`` may write in this step (from the one its
+    first token the pool has not counted lands in): a speculative grow never copies on write
+    (the pool's copy-on-write check and ours then agree whatever the drafts)."""
+    start = (seq.num_computed_tokens - seq.num_unreported) // block_size
+    return all(refs[b] == 1 for table in seq.tables for b in table[start:])

@@ -37,6 +37,8 @@ __all__ = [
     "ScheduledChunk",
     "check_answer",
     "extend_tables",
+    "granted_grows",
+    "grow_counts",
     "hold_back_filled",
     "split_tables",
     "step_moves",
@@ -47,6 +49,24 @@ class ScheduledChunk(NamedTuple):
     seq: Sequence
     num_new_tokens: int  # tokens computed for ``seq`` in this step
     need_logits: bool  # the chunk reaches the last known token: its logits are sampled
+
+
+def grow_counts(seq: Sequence, k: int) -> tuple[int, int]:
+    """The grow entry of ``seq`` computing ``k`` tokens, ``seq.num_scheduled_drafts`` of them
+    drafts: (verified tokens to add, lookahead slots). The verified ones are its real new
+    tokens and the drafts accepted in its last step (``num_unreported``); the drafts are
+    lookahead: only verified tokens count for commits and sliding windows."""
+    drafts = seq.num_scheduled_drafts
+    return k - drafts + seq.num_unreported, drafts
+
+
+def granted_grows(grows: Iterable[tuple[Sequence, int]]) -> None:
+    """The pool granted these grows (speculative decoding on): it counts their sequences'
+    accepted drafts now, and holds their lookahead slots."""
+    for seq, k in grows:
+        n, lookahead = grow_counts(seq, k)
+        seq.num_surplus_slots = max(seq.num_surplus_slots - n, lookahead)
+        seq.num_unreported = 0
 
 
 class BadAnswer(Exception):
@@ -77,6 +97,9 @@ class SchedulePlan:
     # pool has applied it.
     grow_first_live: list[int] = field(default_factory=list)
     admits: list[tuple[Sequence, Admit]] = field(default_factory=list)
+    num_drafts: int = 0  # draft tokens its grows compute (speculative decoding)
+    # Speculative decoding is on: grows report accepted drafts and hold lookahead slots.
+    speculative: bool = False
     released: list[RestoredSequence] = field(default_factory=list)  # freed by this plan
     fork_ids: set[int] = field(default_factory=set)  # children forked by this plan
     # Grows the mirror counted as copy-on-write: seq_id -> the KV-cache groups to copy in.
@@ -99,9 +122,14 @@ class SchedulePlan:
         if self.swap_outs:
             ops.append(SwapOut(tuple(s.seq_id for s, _ in self.swap_outs)))
         if self.grows:
-            ops.append(
-                Grow(tuple(s.seq_id for s, _ in self.grows), tuple(k for _, k in self.grows))
-            )
+            seq_ids = tuple(s.seq_id for s, _ in self.grows)
+            if self.speculative:
+                counts = [grow_counts(s, k) for s, k in self.grows]
+                ops.append(
+                    Grow(seq_ids, tuple(n for n, _ in counts), tuple(la for _, la in counts))
+                )
+            else:
+                ops.append(Grow(seq_ids, tuple(k for _, k in self.grows)))
         if self.swap_ins:
             ops.append(SwapIn(tuple(s.seq_id for s in self.swap_ins)))
         ops.extend(admit for _, admit in self.admits)

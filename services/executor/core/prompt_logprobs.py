@@ -28,6 +28,10 @@ def take_prompt_logprobs(batch: ScheduledBatch, logits: Tensor) -> Tensor:
     row = 0
     for (seq, k, need_logits), all_rows in zip(batch.chunks, every, strict=True):
         start = seq.num_computed_tokens
+        if seq.num_scheduled_drafts:  # every row, for verification (core.spec.verify)
+            keep.extend(range(row, row + k))
+            row += k
+            continue
         if not all_rows:
             keep.extend([row] if need_logits else [])
             row += need_logits

@@ -63,11 +63,16 @@ def seq_chunks(batch: ScheduledBatch) -> tuple[list[SeqChunk], list[int]]:
     append, new = seq_chunks.append, tuple.__new__  # hot: 256 decode chunks per step
     for i, (seq, k, need_logits) in enumerate(batch.chunks):
         start = seq.num_computed_tokens
-        tokens = seq.token_ids[start : start + k]
-        if len(tokens) < k:  # k == 1
-            pending.append(i)
-            tokens = [0]
-        every = start < seq.prompt_len and seq.wants_prompt_logprobs()
+        drafts = seq.num_scheduled_drafts
+        if drafts:  # its last token and its drafts: every row is verified
+            tokens = [*seq.token_ids[start : start + k - drafts], *seq.draft_token_ids[:drafts]]
+            every = True
+        else:
+            tokens = seq.token_ids[start : start + k]
+            if len(tokens) < k:  # k == 1
+                pending.append(i)
+                tokens = [0]
+            every = start < seq.prompt_len and seq.wants_prompt_logprobs()
         tables = seq.tables
         group_tables = tuple(tables) if len(tables) > 1 else ()
         append(new(SeqChunk, (tokens, start, tables[0], need_logits, every, group_tables)))

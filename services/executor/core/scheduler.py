@@ -51,6 +51,7 @@ from services.executor.core.plan import (
     ScheduledBatch,
     ScheduledChunk,
     SchedulePlan,
+    granted_grows,
     step_moves,
 )
 from services.executor.core.sequence import FinishReason, SeqStatus, Sequence
@@ -184,7 +185,10 @@ class Scheduler:
     def _open_plan(self) -> tuple[SchedulePlan, int]:
         """A new plan carrying the pending commits and frees, and the free blocks after them."""
         plan = SchedulePlan(
-            uncache=self.tier_failures.take(), commits=self._commits, released=self._to_free
+            uncache=self.tier_failures.take(),
+            commits=self._commits,
+            released=self._to_free,
+            speculative=self.config.speculative,
         )
         free = self.num_free_blocks
         for view in self._to_free:
@@ -223,10 +227,14 @@ class Scheduler:
             failed, copies = self._apply_grow(plan, grow)
             if failed:
                 grows = [(s, k) for s, k in grows if s.seq_id not in failed]
+            if plan.speculative:
+                granted_grows(grows)
         new_prefills = self._apply_admissions(plan, admitted)
         self.num_free_blocks = result.counters.num_free_blocks
         chunks = [
-            ScheduledChunk(s, k, s.num_computed_tokens + k == len(s.token_ids))
+            ScheduledChunk(
+                s, k, s.num_computed_tokens + k - s.num_scheduled_drafts == len(s.token_ids)
+            )
             for s, k in itertools.chain(grows, self.held_back.take(plan), new_prefills)
         ]
         return ScheduledBatch(self.held_back.hold_back(chunks, result), copies, *step_moves(result))
@@ -362,7 +370,8 @@ class Scheduler:
             start = seq.num_computed_tokens
             if start < seq.prompt_len:
                 num_prompt_tokens += min(start + k, seq.prompt_len) - start
-            seq.num_computed_tokens = computed = start + k
+            # (its drafts, if any, count once verified: accept_drafts)
+            seq.num_computed_tokens = computed = start + k - seq.num_scheduled_drafts
             seq.num_ahead_slots = 0
             if caching and computed // bs > seq.num_committed_blocks:
                 full = computed // bs
@@ -482,6 +491,7 @@ class Scheduler:
     def _back_to_waiting(self, seq: Sequence) -> None:
         """Queue ``seq``, which holds no blocks now, to be admitted again and recomputed."""
         seq.num_computed_tokens = seq.num_committed_blocks = seq.first_live_block = 0
+        seq.num_unreported = seq.num_surplus_slots = seq.num_scheduled_drafts = 0
         seq.status = SeqStatus.WAITING
         bisect.insort(self.waiting, seq, key=_sort_key)
 

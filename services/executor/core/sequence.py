@@ -75,6 +75,13 @@ class Sequence:
     # Slots the pool granted beyond ``num_computed_tokens`` for a step that has not run yet
     # (async scheduling grants the next step's slot while this step's forward runs).
     num_ahead_slots: int = 0
+    # Speculative decoding (core.spec): the drafts proposed for its next step; how many of
+    # them the scheduled chunk computes; verified tokens (accepted drafts) the pool has not
+    # counted yet (the next grow reports them); slots the pool holds beyond its tokens.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_scheduled_drafts: int = 0
+    num_unreported: int = 0
+    num_surplus_slots: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     # With params.prompt_logprobs: entry i is prompt token i + 1's (an outputs.TokenLogprob),
     # kept across preemptions (a recomputation does not add them again).

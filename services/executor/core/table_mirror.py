@@ -33,20 +33,23 @@ log = structlog.get_logger(__name__)
 
 def pool_view(seq: Sequence) -> RestoredSequence:
     """What the block manager holds for ``seq``: its slots, table and committed hashes
-    (a swapped-out sequence: its host slots instead of a table)."""
+    (a swapped-out sequence: its host slots instead of a table). Its tokens are the pool's
+    count: accepted drafts not reported yet are not in it, its lookahead slots are beyond it."""
     if seq.status is SeqStatus.SWAPPED:
         return RestoredSequence(
             seq.seq_id,
-            seq.num_computed_tokens,
+            seq.num_computed_tokens - seq.num_unreported,
             (),
             tuple(seq.block_hashes[: seq.num_committed_blocks]),
             seq.host_slots,
+            seq.num_surplus_slots,
         )
     return RestoredSequence(
         seq.seq_id,
-        seq.num_computed_tokens + seq.num_ahead_slots,
+        seq.num_computed_tokens + seq.num_ahead_slots - seq.num_unreported,
         tuple(seq.tables[0]) if len(seq.tables) == 1 else tuple(itertools.chain(*seq.tables)),
         tuple(seq.block_hashes[: seq.num_committed_blocks]),
+        num_lookahead=seq.num_surplus_slots,
     )
 
 

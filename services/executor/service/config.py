@@ -11,6 +11,7 @@ from typing import TypeVar
 
 from services.blockmgr.api.types import EvictionPolicyName
 from services.common.auth import InternalSecurity
+from services.executor.core.spec.config import SpeculativeConfig
 from services.executor.model.runner_config import CacheConfig, RunnerConfig
 
 
@@ -89,6 +90,8 @@ class ExecutorConfig:
     max_seqs_per_session: int = 1024  # sequences one gateway session may hold at once
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     async_scheduling: bool = False  # the next Step's round trip overlaps this forward
+    # Speculative decoding, vLLM's JSON: {"method": "ngram", "num_speculative_tokens": 3, ...}
+    speculative_config: str | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture
     tensor_parallel_size: int = 1  # ranks the model is sharded over (one process each)
     distributed_init_method: str | None = None  # default: a free loopback TCP port
@@ -210,6 +213,13 @@ class ExecutorConfig:
             "after sampling)",
         )
         a(
+            "--speculative-config",
+            default=None,
+            help='speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", '
+            '"num_speculative_tokens": 3, "prompt_lookup_max": 3}\' (greedy samples are '
+            "verified; the others run unspeculated)",
+        )
+        a(
             "--cuda-graph-sizes",
             type=_parse_sizes,
             default=None,
@@ -288,6 +298,11 @@ class ExecutorConfig:
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be >= 1")
+        if self.speculative_config is not None:
+            try:
+                SpeculativeConfig.parse(self.speculative_config)
+            except ValueError as exc:
+                raise ValueError(f"--speculative-config: {exc}") from None
         if not (math.isfinite(self.kv_offloading_size) and self.kv_offloading_size >= 0):
             raise ValueError(
                 f"--kv-offloading-size must be >= 0 GiB, got {self.kv_offloading_size}"

@@ -24,6 +24,7 @@ from services.executor.core.config import EngineSettings
 from services.executor.core.engine import Engine
 from services.executor.core.grammar import GrammarCompiler
 from services.executor.core.scheduler import SchedulerConfig
+from services.executor.core.spec.config import SpeculativeConfig
 from services.executor.model.config import ModelConfig
 from services.executor.model.errors import ModelLoadError
 from services.executor.model.kv_layout import KVCacheLayout
@@ -204,6 +205,7 @@ def _build_engine(
         ),
         seed=config.seed,
         async_scheduling=config.async_scheduling,
+        speculative_config=_speculative(config, groups),
     )
     engine = Engine(settings, runner, link, grammars)
     served = ServedModel(
@@ -219,6 +221,25 @@ def _build_engine(
         tensor_parallel_size=runner.model.shard.size,
     )
     return engine, served
+
+
+def _speculative(
+    config: ExecutorConfig, groups: tuple[KVCacheGroup, ...]
+) -> SpeculativeConfig | None:
+    if config.speculative_config is None:
+        return None
+    spec = SpeculativeConfig.parse(config.speculative_config)  # (checked by validate)
+    if len(groups) > 1 or any(g.sliding_window for g in groups):
+        raise ModelLoadError(
+            "--speculative-config: this model has sliding-window layers, and speculative "
+            "decoding serves full-attention models only so far: run without it"
+        )
+    if config.async_scheduling:
+        log.warning(
+            "async_scheduling_off_while_speculating",
+            consequence="every step is planned after sampling (drafts are proposed then)",
+        )
+    return spec
 
 
 def grammar_compiler(

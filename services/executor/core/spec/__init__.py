@@ -1,0 +1,1 @@
+"""Speculative decoding: the configuration, the proposers and greedy verification."""

@@ -1,0 +1,76 @@
+"""``--speculative-config``: vLLM's JSON (``method``, ``num_speculative_tokens``,
+``prompt_lookup_min``, ``prompt_lookup_max``, ``disable_by_batch_size``), checked at start-up."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.sampling_params import SamplingParams
+
+__all__ = ["METHODS", "SpeculativeConfig", "speculable"]
+
+METHODS = ("ngram",)  # draft_model and eagle3 are not served yet: refused, named
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How many tokens to draft per sequence per step, and how. ``disable_by_batch_size``:
+    no drafts in a step whose batch has this many running sequences or more (0: never off),
+    where verifying costs more than it saves."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    disable_by_batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative_config.method: {self.method!r} is not served (choose one of "
+                f"{', '.join(METHODS)}; draft_model and eagle3 are not built yet)"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config.num_speculative_tokens must be in [1, 16]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.disable_by_batch_size < 0:
+            raise ValueError("speculative_config.disable_by_batch_size must be >= 0")
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """From the flag's JSON; ValueError naming the field on anything else."""
+        try:
+            raw: Any = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            names = ", ".join(sorted(known))
+            raise ValueError(f"speculative_config.{unknown[0]}: unknown field (known: {names})")
+        for name, value in raw.items():
+            expected = str if name == "method" else int
+            if not isinstance(value, expected) or isinstance(value, bool):
+                raise ValueError(f"speculative_config.{name} must be a {expected.__name__}")
+        return cls(**raw)
+
+
+def speculable(params: SamplingParams) -> bool:
+    """Whether a sample's drafts can be verified greedily: its next token is the argmax of the
+    model's raw logits at every position (greedy; no penalty, bias, grammar or min_tokens
+    changes the logits, and no log-probabilities are asked for). Other samples run
+    unspeculated, with the same outputs."""
+    return (
+        params.temperature == 0.0
+        and params.stateless
+        and not params.use_beam_search
+        and params.logprobs is None
+    )
