@@ -71,14 +71,23 @@ def _spec_counts(engine: Engine) -> tuple[int, int]:
             "preemption_mode": "swap",
             "kv_offloading_size": 0.001,
         },
+        {"async_scheduling": True},  # (planned after sampling while speculating)
+        {"tensor_parallel_size": 2},
     ],
-    ids=["default", "chunked", "recompute", "swap"],
+    ids=["default", "chunked", "recompute", "swap", "async", "tp2"],
 )
 def test_ngram_speculation_gives_the_tokens_of_the_engine_without_it(model_dir, config):
     requests = _requests(seed=1, num=12)
-    plain, _ = run_engine(_engine(model_dir, **config), requests)
+    plain_engine = _engine(model_dir, **config)
+    try:
+        plain, _ = run_engine(plain_engine, requests)
+    finally:
+        plain_engine.runner.close()  # the other tensor-parallel rank, if any
     engine = _engine(model_dir, speculative_config=SPEC, **config)
-    spec, finals = run_engine(engine, requests)
+    try:
+        spec, finals = run_engine(engine, requests)
+    finally:
+        engine.runner.close()
     assert spec == plain
     drafted, accepted = _spec_counts(engine)
     assert drafted > 0 and accepted > 0, (drafted, accepted)
@@ -97,12 +106,86 @@ def test_speculated_greedy_outputs_equal_transformers(model_dir, hf_model):
     assert _spec_counts(engine)[1] > 0
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"temperature": 0.9, "seed": 5},  # a seed draws per output position: exact
+        {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 6, "n": 2},
+        {"temperature": 0.0, "repetition_penalty": 1.3, "frequency_penalty": 0.2},
+        {"temperature": 0.0, "logprobs": 3, "min_tokens": 60},
+        {"temperature": 0.0, "logit_bias": ((40, 2.0), (41, -1.0))},
+    ],
+    ids=["seeded", "seeded-top-k-p-n2", "penalties", "logprobs-min-tokens", "logit-bias"],
+)
+def test_sampled_requests_give_the_tokens_and_logprobs_of_the_engine_without_it(
+    model_dir, overrides
+):
+    """Each row of a draft is sampled as that output position would be without speculation
+    (drafts count as output for penalties and min_tokens; a seed's draw is per position)."""
+    requests = {
+        rid: (prompt, dataclasses.replace(params, **overrides))
+        for rid, (prompt, params) in _requests(seed=1, num=12).items()
+    }
+    plain, plain_finals = run_engine(_engine(model_dir), requests)
+    engine = _engine(model_dir, speculative_config=SPEC)
+    spec, finals = run_engine(engine, requests)
+    assert spec == plain
+    assert {k: f.finish_reason for k, f in finals.items()} == {
+        k: f.finish_reason for k, f in plain_finals.items()
+    }
+    assert _spec_counts(engine)[0] > 0
+
+
+def test_logprobs_of_accepted_drafts_equal_those_without_speculation(model_dir):
+    requests = {
+        rid: (prompt, dataclasses.replace(params, logprobs=2))
+        for rid, (prompt, params) in _requests(seed=1, num=12).items()
+    }
+    plain = _logprobs(_engine(model_dir), requests)
+    engine = _engine(model_dir, speculative_config=SPEC)
+    spec = _logprobs(engine, requests)
+    assert spec.keys() == plain.keys()
+    for key, lps in plain.items():
+        assert [lp.token_id for lp in spec[key]] == [lp.token_id for lp in lps]
+        assert [lp.logprob for lp in spec[key]] == pytest.approx(
+            [lp.logprob for lp in lps], abs=1e-5
+        )
+    assert _spec_counts(engine)[1] > 0
+
+
+def test_prefix_hits_and_prompt_logprobs_beside_drafts_keep_the_tokens(model_dir):
+    """The same prompts twice (the second time their prefixes are cache hits, committed from
+    verified tokens only), and a request asking for prompt log-probabilities batched in."""
+    requests = _requests(seed=1, num=8)
+    prompt, params = requests["r0"]
+    requests["logprobs"] = (prompt, dataclasses.replace(params, prompt_logprobs=2))
+    plain_engine, engine = _engine(model_dir), _engine(model_dir, speculative_config=SPEC)
+    for run in ("first", "again"):
+        plain, _ = run_engine(plain_engine, requests)
+        spec, finals = run_engine(engine, requests)
+        assert spec == plain, run
+        requests = {f"{rid}-again": value for rid, value in requests.items()}
+    assert finals[("r0-again", 0)].usage.cached_prompt_tokens > 0
+    assert _spec_counts(engine)[1] > 0
+
+
+def _logprobs(engine: Engine, requests: dict[str, tuple]) -> dict[str, list]:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(_key(rid), prompt, params)
+    got: dict[str, list] = {}
+    while engine.has_work:
+        for out in engine.step():
+            assert out.logprobs is None or len(out.logprobs) == len(out.token_ids)
+            got.setdefault(out.req_id.request_id, []).extend(out.logprobs or ())
+    return got
+
+
 def test_samples_that_cannot_be_speculated_run_beside_speculated_ones(model_dir):
     requests = _requests(seed=1, num=12)
     for i, rid in enumerate(list(requests)):
         prompt, params = requests[rid]
         if i % 3 == 2:
-            params = dataclasses.replace(params, temperature=0.8, seed=i, n=2)
+            params = dataclasses.replace(params, use_beam_search=True, n=2)
         requests[rid] = (prompt, params)
     plain, _ = run_engine(_engine(model_dir), requests)
     engine = _engine(model_dir, speculative_config=SPEC)

@@ -47,3 +47,35 @@ def test_without_executors_every_tier_counter_is_zero() -> None:
     samples = _samples(GatewayMetrics(list))
     assert samples[("pagedserve_kv_tier_blocks_moved_total", (("move", "offload"),))] == 0
     assert samples[("pagedserve_kv_tier_failed_moves_total", ())] == 0
+
+
+def test_speculative_decoding_counters_are_summed_over_executors_and_positions() -> None:
+    loads = [
+        load_to_pb(
+            Load(
+                num_spec_drafts=4,
+                num_spec_draft_tokens=12,
+                num_spec_accepted_tokens=7,
+                spec_accepted_per_pos=(4, 2, 1),
+            )
+        ),
+        load_to_pb(
+            Load(
+                num_spec_drafts=1,
+                num_spec_draft_tokens=2,
+                num_spec_accepted_tokens=1,
+                spec_accepted_per_pos=(1,),
+            )
+        ),
+        load_to_pb(Load()),  # an executor without speculation
+    ]
+    samples = _samples(GatewayMetrics(lambda: loads))
+    assert samples[("pagedserve_spec_decode_num_drafts_total", ())] == 5
+    assert samples[("pagedserve_spec_decode_num_draft_tokens_total", ())] == 14
+    assert samples[("pagedserve_spec_decode_num_accepted_tokens_total", ())] == 8
+    per_pos = {
+        dict(labels)["position"]: value
+        for (name, labels), value in samples.items()
+        if name == "pagedserve_spec_decode_num_accepted_tokens_per_pos_total"
+    }
+    assert per_pos == {"0": 5, "1": 2, "2": 1}

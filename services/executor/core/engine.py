@@ -40,7 +40,7 @@ from services.executor.core.outputs import (
 from services.executor.core.plan import MOVE_KINDS
 from services.executor.core.prompt_logprobs import take_prompt_logprobs
 from services.executor.core.runner import PreparingRunner, Runner, seq_chunks
-from services.executor.core.sampler import Sampler, SeededGenerators, sampling_rows
+from services.executor.core.sampler import Sampler, SampleResult, SeededGenerators, sampling_rows
 from services.executor.core.scheduler import (
     BadAnswer,
     ScheduledBatch,
@@ -92,8 +92,8 @@ class Engine(AheadEngine, BeamSearchEngine):
         self.num_failed_moves = 0
         self.num_blocks_moved = dict.fromkeys(MOVE_KINDS, 0)  # the tiers' moves, by kind
         # Speculative decoding: drafts proposed after sampling, verified by the next forward.
-        spec = settings.speculative_config
-        self.spec = Speculation(spec, self._eos, settings.max_model_len) if spec else None
+        spec, eos = settings.speculative_config, settings.eos_token_ids
+        self.spec = Speculation(spec, eos, settings.max_model_len) if spec else None
         scheduler_config = replace(
             settings.scheduler,
             defer_filled_chunks=self._fills_async,
@@ -310,10 +310,10 @@ class Engine(AheadEngine, BeamSearchEngine):
             ahead = self._send_ahead(batch)
         sampled = [c.seq for c in batch.chunks if c.need_logits]
         if self.spec is not None and logits is not None:
-            logits = self.spec.verify(batch.chunks, logits)
+            logits = self.spec.verify(batch.chunks, logits, self.sampler, self.generators)
         self.num_prompt_tokens += self.scheduler.after_forward(batch.chunks)
         if self.spec is not None:
-            self.spec.accept(sampled)
+            self.spec.accept()
         rejected = self._receive_ahead(*ahead) if ahead is not None else None
         next_batch = self._batch_ahead
         if self._preparing is not None and next_batch is not None and next_batch.chunks:
@@ -388,10 +388,13 @@ class Engine(AheadEngine, BeamSearchEngine):
         samples of an n > 1 request whose prompt just finished), append it, emit it, and
         retire what finished. ``rows``: the logits row of each of ``seqs`` (default: in
         order)."""
+        spec = self.spec if self.spec is not None and self.spec.verified else None
+        if spec is not None:  # (sampled already: their rows are not in ``logits``)
+            seqs = spec.unsampled(seqs)
         beam_outs: list[SeqOutput] = []
         if self._num_beam_requests:
             beam_outs, seqs, rows = self._take_beams(logits, seqs, rows)
-            if not seqs:
+            if not seqs and spec is None:
                 return beam_outs
         params, states, targets, row_logits = sampling_rows(
             seqs, self._forks_now, self.generators, self.settings.eos_token_ids
@@ -404,8 +407,9 @@ class Engine(AheadEngine, BeamSearchEngine):
             masks = {r: seq.matcher for r, (seq, _) in enumerate(targets) if seq.matcher}
             if masks:  # (a fork's rows share its parent's matcher: all at the start)
                 self.grammars.mask_logits(logits, masks)
-        result = self.sampler(logits, params, states)
-
+        result = self.sampler(logits, params, states) if targets else SampleResult([], [])
+        if spec is not None:
+            spec.join(targets, result)
         outs: list[SeqOutput] = []
         emitted: list[Seq] = []  # settled after the loop when samples fork now
         children: dict[int, list[Seq]] = {}
@@ -420,13 +424,13 @@ class Engine(AheadEngine, BeamSearchEngine):
                 seq.token_ids.append(token)
                 if seq.matcher is not None:
                     accept(seq.matcher, token)
-            new = self.spec.emitted(seq, token) if self.spec is not None else [token]
-            out = SeqOutput(seq.req_id, seq.index, new)
+            out = SeqOutput(seq.req_id, seq.index, [token])
             if len(seq.token_ids) - seq.prompt_len == 1:  # the first token also reports
                 out.usage = _usage(seq)  # the prompt's cache hits
                 if seq.index == 0 and seq.prompt_logprobs:
                     out.prompt_logprobs = tuple(seq.prompt_logprobs)
-            if lp is not None:
+            # (a verified sample's output: its accepted drafts, then ``token``)
+            if (spec is None or not spec.fill(out, seq)) and lp is not None:
                 out.logprobs = (TokenLogprob(token, lp[0], tuple(lp[1])),)
             outs.append(out)
             if settle_now:

@@ -37,6 +37,10 @@ class Load:
     num_loaded_blocks: int = 0
     num_stored_blocks: int = 0
     num_failed_moves: int = 0
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ import queue
 import sys
 import threading
 import traceback
+from typing import Any
 
 import structlog
 
@@ -200,6 +201,16 @@ class EngineLoop:
     def _broadcast_load(self) -> None:
         """The engine went idle: every session learns the final load (the step that freed the
         last blocks produced no output, so no delivery carried it)."""
+        if self.engine.spec is not None and self.engine.spec.stats.num_drafts:
+            stats = self.engine.spec.stats
+            log.info(
+                "speculative_decoding",
+                mean_acceptance_length=round(stats.mean_acceptance_length, 3),
+                num_drafts=stats.num_drafts,
+                num_draft_tokens=stats.num_draft_tokens,
+                num_accepted_tokens=stats.num_accepted_tokens,
+                accepted_per_pos=stats.accepted_per_pos,
+            )
         for session in list(self._sessions.values()):
             session.deliver(Delivery(self.engine.num_steps, [], [], self.load))
 
@@ -231,4 +242,18 @@ class EngineLoop:
             num_loaded_blocks=e.num_blocks_moved["load"],
             num_stored_blocks=e.num_blocks_moved["store"],
             num_failed_moves=e.num_failed_moves,
+            **_spec_load(e),
         )
+
+
+def _spec_load(engine: Engine) -> dict[str, Any]:
+    """The speculative-decoding counters of the load (none without speculation)."""
+    if engine.spec is None:
+        return {}
+    stats = engine.spec.stats
+    return {
+        "num_spec_drafts": stats.num_drafts,
+        "num_spec_draft_tokens": stats.num_draft_tokens,
+        "num_spec_accepted_tokens": stats.num_accepted_tokens,
+        "spec_accepted_per_pos": tuple(stats.accepted_per_pos),
+    }

@@ -92,11 +92,37 @@ class _ExecutorCollector(Collector):
         for move, field in _TIER_MOVES:
             moved.add_metric([move], sum(getattr(x, field) for x in loads))
         yield moved
+        yield from _spec_metrics(loads)
         yield CounterMetricFamily(
             "pagedserve_kv_tier_failed_moves",
             "KV tier moves that failed (I/O errors): those blocks were uncached, nothing lost",
             value=sum(x.num_failed_moves for x in loads),
         )
+
+
+def _spec_metrics(loads: list[executor_pb2.ExecutorLoad]) -> Iterable[CounterMetricFamily]:
+    """Speculative decoding, vLLM's counters (``spec_decode_*``) summed over the executors."""
+    for name, field, doc in (
+        ("num_drafts", "num_spec_drafts", "Sequence-steps that verified draft tokens"),
+        ("num_draft_tokens", "num_spec_draft_tokens", "Draft tokens verified"),
+        ("num_accepted_tokens", "num_spec_accepted_tokens", "Draft tokens accepted"),
+    ):
+        yield CounterMetricFamily(
+            f"pagedserve_spec_decode_{name}", doc, value=sum(getattr(x, field) for x in loads)
+        )
+    per_pos = CounterMetricFamily(
+        "pagedserve_spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft (0: the first)",
+        labels=["position"],
+    )
+    totals: list[int] = []
+    for load in loads:
+        for pos, count in enumerate(load.spec_accepted_per_pos):
+            totals.extend([0] * (pos + 1 - len(totals)))
+            totals[pos] += count
+    for pos, count in enumerate(totals):
+        per_pos.add_metric([str(pos)], count)
+    yield per_pos
 
 
 RoutingState = Callable[[], list[tuple[str, bool, int]]]  # (executor, events live, blocks)

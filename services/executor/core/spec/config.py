@@ -64,13 +64,8 @@ class SpeculativeConfig:
 
 
 def speculable(params: SamplingParams) -> bool:
-    """Whether a sample's drafts can be verified greedily: its next token is the argmax of the
-    model's raw logits at every position (greedy; no penalty, bias, grammar or min_tokens
-    changes the logits, and no log-probabilities are asked for). Other samples run
+    """Whether a sample's drafts can be verified: any sampling (greedy, temperature, top-k/p,
+    penalties, bias, seeds, log-probabilities), but not beam search (beams re-fork every
+    step) nor structured outputs (the grammar matcher does not roll back yet). The others run
     unspeculated, with the same outputs."""
-    return (
-        params.temperature == 0.0
-        and params.stateless
-        and not params.use_beam_search
-        and params.logprobs is None
-    )
+    return not params.use_beam_search and params.structured_outputs is None

@@ -1,6 +1,6 @@
 """What the engine holds for speculative decoding (:class:`Speculation`): it verifies the
-drafts a forward computed, keeps the accepted ones until their outputs are emitted, and
-proposes the next drafts after sampling."""
+drafts a forward computed (:mod:`.verify`), hands the engine each drafting sequence's tokens
+to emit, and proposes the next drafts after sampling."""
 
 from __future__ import annotations
 
@@ -8,49 +8,105 @@ from collections.abc import Sequence as Seq
 
 from torch import Tensor
 
+from services.executor.core.outputs import SeqOutput, TokenLogprob
 from services.executor.core.plan import ScheduledChunk
+from services.executor.core.sampler import Sampler, SampleResult, SeededGenerators
 from services.executor.core.sequence import SeqStatus, Sequence
 from services.executor.core.spec.config import SpeculativeConfig, speculable
-from services.executor.core.spec.verify import SpecStats, accept_drafts, propose, verify_greedy
+from services.executor.core.spec.verify import Verified, accept_drafts, propose, verify
 
-__all__ = ["Speculation"]
+__all__ = ["SpecStats", "Speculation"]
+
+
+class SpecStats:
+    """vLLM's counters: drafts (sequence-steps that verified drafts), draft tokens, accepted
+    tokens, and accepted tokens by draft position."""
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * num_speculative_tokens
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verifying step of a sequence: 1 + accepted drafts on average."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
 class Speculation:
     """One engine's speculative decoding: ``stats`` are vLLM's counters."""
 
     def __init__(
-        self, config: SpeculativeConfig, eos_token_ids: frozenset[int], max_model_len: int
+        self, config: SpeculativeConfig, eos_token_ids: tuple[int, ...], max_model_len: int
     ) -> None:
         self.config = config
         self.stats = SpecStats(config.num_speculative_tokens)
-        self._eos = eos_token_ids
+        self._eos_ids = eos_token_ids
+        self._eos = frozenset(eos_token_ids)
         self._max_model_len = max_model_len
-        self._accepted: dict[int, list[int]] = {}  # this step's accepted drafts, by seq_id
+        self.verified: list[Verified] = []  # this step's, until :meth:`propose` ends it
+        self._by_seq: dict[int, Verified] = {}
 
-    def verify(self, chunks: Seq[ScheduledChunk], logits: Tensor) -> Tensor:
-        """The forward's logits (every row of a chunk with drafts) -> a row per sampled
-        chunk; the drafts accepted are remembered for :meth:`accept` and :meth:`emitted`."""
-        logits, self._accepted = verify_greedy(chunks, logits, self.stats)
+    def verify(
+        self,
+        chunks: Seq[ScheduledChunk],
+        logits: Tensor,
+        sampler: Sampler,
+        generators: SeededGenerators,
+    ) -> Tensor:
+        """Verify the drafts the forward computed; returns the logits rows of the other
+        sampled chunks (one each). Each drafting sequence's tokens wait in ``verified``."""
+        logits, self.verified = verify(chunks, logits, sampler, generators, self._eos_ids)
+        self._by_seq = {v.seq.seq_id: v for v in self.verified}
+        for v in self.verified:
+            self.stats.record(v.seq.num_scheduled_drafts, v.num_accepted)
         return logits
 
-    def accept(self, sampled: Seq[Sequence]) -> None:
+    def accept(self) -> None:
         """After the scheduler advanced the chunks: the accepted drafts join their sequences
-        (before the token sampled after them)."""
-        if self._accepted:
-            by_id = {s.seq_id: s for s in sampled}
-            for seq_id, accepted in self._accepted.items():
-                accept_drafts(by_id[seq_id], accepted)
+        (the token sampled after them is the engine's to append, as any sampled token)."""
+        for v in self.verified:
+            accept_drafts(v.seq, v.tokens[:-1])
 
-    def emitted(self, seq: Sequence, token: int) -> list[int]:
-        """The tokens ``seq`` emits in this step: its accepted drafts, then ``token``."""
-        accepted = self._accepted.get(seq.seq_id) if self._accepted else None
-        return [*accepted, token] if accepted else [token]
+    def unsampled(self, seqs: list[Sequence]) -> list[Sequence]:
+        """``seqs`` without the ones verified (sampled) in this step."""
+        return [s for s in seqs if s.seq_id not in self._by_seq]
+
+    def join(self, targets: list[tuple[Sequence, int]], result: SampleResult) -> None:
+        """Add the verified sequences to the sampler's ``result`` for ``targets``: each with
+        the token sampled after its accepted drafts."""
+        for v in self.verified:
+            targets.append((v.seq, 0))
+            result.token_ids.append(v.tokens[-1])
+            result.logprobs.append(v.logprobs[-1])
+
+    def fill(self, out: SeqOutput, seq: Sequence) -> bool:
+        """If ``seq`` was verified in this step: ``out`` carries its accepted drafts before its
+        sampled token, with their log-probabilities where asked; returns whether it was."""
+        v = self._by_seq.get(seq.seq_id)
+        if v is None:
+            return False
+        out.token_ids = list(v.tokens)
+        if v.logprobs[0] is not None:
+            out.logprobs = tuple(
+                TokenLogprob(t, lp[0], tuple(lp[1]))
+                for t, lp in zip(v.tokens, v.logprobs, strict=True)
+                if lp is not None
+            )
+        return True
 
     def propose(self, sampled: Seq[Sequence], num_running: int) -> None:
-        """Drafts for the next step of each running sample that can be verified greedily
-        (none in a batch of ``disable_by_batch_size`` sequences or more); ends the step."""
-        self._accepted = {}
+        """Drafts for the next step of each running sample that can be speculated (none in a
+        batch of ``disable_by_batch_size`` sequences or more); ends the step."""
+        self.verified = []
         cap = self.config.disable_by_batch_size
         off = bool(cap) and num_running >= cap
         running = SeqStatus.RUNNING

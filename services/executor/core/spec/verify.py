@@ -1,88 +1,117 @@
-"""Greedy verification of drafts (speculative decoding): a sequence's chunk computed its last
-token and its d drafts, so the forward gave d + 1 logits rows; a draft is accepted while it
-equals the argmax of the row before it, and the row after the last accepted one is sampled
-as usual (the correction, or the bonus token when every draft was accepted)."""
+"""Verification of drafts (speculative decoding). A sequence's chunk computed its last token
+and its d drafts, so the forward gave d + 1 logits rows: row j is the distribution of the token
+after draft j (row 0: after its last token). Each row is sampled as the sequence's next token
+would be with the drafts before it taken as its output (penalties, bias, min_tokens, its
+seed's draw for that output position, log-probabilities); drafts are accepted while each equals
+the token sampled before it, and the first token that differs (or the one after the last
+draft) ends the step.
+
+A draft of the n-gram proposer is one token with certainty (q is one-hot), so this *is*
+speculative sampling's rejection rule: the draft d is accepted with probability
+min(1, p(d) / q(d)) = p(d), and a rejection draws from norm(max(p - q, 0)), which is p without
+d. The outputs are distributed as without speculation; greedy and seeded samples give exactly
+the same tokens (a seed draws per output position)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from services.common.sampling_params import SamplingParams
 from services.executor.core.plan import ScheduledChunk
+from services.executor.core.sampler import RowState, Sampler, SeededGenerators
 from services.executor.core.sequence import Sequence
 from services.executor.core.spec.config import SpeculativeConfig
 from services.executor.core.spec.ngram import propose_ngram
 
-__all__ = ["SpecStats", "accept_drafts", "propose", "verify_greedy"]
+__all__ = ["Verified", "accept_drafts", "propose", "verify"]
+
+Logprob = tuple[float, list[tuple[int, float]]] | None
 
 
-class SpecStats:
-    """vLLM's counters: drafts (sequence-steps that verified drafts), draft tokens, accepted
-    tokens, and accepted tokens by draft position."""
+class Verified:
+    """One sequence's verification: ``tokens`` (its accepted drafts, then the token sampled
+    after them) and the log-probabilities of each (None where not asked)."""
 
-    def __init__(self, num_speculative_tokens: int) -> None:
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.accepted_per_pos = [0] * num_speculative_tokens
+    __slots__ = ("logprobs", "seq", "tokens")
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_drafted
-        self.num_accepted_tokens += num_accepted
-        for pos in range(num_accepted):
-            self.accepted_per_pos[pos] += 1
+    def __init__(self, seq: Sequence, tokens: list[int], logprobs: list[Logprob]) -> None:
+        self.seq, self.tokens, self.logprobs = seq, tokens, logprobs
 
     @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per verifying step of a sequence: 1 + accepted drafts on average."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+    def num_accepted(self) -> int:
+        return len(self.tokens) - 1
 
 
-def verify_greedy(
-    chunks: Seq[ScheduledChunk], logits: Tensor, stats: SpecStats
-) -> tuple[Tensor, dict[int, list[int]]]:
-    """``logits``: a row per sampled chunk, but every row of a chunk with drafts (d + 1 of
-    them). Returns a row per sampled chunk (for a chunk with drafts, the row after its last
-    accepted draft) and each such sequence's accepted drafts, by seq_id."""
+def verify(
+    chunks: Seq[ScheduledChunk],
+    logits: Tensor,
+    sampler: Sampler,
+    generators: SeededGenerators,
+    eos_token_ids: tuple[int, ...],
+) -> tuple[Tensor, list[Verified]]:
+    """``logits``: a row per sampled chunk, but every row of a chunk with drafts. Returns the
+    rows of the other sampled chunks (one each, in order) and each drafting sequence's
+    verification."""
     spans: list[tuple[Sequence, int, int]] = []  # (sequence, first row, drafts)
     keep: list[int] = []
     row = 0
     for seq, k, need_logits in chunks:
-        drafts = seq.num_scheduled_drafts
-        if drafts:
-            spans.append((seq, row, drafts))
-            keep.append(row)  # (replaced below by the row after the accepted drafts)
+        if seq.num_scheduled_drafts:
+            spans.append((seq, row, seq.num_scheduled_drafts))
             row += k
         elif need_logits:
             keep.append(row)
             row += 1
     if not spans:
-        return logits, {}
-    rows = torch.tensor(
-        [r for _, first, d in spans for r in range(first, first + d)], device=logits.device
+        return logits, []
+    rows: list[int] = []
+    params: list[SamplingParams] = []
+    states: dict[int, RowState] = {}
+    for seq, first, drafts in spans:
+        generator = generators.get(seq.seq_id)
+        for j in range(drafts + 1):
+            state = _draft_row_state(seq, j, generator, eos_token_ids)
+            if state is not None:
+                states[len(rows)] = state
+            rows.append(first + j)
+            params.append(seq.params)
+    result = sampler(logits[torch.tensor(rows, device=logits.device)], params, states)
+    verified: list[Verified] = []
+    at = 0
+    for seq, _, drafts in spans:
+        sampled = result.token_ids[at : at + drafts + 1]
+        accepted = 0
+        while accepted < drafts and sampled[accepted] == seq.draft_token_ids[accepted]:
+            accepted += 1
+        verified.append(
+            Verified(seq, sampled[: accepted + 1], result.logprobs[at : at + accepted + 1])
+        )
+        at += drafts + 1
+    rest = logits[torch.tensor(keep, device=logits.device, dtype=torch.long)]
+    return rest, verified
+
+
+def _draft_row_state(
+    seq: Sequence, j: int, generator: object, eos_token_ids: tuple[int, ...]
+) -> RowState | None:
+    """The sampler's state of ``seq``'s row after its first ``j`` drafts: they count as its
+    output (penalties, min_tokens), and the row draws for output position ``+ j``."""
+    state = RowState.of(seq, generator, eos_token_ids)  # type: ignore[arg-type]
+    if state is None or not j:
+        return state
+    p = seq.params
+    drafts = seq.draft_token_ids[:j]
+    banned = state.banned_token_ids if seq.num_output_tokens + j < p.min_tokens else ()
+    return RowState(
+        prompt_token_ids=state.prompt_token_ids,
+        output_token_ids=[*state.output_token_ids, *drafts] if p.has_penalties else [],
+        generator=state.generator,
+        banned_token_ids=banned,
+        position=state.position + j,
     )
-    target = logits[rows].argmax(dim=-1).cpu().numpy()
-    proposed = np.fromiter(
-        (t for seq, _, d in spans for t in seq.draft_token_ids[:d]), dtype=np.int64
-    )
-    matches = target == proposed
-    accepted: dict[int, list[int]] = {}
-    at, i = 0, 0
-    for index, pos in enumerate(keep):
-        if i < len(spans) and spans[i][1] == pos:
-            seq, first, d = spans[i]
-            run = matches[at : at + d]
-            a = int(run.argmin()) if not run.all() else d
-            accepted[seq.seq_id] = seq.draft_token_ids[:a]
-            keep[index] = first + a
-            stats.record(d, a)
-            at += d
-            i += 1
-    return logits[torch.tensor(keep, device=logits.device)], accepted
 
 
 def accept_drafts(seq: Sequence, accepted: list[int]) -> None:
