@@ -27,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 from tqdm import tqdm
 
 from services.bench.backends import GrpcBackend, ModelListError, OpenAIBackend, RequestOutput
@@ -37,6 +38,8 @@ from services.bench.datasets import (
     sharegpt_requests,
 )
 from services.bench.results import METRICS, parse_goodput, summarize, timeline
+from services.bench.spec_metrics import scrape
+from services.bench.spec_metrics import summary as spec_summary
 
 Backend = GrpcBackend | OpenAIBackend
 API_KEY_ENV = "OPENAI_API_KEY"  # what vLLM's benchmark sends as the bearer token
@@ -205,6 +208,18 @@ async def _run_once(
     return list(outputs), duration, t0
 
 
+def _metrics_url(args: argparse.Namespace) -> str | None:
+    """The server's metrics page: the OpenAI front's ``/metrics`` (none for the gRPC
+    backend, whose address is not an HTTP server)."""
+    if args.backend == "grpc":
+        return None
+    return (args.base_url or f"http://{args.host}:{args.port}").rstrip("/") + "/metrics"
+
+
+def _auth(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
 def _table(result: dict[str, Any], args: argparse.Namespace) -> str:
     rows: list[tuple[str, Any]] = [
         ("Successful requests:", result["completed"]),
@@ -238,6 +253,19 @@ def _table(result: dict[str, Any], args: argparse.Namespace) -> str:
         lines.append(f"{f'Median {u} (ms):':<44}{result[f'median_{m}_ms']:>16.2f}")
         for q in _percentiles(args):
             lines.append(f"{f'P{q:g} {u} (ms):':<44}{result[f'p{q:g}_{m}_ms']:>16.2f}")
+    if "spec_decode_num_drafts" in result:
+        lines.append("{s:{c}^60}".format(s=" Speculative Decoding ", c="-"))
+        lines.append(
+            f"{'Acceptance rate (%):':<44}{result['spec_decode_acceptance_rate'] * 100:>16.2f}"
+        )
+        lines.append(f"{'Acceptance length:':<44}{result['spec_decode_acceptance_length']:>16.2f}")
+        lines.append(f"{'Drafts:':<44}{result['spec_decode_num_drafts']:>16}")
+        lines.append(f"{'Draft tokens:':<44}{result['spec_decode_draft_tokens']:>16}")
+        lines.append(f"{'Accepted tokens:':<44}{result['spec_decode_accepted_tokens']:>16}")
+        rates = result["spec_decode_per_position_acceptance_rate"]
+        lines.append(
+            f"{'Per-position acceptance (%):':<44}{' '.join(f'{r * 100:.1f}' for r in rates):>16}"
+        )
     lines.append("=" * 60)
     return "\n".join(lines)
 
@@ -355,11 +383,18 @@ async def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
             else [args.request_rate]
         )
         records = []
-        for rate in rates:
-            outputs, duration, t0 = await _run_once(args, backend, requests, rate)
-            record = _record(args, rate, outputs, duration, t0)
-            print(_table(record, args), flush=True)
-            records.append(record)
+        metrics_url = _metrics_url(args)
+        async with httpx.AsyncClient(timeout=10.0, headers=_auth(args)) as client:
+            for rate in rates:
+                before = await scrape(client, metrics_url) if metrics_url else None
+                outputs, duration, t0 = await _run_once(args, backend, requests, rate)
+                after = None
+                if metrics_url and before is not None:
+                    after = await scrape(client, metrics_url)
+                record = _record(args, rate, outputs, duration, t0)
+                record.update(spec_summary(before, after))
+                print(_table(record, args), flush=True)
+                records.append(record)
         return records
     finally:
         await backend.close()

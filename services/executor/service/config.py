@@ -216,8 +216,9 @@ class ExecutorConfig:
             "--speculative-config",
             default=None,
             help='speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", '
-            '"num_speculative_tokens": 3, "prompt_lookup_max": 3}\' (greedy samples are '
-            "verified; the others run unspeculated)",
+            '"num_speculative_tokens": 3, "prompt_lookup_max": 3}\': n-gram drafts verified '
+            "in one forward (beam searches and structured outputs run unspeculated); "
+            "full-attention models only (docs/speculative-decoding.md)",
         )
         a(
             "--cuda-graph-sizes",
