@@ -14,10 +14,12 @@ import pytest
 from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
 from services.executor.core.engine import Engine
+from services.executor.core.sequence import RequestKey
 from services.executor.model.launch import build_runner
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
 from tests.executor.greedy import hf_greedy, run_engine
+from tests.executor.test_structured_outputs import SPECS
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
 
@@ -169,6 +171,24 @@ def test_prefix_hits_and_prompt_logprobs_beside_drafts_keep_the_tokens(model_dir
     assert _spec_counts(engine)[1] > 0
 
 
+@pytest.mark.parametrize("kind", ["json", "regex"])
+def test_structured_outputs_are_speculated_within_their_grammar(model_dir, kind):
+    """Drafts are cut where the grammar refuses them, each row is masked to what the grammar
+    allows after the drafts before it, and the matcher follows the accepted ones."""
+    requests = {
+        rid: (prompt, dataclasses.replace(params, max_tokens=60, structured_outputs=SPECS[kind]))
+        for rid, (prompt, params) in _requests(seed=1, num=12).items()
+    }
+    plain, plain_finals = run_engine(_engine(model_dir), requests)
+    engine = _engine(model_dir, speculative_config=SPEC)
+    spec, finals = run_engine(engine, requests)
+    assert spec == plain
+    assert {k: f.finish_reason for k, f in finals.items()} == {
+        k: f.finish_reason for k, f in plain_finals.items()
+    }
+    assert _spec_counts(engine)[0] > 0
+
+
 def _logprobs(engine: Engine, requests: dict[str, tuple]) -> dict[str, list]:
     for rid, (prompt, params) in requests.items():
         engine.add_request(_key(rid), prompt, params)
@@ -211,7 +231,5 @@ def test_a_blockmgr_restart_mid_speculation_restores_the_lookahead_slots(model_d
     assert _spec_counts(engine)[1] > 0
 
 
-def _key(rid: str):
-    from services.executor.core.sequence import RequestKey
-
+def _key(rid: str) -> RequestKey:
     return RequestKey(0, rid)

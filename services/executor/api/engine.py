@@ -316,6 +316,7 @@ class InProcessEngine:
         """The engine's counters now (also after :meth:`close`)."""
         e = self._engine
         sched = e.scheduler
+        spec = e.spec.stats if e.spec is not None else None
         return EngineStats(
             num_steps=e.num_steps,
             num_preemptions=sched.num_preemptions,
@@ -328,6 +329,10 @@ class InProcessEngine:
             num_waiting=len(sched.waiting) + len(sched.swapped),
             last_step_host_s=e.last_step_host_s,
             last_step_forward_s=e.last_step_forward_s,
+            num_spec_drafts=spec.num_drafts if spec else 0,
+            num_spec_draft_tokens=spec.num_draft_tokens if spec else 0,
+            num_spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_accepted_per_pos=tuple(spec.accepted_per_pos) if spec else (),
         )
 
     def kv_usage(self) -> KVUsage:

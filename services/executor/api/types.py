@@ -88,6 +88,17 @@ class EngineStats:
     num_waiting: int
     last_step_host_s: float  # the last step's wall time outside the forward
     last_step_forward_s: float  # and inside it (batch build and model)
+    # Speculative decoding (vLLM's counters; 0 without it): sequence-steps that verified
+    # drafts, draft tokens verified, drafts accepted, and accepted by draft position.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step gives a sequence on average: 1 + accepted drafts."""
+        return 1.0 + self.num_spec_accepted_tokens / max(1, self.num_spec_drafts)
 
 
 @dataclass(frozen=True, slots=True)

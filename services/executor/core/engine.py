@@ -92,8 +92,8 @@ class Engine(AheadEngine, BeamSearchEngine):
         self.num_failed_moves = 0
         self.num_blocks_moved = dict.fromkeys(MOVE_KINDS, 0)  # the tiers' moves, by kind
         # Speculative decoding: drafts proposed after sampling, verified by the next forward.
-        spec, eos = settings.speculative_config, settings.eos_token_ids
-        self.spec = Speculation(spec, eos, settings.max_model_len) if spec else None
+        spec = settings.speculative_config
+        self.spec = Speculation(settings, self.sampler, self.generators, grammars) if spec else None
         scheduler_config = replace(
             settings.scheduler,
             defer_filled_chunks=self._fills_async,
@@ -310,7 +310,7 @@ class Engine(AheadEngine, BeamSearchEngine):
             ahead = self._send_ahead(batch)
         sampled = [c.seq for c in batch.chunks if c.need_logits]
         if self.spec is not None and logits is not None:
-            logits = self.spec.verify(batch.chunks, logits, self.sampler, self.generators)
+            logits = self.spec.verify(batch.chunks, logits)
         self.num_prompt_tokens += self.scheduler.after_forward(batch.chunks)
         if self.spec is not None:
             self.spec.accept()

@@ -65,7 +65,6 @@ class SpeculativeConfig:
 
 def speculable(params: SamplingParams) -> bool:
     """Whether a sample's drafts can be verified: any sampling (greedy, temperature, top-k/p,
-    penalties, bias, seeds, log-probabilities), but not beam search (beams re-fork every
-    step) nor structured outputs (the grammar matcher does not roll back yet). The others run
-    unspeculated, with the same outputs."""
-    return not params.use_beam_search and params.structured_outputs is None
+    penalties, bias, seeds, log-probabilities, structured outputs), but not beam search (beams
+    re-fork every step: they run unspeculated, with the same outputs)."""
+    return not params.use_beam_search

@@ -8,12 +8,20 @@ from collections.abc import Sequence as Seq
 
 from torch import Tensor
 
+from services.executor.core.config import EngineSettings
+from services.executor.core.grammar import GrammarCompiler
 from services.executor.core.outputs import SeqOutput, TokenLogprob
 from services.executor.core.plan import ScheduledChunk
 from services.executor.core.sampler import Sampler, SampleResult, SeededGenerators
 from services.executor.core.sequence import SeqStatus, Sequence
 from services.executor.core.spec.config import SpeculativeConfig, speculable
-from services.executor.core.spec.verify import Verified, accept_drafts, propose, verify
+from services.executor.core.spec.verify import (
+    Verified,
+    accept_drafts,
+    grammar_drafts,
+    propose,
+    verify,
+)
 
 __all__ = ["SpecStats", "Speculation"]
 
@@ -45,26 +53,30 @@ class Speculation:
     """One engine's speculative decoding: ``stats`` are vLLM's counters."""
 
     def __init__(
-        self, config: SpeculativeConfig, eos_token_ids: tuple[int, ...], max_model_len: int
+        self,
+        settings: EngineSettings,
+        sampler: Sampler,
+        generators: SeededGenerators,
+        grammars: GrammarCompiler | None,
     ) -> None:
-        self.config = config
-        self.stats = SpecStats(config.num_speculative_tokens)
-        self._eos_ids = eos_token_ids
-        self._eos = frozenset(eos_token_ids)
-        self._max_model_len = max_model_len
+        """The engine's ``settings`` (their ``speculative_config`` set), and the sampler,
+        seeded generators and grammar compiler its rows are sampled and masked with."""
+        assert settings.speculative_config is not None
+        self.config: SpeculativeConfig = settings.speculative_config
+        self.stats = SpecStats(self.config.num_speculative_tokens)
+        self._eos_ids = settings.eos_token_ids
+        self._eos = frozenset(settings.eos_token_ids)
+        self._max_model_len = settings.max_model_len
+        self._sampler, self._generators, self._grammars = sampler, generators, grammars
         self.verified: list[Verified] = []  # this step's, until :meth:`propose` ends it
         self._by_seq: dict[int, Verified] = {}
 
-    def verify(
-        self,
-        chunks: Seq[ScheduledChunk],
-        logits: Tensor,
-        sampler: Sampler,
-        generators: SeededGenerators,
-    ) -> Tensor:
+    def verify(self, chunks: Seq[ScheduledChunk], logits: Tensor) -> Tensor:
         """Verify the drafts the forward computed; returns the logits rows of the other
         sampled chunks (one each). Each drafting sequence's tokens wait in ``verified``."""
-        logits, self.verified = verify(chunks, logits, sampler, generators, self._eos_ids)
+        logits, self.verified = verify(
+            chunks, logits, self._sampler, self._generators, self._eos_ids, self._grammars
+        )
         self._by_seq = {v.seq.seq_id: v for v in self.verified}
         for v in self.verified:
             self.stats.record(v.seq.num_scheduled_drafts, v.num_accepted)
@@ -116,4 +128,7 @@ class Speculation:
                 continue
             p = seq.params
             stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos)
-            seq.draft_token_ids = propose(seq, self.config, stops, self._max_model_len)
+            drafts = propose(seq, self.config, stops, self._max_model_len)
+            if seq.matcher is not None and drafts:
+                drafts = grammar_drafts(seq.matcher, drafts)
+            seq.draft_token_ids = drafts

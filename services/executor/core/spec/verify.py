@@ -20,13 +20,14 @@ import torch
 from torch import Tensor
 
 from services.common.sampling_params import SamplingParams
+from services.executor.core.grammar import GrammarCompiler, Matcher, accept
 from services.executor.core.plan import ScheduledChunk
 from services.executor.core.sampler import RowState, Sampler, SeededGenerators
 from services.executor.core.sequence import Sequence
 from services.executor.core.spec.config import SpeculativeConfig
 from services.executor.core.spec.ngram import propose_ngram
 
-__all__ = ["Verified", "accept_drafts", "propose", "verify"]
+__all__ = ["Verified", "accept_drafts", "grammar_drafts", "propose", "verify"]
 
 Logprob = tuple[float, list[tuple[int, float]]] | None
 
@@ -51,10 +52,12 @@ def verify(
     sampler: Sampler,
     generators: SeededGenerators,
     eos_token_ids: tuple[int, ...],
+    grammars: GrammarCompiler | None = None,
 ) -> tuple[Tensor, list[Verified]]:
     """``logits``: a row per sampled chunk, but every row of a chunk with drafts. Returns the
     rows of the other sampled chunks (one each, in order) and each drafting sequence's
-    verification."""
+    verification. A sample under a grammar has each row masked to what its grammar allows
+    after the drafts before it."""
     spans: list[tuple[Sequence, int, int]] = []  # (sequence, first row, drafts)
     keep: list[int] = []
     row = 0
@@ -70,15 +73,21 @@ def verify(
     rows: list[int] = []
     params: list[SamplingParams] = []
     states: dict[int, RowState] = {}
+    masks: dict[int, Matcher] = {}
     for seq, first, drafts in spans:
         generator = generators.get(seq.seq_id)
+        if seq.matcher is not None:
+            masks.update(_draft_row_matchers(seq.matcher, seq.draft_token_ids[:drafts], len(rows)))
         for j in range(drafts + 1):
             state = _draft_row_state(seq, j, generator, eos_token_ids)
             if state is not None:
                 states[len(rows)] = state
             rows.append(first + j)
             params.append(seq.params)
-    result = sampler(logits[torch.tensor(rows, device=logits.device)], params, states)
+    draft_logits = logits[torch.tensor(rows, device=logits.device)]
+    if masks and grammars is not None:
+        grammars.mask_logits(draft_logits, masks)
+    result = sampler(draft_logits, params, states)
     verified: list[Verified] = []
     at = 0
     for seq, _, drafts in spans:
@@ -92,6 +101,28 @@ def verify(
         at += drafts + 1
     rest = logits[torch.tensor(keep, device=logits.device, dtype=torch.long)]
     return rest, verified
+
+
+def _draft_row_matchers(matcher: Matcher, drafts: list[int], first_row: int) -> dict[int, Matcher]:
+    """The grammar state of each row of a draft (by row index from ``first_row``): after the
+    drafts before it. The drafts follow the grammar (:func:`grammar_drafts`)."""
+    states: dict[int, Matcher] = {}
+    walker = matcher.copy()
+    for j, token in enumerate(drafts):
+        states[first_row + j] = walker.copy()
+        walker.accept(token)
+    states[first_row + len(drafts)] = walker
+    return states
+
+
+def grammar_drafts(matcher: Matcher, drafts: list[int]) -> list[int]:
+    """The leading ``drafts`` the sample's grammar allows (a draft it refuses would be
+    rejected anyway)."""
+    walker = matcher.copy()
+    for j, token in enumerate(drafts):
+        if not walker.accept(token):
+            return drafts[:j]
+    return drafts
 
 
 def _draft_row_state(
@@ -120,6 +151,9 @@ def accept_drafts(seq: Sequence, accepted: list[int]) -> None:
     (``num_unreported``), and their blocks commit after that step's forward (a commit goes
     out before the grow in a Step, when the pool does not count them yet)."""
     seq.token_ids.extend(accepted)
+    if seq.matcher is not None:
+        for token in accepted:
+            accept(seq.matcher, token)
     seq.num_computed_tokens += len(accepted)
     seq.num_unreported += len(accepted)
     seq.num_scheduled_drafts = 0
