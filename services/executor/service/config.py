@@ -217,7 +217,7 @@ class ExecutorConfig:
             default=None,
             help='speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", '
             '"num_speculative_tokens": 3, "prompt_lookup_max": 3}\': n-gram drafts verified '
-            "in one forward (beam searches and structured outputs run unspeculated); "
+            "in one forward (beam searches run unspeculated); "
             "full-attention models only (docs/speculative-decoding.md)",
         )
         a(
