@@ -98,6 +98,20 @@ def test_ngram_speculation_gives_the_tokens_of_the_engine_without_it(model_dir, 
         assert engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "qwen3", "mixtral", "qwen3_moe", "phi3"])
+def test_every_full_attention_family_speculates_with_transformers_tokens(
+    name, tiny_checkpoint, hf_model
+):
+    requests = _requests(seed=1, num=12)
+    engine = _engine(str(tiny_checkpoint(name)), speculative_config=SPEC)
+    got, _ = run_engine(engine, requests)
+    model = hf_model(name)
+    for rid, (prompt, params) in requests.items():
+        assert got[(rid, 0)] == hf_greedy(model, prompt, params.max_tokens)[0], rid
+    drafted, accepted = _spec_counts(engine)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+
+
 def test_speculated_greedy_outputs_equal_transformers(model_dir, hf_model):
     requests = _requests(seed=1, num=12)
     engine = _engine(model_dir, speculative_config=SPEC)
