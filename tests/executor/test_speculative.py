@@ -33,7 +33,7 @@ def _engine(model_dir: str, **flags) -> Engine:
     config = ExecutorConfig(
         model=model_dir,
         dtype="float32",
-        device="cpu",
+        device=flags.pop("device", "cpu"),
         block_size=8,
         max_model_len=256,
         num_kv_blocks=flags.pop("num_kv_blocks", 256),
@@ -247,3 +247,14 @@ def test_a_blockmgr_restart_mid_speculation_restores_the_lookahead_slots(model_d
 
 def _key(rid: str) -> RequestKey:
     return RequestKey(0, rid)
+
+
+@pytest.mark.gpu
+def test_on_cuda_speculation_gives_the_tokens_of_graphed_decoding(model_dir):
+    """On a GPU: the plain engine decodes through CUDA graphs, the speculating one verifies
+    its drafts eagerly (k + 1 queries per sequence); fp32 tokens are identical."""
+    requests = _requests(seed=1, num=12)
+    plain, _ = run_engine(_engine(model_dir, device="cuda"), requests)
+    engine = _engine(model_dir, device="cuda", speculative_config=SPEC)
+    assert run_engine(engine, requests)[0] == plain
+    assert _spec_counts(engine)[1] > 0

@@ -32,7 +32,7 @@ from services.executor.model.errors import ModelLoadError
 from services.executor.model.host_kv import HostKVCache
 from services.executor.model.kv_cache import allocate_kv_cache, size_kv_cache
 from services.executor.model.kv_layout import plan_kv_layout
-from services.executor.model.loader import load_model, resolve_device
+from services.executor.model.loader import load_model, read_model_config, resolve_device
 from services.executor.model.models import DecoderLM
 from services.executor.model.parallel import Comm, DistComm, ShardPlan, SingleComm
 from services.executor.model.runner import ModelRunner
@@ -71,6 +71,9 @@ def build_runner(
                 f"--tensor-parallel-size={size} needs {size} GPUs (one per rank), "
                 f"{torch.cuda.device_count()} visible"
             )
+        # The split is checked before any rank starts: a model that cannot be sharded is a
+        # configuration error, raised here at once rather than raced by the ranks.
+        ShardPlan.of(read_model_config(config.model, max_model_len=config.max_model_len), 0, size)
         workers = WorkerGroup.launch(config, rank_device(device, 0), worker_main, graph_backend)
         comm = workers.comm
     try:

@@ -60,6 +60,9 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
+# How long a failed join waits for a worker's exit (and its reason) before reporting its own.
+_EXIT_REPORT_S = 5.0
+
 HEADER_LEN = 8
 _CONTROL_TIMEOUT = timedelta(days=365)  # a worker waits on rank 0 for as long as it idles
 
@@ -250,6 +253,8 @@ class WorkerGroup:
             control = group._join(init_method, device, config.distributed_timeout)
         except BaseException:
             group._kill()
+            if dist.is_initialized():  # a join that failed half-way: a later one may succeed
+                dist.destroy_process_group()
             raise
         log.info(
             "tensor_parallel_started",
@@ -280,6 +285,13 @@ class WorkerGroup:
         while not done.wait(0.1):
             self.check()  # WorkerLost naming the rank and its reported error
         if "error" in result:
+            # A worker that failed and exited while we were still joining makes the join fail
+            # with "connection closed by peer": its own reason, reported as it exits, says why.
+            deadline = time.monotonic() + _EXIT_REPORT_S
+            while time.monotonic() < deadline and any(p.is_alive() for p in self.processes):
+                self.check()
+                time.sleep(0.05)
+            self.check()
             raise WorkerLost(
                 f"tensor-parallel ranks did not join {init_method}: {result['error']}"
             ) from result["error"]
