@@ -57,6 +57,18 @@ def _requests(seed: int, num: int, max_tokens: int = 100) -> dict[str, tuple]:
     return requests
 
 
+def _assert_same_with_and_without_speculation(model_dir: str, requests: dict) -> None:
+    """The same tokens and finish reasons with speculation as without, with drafts made."""
+    plain, plain_finals = run_engine(_engine(model_dir), requests)
+    engine = _engine(model_dir, speculative_config=SPEC)
+    spec, finals = run_engine(engine, requests)
+    assert spec == plain
+    assert {k: f.finish_reason for k, f in finals.items()} == {
+        k: f.finish_reason for k, f in plain_finals.items()
+    }
+    assert _spec_counts(engine)[0] > 0
+
+
 def _spec_counts(engine: Engine) -> tuple[int, int]:
     return engine.spec.stats.num_draft_tokens, engine.spec.stats.num_accepted_tokens
 
@@ -142,14 +154,7 @@ def test_sampled_requests_give_the_tokens_and_logprobs_of_the_engine_without_it(
         rid: (prompt, dataclasses.replace(params, **overrides))
         for rid, (prompt, params) in _requests(seed=1, num=12).items()
     }
-    plain, plain_finals = run_engine(_engine(model_dir), requests)
-    engine = _engine(model_dir, speculative_config=SPEC)
-    spec, finals = run_engine(engine, requests)
-    assert spec == plain
-    assert {k: f.finish_reason for k, f in finals.items()} == {
-        k: f.finish_reason for k, f in plain_finals.items()
-    }
-    assert _spec_counts(engine)[0] > 0
+    _assert_same_with_and_without_speculation(model_dir, requests)
 
 
 def test_logprobs_of_accepted_drafts_equal_those_without_speculation(model_dir):
@@ -193,14 +198,7 @@ def test_structured_outputs_are_speculated_within_their_grammar(model_dir, kind)
         rid: (prompt, dataclasses.replace(params, max_tokens=60, structured_outputs=SPECS[kind]))
         for rid, (prompt, params) in _requests(seed=1, num=12).items()
     }
-    plain, plain_finals = run_engine(_engine(model_dir), requests)
-    engine = _engine(model_dir, speculative_config=SPEC)
-    spec, finals = run_engine(engine, requests)
-    assert spec == plain
-    assert {k: f.finish_reason for k, f in finals.items()} == {
-        k: f.finish_reason for k, f in plain_finals.items()
-    }
-    assert _spec_counts(engine)[0] > 0
+    _assert_same_with_and_without_speculation(model_dir, requests)
 
 
 def _logprobs(engine: Engine, requests: dict[str, tuple]) -> dict[str, list]:
