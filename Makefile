@@ -29,9 +29,12 @@ lint: protos
 	$(PY) -m pagedserve.tools.check_file_sizes
 	$(VENV)/bin/mypy
 
-# The whole suite (CI). The 25 slowest tests close the output: docs/testing.md has the budgets.
+# The whole suite (CI), on TEST_WORKERS pytest-xdist workers (a test module stays on one
+# worker, so its module-scoped stacks start once). The 25 slowest tests close the output:
+# docs/testing.md has the budgets.
+TEST_WORKERS ?= 2
 test: protos lint
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=25
 
 # The inner loop: everything but the tests that start processes (e2e), run Triton kernels
 # under the interpreter (interp) or repeat a sweep for another model or configuration

@@ -15,12 +15,12 @@ import shutil
 from collections.abc import Iterator
 
 os.environ.setdefault("PAGEDSERVE_VERIFY_BLOCK_TABLES", "1")
-# Tiny models on a 2-core machine: intra-op threads only contend (measured: one engine run
-# took 8.9 s with 2 threads under load vs 0.13 s with 1). The variable, not only
-# torch.set_num_threads below: an in-process runner sets the threads it is given, else the
-# host's cores unless OMP_NUM_THREADS is set (RunnerConfig.torch_threads), and two pytest-xdist
-# workers running 2 threads each on 2 cores made one test 40x slower (0.8 s -> 32 s).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Under pytest-xdist (make test, make test-fast) each worker runs one intra-op thread: an
+# in-process runner sets the threads it is given, else the host's cores unless
+# OMP_NUM_THREADS is set (RunnerConfig.torch_threads), and two workers running 2 threads each
+# on 2 cores made one test 40x slower (0.8 s -> 32 s). In a serial run, runners take the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 if not shutil.which("nvidia-smi"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
