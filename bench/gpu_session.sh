@@ -3,7 +3,7 @@
 #   1. the kernel checks and bandwidth tables (bench.internals.gpu_check), and the newer
 #      families' kernels (sliding window, soft-cap, fused MoE: bench.internals.gpu_check_families),
 #   2. every `gpu` test (fused kernels in bf16, CUDA graphs vs eager, no recapture, speculative
-#      decoding's verification against graphed decoding),
+#      decoding's verification, n-gram and draft model, against graphed decoding),
 #   3. the engine benchmark with and without CUDA graphs (bench.internals.gpu_engine),
 #   4. on a host with several GPUs, tensor parallelism over NCCL (bench.internals.tp_bench).
 # Usage: `bash bench/gpu_session.sh` from anywhere; logs go to $OUT when set, else /tmp.

@@ -1,4 +1,4 @@
-"""Speculative decoding on the CPU: n-gram drafts against no speculation, in the same run.
+"""Speculative decoding on the CPU (n-gram or draft model) against none, in the same run.
 
 The model is a benchmark fixture, not a product model: a tiny Llama trained on the CPU on
 text whose second half repeats spans of its first (``bench.common.trained``; written once
@@ -17,7 +17,8 @@ times each:
   without speculation).
 
 The greedy tokens must be identical with and without speculation: exit status 1 otherwise.
-Usage: ``python -m bench.spec_bench [--batches 1,4,16,64] [--repeats 3] [--threads N]``.
+Usage: ``python -m bench.spec_bench [--batches 1,4,16,64] [--repeats 3] [--threads N]
+[--draft-model K]`` (``--draft-model K``: the fixture's draft model drafts K tokens a step).
 """
 
 from __future__ import annotations
@@ -82,12 +83,23 @@ def main() -> int:
     p.add_argument("--fixture-dir", default="models/spec-fixture")
     p.add_argument("--model", default=None, help="a trained checkpoint instead of the fixture's")
     p.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC))
+    p.add_argument(
+        "--draft-model",
+        type=int,
+        metavar="K",
+        default=0,
+        help="speculate with the fixture's draft model, K tokens a step, instead of "
+        "--speculative-config",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.model:
         target = Path(args.model)
     else:
-        target, _draft = write_spec_fixture(Path(args.fixture_dir), seed=args.seed)
+        target, draft = write_spec_fixture(Path(args.fixture_dir), seed=args.seed)
+        if args.draft_model:
+            spec = {"model": str(draft), "num_speculative_tokens": args.draft_model}
+            args.speculative_config = json.dumps(spec)
     print(f"# Speculative decoding (CPU, {args.threads} threads), `{args.speculative_config}`\n")
     print(
         "| batch | off tok/s | on tok/s | on/off | acceptance length | acceptance rate "

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pagedserve.tools.tiny_model import TinyModelSpec, write_tiny_model
@@ -80,6 +82,37 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFacto
         if name not in written:
             written[name] = write_tiny_model(root / name, **CHECKPOINTS[name])
         return written[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def draft_checkpoint(
+    tiny_checkpoint: CheckpointFactory, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str, float], Path]:
+    """``draft_checkpoint(name, noise)`` -> a draft model for checkpoint ``name``: its copy
+    with Gaussian noise of ``noise`` times each matrix's standard deviation added to every
+    projection (not the embeddings), seeded. A tiny random model's greedy tokens are chaotic:
+    a noise of 0.02 keeps about half of the drafts accepted, 0 all of them."""
+    root = tmp_path_factory.mktemp("draft_checkpoints")
+    written: dict[tuple[str, float], Path] = {}
+
+    def get(name: str, noise: float) -> Path:
+        if (name, noise) not in written:
+            target, out = tiny_checkpoint(name), root / f"{name}-{noise}"
+            shutil.copytree(target, out)
+            gen = torch.Generator().manual_seed(7)
+            for file in out.glob("*.safetensors"):
+                weights = load_file(file)
+                for key, w in weights.items():
+                    if w.dim() == 2 and "embed" not in key:
+                        noisy = w.float() + noise * w.float().std() * torch.randn(
+                            w.shape, generator=gen
+                        )
+                        weights[key] = noisy.to(w.dtype)
+                save_file(weights, file, metadata={"format": "pt"})
+            written[(name, noise)] = out
+        return written[(name, noise)]
 
     return get
 

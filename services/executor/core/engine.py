@@ -91,9 +91,8 @@ class Engine(AheadEngine, BeamSearchEngine):
         self._disk_moves = hasattr(runner, "take_failed_moves")  # moves that may fail
         self.num_failed_moves = 0
         self.num_blocks_moved = dict.fromkeys(MOVE_KINDS, 0)  # the tiers' moves, by kind
-        # Speculative decoding: drafts proposed after sampling, verified by the next forward.
-        spec = settings.speculative_config
-        self.spec = Speculation(settings, self.sampler, self.generators, grammars) if spec else None
+        # Speculative decoding: drafts verified by the forward (see core.spec).
+        self.spec = Speculation.of(settings, self.sampler, self.generators, grammars, runner)
         scheduler_config = replace(
             settings.scheduler,
             defer_filled_chunks=self._fills_async,
@@ -242,7 +241,7 @@ class Engine(AheadEngine, BeamSearchEngine):
         self.scheduler.finish(seq, reason, stop_token)
         self.generators.drop(seq.seq_id)
         out = out or SeqOutput(seq.req_id, seq.index)
-        out.finish_reason, out.stop_token_id, out.usage = reason, stop_token, _usage(seq)
+        out.finish_reason, out.stop_token_id, out.usage = reason, stop_token, Usage.of(seq)
         req = self.requests.get(seq.req_id)
         if req is not None and req.finished:
             self._forget(req)
@@ -377,6 +376,8 @@ class Engine(AheadEngine, BeamSearchEngine):
         return pending
 
     def _forward(self, batch: ScheduledBatch) -> Tensor:
+        if self.spec is not None:
+            self.spec.draft(batch.chunks)
         chunks, pending = seq_chunks(batch)
         assert not pending  # planned after sampling: every token is known
         return self.runner.execute(chunks)
@@ -426,7 +427,7 @@ class Engine(AheadEngine, BeamSearchEngine):
                     accept(seq.matcher, token)
             out = SeqOutput(seq.req_id, seq.index, [token])
             if len(seq.token_ids) - seq.prompt_len == 1:  # the first token also reports
-                out.usage = _usage(seq)  # the prompt's cache hits
+                out.usage = Usage.of(seq)  # the prompt's cache hits
                 if seq.index == 0 and seq.prompt_logprobs:
                     out.prompt_logprobs = tuple(seq.prompt_logprobs)
             # (a verified sample's output: its accepted drafts, then ``token``)
@@ -494,7 +495,3 @@ class Engine(AheadEngine, BeamSearchEngine):
             accept(child.matcher, token)
         self.generators.rename((parent.seq_id, index), child.seq_id)
         return child
-
-
-def _usage(seq: Seq) -> Usage:
-    return Usage(seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens)

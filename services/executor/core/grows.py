@@ -87,9 +87,9 @@ def plan_grows(
             prefills.append(seq)
         elif budget <= 0:
             continue
-        elif seq.draft_token_ids and budget > 1 and _private_tail(seq, refs, bs):
+        elif seq.num_planned_drafts and budget > 1 and _private_tail(seq, refs, bs):
             # Speculative decoding: its token and its drafts, verified by this forward.
-            drafts = min(len(seq.draft_token_ids), budget - 1)
+            drafts = min(seq.num_planned_drafts, budget - 1)
             seq.num_scheduled_drafts = drafts
             if schedule(seq, 1 + drafts):
                 budget -= 1 + drafts

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from services.executor.core.sequence import FinishReason, RequestKey
+from services.executor.core.sequence import FinishReason, RequestKey, Sequence
 
 
 class RequestErrorCode(enum.Enum):
@@ -48,6 +48,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
+
+    @classmethod
+    def of(cls, seq: Sequence) -> Usage:
+        return cls(seq.prompt_len, seq.num_output_tokens, seq.num_cached_tokens)
 
 
 @dataclass(slots=True)

@@ -491,7 +491,7 @@ class Scheduler:
     def _back_to_waiting(self, seq: Sequence) -> None:
         """Queue ``seq``, which holds no blocks now, to be admitted again and recomputed."""
         seq.num_computed_tokens = seq.num_committed_blocks = seq.first_live_block = 0
-        seq.num_unreported = seq.num_surplus_slots = seq.num_scheduled_drafts = 0
+        seq.forget_speculation()
         seq.status = SeqStatus.WAITING
         bisect.insort(self.waiting, seq, key=_sort_key)
 

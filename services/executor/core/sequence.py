@@ -75,11 +75,17 @@ class Sequence:
     # Slots the pool granted beyond ``num_computed_tokens`` for a step that has not run yet
     # (async scheduling grants the next step's slot while this step's forward runs).
     num_ahead_slots: int = 0
-    # Speculative decoding (core.spec): the drafts proposed for its next step; how many of
-    # them the scheduled chunk computes; verified tokens (accepted drafts) the pool has not
-    # counted yet (the next grow reports them); slots the pool holds beyond its tokens.
+    # Speculative decoding (core.spec): the drafts proposed for its next step (a draft model
+    # makes them once the step is scheduled); how many of them the scheduled chunk computes;
+    # verified tokens (accepted drafts) the pool has not counted yet (the next grow reports
+    # them); slots the pool holds beyond its tokens.
     draft_token_ids: list[int] = field(default_factory=list)
+    num_planned_drafts: int = 0  # drafts its next step may verify (ngram: the drafts made)
     num_scheduled_drafts: int = 0
+    # With a draft model: its positions whose KV the draft model has computed, from 0 (None:
+    # as far as the target's, prefix hits included). Verified tokens it has not seen yet are
+    # computed with the next drafts (core.spec.draft).
+    num_draft_computed: int | None = None
     num_unreported: int = 0
     num_surplus_slots: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
@@ -94,6 +100,12 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_token: int | None = None
     admitted_once: bool = False
+
+    def forget_speculation(self) -> None:
+        """Preempted to be recomputed: no slot, draft or unreported token is left; a draft
+        model's KV counts as far as the target's again (its prefix hits)."""
+        self.num_unreported = self.num_surplus_slots = self.num_scheduled_drafts = 0
+        self.num_draft_computed = None
 
     def wants_prompt_logprobs(self) -> bool:
         """Its prompt chunks return every token's logits: sample 0 of a request that asked for

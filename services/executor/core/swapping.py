@@ -75,6 +75,7 @@ class Swapping:
         plan.swap_outs.append((seq, seq.tables))
         plan.released.append(pool_view(seq))
         seq.num_swap_slots = n
+        seq.num_draft_computed = 0  # (a draft model's KV does not go to the host tier)
         self.slots_used += n
         seq.status = SeqStatus.SWAPPED
         self.num_swapped_out += 1

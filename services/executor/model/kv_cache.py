@@ -58,12 +58,14 @@ def num_blocks_for_budget(
     dtype: torch.dtype,
     budget_bytes: int,
     num_slots: int | None = None,
+    extra_bytes_per_block: int = 0,
 ) -> int:
-    """How many blocks (including the reserved block 0) fit in ``budget_bytes``.
+    """How many blocks (including the reserved block 0) fit in ``budget_bytes``, each also
+    costing ``extra_bytes_per_block`` (a draft model's KV of the same block).
 
     Raises ``ValueError`` when the budget holds fewer than two blocks (nothing usable).
     """
-    per_block = bytes_per_block(config, block_size, dtype, num_slots)
+    per_block = bytes_per_block(config, block_size, dtype, num_slots) + extra_bytes_per_block
     num_blocks = budget_bytes // per_block
     if num_blocks < MIN_NUM_BLOCKS:
         raise ValueError(
@@ -98,6 +100,7 @@ def size_kv_cache(
     *,
     max_num_batched_tokens: int,
     graph_sizes: tuple[int, ...] = (),
+    extra_bytes_per_block: int = 0,
 ) -> int:
     """How many blocks (block 0 included) the executor's KV cache gets, the one place that
     decides it: ``--num-kv-blocks`` exactly, else ``--kv-cache-memory`` bytes, else on CUDA
@@ -105,8 +108,9 @@ def size_kv_cache(
     CPU default budget. Under tensor parallelism each rank sizes its own shard (its KV heads)
     and the count is the minimum over the ranks, so that one block id means the same slot
     everywhere. The profile runs a forward of ``max_num_batched_tokens`` tokens and sets
-    aside what the largest of ``graph_sizes`` (the decode CUDA graphs) keeps. Raises
-    ``ValueError`` when one full-length sequence would not fit."""
+    aside what the largest of ``graph_sizes`` (the decode CUDA graphs) keeps. A budget pays
+    ``extra_bytes_per_block`` per block besides (a draft model's cache of the same blocks).
+    Raises ``ValueError`` when one full-length sequence would not fit."""
     mc, bs, device = model.local_config, config.block_size, next(model.parameters()).device
     layout = model.kv_layout
     slots = layout.num_slots
@@ -114,10 +118,14 @@ def size_kv_cache(
         num_blocks = config.num_kv_blocks
     elif config.kv_cache_memory is not None or device.type != "cuda":
         budget = config.kv_cache_memory or CPU_DEFAULT_KV_BYTES
-        num_blocks = num_blocks_for_budget(mc, bs, model.dtype, budget, slots)
+        num_blocks = num_blocks_for_budget(
+            mc, bs, model.dtype, budget, slots, extra_bytes_per_block
+        )
     else:
         budget = _profile_budget(model, config, max_num_batched_tokens, graph_sizes)
-        num_blocks = num_blocks_for_budget(mc, bs, model.dtype, budget, slots)
+        num_blocks = num_blocks_for_budget(
+            mc, bs, model.dtype, budget, slots, extra_bytes_per_block
+        )
     num_blocks = model.comm.min_int(num_blocks)
     usable = usable_blocks(num_blocks)
     log.info(
@@ -125,7 +133,7 @@ def size_kv_cache(
         num_blocks=num_blocks,
         num_usable_blocks=usable,
         num_kv_cache_groups=layout.num_groups,
-        bytes=num_blocks * bytes_per_block(mc, bs, model.dtype, slots),
+        bytes=num_blocks * (bytes_per_block(mc, bs, model.dtype, slots) + extra_bytes_per_block),
         max_model_len=mc.max_model_len,
         # vLLM's "Maximum concurrency for N tokens per request", with the groups counted:
         # a sliding group holds only its window's blocks.

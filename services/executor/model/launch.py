@@ -28,6 +28,7 @@ from services.executor.model.cuda_graphs import (
     GraphBackendName,
 )
 from services.executor.model.disk_kv import DiskKVStore
+from services.executor.model.draft import draft_bytes_per_block, draft_runner, load_draft
 from services.executor.model.errors import ModelLoadError
 from services.executor.model.host_kv import HostKVCache
 from services.executor.model.kv_cache import allocate_kv_cache, size_kv_cache
@@ -119,11 +120,15 @@ def _build(
         # has, and no memory set aside for them when the cache is sized.
         log.info("cuda_graphs_disabled", reason="mixture of experts")
         graph_sizes = ()
+    # A draft model (speculative decoding) runs on the first rank, its cache of the same
+    # blocks sized with the target's.
+    draft = load_draft(config.draft_model, model) if config.draft_model and comm.rank == 0 else None
     num_blocks = size_kv_cache(
         model,
         config.cache,
         max_num_batched_tokens=config.max_num_batched_tokens,
         graph_sizes=graph_sizes,
+        extra_bytes_per_block=draft_bytes_per_block(draft, config.block_size) if draft else 0,
     )
     kv_cache = allocate_kv_cache(
         model.local_config,
@@ -140,6 +145,8 @@ def _build(
             host.disk = _disk_tier(host, config.cache.disk_tier_bytes, config.cache.disk_tier_path)
         host.report_failures = comm.rank == 0  # (another rank's failure stops the executor)
     runner = ModelRunner(model, kv_cache, config.block_size, workers, host)
+    if draft is not None:
+        runner.draft = draft_runner(draft, num_blocks, config.block_size)
     if graph_backend is None and device.type == "cuda":
         graph_backend = "cuda"
     if graph_backend is not None and graph_sizes:

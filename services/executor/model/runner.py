@@ -76,6 +76,9 @@ class ModelRunner:
         # measured no faster (bench.internals.multiturn_bench --fills-beside).
         self.fills_async: bool = host is not None and workers is None and self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
+        # Speculative decoding's draft model (.draft), on this rank, over the same blocks:
+        # block copies are made in its cache too.
+        self.draft: ModelRunner | None = None
         self.builder = BatchBuilder(
             block_size,
             self.device,
@@ -179,6 +182,8 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send(Op.COPY_BLOCKS, CopyBlocksHeader(ids.shape[1]), (ids,))
         ops.copy_blocks(self.kv_cache, ids[0], ids[1])
+        if self.draft is not None:
+            ops.copy_blocks(self.draft.kv_cache, ids[0], ids[1])
         if self.workers is not None:
             self.workers.done()
 

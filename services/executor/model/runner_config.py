@@ -56,6 +56,7 @@ class RunnerConfig:
     distributed_timeout: float = 600.0
     log_level: str = "INFO"  # of the rank worker processes
     cpu_threads: int | None = None  # torch intra-op threads on the CPU, all ranks together
+    draft_model: str | None = None  # speculative decoding's draft checkpoint (first rank)
 
     @property
     def block_size(self) -> int:

@@ -216,9 +216,10 @@ class ExecutorConfig:
             "--speculative-config",
             default=None,
             help='speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", '
-            '"num_speculative_tokens": 3, "prompt_lookup_max": 3}\': n-gram drafts verified '
-            "in one forward (beam searches run unspeculated); "
-            "full-attention models only (docs/speculative-decoding.md)",
+            '"num_speculative_tokens": 3, "prompt_lookup_max": 3}\' or \'{"model": DRAFT_DIR, '
+            '"num_speculative_tokens": 3}\': n-gram or draft-model drafts verified in one '
+            "forward (beam searches run unspeculated); full-attention models only "
+            "(docs/speculative-decoding.md)",
         )
         a(
             "--cuda-graph-sizes",
@@ -392,4 +393,9 @@ class ExecutorConfig:
             distributed_timeout=self.distributed_timeout,
             log_level=self.log_level,
             cpu_threads=self.cpu_threads,
+            draft_model=(
+                SpeculativeConfig.parse(self.speculative_config).model
+                if self.speculative_config is not None
+                else None
+            ),
         )

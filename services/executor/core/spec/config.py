@@ -1,5 +1,6 @@
-"""``--speculative-config``: vLLM's JSON (``method``, ``num_speculative_tokens``,
-``prompt_lookup_min``, ``prompt_lookup_max``, ``disable_by_batch_size``), checked at start-up."""
+"""``--speculative-config``: vLLM's JSON (``method``, ``model``, ``num_speculative_tokens``,
+``prompt_lookup_min``, ``prompt_lookup_max``, ``draft_tensor_parallel_size``,
+``disable_by_batch_size``), checked at start-up."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ from services.common.sampling_params import SamplingParams
 
 __all__ = ["METHODS", "SpeculativeConfig", "speculable"]
 
-METHODS = ("ngram",)  # draft_model and eagle3 are not served yet: refused, named
+METHODS = ("ngram", "draft_model")  # eagle3 is not served yet: refused, named
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How many tokens to draft per sequence per step, and how. ``disable_by_batch_size``:
-    no drafts in a step whose batch has this many running sequences or more (0: never off),
+    """How many tokens to draft per sequence per step, and how: ``ngram`` (prompt lookup,
+    ``prompt_lookup_min/max``) or ``draft_model`` (``model``: a smaller checkpoint of the
+    same vocabulary, run on the first rank: ``draft_tensor_parallel_size`` 1). Without a
+    ``method``, a ``model`` means ``draft_model`` (as in vLLM). ``disable_by_batch_size``: no
+    drafts in a step whose batch has this many running sequences or more (0: never off),
     where verifying costs more than it saves."""
 
     method: str = "ngram"
@@ -25,12 +29,26 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     disable_by_batch_size: int = 0
+    model: str | None = None
+    draft_tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(
                 f"speculative_config.method: {self.method!r} is not served (choose one of "
-                f"{', '.join(METHODS)}; draft_model and eagle3 are not built yet)"
+                f"{', '.join(METHODS)}; eagle3 is not built yet)"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model: draft_model needs the draft checkpoint")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError(
+                "speculative_config.model: the ngram method drafts from the prompt and takes "
+                'no model (for a draft model: "method": "draft_model")'
+            )
+        if self.draft_tensor_parallel_size != 1:
+            raise ValueError(
+                "speculative_config.draft_tensor_parallel_size: only 1 is served (the draft "
+                "model runs on the first rank)"
             )
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("speculative_config.num_speculative_tokens must be in [1, 16]")
@@ -56,11 +74,17 @@ class SpeculativeConfig:
         if unknown:
             names = ", ".join(sorted(known))
             raise ValueError(f"speculative_config.{unknown[0]}: unknown field (known: {names})")
+        if "model" in raw and "method" not in raw:
+            raw["method"] = "draft_model"
         for name, value in raw.items():
-            expected = str if name == "method" else int
+            expected = str if name in ("method", "model") else int
             if not isinstance(value, expected) or isinstance(value, bool):
                 raise ValueError(f"speculative_config.{name} must be a {expected.__name__}")
         return cls(**raw)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
 
 def speculable(params: SamplingParams) -> bool:

@@ -12,12 +12,15 @@ from services.executor.core.config import EngineSettings
 from services.executor.core.grammar import GrammarCompiler
 from services.executor.core.outputs import SeqOutput, TokenLogprob
 from services.executor.core.plan import ScheduledChunk
+from services.executor.core.runner import Runner
 from services.executor.core.sampler import Sampler, SampleResult, SeededGenerators
 from services.executor.core.sequence import SeqStatus, Sequence
 from services.executor.core.spec.config import SpeculativeConfig, speculable
+from services.executor.core.spec.draft import DraftProposer
 from services.executor.core.spec.verify import (
     Verified,
     accept_drafts,
+    draft_room,
     grammar_drafts,
     propose,
     verify,
@@ -58,11 +61,18 @@ class Speculation:
         sampler: Sampler,
         generators: SeededGenerators,
         grammars: GrammarCompiler | None,
+        draft: Runner | None = None,
     ) -> None:
         """The engine's ``settings`` (their ``speculative_config`` set), and the sampler,
-        seeded generators and grammar compiler its rows are sampled and masked with."""
+        seeded generators and grammar compiler its rows are sampled and masked with; the
+        ``draft`` model's runner, for the ``draft_model`` method."""
         assert settings.speculative_config is not None
         self.config: SpeculativeConfig = settings.speculative_config
+        self.drafter: DraftProposer | None = None
+        if self.config.uses_draft_model:
+            if draft is None:
+                raise ValueError("speculative_config.model: the runner has no draft model")
+            self.drafter = DraftProposer(draft, settings.vocab_size)
         self.stats = SpecStats(self.config.num_speculative_tokens)
         self._eos_ids = settings.eos_token_ids
         self._eos = frozenset(settings.eos_token_ids)
@@ -70,6 +80,21 @@ class Speculation:
         self._sampler, self._generators, self._grammars = sampler, generators, grammars
         self.verified: list[Verified] = []  # this step's, until :meth:`propose` ends it
         self._by_seq: dict[int, Verified] = {}
+
+    @classmethod
+    def of(
+        cls,
+        settings: EngineSettings,
+        sampler: Sampler,
+        generators: SeededGenerators,
+        grammars: GrammarCompiler | None,
+        runner: Runner,
+    ) -> Speculation | None:
+        """The engine's speculative decoding, if its ``settings`` ask for it; a draft model
+        runs on ``runner.draft`` (ModelRunner's)."""
+        if settings.speculative_config is None:
+            return None
+        return cls(settings, sampler, generators, grammars, getattr(runner, "draft", None))
 
     def verify(self, chunks: Seq[ScheduledChunk], logits: Tensor) -> Tensor:
         """Verify the drafts the forward computed; returns the logits rows of the other
@@ -80,7 +105,15 @@ class Speculation:
         self._by_seq = {v.seq.seq_id: v for v in self.verified}
         for v in self.verified:
             self.stats.record(v.seq.num_scheduled_drafts, v.num_accepted)
+            if self.drafter is not None:
+                self.drafter.verified(v.seq, v.num_accepted)
         return logits
+
+    def draft(self, chunks: Seq[ScheduledChunk]) -> None:
+        """Before the forward of ``chunks``: a draft model makes their drafts (the n-gram
+        proposer made them after the last step)."""
+        if self.drafter is not None:
+            self.drafter.draft(chunks)
 
     def accept(self) -> None:
         """After the scheduler advanced the chunks: the accepted drafts join their sequences
@@ -123,12 +156,16 @@ class Speculation:
         off = bool(cap) and num_running >= cap
         running = SeqStatus.RUNNING
         for seq in sampled:
+            seq.draft_token_ids = []
             if off or seq.status is not running or not speculable(seq.params):
-                seq.draft_token_ids = []
-                continue
-            p = seq.params
-            stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos)
-            drafts = propose(seq, self.config, stops, self._max_model_len)
-            if seq.matcher is not None and drafts:
-                drafts = grammar_drafts(seq.matcher, drafts)
-            seq.draft_token_ids = drafts
+                seq.num_planned_drafts = 0
+            elif self.drafter is not None:  # drafted once scheduled (the draft's cache)
+                seq.num_planned_drafts = draft_room(seq, self.config, self._max_model_len)
+            else:
+                p = seq.params
+                stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos)
+                drafts = propose(seq, self.config, stops, self._max_model_len)
+                if seq.matcher is not None and drafts:
+                    drafts = grammar_drafts(seq.matcher, drafts)
+                seq.draft_token_ids = drafts
+                seq.num_planned_drafts = len(drafts)

@@ -6,11 +6,13 @@ seed's draw for that output position, log-probabilities); drafts are accepted wh
 the token sampled before it, and the first token that differs (or the one after the last
 draft) ends the step.
 
-A draft of the n-gram proposer is one token with certainty (q is one-hot), so this *is*
+A draft of the n-gram proposer, or of a draft model (its argmax), is one token with certainty
+(q is one-hot), so this *is*
 speculative sampling's rejection rule: the draft d is accepted with probability
 min(1, p(d) / q(d)) = p(d), and a rejection draws from norm(max(p - q, 0)), which is p without
 d. The outputs are distributed as without speculation; greedy and seeded samples give exactly
-the same tokens (a seed draws per output position)."""
+the same tokens (a seed draws per output position). An accepted draft that is a stop token
+ends the sequence there."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from services.executor.core.sequence import Sequence
 from services.executor.core.spec.config import SpeculativeConfig
 from services.executor.core.spec.ngram import propose_ngram
 
-__all__ = ["Verified", "accept_drafts", "grammar_drafts", "propose", "verify"]
+__all__ = ["Verified", "accept_drafts", "draft_room", "grammar_drafts", "propose", "verify"]
 
 Logprob = tuple[float, list[tuple[int, float]]] | None
 
@@ -92,8 +94,11 @@ def verify(
     at = 0
     for seq, _, drafts in spans:
         sampled = result.token_ids[at : at + drafts + 1]
+        stops = _stop_token_ids(seq.params, eos_token_ids)
         accepted = 0
         while accepted < drafts and sampled[accepted] == seq.draft_token_ids[accepted]:
+            if sampled[accepted] in stops:
+                break  # the sequence ends there: the stop token is its last
             accepted += 1
         verified.append(
             Verified(seq, sampled[: accepted + 1], result.logprobs[at : at + accepted + 1])
@@ -101,6 +106,13 @@ def verify(
         at += drafts + 1
     rest = logits[torch.tensor(keep, device=logits.device, dtype=torch.long)]
     return rest, verified
+
+
+def _stop_token_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> set[int]:
+    stops = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stops.update(eos_token_ids)
+    return stops
 
 
 def _draft_row_matchers(matcher: Matcher, drafts: list[int], first_row: int) -> dict[int, Matcher]:
@@ -160,18 +172,25 @@ def accept_drafts(seq: Sequence, accepted: list[int]) -> None:
     seq.draft_token_ids = []
 
 
+def draft_room(seq: Sequence, config: SpeculativeConfig, max_model_len: int) -> int:
+    """How many drafts ``seq``'s next step may verify: no more than it may still emit after
+    its next token (``max_tokens``, ``max_model_len``)."""
+    params = seq.params
+    room = min(params.max_tokens - seq.num_output_tokens, max_model_len - len(seq.token_ids)) - 1
+    return max(0, min(config.num_speculative_tokens, room))
+
+
 def propose(
     seq: Sequence, config: SpeculativeConfig, stop_token_ids: frozenset[int], max_model_len: int
 ) -> list[int]:
-    """``seq``'s drafts for its next step: no more than it may still emit after its next
-    token (``max_tokens``, ``max_model_len``), none past a stop token."""
-    params = seq.params
-    room = min(params.max_tokens - seq.num_output_tokens, max_model_len - len(seq.token_ids)) - 1
+    """``seq``'s n-gram drafts for its next step: within :func:`draft_room`, none past a stop
+    token."""
+    room = draft_room(seq, config, max_model_len)
     if room <= 0:
         return []
     return propose_ngram(
         seq.token_ids,
-        min(config.num_speculative_tokens, room),
+        room,
         min_n=config.prompt_lookup_min,
         max_n=config.prompt_lookup_max,
         stop_token_ids=stop_token_ids,

@@ -1,0 +1,231 @@
+"""Speculative decoding with a draft model: the draft checkpoint (a noisy copy of the target,
+so that some drafts are accepted and some rejected) drafts k tokens per step from its own KV
+cache over the target's blocks. Outputs are token-identical to the engine without
+speculation and to transformers, whatever the batching, chunking, preemption, prefix hits,
+sampling or grammar; an identical draft has every draft accepted. Each case checks that drafts
+were both accepted and rejected, so it cannot pass vacuously."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from services.blockmgr.client import InProcessClient
+from services.executor.core.engine import Engine
+from services.executor.model.errors import ModelLoadError
+from services.executor.model.launch import build_runner
+from services.executor.service.config import ExecutorConfig
+from services.executor.service.startup import build_engine
+from tests.executor.greedy import hf_greedy, run_engine
+from tests.executor.test_speculative import _engine, _requests
+from tests.executor.test_structured_outputs import SPECS
+
+K = 4
+
+
+def _spec(draft: object, k: int = K) -> str:
+    return json.dumps({"model": str(draft), "num_speculative_tokens": k})
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def draft_dir(draft_checkpoint) -> str:
+    return str(draft_checkpoint("llama", 0.02))
+
+
+def _counts(engine: Engine) -> tuple[int, int]:
+    return engine.spec.stats.num_draft_tokens, engine.spec.stats.num_accepted_tokens
+
+
+def _assert_some_accepted_some_rejected(engine: Engine) -> None:
+    drafted, accepted = _counts(engine)
+    assert 0 < accepted < drafted, (drafted, accepted)
+
+
+def test_a_draft_identical_to_the_target_has_every_draft_accepted(model_dir):
+    """k drafts a step, all accepted: mean acceptance length exactly k + 1 (ignore_eos, and
+    max_tokens = 1 + (k + 1) m, so that every step drafts k)."""
+    requests = {
+        rid: (prompt, dataclasses.replace(params, ignore_eos=True, max_tokens=1 + (K + 1) * 8))
+        for rid, (prompt, params) in _requests(seed=1, num=6).items()
+    }
+    plain, _ = run_engine(_engine(model_dir), requests)
+    engine = _engine(model_dir, speculative_config=_spec(model_dir))
+    assert run_engine(engine, requests)[0] == plain
+    stats = engine.spec.stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    assert stats.mean_acceptance_length == K + 1
+    assert stats.accepted_per_pos == [stats.num_drafts] * K
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"max_num_batched_tokens": 24},  # chunked prefill, and drafts cut by the budget
+        {"num_kv_blocks": 40, "max_num_seqs": 12},  # preemption by recompute
+        {
+            "num_kv_blocks": 40,
+            "max_num_seqs": 12,
+            "preemption_mode": "swap",
+            "kv_offloading_size": 0.001,
+        },
+        {"async_scheduling": True},  # (planned after sampling while speculating)
+        {"tensor_parallel_size": 2},  # (the draft model on the first rank)
+    ],
+    ids=["default", "chunked", "recompute", "swap", "async", "tp2"],
+)
+def test_draft_model_speculation_gives_the_tokens_of_the_engine_without_it(
+    model_dir, draft_dir, config
+):
+    requests = _requests(seed=1, num=12)
+    plain_engine = _engine(model_dir, **config)
+    try:
+        plain, plain_finals = run_engine(plain_engine, requests)
+    finally:
+        plain_engine.runner.close()
+    engine = _engine(model_dir, speculative_config=_spec(draft_dir), **config)
+    try:
+        spec, finals = run_engine(engine, requests)
+    finally:
+        engine.runner.close()
+    assert spec == plain
+    assert {k: f.finish_reason for k, f in finals.items()} == {
+        k: f.finish_reason for k, f in plain_finals.items()
+    }
+    _assert_some_accepted_some_rejected(engine)
+    if "max_num_seqs" in config:
+        assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "qwen3", "mixtral", "qwen3_moe", "phi3"])
+def test_every_full_attention_family_drafts_with_transformers_tokens(
+    name, tiny_checkpoint, draft_checkpoint, hf_model
+):
+    requests = _requests(seed=1, num=8, max_tokens=60)
+    target = str(tiny_checkpoint(name))
+    engine = _engine(target, speculative_config=_spec(draft_checkpoint(name, 0.02)))
+    got, _ = run_engine(engine, requests)
+    model = hf_model(name)
+    for rid, (prompt, params) in requests.items():
+        assert got[(rid, 0)] == hf_greedy(model, prompt, params.max_tokens)[0], rid
+    assert _counts(engine)[1] > 0
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"temperature": 0.9, "seed": 5},  # a seed draws per output position: exact
+        {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 6, "n": 2},
+        {"temperature": 0.0, "repetition_penalty": 1.3, "logprobs": 2, "min_tokens": 60},
+        {"temperature": 0.0, "structured_outputs": SPECS["json"], "max_tokens": 60},
+    ],
+    ids=["seeded", "seeded-top-k-p-n2", "penalties-logprobs-min-tokens", "json"],
+)
+def test_sampled_and_structured_requests_give_the_outputs_of_the_engine_without_it(
+    model_dir, draft_dir, overrides
+):
+    """Drafts are the draft model's argmax, a token with certainty, so verification samples
+    each row as without speculation; a draft the grammar refuses is rejected there."""
+    requests = {
+        rid: (prompt, dataclasses.replace(params, **overrides))
+        for rid, (prompt, params) in _requests(seed=1, num=8, max_tokens=80).items()
+    }
+    plain, _ = run_engine(_engine(model_dir), requests)
+    engine = _engine(model_dir, speculative_config=_spec(draft_dir))
+    assert run_engine(engine, requests)[0] == plain
+    assert _counts(engine)[0] > 0
+
+
+def test_a_drafted_stop_token_ends_the_sequence_there(model_dir):
+    """An identical draft drafts the stop token the target then samples; the drafts after
+    it are not taken, and the output ends as without speculation."""
+    base = _requests(seed=1, num=6)
+    plain, _ = run_engine(_engine(model_dir), base)
+    stop = plain[("r0", 0)][6]  # a token the model does produce
+    requests = {
+        rid: (prompt, dataclasses.replace(params, stop_token_ids=(stop,)))
+        for rid, (prompt, params) in base.items()
+    }
+    plain, plain_finals = run_engine(_engine(model_dir), requests)
+    engine = _engine(model_dir, speculative_config=_spec(model_dir))
+    got, finals = run_engine(engine, requests)
+    assert got == plain
+    assert finals[("r0", 0)].stop_token_id == stop == got[("r0", 0)][-1]
+    assert {k: f.finish_reason for k, f in finals.items()} == {
+        k: f.finish_reason for k, f in plain_finals.items()
+    }
+
+
+def test_prefix_hits_read_the_draft_models_cache_too(model_dir):
+    """The same prompts twice: the second time their prefixes are cache hits, whose draft KV
+    the first run computed; an identical draft still has every draft accepted."""
+    requests = {
+        rid: (prompt, dataclasses.replace(params, ignore_eos=True, max_tokens=1 + (K + 1) * 4))
+        for rid, (prompt, params) in _requests(seed=1, num=6).items()
+    }
+    engine = _engine(model_dir, speculative_config=_spec(model_dir))
+    first, _ = run_engine(engine, requests)
+    again, finals = run_engine(engine, {f"{rid}-again": v for rid, v in requests.items()})
+    assert {(rid.removesuffix("-again"), i): t for (rid, i), t in again.items()} == first
+    assert finals[("r0-again", 0)].usage.cached_prompt_tokens > 0
+    stats = engine.spec.stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def test_the_cache_budget_pays_for_both_models_blocks(model_dir, draft_dir):
+    """Under a byte budget each block costs the target's bytes and the draft's (here the
+    same model twice): half the blocks."""
+    budget = 4 * 2**20
+    plain = build_runner(_config(model_dir, kv_cache_memory=budget).runner_config())
+    config = _config(model_dir, kv_cache_memory=budget, speculative_config=_spec(draft_dir))
+    runner = build_runner(config.runner_config())
+    assert runner.draft is not None
+    assert runner.num_blocks == plain.num_blocks // 2
+    assert runner.draft.num_blocks == runner.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"method": "draft_model"}, "speculative_config.model: draft_model needs"),
+        ({"method": "ngram", "model": "x"}, "speculative_config.model: the ngram method"),
+        ({"model": "x", "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size: only 1"),
+    ],
+)
+def test_a_bad_draft_config_is_refused_naming_the_field(spec, message):
+    with pytest.raises(ValueError) as info:
+        ExecutorConfig(model="m", speculative_config=json.dumps(spec)).validate()
+    assert message in str(info.value)
+
+
+def test_a_draft_checkpoint_that_cannot_serve_is_a_load_error_naming_the_field(model_dir, tmp_path):
+    config = _config(model_dir, speculative_config=_spec(tmp_path / "missing"))
+    with pytest.raises(ModelLoadError, match=r"^speculative_config\.model: "):
+        build_engine(
+            config, runner=build_runner(config.runner_config()), blockmgr=InProcessClient()
+        )
+
+
+def _config(model_dir: str, **flags) -> ExecutorConfig:
+    flags.setdefault("num_kv_blocks", None if "kv_cache_memory" in flags else 64)
+    return ExecutorConfig(
+        model=model_dir, dtype="float32", device="cpu", block_size=8, max_model_len=256, **flags
+    )
+
+
+@pytest.mark.gpu
+def test_on_cuda_draft_model_speculation_gives_the_tokens_of_graphed_decoding(model_dir, draft_dir):
+    """On a GPU: the plain engine decodes through CUDA graphs; the speculating one drafts
+    with the draft model and verifies eagerly. fp32 tokens are identical."""
+    requests = _requests(seed=1, num=12)
+    plain, _ = run_engine(_engine(model_dir, device="cuda"), requests)
+    engine = _engine(model_dir, device="cuda", speculative_config=_spec(draft_dir))
+    assert run_engine(engine, requests)[0] == plain
+    _assert_some_accepted_some_rejected(engine)
