@@ -104,10 +104,14 @@ def test_draft_model_speculation_gives_the_tokens_of_the_engine_without_it(
         assert engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("name", ["qwen2", "mistral", "qwen3", "mixtral", "qwen3_moe", "phi3"])
-def test_every_full_attention_family_drafts_with_transformers_tokens(
+@pytest.mark.parametrize(
+    "name", ["qwen2", "mistral", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2", "gemma3"]
+)
+def test_every_family_with_full_attention_layers_drafts_with_transformers_tokens(
     name, tiny_checkpoint, draft_checkpoint, hf_model
 ):
+    """Gemma's sliding layers (windows of 16 tokens) beside its global ones: the draft model
+    reads the full-attention group's tables."""
     requests = _requests(seed=1, num=8, max_tokens=60)
     target = str(tiny_checkpoint(name))
     engine = _engine(target, speculative_config=_spec(draft_checkpoint(name, 0.02)))

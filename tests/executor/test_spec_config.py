@@ -1,8 +1,10 @@
 """``--speculative-config`` (vLLM's JSON) is checked at start-up: a bad value is a one-line
 configuration error naming the field; a method not served yet is refused by name, as is a
-sliding-window model."""
+draft model for a model with no full-attention layer."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -42,16 +44,19 @@ def test_a_bad_config_is_refused_naming_the_field(text: str, message: str) -> No
     assert message in str(info.value)
 
 
-def test_a_sliding_window_model_is_refused(tiny_checkpoint) -> None:
+def test_a_draft_model_for_a_model_whose_every_layer_slides_is_refused(tiny_checkpoint) -> None:
+    """A draft model reads a full-attention group's block tables; Mistral's window is on every
+    layer (the ngram method serves it)."""
+    model = str(tiny_checkpoint("mistral_window"))
     config = ExecutorConfig(
-        model=str(tiny_checkpoint("mistral_window")),
+        model=model,
         dtype="float32",
         device="cpu",
         num_kv_blocks=64,
         max_model_len=128,
-        speculative_config='{"method": "ngram"}',
+        speculative_config=json.dumps({"model": model}),
     )
-    with pytest.raises(ModelLoadError, match="sliding-window layers"):
+    with pytest.raises(ModelLoadError, match="every layer of this model slides"):
         build_engine(
             config, runner=build_runner(config.runner_config()), blockmgr=InProcessClient()
         )

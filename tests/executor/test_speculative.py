@@ -124,6 +124,39 @@ def test_every_full_attention_family_speculates_with_transformers_tokens(
     assert drafted > 0 and accepted > 0, (drafted, accepted)
 
 
+@pytest.mark.parametrize(
+    "name", ["mistral_window", "qwen2_window", "phi3_window", "gemma2", "gemma3"]
+)
+def test_sliding_window_families_speculate_with_transformers_tokens(
+    name, tiny_checkpoint, hf_model
+):
+    """Windows of 16 tokens, which the prompts and outputs cross: a grow releases the blocks
+    out of the window of its verified tokens only (drafts may be rejected), batched with
+    chunked prefill."""
+    requests = _requests(seed=1, num=8, max_tokens=60)
+    engine = _engine(str(tiny_checkpoint(name)), speculative_config=SPEC, max_num_batched_tokens=40)
+    got, _ = run_engine(engine, requests)
+    model = hf_model(name)
+    for rid, (prompt, params) in requests.items():
+        assert got[(rid, 0)] == hf_greedy(model, prompt, params.max_tokens)[0], rid
+    drafted, accepted = _spec_counts(engine)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_a_sliding_window_model_speculates_through_preemption(tiny_checkpoint, preemption_mode):
+    config = {"num_kv_blocks": 80, "max_num_seqs": 12, "preemption_mode": preemption_mode}
+    if preemption_mode == "swap":
+        config["kv_offloading_size"] = 0.001
+    model = str(tiny_checkpoint("gemma2"))
+    requests = _requests(seed=2, num=12)
+    plain, _ = run_engine(_engine(model, **config), requests)
+    engine = _engine(model, speculative_config=SPEC, **config)
+    assert run_engine(engine, requests)[0] == plain
+    assert engine.scheduler.num_preemptions > 0
+    assert _spec_counts(engine)[1] > 0
+
+
 def test_speculated_greedy_outputs_equal_transformers(model_dir, hf_model):
     requests = _requests(seed=1, num=12)
     engine = _engine(model_dir, speculative_config=SPEC)

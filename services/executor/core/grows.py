@@ -44,7 +44,9 @@ def plan_grows(
         nonlocal free, preempted
         # What its grow releases out of the window counts now, mirrored once granted:
         # preempted, it goes (or is swapped) out with its tables as the pool holds them.
-        first = mirror.first_live_after(seq, seq.num_computed_tokens + seq.num_ahead_slots)
+        # (Verified tokens the pool counts: accepted drafts are reported with this grow.)
+        held = seq.num_computed_tokens - seq.num_unreported + seq.num_ahead_slots
+        first = mirror.first_live_after(seq, held)
         releasing = mirror.releasable(seq, first) if window else 0
         free += releasing
         need = mirror.blocks_needed(seq, k)
@@ -103,7 +105,7 @@ def plan_grows(
         ):
             # The common decode: room in a last block no one else holds.
             if window:
-                free += mirror.slide(seq, computed + seq.num_ahead_slots)
+                free += mirror.slide(seq, computed - seq.num_unreported + seq.num_ahead_slots)
                 plan.grow_first_live.append(seq.first_live_block)
             scheduled.add(seq.seq_id)
             grows.append((seq, 1))

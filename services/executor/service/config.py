@@ -218,8 +218,8 @@ class ExecutorConfig:
             help='speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", '
             '"num_speculative_tokens": 3, "prompt_lookup_max": 3}\' or \'{"model": DRAFT_DIR, '
             '"num_speculative_tokens": 3}\': n-gram or draft-model drafts verified in one '
-            "forward (beam searches run unspeculated); full-attention models only "
-            "(docs/speculative-decoding.md)",
+            "forward (beam searches run unspeculated; a draft model needs full-attention "
+            "layers: docs/speculative-decoding.md)",
         )
         a(
             "--cuda-graph-sizes",

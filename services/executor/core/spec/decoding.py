@@ -72,7 +72,9 @@ class Speculation:
         if self.config.uses_draft_model:
             if draft is None:
                 raise ValueError("speculative_config.model: the runner has no draft model")
-            self.drafter = DraftProposer(draft, settings.vocab_size)
+            # It reads a full-attention group's tables (start-up refuses a pool without one).
+            group = settings.scheduler.group_slides.index(False)
+            self.drafter = DraftProposer(draft, settings.vocab_size, group)
         self.stats = SpecStats(self.config.num_speculative_tokens)
         self._eos_ids = settings.eos_token_ids
         self._eos = frozenset(settings.eos_token_ids)

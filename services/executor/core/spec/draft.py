@@ -33,17 +33,20 @@ __all__ = ["DraftProposer"]
 
 class DraftProposer:
     """Drafts with ``runner`` (the draft model's), for a target of ``vocab_size`` tokens (a
-    draft's padded vocabulary may be larger: its extra ids are never drafted)."""
+    draft's padded vocabulary may be larger: its extra ids are never drafted), reading the
+    block tables of KV-cache group ``group`` (a full-attention one)."""
 
-    def __init__(self, runner: Runner, vocab_size: int) -> None:
+    def __init__(self, runner: Runner, vocab_size: int, group: int = 0) -> None:
         self.runner = runner
         self.vocab_size = vocab_size
+        self.group = group
 
     def draft(self, chunks: Seq[ScheduledChunk]) -> None:
         """Fill ``draft_token_ids`` of each chunk's sequence that has drafts scheduled, and
         compute the prompt chunks' KV in the draft model's cache."""
         first: list[SeqChunk] = []
         drafting: list[Sequence] = []
+        g = self.group
         for seq, k, _ in chunks:
             drafts = seq.num_scheduled_drafts
             start = seq.num_computed_tokens
@@ -53,7 +56,7 @@ class DraftProposer:
                 seq.num_draft_computed = begin
                 continue
             end = start + k - drafts  # its known tokens computed in this step
-            first.append(SeqChunk(seq.token_ids[begin:end], begin, seq.tables[0], bool(drafts)))
+            first.append(SeqChunk(seq.token_ids[begin:end], begin, seq.tables[g], bool(drafts)))
             seq.num_draft_computed = end
             if drafts:
                 drafting.append(seq)
@@ -68,7 +71,7 @@ class DraftProposer:
         for j in range(1, max(s.num_scheduled_drafts for s in drafting)):
             drafting = [s for s in drafting if s.num_scheduled_drafts > j]
             step = [
-                SeqChunk([s.draft_token_ids[-1]], s.num_computed_tokens + j, s.tables[0])
+                SeqChunk([s.draft_token_ids[-1]], s.num_computed_tokens + j, s.tables[g])
                 for s in drafting
             ]
             logits = self.runner.execute(step)
