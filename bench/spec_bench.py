@@ -91,6 +91,13 @@ def main() -> int:
         help="speculate with the fixture's draft model, K tokens a step, instead of "
         "--speculative-config",
     )
+    p.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="set the speculative config's disable_by_batch_size (no drafts from N sequences)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.model:
@@ -100,6 +107,10 @@ def main() -> int:
         if args.draft_model:
             spec = {"model": str(draft), "num_speculative_tokens": args.draft_model}
             args.speculative_config = json.dumps(spec)
+    if args.disable_by_batch_size is not None:
+        spec = {**json.loads(args.speculative_config)}
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
+        args.speculative_config = json.dumps(spec)
     print(f"# Speculative decoding (CPU, {args.threads} threads), `{args.speculative_config}`\n")
     print(
         "| batch | off tok/s | on tok/s | on/off | acceptance length | acceptance rate "

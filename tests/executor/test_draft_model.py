@@ -64,6 +64,60 @@ def test_a_draft_identical_to_the_target_has_every_draft_accepted(model_dir):
     assert stats.accepted_per_pos == [stats.num_drafts] * K
 
 
+CONFIGS = {
+    "chunked": {"max_num_batched_tokens": 24},  # chunked prefill, drafts cut by the budget
+    "recompute": {"num_kv_blocks": 40, "max_num_seqs": 12},
+    "swap": {
+        "num_kv_blocks": 40,
+        "max_num_seqs": 12,
+        "preemption_mode": "swap",
+        "kv_offloading_size": 0.001,
+    },
+    "tp2": {"tensor_parallel_size": 2},
+    "n2": {},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_an_identical_draft_keeps_every_draft_accepted_through_each_configuration(model_dir, name):
+    """Output equality holds whatever the draft model's KV holds; this does not: an identical
+    draft proposes the target's tokens only if its KV is right at every position, through
+    chunked prefill, preemption (recompute, swap), a draft on the first of two ranks, forks
+    (n = 2), and sequences left behind while speculation is off for a batch of 6 or more
+    (each request has its own length, so the batch shrinks)."""
+    config = CONFIGS[name]
+    requests = {
+        rid: (
+            prompt,
+            dataclasses.replace(
+                params,
+                ignore_eos=True,
+                max_tokens=1 + (K + 1) * (4 + i),
+                n=2 if name == "n2" else 1,
+            ),
+        )
+        for i, (rid, (prompt, params)) in enumerate(_requests(seed=1, num=12).items())
+    }
+    plain_engine = _engine(model_dir, **config)
+    try:
+        plain, _ = run_engine(plain_engine, requests)
+    finally:
+        plain_engine.runner.close()
+    spec = json.dumps({"model": model_dir, "num_speculative_tokens": K, "disable_by_batch_size": 6})
+    engine = _engine(model_dir, speculative_config=spec, **config)
+    try:
+        assert run_engine(engine, requests)[0] == plain
+    finally:
+        engine.runner.close()
+    stats = engine.spec.stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    assert engine.num_bad_answers == 0
+    if "max_num_seqs" in config:
+        assert engine.scheduler.num_preemptions > 0
+    if name == "swap":
+        assert engine.scheduler.swapping.num_swapped_out > 0
+
+
 @pytest.mark.parametrize(
     "config",
     [
@@ -102,6 +156,8 @@ def test_draft_model_speculation_gives_the_tokens_of_the_engine_without_it(
     _assert_some_accepted_some_rejected(engine)
     if "max_num_seqs" in config:
         assert engine.scheduler.num_preemptions > 0
+    if config.get("preemption_mode") == "swap":
+        assert engine.scheduler.swapping.num_swapped_out > 0
 
 
 @pytest.mark.parametrize(
@@ -162,9 +218,36 @@ def test_a_drafted_stop_token_ends_the_sequence_there(model_dir):
     got, finals = run_engine(engine, requests)
     assert got == plain
     assert finals[("r0", 0)].stop_token_id == stop == got[("r0", 0)][-1]
+    stats = engine.spec.stats  # (the drafts after an accepted stop token are not taken)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert {k: f.finish_reason for k, f in finals.items()} == {
         k: f.finish_reason for k, f in plain_finals.items()
     }
+
+
+@pytest.mark.parametrize("kind", ["json", "regex"])
+def test_an_identical_draft_drafts_the_end_of_a_grammar_which_is_sampled_not_drafted(
+    model_dir, kind
+):
+    """The draft model drafts the end token where the grammar is complete; no row is masked by
+    an ended grammar, and the sample ends there as without speculation (ignore_eos too)."""
+    requests = {
+        rid: (
+            prompt,
+            dataclasses.replace(
+                params, max_tokens=60, structured_outputs=SPECS[kind], ignore_eos=i % 2 == 0
+            ),
+        )
+        for i, (rid, (prompt, params)) in enumerate(_requests(seed=1, num=8).items())
+    }
+    plain, plain_finals = run_engine(_engine(model_dir), requests)
+    engine = _engine(model_dir, speculative_config=_spec(model_dir))
+    got, finals = run_engine(engine, requests)
+    assert got == plain
+    assert {k: f.finish_reason for k, f in finals.items()} == {
+        k: f.finish_reason for k, f in plain_finals.items()
+    }
+    assert _counts(engine)[1] > 0
 
 
 def test_prefix_hits_read_the_draft_models_cache_too(model_dir):

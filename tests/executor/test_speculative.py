@@ -141,6 +141,7 @@ def test_sliding_window_families_speculate_with_transformers_tokens(
         assert got[(rid, 0)] == hf_greedy(model, prompt, params.max_tokens)[0], rid
     drafted, accepted = _spec_counts(engine)
     assert drafted > 0 and accepted > 0, (drafted, accepted)
+    assert engine.num_bad_answers == 0  # the pool's releases and ours agreed
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
@@ -155,6 +156,9 @@ def test_a_sliding_window_model_speculates_through_preemption(tiny_checkpoint, p
     assert run_engine(engine, requests)[0] == plain
     assert engine.scheduler.num_preemptions > 0
     assert _spec_counts(engine)[1] > 0
+    assert engine.num_bad_answers == 0
+    if preemption_mode == "swap":
+        assert engine.scheduler.swapping.num_swapped_out > 0
 
 
 def test_speculated_greedy_outputs_equal_transformers(model_dir, hf_model):

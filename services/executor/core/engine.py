@@ -489,6 +489,7 @@ class Engine(AheadEngine, BeamSearchEngine):
             priority=parent.priority,
             arrival=parent.arrival,
             cache_salt=parent.cache_salt,
+            num_draft_computed=parent.num_draft_computed,  # (their blocks are shared)
         )
         if parent.matcher is not None:
             child.matcher = parent.matcher.fresh()

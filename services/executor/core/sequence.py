@@ -83,8 +83,8 @@ class Sequence:
     num_planned_drafts: int = 0  # drafts its next step may verify (ngram: the drafts made)
     num_scheduled_drafts: int = 0
     # With a draft model: its positions whose KV the draft model has computed, from 0 (None:
-    # as far as the target's, prefix hits included). Verified tokens it has not seen yet are
-    # computed with the next drafts (core.spec.draft).
+    # as far as the target's, prefix hits included; after a recompute, no further than it
+    # went before). Tokens it has not seen yet are computed with its next drafts (core.spec).
     num_draft_computed: int | None = None
     num_unreported: int = 0
     num_surplus_slots: int = 0
@@ -102,10 +102,9 @@ class Sequence:
     admitted_once: bool = False
 
     def forget_speculation(self) -> None:
-        """Preempted to be recomputed: no slot, draft or unreported token is left; a draft
-        model's KV counts as far as the target's again (its prefix hits)."""
+        """Preempted to be recomputed: no slot, draft or unreported token is left (a draft
+        model's KV is kept as far as it went: its prefix hits are read up to there)."""
         self.num_unreported = self.num_surplus_slots = self.num_scheduled_drafts = 0
-        self.num_draft_computed = None
 
     def wants_prompt_logprobs(self) -> bool:
         """Its prompt chunks return every token's logits: sample 0 of a request that asked for

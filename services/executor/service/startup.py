@@ -229,11 +229,10 @@ def _speculative(
     if config.speculative_config is None:
         return None
     spec = SpeculativeConfig.parse(config.speculative_config)  # (checked by validate)
-    if spec.uses_draft_model and all(g.sliding_window for g in groups):
+    if spec.uses_draft_model and groups and all(g.sliding_window for g in groups):
         raise ModelLoadError(
             "--speculative-config: every layer of this model slides, and a draft model reads "
-            "the blocks of a full-attention KV-cache group: use the ngram method, or "
-            "--disable-hybrid-kv-cache-manager"
+            "the blocks of a full-attention KV-cache group: use the ngram method"
         )
     if config.async_scheduling:
         log.warning(

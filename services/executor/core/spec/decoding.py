@@ -74,7 +74,8 @@ class Speculation:
                 raise ValueError("speculative_config.model: the runner has no draft model")
             # It reads a full-attention group's tables (start-up refuses a pool without one).
             group = settings.scheduler.group_slides.index(False)
-            self.drafter = DraftProposer(draft, settings.vocab_size, group)
+            budget = settings.scheduler.max_num_batched_tokens
+            self.drafter = DraftProposer(draft, settings.vocab_size, budget, group, grammars)
         self.stats = SpecStats(self.config.num_speculative_tokens)
         self._eos_ids = settings.eos_token_ids
         self._eos = frozenset(settings.eos_token_ids)

@@ -11,18 +11,24 @@ what the target computes in the same slots:
 
 Draft j is written at the position the target verifies it at. When it is accepted its KV is
 the one the draft model would compute for that token, so only the last draft, never fed, is
-left to compute with the next step's drafts. Drafts are the draft model's argmax: a draft is
-one token with certainty, which is what verification assumes (core.spec.verify).
+left to compute with the next step's drafts. Drafts are the draft model's argmax (within
+the sample's grammar, if it has one): a draft is one token with certainty, which is what
+verification assumes (core.spec.verify).
 
-Decodes that draft nothing in a step (speculation off for a large batch) are left for the
-draft model to catch up on when they next draft. Its KV shapes proposals only: where it is
-stale (a block filled from a tier), fewer drafts are accepted, and no output changes.
+Decodes that draft nothing are computed with the others when the draft model runs, and left
+for later in a step where it does not (no prompt chunk, nothing drafting: speculation off for
+a large batch); what it has not seen is computed in forwards of at most the step's token
+budget. Its KV shapes proposals only: where it is stale (a block filled from a tier, or
+committed by a sequence it lagged behind), fewer drafts are accepted, and no output changes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+from torch import Tensor
+
+from services.executor.core.grammar import GrammarCompiler, Matcher
 from services.executor.core.plan import ScheduledChunk
 from services.executor.core.runner import Runner
 from services.executor.core.sequence import Sequence
@@ -33,51 +39,94 @@ __all__ = ["DraftProposer"]
 
 class DraftProposer:
     """Drafts with ``runner`` (the draft model's), for a target of ``vocab_size`` tokens (a
-    draft's padded vocabulary may be larger: its extra ids are never drafted), reading the
-    block tables of KV-cache group ``group`` (a full-attention one)."""
+    draft's padded vocabulary may be larger: its extra ids are never drafted), in forwards of
+    at most ``max_num_tokens``, reading the block tables of KV-cache group ``group`` (a
+    full-attention one). A sample under a grammar drafts within it (``grammars`` masks its
+    rows, as its verification will)."""
 
-    def __init__(self, runner: Runner, vocab_size: int, group: int = 0) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        vocab_size: int,
+        max_num_tokens: int,
+        group: int = 0,
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
         self.runner = runner
         self.vocab_size = vocab_size
+        self.max_num_tokens = max_num_tokens  # per forward: the step's token budget
         self.group = group
+        self.grammars = grammars
+        self._walkers: dict[int, Matcher] = {}  # a drafting sample's grammar, past its drafts
 
     def draft(self, chunks: Seq[ScheduledChunk]) -> None:
-        """Fill ``draft_token_ids`` of each chunk's sequence that has drafts scheduled, and
-        compute the prompt chunks' KV in the draft model's cache."""
-        first: list[SeqChunk] = []
+        """Fill ``draft_token_ids`` of each chunk's sequence that has drafts scheduled; the
+        draft model computes the prompt chunks too, and the decodes' tokens when it runs."""
+        pending: list[tuple[Sequence, int, int]] = []  # (sequence, first, end) to compute
         drafting: list[Sequence] = []
+        prompts = False
         g = self.group
         for seq, k, _ in chunks:
             drafts = seq.num_scheduled_drafts
             start = seq.num_computed_tokens
             done = seq.num_draft_computed
             begin = start if done is None else min(done, start)
-            if not drafts and k == 1:  # a decode drafting nothing: caught up on later
-                seq.num_draft_computed = begin
-                continue
             end = start + k - drafts  # its known tokens computed in this step
-            first.append(SeqChunk(seq.token_ids[begin:end], begin, seq.tables[g], bool(drafts)))
-            seq.num_draft_computed = end
+            pending.append((seq, begin, end))
+            seq.num_draft_computed = begin
             if drafts:
                 drafting.append(seq)
-        if not first:
-            return
-        logits = self.runner.execute(first)
-        if not drafting:
-            return
-        tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
-        for seq, token in zip(drafting, tokens, strict=True):
-            seq.draft_token_ids = [token]
-        for j in range(1, max(s.num_scheduled_drafts for s in drafting)):
+            prompts = prompts or k > 1 + drafts
+        if not drafting and not prompts:
+            return  # decodes only, none drafting: caught up on when they next draft
+        self._walkers = {s.seq_id: s.matcher.copy() for s in drafting if s.matcher is not None}
+        # What it has not seen, in forwards of at most the step's token budget (a sequence's
+        # pieces in order); each drafting sequence's last piece gives its first draft.
+        while pending:
+            room, step, later, firsts = self.max_num_tokens, [], [], []
+            for seq, begin, end in pending:
+                stop = min(end, begin + max(room, 0))
+                if stop == begin:
+                    later.append((seq, begin, end))
+                    continue
+                last = stop == end and bool(seq.num_scheduled_drafts)
+                step.append(SeqChunk(seq.token_ids[begin:stop], begin, seq.tables[g], last))
+                seq.num_draft_computed = stop
+                room -= stop - begin
+                if stop < end:
+                    later.append((seq, stop, end))
+                elif last:
+                    firsts.append(seq)
+            tokens = self._drafts(self.runner.execute(step), firsts)
+            for seq, token in zip(firsts, tokens, strict=True):
+                seq.draft_token_ids = [token]
+            pending = later
+        for j in range(1, max((s.num_scheduled_drafts for s in drafting), default=0)):
             drafting = [s for s in drafting if s.num_scheduled_drafts > j]
             step = [
                 SeqChunk([s.draft_token_ids[-1]], s.num_computed_tokens + j, s.tables[g])
                 for s in drafting
             ]
-            logits = self.runner.execute(step)
-            tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+            tokens = self._drafts(self.runner.execute(step), drafting)
             for seq, token in zip(drafting, tokens, strict=True):
                 seq.draft_token_ids.append(token)
+        self._walkers = {}
+
+    def _drafts(self, logits: Tensor, seqs: list[Sequence]) -> list[int]:
+        """The draft of each of ``seqs`` (a logits row each): its argmax, within its grammar
+        while it has one (a grammar that refused or ended stops masking: verification takes
+        none of the drafts from there)."""
+        logits = logits[:, : self.vocab_size]
+        walkers = self._walkers
+        rows = {i: walkers[s.seq_id] for i, s in enumerate(seqs) if s.seq_id in walkers}
+        if rows and self.grammars is not None:
+            logits = logits.contiguous()
+            self.grammars.mask_logits(logits, rows)
+        tokens: list[int] = logits.argmax(dim=-1).tolist()
+        for i, walker in rows.items():
+            if not walker.accept(tokens[i]) or walker.done:
+                del walkers[seqs[i].seq_id]
+        return tokens
 
     @staticmethod
     def verified(seq: Sequence, num_accepted: int) -> None:

@@ -76,10 +76,15 @@ def verify(
     params: list[SamplingParams] = []
     states: dict[int, RowState] = {}
     masks: dict[int, Matcher] = {}
+    checked: list[tuple[Sequence, int]] = []  # (sequence, the drafts its rows verify)
     for seq, first, drafts in spans:
         generator = generators.get(seq.seq_id)
         if seq.matcher is not None:
-            masks.update(_draft_row_matchers(seq.matcher, seq.draft_token_ids[:drafts], len(rows)))
+            rows_masks, drafts = _draft_row_matchers(
+                seq.matcher, seq.draft_token_ids[:drafts], len(rows)
+            )
+            masks.update(rows_masks)
+        checked.append((seq, drafts))
         for j in range(drafts + 1):
             state = _draft_row_state(seq, j, generator, eos_token_ids)
             if state is not None:
@@ -92,7 +97,7 @@ def verify(
     result = sampler(draft_logits, params, states)
     verified: list[Verified] = []
     at = 0
-    for seq, _, drafts in spans:
+    for seq, drafts in checked:
         sampled = result.token_ids[at : at + drafts + 1]
         stops = _stop_token_ids(seq.params, eos_token_ids)
         accepted = 0
@@ -115,24 +120,29 @@ def _stop_token_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> s
     return stops
 
 
-def _draft_row_matchers(matcher: Matcher, drafts: list[int], first_row: int) -> dict[int, Matcher]:
+def _draft_row_matchers(
+    matcher: Matcher, drafts: list[int], first_row: int
+) -> tuple[dict[int, Matcher], int]:
     """The grammar state of each row of a draft (by row index from ``first_row``): after the
-    drafts before it. The drafts follow the grammar (:func:`grammar_drafts`)."""
+    drafts before it; and how many drafts can be verified: those before the first the grammar
+    refuses or ends on (an end is sampled, never drafted: no row is masked by an ended
+    grammar, and the sample ends where it would without speculation)."""
     states: dict[int, Matcher] = {}
     walker = matcher.copy()
     for j, token in enumerate(drafts):
         states[first_row + j] = walker.copy()
-        walker.accept(token)
+        if not walker.accept(token) or walker.done:
+            return states, j
     states[first_row + len(drafts)] = walker
-    return states
+    return states, len(drafts)
 
 
 def grammar_drafts(matcher: Matcher, drafts: list[int]) -> list[int]:
-    """The leading ``drafts`` the sample's grammar allows (a draft it refuses would be
-    rejected anyway)."""
+    """The leading ``drafts`` the sample's grammar allows and does not end on (a draft it
+    refuses would be rejected anyway; an end is sampled, not drafted)."""
     walker = matcher.copy()
     for j, token in enumerate(drafts):
-        if not walker.accept(token):
+        if not walker.accept(token) or walker.done:
             return drafts[:j]
     return drafts
 
