@@ -46,7 +46,6 @@ RUN pip install ${TORCH_INDEX_URL:+--index-url "${TORCH_INDEX_URL}"} "torch==${T
 COPY README.md ./
 COPY protos ./protos
 COPY pagedserve ./pagedserve
-COPY kernels ./kernels
 COPY services ./services
 RUN python -m pagedserve._protogen \
     && pip install --no-deps . \

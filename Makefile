@@ -21,7 +21,7 @@ protos: $(STAMP)
 	$(PY) -m pagedserve._protogen
 
 # Lint keeps the house: style, the import contract (pyproject's [tool.importlinter]), no file
-# over 500 lines in services/ or kernels/, and mypy on services/.
+# over 500 lines in services/ or pagedserve/kernels/, and mypy on services/.
 lint: protos
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -16,8 +16,8 @@ two, the others a ``--sliding-window`` of 128 that the prompts cross: 9.56 M par
 Systems, each on ``--threads`` torch threads (default: every core this process may use):
 
 - ``ours``: the in-process engine (continuous batching, paged KV cache, the fast CPU
-  attention of ``kernels/cpu_attention.py``, fp32 linear layers through oneDNN,
-  ``kernels/cpu_linear.py``);
+  attention of ``pagedserve/kernels/cpu_attention.py``, fp32 linear layers through oneDNN,
+  ``pagedserve/kernels/cpu_linear.py``);
 - ``ours-torch-linear``: the same with ``torch.nn.functional.linear`` (MKL) for the linear
   layers (``PAGEDSERVE_CPU_LINEAR=torch``), as HF runs them;
 - ``ours-reference-attention``: the same as ``ours`` with the reference attention
@@ -63,8 +63,8 @@ from bench.common.engines import EngineSystem
 from bench.common.models import write_bench_model
 from bench.common.workloads import Req, make_requests
 from bench.engine_bench import hf_batch, mismatches, model_sizes, our_system, run_ours
-from kernels import ops
-from kernels.cpu_linear import CPU_LINEAR_ENV
+from pagedserve.kernels import ops
+from pagedserve.kernels.cpu_linear import CPU_LINEAR_ENV
 from services.common.logging import configure_logging
 from services.executor.api import available_cores
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from kernels import ops, reference
-from kernels.testing import (
+from pagedserve.kernels import ops, reference
+from pagedserve.kernels.testing import (
     MIXED_BATCH,
     PAIRWISE_CASES,
     TOLERANCES,
@@ -151,8 +151,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _check_attention(report: Report, plan: Plan, name: str, batch: PagedBatch) -> None:
-    from kernels.paged_attention import paged_attention_triton
-    from kernels.paged_attention_split_kv import paged_attention_split_kv_triton
+    from pagedserve.kernels.paged_attention import paged_attention_triton
+    from pagedserve.kernels.paged_attention_split_kv import paged_attention_split_kv_triton
 
     dtype = batch.query.dtype
     expected = reference.paged_attention(*batch.args())
@@ -177,8 +177,8 @@ def _check_attention(report: Report, plan: Plan, name: str, batch: PagedBatch) -
 
 
 def _check_cache_ops(report: Report, plan: Plan, dtype: torch.dtype) -> None:
-    from kernels.copy_blocks import copy_blocks_triton
-    from kernels.reshape_and_cache import reshape_and_cache_triton
+    from pagedserve.kernels.copy_blocks import copy_blocks_triton
+    from pagedserve.kernels.reshape_and_cache import reshape_and_cache_triton
 
     dev = plan.device
     # reshape_and_cache: scattered slots, padding slots, strided K/V from a fused QKV.
@@ -325,8 +325,8 @@ class DecodeRow:
 def bench_decode_config(
     timer: Timer, report: Report, plan: Plan, batch: int, context: int, num_sms: int
 ) -> list[DecodeRow]:
-    from kernels.paged_attention import paged_attention_triton
-    from kernels.paged_attention_split_kv import paged_attention_split_kv_triton
+    from pagedserve.kernels.paged_attention import paged_attention_triton
+    from pagedserve.kernels.paged_attention_split_kv import paged_attention_split_kv_triton
 
     dtype, dev = plan.bench_dtype, plan.device
     group = NUM_Q_HEADS // NUM_KV_HEADS
@@ -395,7 +395,7 @@ def bench_decode_config(
 
 
 def bench_reshape_and_cache(timer: Timer, plan: Plan, copy_bw: float) -> list[str]:
-    from kernels.reshape_and_cache import reshape_and_cache_triton
+    from pagedserve.kernels.reshape_and_cache import reshape_and_cache_triton
 
     dtype, dev = plan.bench_dtype, plan.device
     num_blocks = plan.reshape_blocks

@@ -9,7 +9,7 @@ references, then timings.
    over the full context (the window's blocks are all it reads). Checked against the
    reference on the first sequences.
 2. Attention with logit soft-capping (Gemma 2), the same shapes, window 4096: time and check.
-3. The fused mixture of experts (``kernels/fused_moe.py``), Mixtral-8x7B's expert shapes
+3. The fused mixture of experts (``pagedserve/kernels/fused_moe.py``), Mixtral-8x7B's expert shapes
    (8 experts, top-2, hidden 4096, expert width 14336), bf16, 1 to 4096 tokens: time against
    the per-expert loop of the reference, and its error.
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import ops, reference
-from kernels.moe_reference import fused_moe_reference
+from pagedserve.kernels import ops, reference
+from pagedserve.kernels.moe_reference import fused_moe_reference
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def attention(plan: Plan, measure: Callable, checks: Checks) -> None:
 
 
 def mixture_of_experts(plan: Plan, measure: Callable, checks: Checks) -> None:
-    from kernels.fused_moe import fused_moe_triton
+    from pagedserve.kernels.fused_moe import fused_moe_triton
 
     e, k, h, inter = plan.moe
     dev, dtype = plan.device, plan.dtype

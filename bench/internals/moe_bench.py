@@ -1,14 +1,14 @@
-"""CPU benchmark of the mixture-of-experts op: the CPU path of ``kernels.ops.fused_moe``
+"""CPU benchmark of the mixture-of-experts op: the CPU path of ``pagedserve.kernels.ops.fused_moe``
 against the alternatives it was chosen over.
 
-- ``sorted-in-expert-order`` (:func:`kernels.cpu_moe.fused_moe_cpu`, the one served): one
+- ``sorted-in-expert-order`` (:func:`pagedserve.kernels.cpu_moe.fused_moe_cpu`, the one served): one
   sort of the (slot, token) rows by expert, one gather of ``x``, a contiguous slice per
   hit expert, the rows put back at (token, rank of the expert) by one ``index_copy_`` and
   each token's ``k`` weighted terms added one by one;
 - ``sorted-index-add``: the same rows, added into zeros by one ``index_add_`` (in fp16/bf16
   it rounds a token's sum once, not per term as transformers does);
 - ``padded-bmm``: the rows of every expert padded to the largest group, two ``bmm``;
-- ``per-expert-where`` (:func:`kernels.moe_reference.fused_moe_reference`, the loop of
+- ``per-expert-where`` (:func:`pagedserve.kernels.moe_reference.fused_moe_reference`, the loop of
   transformers and of the model before): a ``torch.where`` over the routing per expert,
   a gather and an ``index_add_`` per expert.
 
@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.cpu_moe import fused_moe_cpu
-from kernels.moe_reference import fused_moe_reference
-from kernels.reference import silu_and_mul
+from pagedserve.kernels.cpu_moe import fused_moe_cpu
+from pagedserve.kernels.moe_reference import fused_moe_reference
+from pagedserve.kernels.reference import silu_and_mul
 
 MoEFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 

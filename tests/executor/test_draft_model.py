@@ -18,8 +18,15 @@ from services.executor.model.errors import ModelLoadError
 from services.executor.model.launch import build_runner
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
-from tests.executor.greedy import hf_greedy, run_engine
-from tests.executor.test_speculative import _engine, _requests
+from tests.executor.greedy import run_engine
+from tests.executor.test_speculative import (
+    CONFIGS,
+    _engine,
+    _requests,
+    assert_preempted_as_configured,
+    assert_transformers_tokens,
+    with_and_without,
+)
 from tests.executor.test_structured_outputs import SPECS
 
 K = 4
@@ -64,28 +71,18 @@ def test_a_draft_identical_to_the_target_has_every_draft_accepted(model_dir):
     assert stats.accepted_per_pos == [stats.num_drafts] * K
 
 
-CONFIGS = {
-    "chunked": {"max_num_batched_tokens": 24},  # chunked prefill, drafts cut by the budget
-    "recompute": {"num_kv_blocks": 40, "max_num_seqs": 12},
-    "swap": {
-        "num_kv_blocks": 40,
-        "max_num_seqs": 12,
-        "preemption_mode": "swap",
-        "kv_offloading_size": 0.001,
-    },
-    "tp2": {"tensor_parallel_size": 2},
-    "n2": {},
-}
+#: An identical draft's configurations: forks (n = 2) besides the engine's.
+IDENTICAL = {name: CONFIGS[name] for name in ("chunked", "recompute", "swap", "tp2")} | {"n2": {}}
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(IDENTICAL))
 def test_an_identical_draft_keeps_every_draft_accepted_through_each_configuration(model_dir, name):
     """Output equality holds whatever the draft model's KV holds; this does not: an identical
     draft proposes the target's tokens only if its KV is right at every position, through
     chunked prefill, preemption (recompute, swap), a draft on the first of two ranks, forks
     (n = 2), and sequences left behind while speculation is off for a batch of 6 or more
     (each request has its own length, so the batch shrinks)."""
-    config = CONFIGS[name]
+    config = IDENTICAL[name]
     requests = {
         rid: (
             prompt,
@@ -98,66 +95,29 @@ def test_an_identical_draft_keeps_every_draft_accepted_through_each_configuratio
         )
         for i, (rid, (prompt, params)) in enumerate(_requests(seed=1, num=12).items())
     }
-    plain_engine = _engine(model_dir, **config)
-    try:
-        plain, _ = run_engine(plain_engine, requests)
-    finally:
-        plain_engine.runner.close()
     spec = json.dumps({"model": model_dir, "num_speculative_tokens": K, "disable_by_batch_size": 6})
-    engine = _engine(model_dir, speculative_config=spec, **config)
-    try:
-        assert run_engine(engine, requests)[0] == plain
-    finally:
-        engine.runner.close()
+    (plain, _), (got, _), engine = with_and_without(model_dir, requests, spec, config)
+    assert got == plain
     stats = engine.spec.stats
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
     assert engine.num_bad_answers == 0
-    if "max_num_seqs" in config:
-        assert engine.scheduler.num_preemptions > 0
-    if name == "swap":
-        assert engine.scheduler.swapping.num_swapped_out > 0
+    assert_preempted_as_configured(engine, config)
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        {},
-        {"max_num_batched_tokens": 24},  # chunked prefill, and drafts cut by the budget
-        {"num_kv_blocks": 40, "max_num_seqs": 12},  # preemption by recompute
-        {
-            "num_kv_blocks": 40,
-            "max_num_seqs": 12,
-            "preemption_mode": "swap",
-            "kv_offloading_size": 0.001,
-        },
-        {"async_scheduling": True},  # (planned after sampling while speculating)
-        {"tensor_parallel_size": 2},  # (the draft model on the first rank)
-    ],
-    ids=["default", "chunked", "recompute", "swap", "async", "tp2"],
-)
+@pytest.mark.parametrize("config", list(CONFIGS))
 def test_draft_model_speculation_gives_the_tokens_of_the_engine_without_it(
     model_dir, draft_dir, config
 ):
     requests = _requests(seed=1, num=12)
-    plain_engine = _engine(model_dir, **config)
-    try:
-        plain, plain_finals = run_engine(plain_engine, requests)
-    finally:
-        plain_engine.runner.close()
-    engine = _engine(model_dir, speculative_config=_spec(draft_dir), **config)
-    try:
-        spec, finals = run_engine(engine, requests)
-    finally:
-        engine.runner.close()
+    (plain, plain_finals), (spec, finals), engine = with_and_without(
+        model_dir, requests, _spec(draft_dir), CONFIGS[config]
+    )
     assert spec == plain
     assert {k: f.finish_reason for k, f in finals.items()} == {
         k: f.finish_reason for k, f in plain_finals.items()
     }
     _assert_some_accepted_some_rejected(engine)
-    if "max_num_seqs" in config:
-        assert engine.scheduler.num_preemptions > 0
-    if config.get("preemption_mode") == "swap":
-        assert engine.scheduler.swapping.num_swapped_out > 0
+    assert_preempted_as_configured(engine, CONFIGS[config])
 
 
 @pytest.mark.parametrize(
@@ -168,14 +128,9 @@ def test_every_family_with_full_attention_layers_drafts_with_transformers_tokens
 ):
     """Gemma's sliding layers (windows of 16 tokens) beside its global ones: the draft model
     reads the full-attention group's tables."""
-    requests = _requests(seed=1, num=8, max_tokens=60)
     target = str(tiny_checkpoint(name))
     engine = _engine(target, speculative_config=_spec(draft_checkpoint(name, 0.02)))
-    got, _ = run_engine(engine, requests)
-    model = hf_model(name)
-    for rid, (prompt, params) in requests.items():
-        assert got[(rid, 0)] == hf_greedy(model, prompt, params.max_tokens)[0], rid
-    assert _counts(engine)[1] > 0
+    assert_transformers_tokens(engine, _requests(seed=1, num=8, max_tokens=60), hf_model(name))
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 from transformers import PreTrainedModel
 
-from kernels.ops import FORCE_TRITON_ENV
+from pagedserve.kernels.ops import FORCE_TRITON_ENV
 from services.blockmgr.api.protocol import BlockManagerClient
 from services.blockmgr.api.types import AttentionKindName
 from services.blockmgr.client import InProcessClient

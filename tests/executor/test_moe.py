@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, MixtralConfig, PreTrainedModel, Q
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from kernels.ops import FORCE_TRITON_ENV
+from pagedserve.kernels.ops import FORCE_TRITON_ENV
 from pagedserve.tools.tiny_model import write_tiny_model
 from services.executor.model.config import MoEConfig
 from services.executor.model.layers.moe import SparseMoE

@@ -73,55 +73,72 @@ def _spec_counts(engine: Engine) -> tuple[int, int]:
     return engine.spec.stats.num_draft_tokens, engine.spec.stats.num_accepted_tokens
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        {},
-        {"max_num_batched_tokens": 24},  # chunked prefill, and drafts cut by the budget
-        {"num_kv_blocks": 40, "max_num_seqs": 12},  # preemption by recompute
-        {
-            "num_kv_blocks": 40,
-            "max_num_seqs": 12,
-            "preemption_mode": "swap",
-            "kv_offloading_size": 0.001,
-        },
-        {"async_scheduling": True},  # (planned after sampling while speculating)
-        {"tensor_parallel_size": 2},
-    ],
-    ids=["default", "chunked", "recompute", "swap", "async", "tp2"],
-)
+#: The engine configurations speculation is tested under (their keys: the test ids).
+CONFIGS: dict[str, dict] = {
+    "default": {},
+    "chunked": {"max_num_batched_tokens": 24},  # chunked prefill, and drafts cut by the budget
+    "recompute": {"num_kv_blocks": 40, "max_num_seqs": 12},  # preemption by recompute
+    "swap": {
+        "num_kv_blocks": 40,
+        "max_num_seqs": 12,
+        "preemption_mode": "swap",
+        "kv_offloading_size": 0.001,
+    },
+    "async": {"async_scheduling": True},  # (planned after sampling while speculating)
+    "tp2": {"tensor_parallel_size": 2},  # (a draft model runs on the first rank)
+}
+
+
+def with_and_without(
+    model_dir: str, requests: dict, speculative_config: str, config: dict
+) -> tuple[tuple[dict, dict], tuple[dict, dict], Engine]:
+    """``requests`` run on an engine of ``config`` without speculation, then with: the tokens
+    and final outputs of each, and the speculating engine (its ranks closed)."""
+    runs = []
+    for spec in (None, speculative_config):
+        engine = _engine(model_dir, speculative_config=spec, **config)
+        try:
+            runs.append(run_engine(engine, requests))
+        finally:
+            engine.runner.close()  # the other tensor-parallel rank, if any
+    return runs[0], runs[1], engine
+
+
+def assert_preempted_as_configured(engine: Engine, config: dict) -> None:
+    if "max_num_seqs" in config:
+        assert engine.scheduler.num_preemptions > 0
+    if config.get("preemption_mode") == "swap":
+        assert engine.scheduler.swapping.num_swapped_out > 0
+
+
+def assert_transformers_tokens(engine: Engine, requests: dict, model) -> None:
+    """``engine``'s greedy tokens for ``requests`` are ``model``'s, with drafts accepted."""
+    got, _ = run_engine(engine, requests)
+    for rid, (prompt, params) in requests.items():
+        assert got[(rid, 0)] == hf_greedy(model, prompt, params.max_tokens)[0], rid
+    drafted, accepted = _spec_counts(engine)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
 def test_ngram_speculation_gives_the_tokens_of_the_engine_without_it(model_dir, config):
     requests = _requests(seed=1, num=12)
-    plain_engine = _engine(model_dir, **config)
-    try:
-        plain, _ = run_engine(plain_engine, requests)
-    finally:
-        plain_engine.runner.close()  # the other tensor-parallel rank, if any
-    engine = _engine(model_dir, speculative_config=SPEC, **config)
-    try:
-        spec, finals = run_engine(engine, requests)
-    finally:
-        engine.runner.close()
+    (plain, _), (spec, finals), engine = with_and_without(
+        model_dir, requests, SPEC, CONFIGS[config]
+    )
     assert spec == plain
     drafted, accepted = _spec_counts(engine)
     assert drafted > 0 and accepted > 0, (drafted, accepted)
     assert all(len(t) == 100 or finals[k].finish_reason.name == "STOP" for k, t in spec.items())
-    if "max_num_seqs" in config:
-        assert engine.scheduler.num_preemptions > 0
+    assert_preempted_as_configured(engine, CONFIGS[config])
 
 
 @pytest.mark.parametrize("name", ["qwen2", "mistral", "qwen3", "mixtral", "qwen3_moe", "phi3"])
 def test_every_full_attention_family_speculates_with_transformers_tokens(
     name, tiny_checkpoint, hf_model
 ):
-    requests = _requests(seed=1, num=12)
     engine = _engine(str(tiny_checkpoint(name)), speculative_config=SPEC)
-    got, _ = run_engine(engine, requests)
-    model = hf_model(name)
-    for rid, (prompt, params) in requests.items():
-        assert got[(rid, 0)] == hf_greedy(model, prompt, params.max_tokens)[0], rid
-    drafted, accepted = _spec_counts(engine)
-    assert drafted > 0 and accepted > 0, (drafted, accepted)
+    assert_transformers_tokens(engine, _requests(seed=1, num=12), hf_model(name))
 
 
 @pytest.mark.parametrize(
@@ -133,14 +150,8 @@ def test_sliding_window_families_speculate_with_transformers_tokens(
     """Windows of 16 tokens, which the prompts and outputs cross: a grow releases the blocks
     out of the window of its verified tokens only (drafts may be rejected), batched with
     chunked prefill."""
-    requests = _requests(seed=1, num=8, max_tokens=60)
     engine = _engine(str(tiny_checkpoint(name)), speculative_config=SPEC, max_num_batched_tokens=40)
-    got, _ = run_engine(engine, requests)
-    model = hf_model(name)
-    for rid, (prompt, params) in requests.items():
-        assert got[(rid, 0)] == hf_greedy(model, prompt, params.max_tokens)[0], rid
-    drafted, accepted = _spec_counts(engine)
-    assert drafted > 0 and accepted > 0, (drafted, accepted)
+    assert_transformers_tokens(engine, _requests(seed=1, num=8, max_tokens=60), hf_model(name))
     assert engine.num_bad_answers == 0  # the pool's releases and ours agreed
 
 
@@ -150,15 +161,11 @@ def test_a_sliding_window_model_speculates_through_preemption(tiny_checkpoint, p
     if preemption_mode == "swap":
         config["kv_offloading_size"] = 0.001
     model = str(tiny_checkpoint("gemma2"))
-    requests = _requests(seed=2, num=12)
-    plain, _ = run_engine(_engine(model, **config), requests)
-    engine = _engine(model, speculative_config=SPEC, **config)
-    assert run_engine(engine, requests)[0] == plain
-    assert engine.scheduler.num_preemptions > 0
+    (plain, _), (spec, _), engine = with_and_without(model, _requests(seed=2, num=12), SPEC, config)
+    assert spec == plain
+    assert_preempted_as_configured(engine, config)
     assert _spec_counts(engine)[1] > 0
     assert engine.num_bad_answers == 0
-    if preemption_mode == "swap":
-        assert engine.scheduler.swapping.num_swapped_out > 0
 
 
 def test_speculated_greedy_outputs_equal_transformers(model_dir, hf_model):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from kernels.ops import FORCE_TRITON_ENV
+from pagedserve.kernels.ops import FORCE_TRITON_ENV
 from services.executor.model.runner import ModelRunner
 
 from .greedy import BlockAllocator, GreedySeq, hf_greedy, run_greedy

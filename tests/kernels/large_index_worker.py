@@ -24,11 +24,11 @@ if not shutil.which("nvidia-smi"):
 
 import torch
 
-from kernels import reference
-from kernels.copy_blocks import copy_blocks_triton
-from kernels.paged_attention import paged_attention_triton
-from kernels.paged_attention_split_kv import paged_attention_split_kv_triton
-from kernels.reshape_and_cache import reshape_and_cache_triton
+from pagedserve.kernels import reference
+from pagedserve.kernels.copy_blocks import copy_blocks_triton
+from pagedserve.kernels.paged_attention import paged_attention_triton
+from pagedserve.kernels.paged_attention_split_kv import paged_attention_split_kv_triton
+from pagedserve.kernels.reshape_and_cache import reshape_and_cache_triton
 
 BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, NUM_Q_HEADS = 16, 1, 16, 4
 BLOCK_STRIDE = 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM  # K and V payloads of a block: 512

@@ -15,10 +15,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import ops, reference
-from kernels.paged_attention import paged_attention_triton
-from kernels.paged_attention_split_kv import paged_attention_split_kv_triton
-from kernels.testing import (
+from pagedserve.kernels import ops, reference
+from pagedserve.kernels.paged_attention import paged_attention_triton
+from pagedserve.kernels.paged_attention_split_kv import paged_attention_split_kv_triton
+from pagedserve.kernels.testing import (
     MIXED_BATCH,
     PAIRWISE_CASES,
     TOLERANCES,
@@ -186,8 +186,8 @@ def test_an_unknown_cpu_attention_is_refused_naming_the_variable(
 def test_ops_forced_triton_uses_split_kv_for_one_long_decode(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import kernels.paged_attention as unified_module
-    import kernels.paged_attention_split_kv as split_module
+    import pagedserve.kernels.paged_attention as unified_module
+    import pagedserve.kernels.paged_attention_split_kv as split_module
 
     calls: list[str] = []
     for module, name in (

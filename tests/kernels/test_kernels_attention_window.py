@@ -1,5 +1,5 @@
 """Sliding-window attention and logit soft-capping in the Triton kernels (unified and
-split-KV, under the interpreter on CPU) and in ``kernels.ops`` dispatch, against the
+split-KV, under the interpreter on CPU) and in ``pagedserve.kernels.ops`` dispatch, against the
 reference (itself checked against a brute-force dense oracle in
 ``test_kernels_reference.py``).
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops, reference
-from kernels.paged_attention import paged_attention_triton
-from kernels.paged_attention_split_kv import paged_attention_split_kv_triton
-from kernels.testing import TOLERANCES, KernelCase, PagedBatch, make_paged_batch
+from pagedserve.kernels import ops, reference
+from pagedserve.kernels.paged_attention import paged_attention_triton
+from pagedserve.kernels.paged_attention_split_kv import paged_attention_split_kv_triton
+from pagedserve.kernels.testing import TOLERANCES, KernelCase, PagedBatch, make_paged_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -207,8 +207,8 @@ def test_ops_threads_window_and_soft_cap_to_the_kernel_it_picks(
 ) -> None:
     """A long decode splits without a window; with a short one the heuristic sees the
     effective context min(max_seq_len, W) and keeps the unified kernel."""
-    import kernels.paged_attention as unified_module
-    import kernels.paged_attention_split_kv as split_module
+    import pagedserve.kernels.paged_attention as unified_module
+    import pagedserve.kernels.paged_attention_split_kv as split_module
 
     calls: list[tuple[str, object, object]] = []
     for module, name in (

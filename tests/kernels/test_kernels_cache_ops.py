@@ -1,6 +1,6 @@
 """Triton reshape_and_cache and copy_blocks against the torch reference.
 
-Runs under the Triton interpreter on CPU; also through ``kernels.ops`` with
+Runs under the Triton interpreter on CPU; also through ``pagedserve.kernels.ops`` with
 ``PAGEDSERVE_FORCE_TRITON=1`` to prove the dispatch reaches the kernels.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops, reference
-from kernels.copy_blocks import copy_blocks_triton
-from kernels.reshape_and_cache import reshape_and_cache_triton
-from kernels.testing import PAIRWISE_CASES, KernelCase
+from pagedserve.kernels import ops, reference
+from pagedserve.kernels.copy_blocks import copy_blocks_triton
+from pagedserve.kernels.reshape_and_cache import reshape_and_cache_triton
+from pagedserve.kernels.testing import PAIRWISE_CASES, KernelCase
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

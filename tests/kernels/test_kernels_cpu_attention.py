@@ -1,4 +1,4 @@
-"""The fast CPU attention (``kernels/cpu_attention.py``, what ``ops`` serves on the CPU)
+"""The fast CPU attention (``pagedserve/kernels/cpu_attention.py``, what ``ops`` serves on the CPU)
 against the reference on random paged batches: mixed decode, chunked prefill and prefix
 hits, pure decode, batch padding, MHA / GQA / MQA, block sizes 1, 16 and 32."""
 
@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_attention, ops, reference
-from kernels.cpu_attention import decode_buckets, paged_attention_cpu
-from kernels.testing import MIXED_BATCH, TOLERANCES, make_paged_batch
+from pagedserve.kernels import cpu_attention, ops, reference
+from pagedserve.kernels.cpu_attention import decode_buckets, paged_attention_cpu
+from pagedserve.kernels.testing import MIXED_BATCH, TOLERANCES, make_paged_batch
 
 HEADS = [(4, 4), (8, 2), (8, 1)]  # (query heads, KV heads): MHA, GQA, MQA
 

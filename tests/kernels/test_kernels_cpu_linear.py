@@ -1,5 +1,5 @@
-"""The CPU linear layers (``kernels/cpu_linear.py``, what ``ops.linear`` serves on the CPU):
-oneDNN for fp32 within fp32 rounding of ``torch.nn.functional.linear``, the other dtypes
+"""The CPU linear layers (``pagedserve/kernels/cpu_linear.py``, what ``ops.linear`` serves on the
+CPU): oneDNN for fp32 within fp32 rounding of ``torch.nn.functional.linear``, the other dtypes
 and ``PAGEDSERVE_CPU_LINEAR=torch`` exactly ``torch.nn.functional.linear``."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import ops
-from kernels.cpu_linear import CPU_LINEAR_ENV, cpu_linear_impl
+from pagedserve.kernels import ops
+from pagedserve.kernels.cpu_linear import CPU_LINEAR_ENV, cpu_linear_impl
 from services.executor.model.config import ModelConfig
 from services.executor.model.layers.linear import Linear
 from services.executor.model.models.llama import DecoderLM

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops, reference
-from kernels.fused_add_rms_norm import fused_add_rms_norm_triton
-from kernels.rotary_embedding import rotary_embedding_triton
-from kernels.silu_and_mul import gelu_tanh_and_mul_triton, silu_and_mul_triton
+from pagedserve.kernels import ops, reference
+from pagedserve.kernels.fused_add_rms_norm import fused_add_rms_norm_triton
+from pagedserve.kernels.rotary_embedding import rotary_embedding_triton
+from pagedserve.kernels.silu_and_mul import gelu_tanh_and_mul_triton, silu_and_mul_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -134,9 +134,9 @@ def test_rotary_over_the_first_part_of_each_head_leaves_the_rest_untouched() -> 
 
 def test_ops_dispatch_reaches_the_fused_kernels(force_triton, monkeypatch) -> None:
     calls: list[str] = []
-    import kernels.fused_add_rms_norm as n
-    import kernels.rotary_embedding as r
-    import kernels.silu_and_mul as s
+    import pagedserve.kernels.fused_add_rms_norm as n
+    import pagedserve.kernels.rotary_embedding as r
+    import pagedserve.kernels.silu_and_mul as s
 
     for mod, name in (
         (n, "fused_add_rms_norm_triton"),

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
-from kernels.cpu_moe import fused_moe_cpu
-from kernels.fused_moe import MoEGemmConfig, fused_moe_triton, moe_align_block_size
-from kernels.moe_reference import fused_moe_reference
+from pagedserve.kernels import ops
+from pagedserve.kernels.cpu_moe import fused_moe_cpu
+from pagedserve.kernels.fused_moe import MoEGemmConfig, fused_moe_triton, moe_align_block_size
+from pagedserve.kernels.moe_reference import fused_moe_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -116,7 +116,7 @@ def test_triton_fused_moe_with_the_prefill_tiles_and_grouped_launch():
 
 
 def test_ops_dispatch_to_triton_when_forced(force_triton, monkeypatch):
-    import kernels.fused_moe as fused
+    import pagedserve.kernels.fused_moe as fused
 
     calls: list[int] = []
     real = fused.fused_moe_triton

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.testing import MIXED_BATCH, PagedBatch, dense_attention, make_paged_batch
+from pagedserve.kernels import reference
+from pagedserve.kernels.testing import MIXED_BATCH, PagedBatch, dense_attention, make_paged_batch
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import structlog
 import torch
 from torch import Tensor
 
-from kernels import ops
+from pagedserve.kernels import ops
 from services.executor.model.config import ModelConfig
 from services.executor.model.cuda_graphs import (
     DecodeGraphs,

@@ -1,13 +1,13 @@
 """Paged self-attention over this rank's heads: fused QKV projection, optional per-head
 RMSNorm of q and k (QK-norm, Qwen3 and Gemma 3), RoPE, the KV write into the paged cache and
-``kernels.ops.paged_attention`` with the layer's sliding window and soft-cap, if any."""
+``pagedserve.kernels.ops.paged_attention`` with the layer's sliding window and soft-cap, if any."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from kernels import ops
+from pagedserve.kernels import ops
 from services.executor.model.config import ModelConfig
 from services.executor.model.forward_batch import ForwardBatch
 from services.executor.model.layers.linear import Linear

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kernels import ops
+from pagedserve.kernels import ops
 from services.executor.model.parallel import Comm, ShardPlan
 
 __all__ = ["Linear", "Placement", "VocabParallelEmbedding", "tensor_shape"]
@@ -18,7 +18,7 @@ __all__ = ["Linear", "Placement", "VocabParallelEmbedding", "tensor_shape"]
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same checkpoint names) computed by
-    :func:`kernels.ops.linear`: oneDNN for fp32 on the CPU."""
+    :func:`pagedserve.kernels.ops.linear`: oneDNN for fp32 on the CPU."""
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.linear(x, self.weight, self.bias)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kernels import ops
+from pagedserve.kernels import ops
 from services.executor.model.config import ModelConfig
 from services.executor.model.layers.linear import Linear
 from services.executor.model.parallel import Comm

@@ -4,7 +4,7 @@
 Routing follows transformers: softmax of the router logits in fp32, top-k, optionally
 renormalised to sum to 1, cast to the activations' dtype (Qwen3-MoE) or applied in fp32
 (Mixtral, ``MoEConfig.fp32_weights``). The experts run in
-:func:`kernels.ops.fused_moe` (Triton grouped GEMMs on CUDA, a loop over the hit experts
+:func:`pagedserve.kernels.ops.fused_moe` (Triton grouped GEMMs on CUDA, a loop over the hit experts
 on the CPU that adds each token's terms in expert order, as transformers does).
 
 Tensor parallelism cuts every expert as the dense MLP is cut: each rank holds a slice of
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kernels import ops
+from pagedserve.kernels import ops
 from services.executor.model.config import MoEConfig
 from services.executor.model.parallel import Comm, SingleComm
 

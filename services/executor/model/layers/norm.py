@@ -1,11 +1,11 @@
-"""RMSNorm, fused with the residual add (``kernels.ops.fused_add_rms_norm``)."""
+"""RMSNorm, fused with the residual add (``pagedserve.kernels.ops.fused_add_rms_norm``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from kernels import ops
+from pagedserve.kernels import ops
 
 __all__ = ["RMSNorm"]
 

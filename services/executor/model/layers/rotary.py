@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from kernels import ops
+from pagedserve.kernels import ops
 from services.executor.model.rope_config import RopeConfig
 
 __all__ = ["RotaryEmbedding", "rope_inv_freq"]

@@ -5,7 +5,8 @@ One implementation for the family; the members differ only in configuration (bia
 scaling, tied embeddings), all read from :class:`ModelConfig`. The forward pass runs on a
 FLATTENED batch: the query tokens of every sequence in the step are concatenated on one
 token axis ``T``, with no padding; :class:`ForwardBatch` says where each sequence's tokens
-and cached context are. Attention goes through ``kernels.ops`` (Triton on CUDA, torch on CPU).
+and cached context are. Attention goes through ``pagedserve.kernels.ops`` (Triton on CUDA,
+torch on CPU).
 
 Shapes: T tokens in the step, H hidden size, Hq/Hkv query/KV heads, D head dim, I MLP
 intermediate size, V vocabulary, K rows whose logits are wanted, L layers,

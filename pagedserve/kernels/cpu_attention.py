@@ -1,6 +1,6 @@
-"""Paged attention for the CPU, built for speed (``kernels/reference.py`` stays the oracle).
+"""Paged attention for the CPU, built for speed (``reference.py`` beside it stays the oracle).
 
-Same contract as :func:`kernels.reference.paged_attention`. The batch is split by query
+Same contract as :func:`pagedserve.kernels.reference.paged_attention`. The batch is split by query
 length:
 
 - **decode rows** (one query token): sorted by context length and cut into a few buckets
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.reference import check_window_and_soft_cap
+from pagedserve.kernels.reference import check_window_and_soft_cap
 
 __all__ = ["paged_attention_cpu"]
 
@@ -42,7 +42,7 @@ def paged_attention_cpu(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> Tensor:  # [T, Hq, D]
-    """See :func:`kernels.reference.paged_attention`."""
+    """See :func:`pagedserve.kernels.reference.paged_attention`."""
     del max_seq_len
     window, soft_cap = check_window_and_soft_cap(sliding_window, logits_soft_cap)
     num_q_heads = query.shape[1]

@@ -1,8 +1,8 @@
 """Dispatch for the KV-cache ops used by the model.
 
-Each op has the signature of its reference in :mod:`kernels.reference`. CUDA tensors go
+Each op has the signature of its reference in :mod:`pagedserve.kernels.reference`. CUDA tensors go
 to the Triton kernels; CPU tensors go to torch: attention to the fast CPU path
-(:mod:`kernels.cpu_attention`; ``PAGEDSERVE_CPU_ATTENTION=reference`` selects the
+(:mod:`pagedserve.kernels.cpu_attention`; ``PAGEDSERVE_CPU_ATTENTION=reference`` selects the
 reference instead), the other ops to their reference, unless the environment
 variable ``PAGEDSERVE_FORCE_TRITON=1`` is set (tests use it to run the Triton kernels
 under the interpreter, ``TRITON_INTERPRET=1``). Triton is imported lazily, on first use,
@@ -23,9 +23,9 @@ import os
 import torch
 from torch import Tensor
 
-from kernels import reference
-from kernels.cpu_attention import paged_attention_cpu
-from kernels.cpu_linear import cpu_linear
+from pagedserve.kernels import reference
+from pagedserve.kernels.cpu_attention import paged_attention_cpu
+from pagedserve.kernels.cpu_linear import cpu_linear
 
 __all__ = [
     "CPU_ATTENTION_ENV",
@@ -112,7 +112,7 @@ def split_kv_heuristic(
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x @ weight.T + bias``: on the CPU through :func:`kernels.cpu_linear.cpu_linear`
+    """``x @ weight.T + bias``: on the CPU through :func:`pagedserve.kernels.cpu_linear.cpu_linear`
     (oneDNN for fp32), elsewhere ``torch.nn.functional.linear`` (cuBLAS)."""
     if x.device.type == "cpu":
         return cpu_linear(x, weight, bias)
@@ -126,9 +126,9 @@ def reshape_and_cache(
     value_cache: Tensor,  # [NB, BS, Hkv, D]
     slot_mapping: Tensor,  # [T] int64, < 0 = padding
 ) -> None:
-    """See :func:`kernels.reference.reshape_and_cache`."""
+    """See :func:`pagedserve.kernels.reference.reshape_and_cache`."""
     if _use_triton(key):
-        from kernels.reshape_and_cache import reshape_and_cache_triton
+        from pagedserve.kernels.reshape_and_cache import reshape_and_cache_triton
 
         reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
     else:
@@ -149,7 +149,7 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> Tensor:  # [T, Hq, D]
-    """See :func:`kernels.reference.paged_attention`.
+    """See :func:`pagedserve.kernels.reference.paged_attention`.
 
     ``sliding_window = W`` limits each query to the ``W`` latest keys up to its own
     position, ``logits_soft_cap = c`` caps scores to ``c * tanh(score / c)`` (``None``
@@ -189,7 +189,7 @@ def paged_attention(
             num_seqs, key_cache.shape[2], max_query_len, context, num_sms
         )
     if num_splits > 1:
-        from kernels.paged_attention_split_kv import paged_attention_split_kv_triton
+        from pagedserve.kernels.paged_attention_split_kv import paged_attention_split_kv_triton
 
         return paged_attention_split_kv_triton(
             query,
@@ -205,7 +205,7 @@ def paged_attention(
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
         )
-    from kernels.paged_attention import paged_attention_triton
+    from pagedserve.kernels.paged_attention import paged_attention_triton
 
     return paged_attention_triton(
         query,
@@ -227,9 +227,9 @@ def copy_blocks(
     src: Tensor,  # [N] int64
     dst: Tensor,  # [N] int64
 ) -> None:
-    """See :func:`kernels.reference.copy_blocks`."""
+    """See :func:`pagedserve.kernels.reference.copy_blocks`."""
     if _use_triton(kv_cache):
-        from kernels.copy_blocks import copy_blocks_triton
+        from pagedserve.kernels.copy_blocks import copy_blocks_triton
 
         copy_blocks_triton(kv_cache, src, dst)
     else:
@@ -239,9 +239,9 @@ def copy_blocks(
 def fused_add_rms_norm(
     x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, unit_offset: bool = False
 ) -> Tensor:  # [T, H]
-    """See :func:`kernels.reference.fused_add_rms_norm`."""
+    """See :func:`pagedserve.kernels.reference.fused_add_rms_norm`."""
     if _use_triton(x):
-        from kernels.fused_add_rms_norm import fused_add_rms_norm_triton
+        from pagedserve.kernels.fused_add_rms_norm import fused_add_rms_norm_triton
 
         return fused_add_rms_norm_triton(x, residual, weight, eps, unit_offset)
     return reference.fused_add_rms_norm(x, residual, weight, eps, unit_offset)
@@ -250,9 +250,9 @@ def fused_add_rms_norm(
 def rotary_embedding(
     positions: Tensor, query: Tensor, key: Tensor, cos: Tensor, sin: Tensor
 ) -> None:
-    """See :func:`kernels.reference.rotary_embedding`."""
+    """See :func:`pagedserve.kernels.reference.rotary_embedding`."""
     if _use_triton(query):
-        from kernels.rotary_embedding import rotary_embedding_triton
+        from pagedserve.kernels.rotary_embedding import rotary_embedding_triton
 
         rotary_embedding_triton(positions, query, key, cos, sin)
     else:
@@ -260,18 +260,18 @@ def rotary_embedding(
 
 
 def silu_and_mul(x: Tensor) -> Tensor:  # [T, 2I] -> [T, I]
-    """See :func:`kernels.reference.silu_and_mul`."""
+    """See :func:`pagedserve.kernels.reference.silu_and_mul`."""
     if _use_triton(x):
-        from kernels.silu_and_mul import silu_and_mul_triton
+        from pagedserve.kernels.silu_and_mul import silu_and_mul_triton
 
         return silu_and_mul_triton(x)
     return reference.silu_and_mul(x)
 
 
 def gelu_tanh_and_mul(x: Tensor) -> Tensor:  # [T, 2I] -> [T, I]
-    """See :func:`kernels.reference.gelu_tanh_and_mul`."""
+    """See :func:`pagedserve.kernels.reference.gelu_tanh_and_mul`."""
     if _use_triton(x):
-        from kernels.silu_and_mul import gelu_tanh_and_mul_triton
+        from pagedserve.kernels.silu_and_mul import gelu_tanh_and_mul_triton
 
         return gelu_tanh_and_mul_triton(x)
     return reference.gelu_tanh_and_mul(x)
@@ -286,16 +286,16 @@ def fused_moe(
 ) -> Tensor:  # [T, H]
     """A sparse mixture of SwiGLU experts over routing already chosen (softmax, top-k and
     any renormalisation are the model's); contract of
-    :func:`kernels.moe_reference.fused_moe_reference`.
+    :func:`pagedserve.kernels.moe_reference.fused_moe_reference`.
 
-    Triton (:mod:`kernels.fused_moe`): grouped GEMMs over the rows sorted by expert, with
-    no host sync. CPU (:mod:`kernels.cpu_moe`): a loop over the experts hit, bit-identical
-    to the reference and to transformers' expert loop.
+    Triton (:mod:`.fused_moe`): grouped GEMMs over the rows sorted by expert, with no host
+    sync. CPU (:mod:`.cpu_moe`): a loop over the experts hit, bit-identical to the reference
+    and to transformers' expert loop.
     """
     if _use_triton(x):
-        from kernels.fused_moe import fused_moe_triton
+        from pagedserve.kernels.fused_moe import fused_moe_triton
 
         return fused_moe_triton(x, topk_weights, topk_ids, w13, w2)
-    from kernels.cpu_moe import fused_moe_cpu
+    from pagedserve.kernels.cpu_moe import fused_moe_cpu
 
     return fused_moe_cpu(x, topk_weights, topk_ids, w13, w2)

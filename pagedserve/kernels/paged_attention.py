@@ -6,7 +6,7 @@ tokens of one sequence) and one KV head with its whole GQA group, streams the
 sequence's context once through the block table up to the tile's causal bound (from
 the tile's first window position with a sliding window), and writes the normalised
 output. Tiling, masking, window and soft-cap are described in
-:mod:`kernels._attention_common`.
+:mod:`pagedserve.kernels._attention_common`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._attention_common import (
+from pagedserve.kernels._attention_common import (
     LOG2E,
     attend_range,
     check_attention_inputs,
@@ -26,7 +26,7 @@ from kernels._attention_common import (
     tile_config,
     window_kv_start,
 )
-from kernels.reference import check_window_and_soft_cap
+from pagedserve.kernels.reference import check_window_and_soft_cap
 
 __all__ = ["paged_attention_triton"]
 
@@ -146,7 +146,7 @@ def paged_attention_triton(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> Tensor:  # [T, Hq, D]
-    """Unified paged attention; contract of :func:`kernels.reference.paged_attention`.
+    """Unified paged attention; contract of :func:`pagedserve.kernels.reference.paged_attention`.
 
     ``max_query_len`` picks decode tiles when it is 1 (``None``: prefill tiles, correct
     for any batch). ``max_seq_len`` is unused: each program reads its own ``seq_lens``.

@@ -1,7 +1,7 @@
 """The mixture-of-experts op on the CPU: one sort of the routed rows by expert, one
 contiguous slice per hit expert, one scatter back.
 
-Contract of :func:`kernels.moe_reference.fused_moe_reference`, bit for bit on the same
+Contract of :func:`pagedserve.kernels.moe_reference.fused_moe_reference`, bit for bit on the same
 BLAS and thread count: each expert multiplies the same rows in the same order as
 transformers' loop does (its tokens by slot, then by token), and each token's terms are
 added in increasing expert order.
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.moe_reference import check_moe_shapes
-from kernels.reference import silu_and_mul
+from pagedserve.kernels.moe_reference import check_moe_shapes
+from pagedserve.kernels.reference import silu_and_mul
 
 __all__ = ["fused_moe_cpu"]
 
@@ -41,7 +41,7 @@ def fused_moe_cpu(
     w13: Tensor,  # [E, 2I, H]
     w2: Tensor,  # [E, H, I]
 ) -> Tensor:  # [T, H]
-    """CPU ``fused_moe``; contract of :func:`kernels.moe_reference.fused_moe_reference`."""
+    """CPU ``fused_moe``; contract of :func:`.moe_reference.fused_moe_reference`."""
     check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
     num_tokens, top_k = topk_ids.shape
     hidden = x.shape[1]

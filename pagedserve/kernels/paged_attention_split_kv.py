@@ -15,7 +15,7 @@ cut into ``num_splits`` contiguous ranges of ``split_len`` positions (a multiple
 
 The kernel is exact for any batch (prefill rows too), but its partial buffers are
 ``num_splits * T * Hq * D`` fp32, so dispatch uses it for decode batches only
-(:func:`kernels.ops.split_kv_heuristic`).
+(:func:`pagedserve.kernels.ops.split_kv_heuristic`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._attention_common import (
+from pagedserve.kernels._attention_common import (
     LOG2E,
     attend_range,
     check_attention_inputs,
@@ -35,7 +35,7 @@ from kernels._attention_common import (
     tile_config,
     window_kv_start,
 )
-from kernels.reference import check_window_and_soft_cap
+from pagedserve.kernels.reference import check_window_and_soft_cap
 
 __all__ = ["paged_attention_split_kv_triton"]
 
@@ -228,7 +228,7 @@ def paged_attention_split_kv_triton(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> Tensor:  # [T, Hq, D]
-    """Split-KV paged attention; contract of :func:`kernels.reference.paged_attention`.
+    """Split-KV paged attention; contract of :func:`pagedserve.kernels.reference.paged_attention`.
 
     The context is cut into ``num_splits`` ranges of ``split_len = ceil(max_seq_len /
     num_splits)`` positions rounded up to the key tile; without the ``max_seq_len`` hint

@@ -45,12 +45,12 @@ def _silu_and_mul_kernel(
 
 
 def silu_and_mul_triton(x: Tensor) -> Tensor:  # [T, 2I] -> [T, I]
-    """Triton ``silu_and_mul``; contract of :func:`kernels.reference.silu_and_mul`."""
+    """Triton ``silu_and_mul``; contract of :func:`pagedserve.kernels.reference.silu_and_mul`."""
     return _act_and_mul(x, gelu_tanh=False, name="silu_and_mul")
 
 
 def gelu_tanh_and_mul_triton(x: Tensor) -> Tensor:  # [T, 2I] -> [T, I]
-    """Triton ``gelu_tanh_and_mul``; contract of :func:`kernels.reference.gelu_tanh_and_mul`."""
+    """Triton ``gelu_tanh_and_mul``; contract of :func:`.reference.gelu_tanh_and_mul`."""
     return _act_and_mul(x, gelu_tanh=True, name="gelu_tanh_and_mul")
 
 

@@ -116,7 +116,7 @@ def reshape_and_cache_triton(
     value_cache: Tensor,  # [NB, BS, Hkv, D]
     slot_mapping: Tensor,  # [T] int64, < 0 = padding
 ) -> None:
-    """Triton ``reshape_and_cache``; contract of :func:`kernels.reference.reshape_and_cache`.
+    """Triton ``reshape_and_cache``; contract of :func:`.reference.reshape_and_cache`.
 
     Key/value may be strided views (e.g. slices of a fused QKV projection) as long as
     head_dim is contiguous.

@@ -1,5 +1,5 @@
 """Torch reference of the fused mixture-of-experts op: the test oracle of the Triton kernel
-(:mod:`kernels.fused_moe`) and of the CPU path (:mod:`kernels.cpu_moe`).
+(:mod:`pagedserve.kernels.fused_moe`) and of the CPU path (:mod:`pagedserve.kernels.cpu_moe`).
 
 It is transformers' eager expert loop (``MixtralExperts.forward``): every expert in
 increasing order runs on the tokens routed to it (ordered by slot, then by token, as
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.reference import silu_and_mul
+from pagedserve.kernels.reference import silu_and_mul
 
 __all__ = ["check_moe_shapes", "fused_moe_reference"]
 

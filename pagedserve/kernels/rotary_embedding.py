@@ -80,7 +80,7 @@ def rotary_embedding_triton(
     cos: Tensor,  # [max_len, D/2]
     sin: Tensor,  # [max_len, D/2]
 ) -> None:
-    """Triton ``rotary_embedding``; contract of :func:`kernels.reference.rotary_embedding`."""
+    """Triton ``rotary_embedding``; contract of :func:`.reference.rotary_embedding`."""
     num_tokens, num_q_heads, head_dim = query.shape
     if key.dim() != 3 or key.shape[0] != num_tokens or key.shape[2] != head_dim:
         raise ValueError(

@@ -46,7 +46,7 @@ def copy_blocks_triton(
     src: Tensor,  # [N] int64
     dst: Tensor,  # [N] int64
 ) -> None:
-    """Triton ``copy_blocks``; contract of :func:`kernels.reference.copy_blocks`."""
+    """Triton ``copy_blocks``; contract of :func:`pagedserve.kernels.reference.copy_blocks`."""
 
     def fail(msg: str) -> None:
         raise ValueError(f"copy_blocks: {msg}")

@@ -1,6 +1,6 @@
 """Triton fused mixture of experts: grouped GEMMs over the tokens routed to each expert.
 
-The contract is :func:`kernels.moe_reference.fused_moe_reference`'s. Three steps, as in
+The contract is :func:`pagedserve.kernels.moe_reference.fused_moe_reference`'s. Three steps, as in
 vLLM's ``fused_moe``, none of which reads a device value on the host (the launch sizes
 depend on shapes alone, so a step could be captured in a CUDA graph):
 
@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.moe_reference import check_moe_shapes
-from kernels.silu_and_mul import silu_and_mul_triton
+from pagedserve.kernels.moe_reference import check_moe_shapes
+from pagedserve.kernels.silu_and_mul import silu_and_mul_triton
 
 __all__ = ["MoEGemmConfig", "fused_moe_triton", "moe_align_block_size", "moe_gemm_config"]
 
@@ -232,7 +232,7 @@ def fused_moe_triton(
     w2: Tensor,  # [E, H, I]
     config: MoEGemmConfig | None = None,
 ) -> Tensor:  # [T, H]
-    """Triton ``fused_moe``; contract of :func:`kernels.moe_reference.fused_moe_reference`.
+    """Triton ``fused_moe``; contract of :func:`.moe_reference.fused_moe_reference`.
     ``config`` overrides the tiles of :func:`moe_gemm_config` (tests use it)."""
     check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
     num_tokens, top_k = topk_ids.shape

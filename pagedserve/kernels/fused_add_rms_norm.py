@@ -5,7 +5,7 @@ the model dtype and written to ``residual`` in place (the next layer's residual)
 normalised: ``out = weight * to_dtype(r * rsqrt(mean(r^2) + eps))`` (Gemma's ``unit_offset``:
 ``to_dtype(r * rsqrt(mean(r^2) + eps) * (1 + weight))``), all arithmetic in fp32
 and each rounding where HF's two-op form rounds, so only the order of the mean's sum
-differs from :func:`kernels.reference.fused_add_rms_norm`.
+differs from :func:`pagedserve.kernels.reference.fused_add_rms_norm`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def fused_add_rms_norm_triton(
     eps: float,
     unit_offset: bool = False,
 ) -> Tensor:  # [T, H]
-    """Triton ``fused_add_rms_norm``; contract of :func:`kernels.reference.fused_add_rms_norm`."""
+    """Triton ``fused_add_rms_norm``; contract of :func:`.reference.fused_add_rms_norm`."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(
             f"fused_add_rms_norm: x must be [T, H] with stride(-1) == 1, got "
