@@ -1,7 +1,7 @@
 """Speculative decoding through the real stack (block manager, executor with
-``--speculative-config``, gateway): OpenAI completions give transformers' greedy text, the
-gateway's ``/metrics`` carries vLLM's ``spec_decode`` counters, and ``bench serve`` prints
-the acceptance summary."""
+``--speculative-config``, n-gram or a draft model, gateway): OpenAI completions give
+transformers' greedy text, the gateway's ``/metrics`` carries vLLM's ``spec_decode``
+counters, and ``bench serve`` prints the acceptance summary."""
 
 from __future__ import annotations
 
@@ -16,11 +16,15 @@ from pagedserve.testing.procs import ServiceProcess, gateway_args, wait_serving
 from services.bench.serve import main as bench_serve
 from tests.gateway.conftest import stack_executor_args
 
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
 
-
-@pytest.fixture(scope="module")
-def spec_stack(tiny_model_dir: Path) -> Iterator[tuple[str, ServiceProcess]]:
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def spec_stack(request, tiny_model_dir: Path) -> Iterator[tuple[str, ServiceProcess]]:
+    """The stack with n-gram drafts, or with a draft model (the model itself: it loads in
+    the executor process beside the target, its cache sized with the target's)."""
+    if request.param == "ngram":
+        spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    else:
+        spec = json.dumps({"model": str(tiny_model_dir), "num_speculative_tokens": 4})
     blockmgr = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")
     executor = ServiceProcess(
         stack_executor_args(
@@ -30,7 +34,7 @@ def spec_stack(tiny_model_dir: Path) -> Iterator[tuple[str, ServiceProcess]]:
             "--pool-id",
             "spec-stack",
             "--speculative-config",
-            SPEC,
+            spec,
         ),
         "executor_ready",
     )
