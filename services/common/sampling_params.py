@@ -79,6 +79,12 @@ class SamplingParams:
         plain = stateless and self.seed is None and self.n == 1 and not self.use_beam_search
         object.__setattr__(self, "plain", plain)
 
+    def ending_token_ids(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
+        """The tokens that end a sample: ``stop_token_ids``, and the model's EOS ids unless
+        ``ignore_eos``."""
+        stops = frozenset(self.stop_token_ids)
+        return stops if self.ignore_eos else stops | eos_token_ids
+
     @property
     def has_penalties(self) -> bool:
         return (

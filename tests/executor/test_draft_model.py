@@ -23,6 +23,7 @@ from tests.executor.test_speculative import (
     CONFIGS,
     _engine,
     _requests,
+    _spec_counts,
     assert_preempted_as_configured,
     assert_transformers_tokens,
     with_and_without,
@@ -46,12 +47,8 @@ def draft_dir(draft_checkpoint) -> str:
     return str(draft_checkpoint("llama", 0.02))
 
 
-def _counts(engine: Engine) -> tuple[int, int]:
-    return engine.spec.stats.num_draft_tokens, engine.spec.stats.num_accepted_tokens
-
-
 def _assert_some_accepted_some_rejected(engine: Engine) -> None:
-    drafted, accepted = _counts(engine)
+    drafted, accepted = _spec_counts(engine)
     assert 0 < accepted < drafted, (drafted, accepted)
 
 
@@ -155,7 +152,7 @@ def test_sampled_and_structured_requests_give_the_outputs_of_the_engine_without_
     plain, _ = run_engine(_engine(model_dir), requests)
     engine = _engine(model_dir, speculative_config=_spec(draft_dir))
     assert run_engine(engine, requests)[0] == plain
-    assert _counts(engine)[0] > 0
+    assert _spec_counts(engine)[0] > 0
 
 
 def test_a_drafted_stop_token_ends_the_sequence_there(model_dir):
@@ -202,7 +199,7 @@ def test_an_identical_draft_drafts_the_end_of_a_grammar_which_is_sampled_not_dra
     assert {k: f.finish_reason for k, f in finals.items()} == {
         k: f.finish_reason for k, f in plain_finals.items()
     }
-    assert _counts(engine)[1] > 0
+    assert _spec_counts(engine)[1] > 0
 
 
 def test_prefix_hits_read_the_draft_models_cache_too(model_dir):

@@ -103,7 +103,7 @@ class BeamSearchEngine:
             # Structured outputs: each beam's candidates are the tokens its grammar allows.
             self.grammars.mask_logits(logprobs, {i: s.matcher for i, s in enumerate(beams)})
         p = beams[0].params
-        ends = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos)
+        ends = p.ending_token_ids(self._eos)
         if beams[0].matcher is not None:  # a complete output ends on EOS, ignore_eos or not
             ends |= self._eos
         outputs = [s.output_token_ids for s in beams]

@@ -44,9 +44,7 @@ def plan_grows(
         nonlocal free, preempted
         # What its grow releases out of the window counts now, mirrored once granted:
         # preempted, it goes (or is swapped) out with its tables as the pool holds them.
-        # (Verified tokens the pool counts: accepted drafts are reported with this grow.)
-        held = seq.num_computed_tokens - seq.num_unreported + seq.num_ahead_slots
-        first = mirror.first_live_after(seq, held)
+        first = mirror.first_live_after(seq, seq.num_pool_tokens + seq.num_ahead_slots)
         releasing = mirror.releasable(seq, first) if window else 0
         free += releasing
         need = mirror.blocks_needed(seq, k)
@@ -105,7 +103,7 @@ def plan_grows(
         ):
             # The common decode: room in a last block no one else holds.
             if window:
-                free += mirror.slide(seq, computed - seq.num_unreported + seq.num_ahead_slots)
+                free += mirror.slide(seq, seq.num_pool_tokens + seq.num_ahead_slots)
                 plan.grow_first_live.append(seq.first_live_block)
             scheduled.add(seq.seq_id)
             grows.append((seq, 1))
@@ -126,5 +124,5 @@ def _private_tail(seq: Sequence, refs: Counter[int], block_size: int) -> bool:
     """Whether no other table holds a block ``seq`` may write in this step (from the one its
     first token the pool has not counted lands in): a speculative grow never copies on write
     (the pool's copy-on-write check and ours then agree whatever the drafts)."""
-    start = (seq.num_computed_tokens - seq.num_unreported) // block_size
+    start = seq.num_pool_tokens // block_size
     return all(refs[b] == 1 for table in seq.tables for b in table[start:])

@@ -101,6 +101,12 @@ class Sequence:
     stop_token: int | None = None
     admitted_once: bool = False
 
+    @property
+    def num_pool_tokens(self) -> int:
+        """The tokens the block manager counts for it: its computed ones but the accepted
+        drafts its next grow reports (slots granted ahead not included)."""
+        return self.num_computed_tokens - self.num_unreported
+
     def forget_speculation(self) -> None:
         """Preempted to be recomputed: no slot, draft or unreported token is left (a draft
         model's KV is kept as far as it went: its prefix hits are read up to there)."""

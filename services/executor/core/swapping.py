@@ -137,8 +137,7 @@ class Swapping:
         g = slides.index(True)
         run = seq.host_slots[g * length : (g + 1) * length]
         released = next((i for i, slot in enumerate(run) if slot != NO_SLOT), length)
-        held = seq.num_computed_tokens - seq.num_unreported  # the tokens the pool counts
-        first = first_live_block(held, cfg.sliding_window, cfg.block_size)
+        first = first_live_block(seq.num_pool_tokens, cfg.sliding_window, cfg.block_size)
         return max(0, first - released) * sum(slides)
 
     def apply(

@@ -38,7 +38,7 @@ def pool_view(seq: Sequence) -> RestoredSequence:
     if seq.status is SeqStatus.SWAPPED:
         return RestoredSequence(
             seq.seq_id,
-            seq.num_computed_tokens - seq.num_unreported,
+            seq.num_pool_tokens,
             (),
             tuple(seq.block_hashes[: seq.num_committed_blocks]),
             seq.host_slots,
@@ -46,7 +46,7 @@ def pool_view(seq: Sequence) -> RestoredSequence:
         )
     return RestoredSequence(
         seq.seq_id,
-        seq.num_computed_tokens + seq.num_ahead_slots - seq.num_unreported,
+        seq.num_pool_tokens + seq.num_ahead_slots,
         tuple(seq.tables[0]) if len(seq.tables) == 1 else tuple(itertools.chain(*seq.tables)),
         tuple(seq.block_hashes[: seq.num_committed_blocks]),
         num_lookahead=seq.num_surplus_slots,

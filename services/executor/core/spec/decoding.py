@@ -165,8 +165,7 @@ class Speculation:
             elif self.drafter is not None:  # drafted once scheduled (the draft's cache)
                 seq.num_planned_drafts = draft_room(seq, self.config, self._max_model_len)
             else:
-                p = seq.params
-                stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos)
+                stops = seq.params.ending_token_ids(self._eos)
                 drafts = propose(seq, self.config, stops, self._max_model_len)
                 if seq.matcher is not None and drafts:
                     drafts = grammar_drafts(seq.matcher, drafts)

@@ -57,7 +57,6 @@ class DraftProposer:
         self.max_num_tokens = max_num_tokens  # per forward: the step's token budget
         self.group = group
         self.grammars = grammars
-        self._walkers: dict[int, Matcher] = {}  # a drafting sample's grammar, past its drafts
 
     def draft(self, chunks: Seq[ScheduledChunk]) -> None:
         """Fill ``draft_token_ids`` of each chunk's sequence that has drafts scheduled; the
@@ -79,7 +78,8 @@ class DraftProposer:
             prompts = prompts or k > 1 + drafts
         if not drafting and not prompts:
             return  # decodes only, none drafting: caught up on when they next draft
-        self._walkers = {s.seq_id: s.matcher.copy() for s in drafting if s.matcher is not None}
+        # A drafting sample's grammar, past its drafts so far.
+        walkers = {s.seq_id: s.matcher.copy() for s in drafting if s.matcher is not None}
         # What it has not seen, in forwards of at most the step's token budget (a sequence's
         # pieces in order); each drafting sequence's last piece gives its first draft.
         while pending:
@@ -97,7 +97,7 @@ class DraftProposer:
                     later.append((seq, stop, end))
                 elif last:
                     firsts.append(seq)
-            tokens = self._drafts(self.runner.execute(step), firsts)
+            tokens = self._drafts(self.runner.execute(step), firsts, walkers)
             for seq, token in zip(firsts, tokens, strict=True):
                 seq.draft_token_ids = [token]
             pending = later
@@ -107,17 +107,17 @@ class DraftProposer:
                 SeqChunk([s.draft_token_ids[-1]], s.num_computed_tokens + j, s.tables[g])
                 for s in drafting
             ]
-            tokens = self._drafts(self.runner.execute(step), drafting)
+            tokens = self._drafts(self.runner.execute(step), drafting, walkers)
             for seq, token in zip(drafting, tokens, strict=True):
                 seq.draft_token_ids.append(token)
-        self._walkers = {}
 
-    def _drafts(self, logits: Tensor, seqs: list[Sequence]) -> list[int]:
+    def _drafts(
+        self, logits: Tensor, seqs: list[Sequence], walkers: dict[int, Matcher]
+    ) -> list[int]:
         """The draft of each of ``seqs`` (a logits row each): its argmax, within its grammar
         while it has one (a grammar that refused or ended stops masking: verification takes
         none of the drafts from there)."""
         logits = logits[:, : self.vocab_size]
-        walkers = self._walkers
         rows = {i: walkers[s.seq_id] for i, s in enumerate(seqs) if s.seq_id in walkers}
         if rows and self.grammars is not None:
             logits = logits.contiguous()

@@ -96,10 +96,10 @@ def verify(
         grammars.mask_logits(draft_logits, masks)
     result = sampler(draft_logits, params, states)
     verified: list[Verified] = []
-    at = 0
+    at, eos = 0, frozenset(eos_token_ids)
     for seq, drafts in checked:
         sampled = result.token_ids[at : at + drafts + 1]
-        stops = _stop_token_ids(seq.params, eos_token_ids)
+        stops = seq.params.ending_token_ids(eos)
         accepted = 0
         while accepted < drafts and sampled[accepted] == seq.draft_token_ids[accepted]:
             if sampled[accepted] in stops:
@@ -111,13 +111,6 @@ def verify(
         at += drafts + 1
     rest = logits[torch.tensor(keep, device=logits.device, dtype=torch.long)]
     return rest, verified
-
-
-def _stop_token_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> set[int]:
-    stops = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        stops.update(eos_token_ids)
-    return stops
 
 
 def _draft_row_matchers(
