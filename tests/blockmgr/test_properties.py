@@ -51,6 +51,7 @@ class PoolMachine(RuleBasedStateMachine):
     disk_blocks = 0  # > 0: a disk tier below the host tier
     num_blocks = NUM_BLOCKS
     tier_policy = "lru"  # the host and disk tiers' eviction policy
+    hit_margin = 0  # > 0: an admission's hit stops that many blocks short of the run (EAGLE)
 
     def __init__(self) -> None:
         super().__init__()
@@ -73,6 +74,7 @@ class PoolMachine(RuleBasedStateMachine):
                 host_blocks=self.host_blocks,
                 disk_blocks=self.disk_blocks,
                 tier_eviction_policy=self.tier_policy,
+                prefix_hit_margin=self.hit_margin,
             ),
             retention_steps=self.retention_steps,
         )
@@ -95,6 +97,7 @@ class PoolMachine(RuleBasedStateMachine):
         if r.status is OpStatus.OK:
             assert r.num_cached_tokens < len(tokens)
             assert r.num_cached_tokens % BS == 0
+            assert r.num_cached_tokens <= max(0, (len(tokens) - 1) // BS - self.hit_margin) * BS
             n = -(-r.num_tokens // BS)
             assert len(r.block_ids) == n * len(self.windows)
             for g, live in enumerate(self._lives(r.num_cached_tokens)):
@@ -664,6 +667,14 @@ class DiskTierS3FIFOPoolMachine(DiskTierPoolMachine):
     tier_policy = "s3fifo"
 
 
+class EagleDiskTierPoolMachine(DiskTierPoolMachine):
+    hit_margin = 2  # hits stop short on the device or in the tiers (a shortened tier run)
+
+
+class EagleHybridTierPoolMachine(HybridTierPoolMachine):
+    hit_margin = 1  # the hit of a prefix a block shorter, in every group and tier
+
+
 class SlidingPoolMachine(PoolMachine):
     windows = (6,)  # not a multiple of the block size: the window straddles blocks
 
@@ -718,6 +729,10 @@ TestHybridTierInvariants = HybridTierPoolMachine.TestCase
 TestHybridTierInvariants.settings = settings(_settings, max_examples=examples(60))
 TestDiskTierS3FIFOInvariants = DiskTierS3FIFOPoolMachine.TestCase
 TestDiskTierS3FIFOInvariants.settings = settings(_settings, max_examples=examples(40))
+TestEagleDiskTierInvariants = EagleDiskTierPoolMachine.TestCase
+TestEagleDiskTierInvariants.settings = settings(_settings, max_examples=examples(40))
+TestEagleHybridTierInvariants = EagleHybridTierPoolMachine.TestCase
+TestEagleHybridTierInvariants.settings = settings(_settings, max_examples=examples(40))
 _sliding_settings = settings(_settings, max_examples=examples(60))
 TestSlidingPoolInvariantsLRU = SlidingPoolMachine.TestCase
 TestSlidingPoolInvariantsLRU.settings = _sliding_settings

@@ -1,6 +1,6 @@
 """Traces at the core: a replay as recorded matches the live pool even when empty Steps (the
-pool's clock) drive retention priorities out, and a tier override skips the pools that cannot
-have one."""
+pool's clock) drive retention priorities out, a tier override skips the pools that cannot
+have one, and a pool's prefix hit margin is replayed."""
 
 from __future__ import annotations
 
@@ -18,7 +18,13 @@ from services.blockmgr.api.types import (
 )
 from services.blockmgr.client import InProcessClient
 from services.blockmgr.service.core import BlockManagerCore
-from services.blockmgr.trace.record import RestoreRecord, StepRecord, TraceWriter, read_trace
+from services.blockmgr.trace.record import (
+    RegisterRecord,
+    RestoreRecord,
+    StepRecord,
+    TraceWriter,
+    read_trace,
+)
 from services.blockmgr.trace.replay import replay
 from tests.blockmgr.helpers import hashes
 
@@ -90,3 +96,16 @@ def test_swaps_and_swapped_restores_are_recorded_and_replayed_as_live(tmp_path):
     assert replay(records, host_blocks=0).num_ops < sum(
         len(r.ops) for r in records if isinstance(r, StepRecord)
     )
+
+
+def test_a_prefix_hit_margin_is_recorded_and_replayed(tmp_path):
+    trace = TraceWriter(tmp_path / "t.jsonl")
+    core = InProcessClient(BlockManagerCore(trace=trace))
+    epoch = core.register("p", PoolSpec(9, BS, prefix_hit_margin=1)).epoch
+    _turn(core, epoch, 1, list(range(16)))
+    _turn(core, epoch, 2, list(range(17)))  # 4 blocks match: 3 hit
+    live = core.stats("p")
+    trace.close()
+    records = list(read_trace(tmp_path / "t.jsonl"))
+    assert isinstance(records[0], RegisterRecord) and records[0].spec.prefix_hit_margin == 1
+    assert live.prefix_cache_hits_tokens == replay(records).hits_tokens == 12

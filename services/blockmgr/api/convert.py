@@ -201,6 +201,7 @@ def register_to_pb(pool_id: str, spec: PoolSpec, owner_token: str) -> pb.Registe
         host_blocks=spec.host_blocks,
         disk_blocks=spec.disk_blocks,
         tier_eviction_policy=tier_policy,
+        prefix_hit_margin=spec.prefix_hit_margin,
     )
 
 
@@ -214,6 +215,7 @@ def spec_from_pb(r: pb.RegisterPoolRequest) -> PoolSpec:
         r.host_blocks,
         r.disk_blocks,
         policy_from_pb(r.tier_eviction_policy, "tier_eviction_policy"),
+        r.prefix_hit_margin,
     )
 
 
@@ -230,6 +232,7 @@ def pool_info_to_pb(p: PoolInfo) -> pb.PoolInfo:
         host_blocks=p.host_blocks,
         disk_blocks=p.disk_blocks,
         tier_eviction_policy=POLICY_TO_PB[EvictionPolicyName(p.tier_eviction_policy)],
+        prefix_hit_margin=p.prefix_hit_margin,
     )
 
 
@@ -243,6 +246,7 @@ def pool_info_from_pb(p: pb.PoolInfo) -> PoolInfo:
         p.host_blocks,
         p.disk_blocks,
         policy_from_pb(p.tier_eviction_policy, "tier_eviction_policy"),
+        p.prefix_hit_margin,
     )
     return PoolInfo.of(p.pool_id, p.epoch, spec)
 

@@ -350,7 +350,10 @@ class PoolSpec:
     ``ServiceInfo.max_kv_cache_groups``. ``host_blocks``: slots of a host tier (0: none);
     ``disk_blocks``: slots of a disk tier below it (0: none); ``tier_eviction_policy``: the
     order in which the tiers reuse slots. Policies may be given by name; the block manager
-    refuses an unknown one (INVALID_ARGUMENT)."""
+    refuses an unknown one (INVALID_ARGUMENT). ``prefix_hit_margin``: blocks (>= 0) an
+    admission's prefix hit stops short of the matched run (EAGLE speculative decoding: a
+    draft head's KV at a block's last position depends on the next token, so the last
+    matched block is recomputed); a run of n blocks hits ``max(0, n - margin)`` at most."""
 
     num_blocks: int
     block_size: int
@@ -360,6 +363,7 @@ class PoolSpec:
     host_blocks: int = 0
     disk_blocks: int = 0
     tier_eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU
+    prefix_hit_margin: int = 0
 
     @property
     def num_usable_blocks(self) -> int:

@@ -89,6 +89,7 @@ class KVBlockManager:
         self.spec = spec
         self.block_size = spec.block_size
         self.enable_prefix_caching = spec.enable_prefix_caching
+        self.hit_margin = spec.prefix_hit_margin
         self.pool = BlockPool(
             spec.num_blocks,
             EvictionPolicyName.parse(spec.eviction_policy),
@@ -179,7 +180,8 @@ class KVBlockManager:
         needs every block of it, a sliding group the blocks its window reads, the table null
         before them), on the device or in the tiers below it (those blocks are onboarded
         into new device blocks), then every group's table gets the same number of new
-        blocks."""
+        blocks. The pool's ``prefix_hit_margin`` (EAGLE) stops the hit that many blocks short of
+        that run: the hit is that of the shorter prefix, and the blocks dropped are new."""
         pool, bs = self.pool, self.block_size
         num_hit = 0
         lives = [0] * len(self.windows)
@@ -199,9 +201,13 @@ class KVBlockManager:
                     if block_id is None:
                         break
                     found.append(block_id)
+                on_device = len(found)
                 if pool.host is not None:  # the prefix may go on in the tiers below
-                    run = tier_run(pool.host, pool.disk, op.block_hashes[len(found) : max_hits])
+                    run = tier_run(pool.host, pool.disk, op.block_hashes[on_device:max_hits])
                     found.extend([IN_TIER] * len(run))
+                if self.hit_margin:  # the run's last blocks dropped: the tier run's ones first
+                    del found[max(0, len(found) - self.hit_margin) :]
+                    del run[max(0, len(found) - on_device) :]
                 num_hit = len(found)
         num_cached = num_hit * bs
         num_tokens = num_cached + min(op.num_prompt_tokens - num_cached, op.max_new_tokens)
@@ -240,24 +246,28 @@ class KVBlockManager:
         self, block_hashes: Sequence[bytes]
     ) -> tuple[int, list[int], list[list[int]], TierRun]:
         """:func:`longest_group_hit` over the device and, with tiers, the tiers below it: a
-        block found only there is IN_TIER in its group's hits and listed in the run."""
+        block found only there is IN_TIER in its group's hits and listed in the run. With a
+        hit margin, the hit of the prefix that many blocks shorter (each key looked up once)."""
         pool, host = self.pool, self.pool.host
-        if host is None:
-            num_hit, lives, hits = longest_group_hit(
-                block_hashes, self.windows, self.block_size, pool.lookup
-            )
-            return num_hit, lives, hits, []
         below: dict[bytes, tuple[HostTier, int]] = {}
+        seen: dict[bytes, int | None] = {}
 
         def lookup(key: bytes) -> int | None:
+            if key in seen:  # (looked up in the first pass: a miss is told once)
+                return seen[key]
             block_id = pool.lookup(key)
-            if block_id is None and (where := tier_lookup(host, pool.disk, key)) is not None:
+            where = tier_lookup(host, pool.disk, key) if block_id is None and host else None
+            if where is not None:
                 below[key] = where
-                return IN_TIER
+                block_id = IN_TIER
+            seen[key] = block_id
             return block_id
 
         windows, bs = self.windows, self.block_size
         num_hit, lives, hits = longest_group_hit(block_hashes, windows, bs, lookup)
+        if self.hit_margin and num_hit:
+            shorter = block_hashes[: max(0, num_hit - self.hit_margin)]
+            num_hit, lives, hits = longest_group_hit(shorter, windows, bs, lookup)
         run: TierRun = []
         for group, (live, group_hits) in enumerate(zip(lives, hits, strict=True)):
             for i, block_id in enumerate(group_hits, start=live):

@@ -196,6 +196,8 @@ class BlockManagerCore:
                     f"{name} must be in [0, {self.max_pool_blocks}] (--max-pool-blocks), "
                     f"got {value}"
                 )
+        if spec.prefix_hit_margin < 0:
+            raise invalid(f"prefix_hit_margin must be >= 0, got {spec.prefix_hit_margin}")
         try:
             return dataclasses.replace(
                 spec,

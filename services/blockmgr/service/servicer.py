@@ -75,6 +75,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             host_blocks=info.host_blocks,
             disk_blocks=info.disk_blocks,
             tier_eviction_policy=info.tier_eviction_policy,
+            prefix_hit_margin=info.prefix_hit_margin,
         )
         return pb.RegisterPoolResponse(
             pool=convert.pool_info_to_pb(info), owner_token=info.owner_token, lease_s=info.lease_s

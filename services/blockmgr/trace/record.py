@@ -152,6 +152,7 @@ class TraceWriter:
                 "host_blocks": spec.host_blocks,
                 "disk_blocks": spec.disk_blocks,
                 "tier_policy": EvictionPolicyName(spec.tier_eviction_policy).value,
+                "prefix_hit_margin": spec.prefix_hit_margin,
             }
         )
 
@@ -214,6 +215,7 @@ def _record(d: dict[str, Any]) -> TraceRecord:
             int(d.get("host_blocks", 0)),
             int(d.get("disk_blocks", 0)),
             EvictionPolicyName.parse(d.get("tier_policy", "lru")),
+            int(d.get("prefix_hit_margin", 0)),
         )
         return RegisterRecord(pool_id, spec, int(d.get("retention_steps", DEFAULT_RETENTION_STEPS)))
     if kind == "restore":
