@@ -37,6 +37,7 @@ from transformers import (
     SiglipVisionConfig,
 )
 
+from pagedserve.tools.eagle3_head import write_random_head
 from pagedserve.tools.tiny_tokenizer import (
     BOS,
     DEFAULT_VOCAB_SIZE,
@@ -361,10 +362,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--init-std", type=float, default=defaults.init_std)
     parser.add_argument("--max-shard-size", default=None, help='e.g. "100KB" to shard the weights')
     parser.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    parser.add_argument(
+        "--eagle3-for",
+        type=Path,
+        default=None,
+        metavar="TARGET",
+        help="write instead a random EAGLE-3 head for the checkpoint at TARGET (--seed applies)",
+    )
     args = parser.parse_args(argv)
 
     if args.dir.exists() and any(args.dir.iterdir()) and not args.force:
         parser.error(f"{args.dir} is not empty (use --force to overwrite)")
+    if args.eagle3_for is not None:
+        if not (args.eagle3_for / "config.json").is_file():
+            parser.error(f"--eagle3-for: {args.eagle3_for} has no config.json")
+        write_random_head(args.eagle3_for, args.dir, seed=args.seed)
+        print(f"wrote a random EAGLE-3 head for {args.eagle3_for} to {args.dir}")
+        return 0
     if args.num_heads % args.num_kv_heads:
         parser.error("--num-heads must be a multiple of --num-kv-heads")
     if args.head_dim is None and args.hidden_size % args.num_heads:

@@ -118,6 +118,40 @@ def draft_checkpoint(
 
 
 @pytest.fixture(scope="session")
+def eagle3_head(
+    tiny_checkpoint: CheckpointFactory,
+    hf_model: Callable[[str], PreTrainedModel],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[str], Path]:
+    """``eagle3_head(name)`` -> an EAGLE-3 head for checkpoint ``name``, trained (seeded, a
+    few seconds) on the model's greedy tokens after the prompts of the speculative tests
+    (``test_speculative._requests(seed=1, ...)``), so that most of its drafts are accepted.
+    It shares the target's embeddings."""
+    from bench.common.eagle3 import train_eagle3_head
+    from tests.executor.test_speculative import _requests
+
+    root = tmp_path_factory.mktemp("eagle3_heads")
+    written: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in written:
+            model = hf_model(name)
+            sequences = []
+            for prompt, _ in _requests(seed=1, num=12).values():
+                ids = torch.tensor([prompt])
+                out = model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=100, do_sample=False
+                )
+                sequences.append(out[0].tolist())
+            out_dir = root / name
+            train_eagle3_head(tiny_checkpoint(name), out_dir, sequences, steps=80, seed=0)
+            written[name] = out_dir
+        return written[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def hf_model(tiny_checkpoint: CheckpointFactory) -> Callable[[str], PreTrainedModel]:
     """``hf_model(name)`` -> the transformers reference model of that checkpoint (fp32)."""
     models: dict[str, PreTrainedModel] = {}

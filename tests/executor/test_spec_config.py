@@ -30,7 +30,8 @@ def test_vllms_json_is_read_with_its_defaults() -> None:
     [
         ("{", "speculative_config is not valid JSON"),
         ("[1]", "must be a JSON object"),
-        ('{"method": "eagle3"}', "speculative_config.method: 'eagle3' is not served"),
+        ('{"method": "medusa"}', "speculative_config.method: 'medusa' is not served"),
+        ('{"method": "eagle3"}', "speculative_config.model: eagle3 needs the EAGLE-3 head"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be in [1, 16]"),
         ('{"num_speculative_tokens": "3"}', "num_speculative_tokens must be a int"),
         ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min <="),

@@ -86,6 +86,9 @@ class Sequence:
     # as far as the target's, prefix hits included; after a recompute, no further than it
     # went before). Tokens it has not seen yet are computed with its next drafts (core.spec).
     num_draft_computed: int | None = None
+    # With an EAGLE head: its output at the sequence's last computed position, which its next
+    # drafts are made from (a Tensor; core.spec.eagle), until they are.
+    draft_state: Any = None
     num_unreported: int = 0
     num_surplus_slots: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
@@ -111,6 +114,7 @@ class Sequence:
         """Preempted to be recomputed: no slot, draft or unreported token is left (a draft
         model's KV is kept as far as it went: its prefix hits are read up to there)."""
         self.num_unreported = self.num_surplus_slots = self.num_scheduled_drafts = 0
+        self.draft_state = None
 
     def wants_prompt_logprobs(self) -> bool:
         """Its prompt chunks return every token's logits: sample 0 of a request that asked for

@@ -29,6 +29,7 @@ from services.executor.model.cuda_graphs import (
 )
 from services.executor.model.disk_kv import DiskKVStore
 from services.executor.model.draft import draft_bytes_per_block, draft_runner, load_draft
+from services.executor.model.eagle import Eagle3Runner, eagle3_bytes_per_block, load_eagle3
 from services.executor.model.errors import ModelLoadError
 from services.executor.model.host_kv import HostKVCache
 from services.executor.model.kv_cache import allocate_kv_cache, size_kv_cache
@@ -123,12 +124,24 @@ def _build(
     # A draft model (speculative decoding) runs on the first rank, its cache of the same
     # blocks sized with the target's.
     draft = load_draft(config.draft_model, model) if config.draft_model and comm.rank == 0 else None
+    # Or an EAGLE-3 head, which reads the target's features: its forwards keep them, which
+    # the decode graphs do not capture (yet).
+    head = (
+        load_eagle3(config.eagle3_head, model, config.model)
+        if config.eagle3_head and comm.rank == 0
+        else None
+    )
+    if config.eagle3_head and graph_sizes:
+        log.info("cuda_graphs_disabled", reason="eagle3 speculative decoding")
+        graph_sizes = ()
+    extra = draft_bytes_per_block(draft, config.block_size) if draft else 0
+    extra += eagle3_bytes_per_block(head, config.block_size) if head else 0
     num_blocks = size_kv_cache(
         model,
         config.cache,
         max_num_batched_tokens=config.max_num_batched_tokens,
         graph_sizes=graph_sizes,
-        extra_bytes_per_block=draft_bytes_per_block(draft, config.block_size) if draft else 0,
+        extra_bytes_per_block=extra,
     )
     kv_cache = allocate_kv_cache(
         model.local_config,
@@ -147,6 +160,8 @@ def _build(
     runner = ModelRunner(model, kv_cache, config.block_size, workers, host)
     if draft is not None:
         runner.draft = draft_runner(draft, num_blocks, config.block_size)
+    if head is not None:
+        runner.eagle = Eagle3Runner(head, num_blocks, config.block_size)
     if graph_backend is None and device.type == "cuda":
         graph_backend = "cuda"
     if graph_backend is not None and graph_sizes:

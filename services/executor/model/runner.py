@@ -20,6 +20,7 @@ from services.executor.model.cuda_graphs import (
     DecodeGraphs,
     GraphBackend,
 )
+from services.executor.model.eagle import Eagle3Runner
 from services.executor.model.forward_batch import (
     BatchBuilder,
     BatchLayout,
@@ -79,6 +80,8 @@ class ModelRunner:
         # Speculative decoding's draft model (.draft), on this rank, over the same blocks:
         # block copies are made in its cache too.
         self.draft: ModelRunner | None = None
+        # Or an EAGLE-3 head (.eagle, an Eagle3Runner), its one-layer cache of the same blocks.
+        self.eagle: Eagle3Runner | None = None
         self.builder = BatchBuilder(
             block_size,
             self.device,
@@ -110,6 +113,11 @@ class ModelRunner:
             memory_bytes=used,
         )
         self.graphs = graphs
+
+    @property
+    def aux_hidden(self) -> Tensor | None:
+        """The last forward's features for an EAGLE-3 head (:attr:`DecoderLM.aux_hidden`)."""
+        return self.model.aux_hidden
 
     @property
     def max_model_len(self) -> int:
@@ -182,8 +190,9 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send(Op.COPY_BLOCKS, CopyBlocksHeader(ids.shape[1]), (ids,))
         ops.copy_blocks(self.kv_cache, ids[0], ids[1])
-        if self.draft is not None:
-            ops.copy_blocks(self.draft.kv_cache, ids[0], ids[1])
+        for other in (self.draft, self.eagle):
+            if other is not None:
+                ops.copy_blocks(other.kv_cache, ids[0], ids[1])
         if self.workers is not None:
             self.workers.done()
 

@@ -57,6 +57,7 @@ class RunnerConfig:
     log_level: str = "INFO"  # of the rank worker processes
     cpu_threads: int | None = None  # torch intra-op threads on the CPU, all ranks together
     draft_model: str | None = None  # speculative decoding's draft checkpoint (first rank)
+    eagle3_head: str | None = None  # or its EAGLE-3 head (first rank)
 
     @property
     def block_size(self) -> int:

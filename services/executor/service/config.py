@@ -217,9 +217,10 @@ class ExecutorConfig:
             default=None,
             help='speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", '
             '"num_speculative_tokens": 3, "prompt_lookup_max": 3}\' or \'{"model": DRAFT_DIR, '
-            '"num_speculative_tokens": 3}\': n-gram or draft-model drafts verified in one '
-            "forward (beam searches run unspeculated; a draft model needs full-attention "
-            "layers: docs/speculative-decoding.md)",
+            '"num_speculative_tokens": 3}\' or \'{"method": "eagle3", "model": HEAD_DIR, '
+            '"num_speculative_tokens": 3}\': n-gram, draft-model or EAGLE-3 drafts verified in '
+            "one forward (beam searches run unspeculated; a draft model or head needs "
+            "full-attention layers: docs/speculative-decoding.md)",
         )
         a(
             "--cuda-graph-sizes",
@@ -370,6 +371,11 @@ class ExecutorConfig:
 
     def runner_config(self) -> RunnerConfig:
         """The model side's part of this configuration."""
+        spec = (
+            SpeculativeConfig.parse(self.speculative_config)
+            if self.speculative_config is not None
+            else None
+        )
         return RunnerConfig(
             model=self.model,
             cache=CacheConfig(
@@ -393,9 +399,6 @@ class ExecutorConfig:
             distributed_timeout=self.distributed_timeout,
             log_level=self.log_level,
             cpu_threads=self.cpu_threads,
-            draft_model=(
-                SpeculativeConfig.parse(self.speculative_config).model
-                if self.speculative_config is not None
-                else None
-            ),
+            draft_model=spec.model if spec is not None and spec.uses_draft_model else None,
+            eagle3_head=spec.model if spec is not None and spec.uses_eagle else None,
         )

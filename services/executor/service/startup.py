@@ -131,6 +131,9 @@ def _build_engine(
         host_blocks=runner.host.num_slots if runner.host is not None else 0,
         disk_blocks=runner.host.disk.num_slots if runner.host and runner.host.disk else 0,
         tier_eviction_policy=config.kv_offloading_eviction_policy,
+        # An EAGLE head's KV at a block's last position depends on the token after it: a
+        # prefix hit's last block is computed again (core.spec.eagle).
+        prefix_hit_margin=1 if getattr(runner, "eagle", None) is not None else 0,
     )
     client = blockmgr or connect_blockmgr(config)
     try:
@@ -229,9 +232,9 @@ def _speculative(
     if config.speculative_config is None:
         return None
     spec = SpeculativeConfig.parse(config.speculative_config)  # (checked by validate)
-    if spec.uses_draft_model and groups and all(g.sliding_window for g in groups):
+    if spec.has_draft_cache and groups and all(g.sliding_window for g in groups):
         raise ModelLoadError(
-            "--speculative-config: every layer of this model slides, and a draft model reads "
+            f"--speculative-config: every layer of this model slides, and {spec.method} reads "
             "the blocks of a full-attention KV-cache group: use the ngram method"
         )
     if config.async_scheduling:

@@ -12,14 +12,15 @@ from services.common.sampling_params import SamplingParams
 
 __all__ = ["METHODS", "SpeculativeConfig", "speculable"]
 
-METHODS = ("ngram", "draft_model")  # eagle3 is not served yet: refused, named
+METHODS = ("ngram", "draft_model", "eagle3")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How many tokens to draft per sequence per step, and how: ``ngram`` (prompt lookup,
-    ``prompt_lookup_min/max``) or ``draft_model`` (``model``: a smaller checkpoint of the
-    same vocabulary, run on the first rank: ``draft_tensor_parallel_size`` 1). Without a
+    ``prompt_lookup_min/max``), ``draft_model`` (``model``: a smaller checkpoint of the
+    same vocabulary, run on the first rank: ``draft_tensor_parallel_size`` 1) or ``eagle3``
+    (``model``: an EAGLE-3 head for the target, on the first rank too). Without a
     ``method``, a ``model`` means ``draft_model`` (as in vLLM). ``disable_by_batch_size``: no
     drafts in a step whose batch has this many running sequences or more (0: never off),
     where verifying costs more than it saves."""
@@ -36,10 +37,13 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(
                 f"speculative_config.method: {self.method!r} is not served (choose one of "
-                f"{', '.join(METHODS)}; eagle3 is not built yet)"
+                f"{', '.join(METHODS)})"
             )
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config.model: draft_model needs the draft checkpoint")
+        if self.method in ("draft_model", "eagle3") and not self.model:
+            raise ValueError(
+                f"speculative_config.model: {self.method} needs the "
+                f"{'draft checkpoint' if self.method == 'draft_model' else 'EAGLE-3 head'}"
+            )
         if self.method == "ngram" and self.model is not None:
             raise ValueError(
                 "speculative_config.model: the ngram method drafts from the prompt and takes "
@@ -85,6 +89,16 @@ class SpeculativeConfig:
     @property
     def uses_draft_model(self) -> bool:
         return self.method == "draft_model"
+
+    @property
+    def uses_eagle(self) -> bool:
+        return self.method == "eagle3"
+
+    @property
+    def has_draft_cache(self) -> bool:
+        """Drafts from a model with its own KV cache over the target's blocks, which reads a
+        full-attention KV-cache group's tables."""
+        return self.method in ("draft_model", "eagle3")
 
 
 def speculable(params: SamplingParams) -> bool:

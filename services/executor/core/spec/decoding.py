@@ -4,6 +4,7 @@ to emit, and proposes the next drafts after sampling."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from torch import Tensor
@@ -17,6 +18,7 @@ from services.executor.core.sampler import Sampler, SampleResult, SeededGenerato
 from services.executor.core.sequence import SeqStatus, Sequence
 from services.executor.core.spec.config import SpeculativeConfig, speculable
 from services.executor.core.spec.draft import DraftProposer
+from services.executor.core.spec.eagle import EagleProposer, HeadRunner
 from services.executor.core.spec.verify import (
     Verified,
     accept_drafts,
@@ -62,20 +64,29 @@ class Speculation:
         generators: SeededGenerators,
         grammars: GrammarCompiler | None,
         draft: Runner | None = None,
+        head: HeadRunner | None = None,
+        features: Callable[[], Tensor | None] | None = None,
     ) -> None:
         """The engine's ``settings`` (their ``speculative_config`` set), and the sampler,
         seeded generators and grammar compiler its rows are sampled and masked with; the
-        ``draft`` model's runner, for the ``draft_model`` method."""
+        ``draft`` model's runner, for the ``draft_model`` method; the EAGLE ``head``'s runner
+        and the target's last ``features``, for ``eagle3``."""
         assert settings.speculative_config is not None
         self.config: SpeculativeConfig = settings.speculative_config
         self.drafter: DraftProposer | None = None
+        self.eagle: EagleProposer | None = None
+        # A draft model or head reads a full-attention group's tables (start-up refuses a
+        # pool without one).
+        group = settings.scheduler.group_slides.index(False) if self.config.has_draft_cache else 0
         if self.config.uses_draft_model:
             if draft is None:
                 raise ValueError("speculative_config.model: the runner has no draft model")
-            # It reads a full-attention group's tables (start-up refuses a pool without one).
-            group = settings.scheduler.group_slides.index(False)
             budget = settings.scheduler.max_num_batched_tokens
             self.drafter = DraftProposer(draft, settings.vocab_size, budget, group, grammars)
+        if self.config.uses_eagle:
+            if head is None or features is None:
+                raise ValueError("speculative_config.model: the runner has no EAGLE-3 head")
+            self.eagle = EagleProposer(head, features, settings.vocab_size, group, grammars)
         self.stats = SpecStats(self.config.num_speculative_tokens)
         self._eos_ids = settings.eos_token_ids
         self._eos = frozenset(settings.eos_token_ids)
@@ -97,11 +108,16 @@ class Speculation:
         runs on ``runner.draft`` (ModelRunner's)."""
         if settings.speculative_config is None:
             return None
-        return cls(settings, sampler, generators, grammars, getattr(runner, "draft", None))
+        head = getattr(runner, "eagle", None)
+        features = (lambda: runner.aux_hidden) if head is not None else None  # type: ignore[attr-defined]
+        draft = getattr(runner, "draft", None)
+        return cls(settings, sampler, generators, grammars, draft, head, features)
 
     def verify(self, chunks: Seq[ScheduledChunk], logits: Tensor) -> Tensor:
         """Verify the drafts the forward computed; returns the logits rows of the other
         sampled chunks (one each). Each drafting sequence's tokens wait in ``verified``."""
+        if self.eagle is not None:
+            self.eagle.computed(chunks)
         logits, self.verified = verify(
             chunks, logits, self._sampler, self._generators, self._eos_ids, self._grammars
         )
@@ -117,6 +133,8 @@ class Speculation:
         proposer made them after the last step)."""
         if self.drafter is not None:
             self.drafter.draft(chunks)
+        if self.eagle is not None:
+            self.eagle.draft(chunks)
 
     def accept(self) -> None:
         """After the scheduler advanced the chunks: the accepted drafts join their sequences
@@ -154,7 +172,6 @@ class Speculation:
     def propose(self, sampled: Seq[Sequence], num_running: int) -> None:
         """Drafts for the next step of each running sample that can be speculated (none in a
         batch of ``disable_by_batch_size`` sequences or more); ends the step."""
-        self.verified = []
         cap = self.config.disable_by_batch_size
         off = bool(cap) and num_running >= cap
         running = SeqStatus.RUNNING
@@ -164,6 +181,8 @@ class Speculation:
                 seq.num_planned_drafts = 0
             elif self.drafter is not None:  # drafted once scheduled (the draft's cache)
                 seq.num_planned_drafts = draft_room(seq, self.config, self._max_model_len)
+            elif self.eagle is not None:  # its first draft comes with the catch-up below
+                seq.num_planned_drafts, seq.draft_state = 0, None
             else:
                 stops = seq.params.ending_token_ids(self._eos)
                 drafts = propose(seq, self.config, stops, self._max_model_len)
@@ -171,3 +190,15 @@ class Speculation:
                     drafts = grammar_drafts(seq.matcher, drafts)
                 seq.draft_token_ids = drafts
                 seq.num_planned_drafts = len(drafts)
+        if self.eagle is not None:
+            drafting = {
+                s.seq_id
+                for s in sampled
+                if not off and s.status is running and speculable(s.params)
+            }
+            room = self._max_model_len
+            self.eagle.catch_up(
+                lambda s, k: 1 + v.num_accepted if (v := self._by_seq.get(s.seq_id)) else k,
+                lambda s: draft_room(s, self.config, room) if s.seq_id in drafting else 0,
+            )
+        self.verified, self._by_seq = [], {}

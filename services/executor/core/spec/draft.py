@@ -34,7 +34,7 @@ from services.executor.core.runner import Runner
 from services.executor.core.sequence import Sequence
 from services.executor.model.forward_batch import SeqChunk
 
-__all__ = ["DraftProposer"]
+__all__ = ["DraftProposer", "grammar_argmax", "walkers_of"]
 
 
 class DraftProposer:
@@ -79,7 +79,7 @@ class DraftProposer:
         if not drafting and not prompts:
             return  # decodes only, none drafting: caught up on when they next draft
         # A drafting sample's grammar, past its drafts so far.
-        walkers = {s.seq_id: s.matcher.copy() for s in drafting if s.matcher is not None}
+        walkers = walkers_of(drafting)
         # What it has not seen, in forwards of at most the step's token budget (a sequence's
         # pieces in order); each drafting sequence's last piece gives its first draft.
         while pending:
@@ -97,7 +97,9 @@ class DraftProposer:
                     later.append((seq, stop, end))
                 elif last:
                     firsts.append(seq)
-            tokens = self._drafts(self.runner.execute(step), firsts, walkers)
+            tokens = grammar_argmax(
+                self.runner.execute(step), firsts, walkers, self.vocab_size, self.grammars
+            )
             for seq, token in zip(firsts, tokens, strict=True):
                 seq.draft_token_ids = [token]
             pending = later
@@ -107,26 +109,11 @@ class DraftProposer:
                 SeqChunk([s.draft_token_ids[-1]], s.num_computed_tokens + j, s.tables[g])
                 for s in drafting
             ]
-            tokens = self._drafts(self.runner.execute(step), drafting, walkers)
+            tokens = grammar_argmax(
+                self.runner.execute(step), drafting, walkers, self.vocab_size, self.grammars
+            )
             for seq, token in zip(drafting, tokens, strict=True):
                 seq.draft_token_ids.append(token)
-
-    def _drafts(
-        self, logits: Tensor, seqs: list[Sequence], walkers: dict[int, Matcher]
-    ) -> list[int]:
-        """The draft of each of ``seqs`` (a logits row each): its argmax, within its grammar
-        while it has one (a grammar that refused or ended stops masking: verification takes
-        none of the drafts from there)."""
-        logits = logits[:, : self.vocab_size]
-        rows = {i: walkers[s.seq_id] for i, s in enumerate(seqs) if s.seq_id in walkers}
-        if rows and self.grammars is not None:
-            logits = logits.contiguous()
-            self.grammars.mask_logits(logits, rows)
-        tokens: list[int] = logits.argmax(dim=-1).tolist()
-        for i, walker in rows.items():
-            if not walker.accept(tokens[i]) or walker.done:
-                del walkers[seqs[i].seq_id]
-        return tokens
 
     @staticmethod
     def verified(seq: Sequence, num_accepted: int) -> None:
@@ -134,3 +121,31 @@ class DraftProposer:
         fed the accepted ones but the last draft (see the module docstring)."""
         fed = seq.num_scheduled_drafts - 1
         seq.num_draft_computed = seq.num_computed_tokens + 1 + min(num_accepted, fed)
+
+
+def walkers_of(seqs: Seq[Sequence]) -> dict[int, Matcher]:
+    """A copy of each of ``seqs``' grammar matcher (those that have one), to draft within."""
+    return {s.seq_id: s.matcher.copy() for s in seqs if s.matcher is not None}
+
+
+def grammar_argmax(
+    logits: Tensor,
+    seqs: Seq[Sequence],
+    walkers: dict[int, Matcher],
+    vocab_size: int,
+    grammars: GrammarCompiler | None,
+) -> list[int]:
+    """The draft of each of ``seqs`` (a logits row each, over at least the target's
+    ``vocab_size`` ids): its argmax, within its grammar while it has one (``walkers``,
+    advanced past the draft; a grammar that refused or ended stops masking: verification
+    takes none of the drafts from there)."""
+    logits = logits[:, :vocab_size]
+    rows = {i: walkers[s.seq_id] for i, s in enumerate(seqs) if s.seq_id in walkers}
+    if rows and grammars is not None:
+        logits = logits.contiguous()
+        grammars.mask_logits(logits, rows)
+    tokens: list[int] = logits.argmax(dim=-1).tolist()
+    for i, walker in rows.items():
+        if not walker.accept(tokens[i]) or walker.done:
+            del walkers[seqs[i].seq_id]
+    return tokens

@@ -146,6 +146,11 @@ class DecoderLM(nn.Module):
                 config.sliding_rope, config.head_dim, config.max_model_len, dtype
             )
         self.kv_layout = plan_kv_layout(lc, hybrid=False)  # every layer its own slice
+        #: EAGLE-3 (speculative decoding): the layers whose input residual streams each
+        #: forward keeps, concatenated in this order in :attr:`aux_hidden` ``[T, len * H]``
+        #: (none: not kept).
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: Tensor | None = None
         self._tie_weights()
 
     def use_kv_layout(self, layout: KVCacheLayout) -> None:
@@ -201,12 +206,17 @@ class DecoderLM(nn.Module):
         if self.embed_scale is not None:  # Gemma
             h = h * self.embed_scale
         residual: Tensor | None = None
+        aux: dict[int, Tensor] = {}
         for i, (layer, slot) in enumerate(zip(self.layers, self.kv_layout.layer_slot, strict=True)):
+            if i in self.aux_layers:  # the residual stream entering layer i
+                aux[i] = h.clone() if residual is None else h + residual  # (h: added into)
             rotary = self.rotary_emb
             if self.rotary_emb_local is not None and i in c.sliding_layers:
                 rotary = self.rotary_emb_local
             h, residual = layer(h, residual, batch, rotary, kv_cache[slot])  # [T, H] x2
         assert residual is not None
+        if aux:
+            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
         idx = batch.logits_indices  # the norm is per token: only the rows whose logits we need
         h = self.norm(h[idx], residual[idx])  # [K, H]
         logits = self.lm_head(h)  # [K, V / N padded]
