@@ -4,7 +4,10 @@
 #      families' kernels (sliding window, soft-cap, fused MoE: bench.internals.gpu_check_families),
 #   2. every `gpu` test (fused kernels in bf16, CUDA graphs vs eager, no recapture, speculative
 #      decoding's verification, n-gram and draft model, against graphed decoding),
-#   3. the engine benchmark with and without CUDA graphs (bench.internals.gpu_engine),
+#   3. the engine benchmark with and without CUDA graphs (bench.internals.gpu_engine), and
+#      EAGLE-3 speculation at batch 1 and 64 against graphed decoding (bench.spec_bench), when
+#      the speculative fixture and its heads were carried in models/spec-fixture (write them
+#      on the CPU first: `python -m bench.spec_bench --eagle3 4 --eagle3-ceiling --batches 1`),
 #   4. on a host with several GPUs, tensor parallelism over NCCL (bench.internals.tp_bench).
 # Usage: `bash bench/gpu_session.sh` from anywhere; logs go to $OUT when set, else /tmp.
 # A GPU host without network access gets the Python packages it lacks as wheel files: put
@@ -32,6 +35,11 @@ timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$o
   || status=1
 timeout 270 python3 -m bench.internals.gpu_engine "$@" 2>&1 | grep -v '"event"' \
   | tee "$out/gpu_engine.log" || status=1
+if [ -f models/spec-fixture/eagle3-workload/eagle3_fixture.json ]; then
+  timeout 120 python3 -m bench.spec_bench --device cuda --eagle3 4 --eagle3-ceiling \
+    --batches 1,64 --repeats 2 2>&1 | grep -v '"event"' | tee "$out/spec_bench_eagle3.log" \
+    || status=1
+fi
 num_gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$num_gpus" -ge 2 ]; then
   sizes=1,2

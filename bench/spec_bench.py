@@ -1,4 +1,5 @@
-"""Speculative decoding on the CPU (n-gram or draft model) against none, in the same run.
+"""Speculative decoding on the CPU (n-gram, draft model or EAGLE-3) against none, in the same
+run.
 
 The model is a benchmark fixture, not a product model: a tiny Llama trained on the CPU on
 text whose second half repeats spans of its first (``bench.common.trained``; written once
@@ -18,7 +19,10 @@ times each:
 
 The greedy tokens must be identical with and without speculation: exit status 1 otherwise.
 Usage: ``python -m bench.spec_bench [--batches 1,4,16,64] [--repeats 3] [--threads N]
-[--draft-model K]`` (``--draft-model K``: the fixture's draft model drafts K tokens a step).
+[--draft-model K | --eagle3 K [--eagle3-ceiling]]`` (``--draft-model K``: the fixture's draft
+model drafts K tokens a step; ``--eagle3 K``: an EAGLE-3 head, trained for the fixture's target
+once and cached beside it, drafts K; with ``--eagle3-ceiling``, a head trained on the target's
+own outputs for this run's prompts instead: the machinery's ceiling, not a head's quality).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench.common.eagle3 import write_eagle3_fixture, write_workload_head
 from bench.common.engines import EngineSystem, greedy, run_requests
 from bench.common.trained import copy_prompts, ordinary_vocab, write_spec_fixture
 from services.executor.api import ExecutorConfig, available_cores
@@ -36,11 +41,13 @@ from services.executor.api import ExecutorConfig, available_cores
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 
 
-def _config(model: Path, batch: int, threads: int, spec: str | None) -> ExecutorConfig:
+def _config(
+    model: Path, batch: int, threads: int, spec: str | None, device: str = "cpu"
+) -> ExecutorConfig:
     return ExecutorConfig(
         model=str(model),
         dtype="float32",
-        device="cpu",
+        device=device,
         cpu_threads=threads,
         num_kv_blocks=4096,
         max_num_seqs=batch,
@@ -54,7 +61,7 @@ def _measure(
 ) -> tuple[list[float], dict[str, list[int]], dict[str, float]]:
     """Repeated runs of one system: tok/s of each, the tokens, and the counters of the last."""
     batch = len(prompts)
-    system = EngineSystem(_config(model, batch, args.threads, spec))
+    system = EngineSystem(_config(model, batch, args.threads, spec, args.device))
     requests = [(f"r{i}", p, greedy(args.max_tokens)) for i, p in enumerate(prompts)]
     rates: list[float] = []
     tokens: dict[str, list[int]] = {}
@@ -71,6 +78,15 @@ def _measure(
             "acceptance_rate": stats.num_spec_accepted_tokens / max(1, stats.num_spec_draft_tokens),
         }
     return rates, tokens, counters
+
+
+def _batches(args: argparse.Namespace) -> list[int]:
+    return [int(b) for b in args.batches.split(",")]
+
+
+def _prompts(args: argparse.Namespace, batch: int) -> list[list[int]]:
+    """The copy-heavy prompts of a batch (the same for a given seed)."""
+    return copy_prompts(args.seed + batch, batch, args.prompt_len, ordinary_vocab())
 
 
 def main() -> int:
@@ -92,6 +108,19 @@ def main() -> int:
         "--speculative-config",
     )
     p.add_argument(
+        "--eagle3",
+        type=int,
+        metavar="K",
+        default=0,
+        help="speculate with an EAGLE-3 head trained for the fixture's target, K tokens a step",
+    )
+    p.add_argument(
+        "--eagle3-ceiling",
+        action="store_true",
+        help="with --eagle3: a head trained on the target's own outputs for this run's prompts "
+        "instead (nearly every draft accepted: the machinery's ceiling, not a head's quality)",
+    )
+    p.add_argument(
         "--disable-by-batch-size",
         type=int,
         default=None,
@@ -99,6 +128,7 @@ def main() -> int:
         help="set the speculative config's disable_by_batch_size (no drafts from N sequences)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cuda: the GPU session's timing")
     args = p.parse_args()
     if args.model:
         target = Path(args.model)
@@ -107,19 +137,35 @@ def main() -> int:
         if args.draft_model:
             spec = {"model": str(draft), "num_speculative_tokens": args.draft_model}
             args.speculative_config = json.dumps(spec)
+        if args.eagle3:
+            head = write_eagle3_fixture(Path(args.fixture_dir) / "eagle3", target, seed=args.seed)
+            if args.eagle3_ceiling:
+                # (the default batches' prompts too: one cached head serves any --batches)
+                batches = sorted({1, 4, 16, 64, *_batches(args)})
+                prompts = [p for b in batches for p in _prompts(args, b)]
+                head = write_workload_head(
+                    Path(args.fixture_dir) / "eagle3-workload",
+                    target,
+                    prompts,
+                    args.max_tokens,
+                    seed=args.seed,
+                )
+            spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": args.eagle3}
+            args.speculative_config = json.dumps(spec)
     if args.disable_by_batch_size is not None:
         spec = {**json.loads(args.speculative_config)}
         spec["disable_by_batch_size"] = args.disable_by_batch_size
         args.speculative_config = json.dumps(spec)
-    print(f"# Speculative decoding (CPU, {args.threads} threads), `{args.speculative_config}`\n")
+    where = f"CPU, {args.threads} threads" if args.device == "cpu" else args.device
+    print(f"# Speculative decoding ({where}), `{args.speculative_config}`\n")
     print(
         "| batch | off tok/s | on tok/s | on/off | acceptance length | acceptance rate "
         "| forwards/token on |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     mismatches = 0
-    for batch in (int(b) for b in args.batches.split(",")):
-        prompts = copy_prompts(args.seed + batch, batch, args.prompt_len, ordinary_vocab())
+    for batch in _batches(args):
+        prompts = _prompts(args, batch)
         off_rates: list[float] = []
         on_rates: list[float] = []
         for _ in range(2):  # interleaved halves: the machine's drift hits both alike

@@ -21,7 +21,11 @@ from transformers import AutoModelForCausalLM
 
 from pagedserve.tools.eagle3_head import Eagle3Reference, head_config, save_head, target_features
 
-__all__ = ["train_eagle3_head"]
+__all__ = ["train_eagle3_head", "write_eagle3_fixture", "write_workload_head"]
+
+MARKER = "eagle3_fixture.json"  # written last: the head's settings and scores
+#: The fixture head's training: corpus sequences, their length, and train_eagle3_head's.
+FIXTURE: dict[str, int] = {"num_sequences": 512, "length": 127, "steps": 300, "depth": 3}
 
 
 def train_eagle3_head(
@@ -93,3 +97,58 @@ def train_eagle3_head(
     }
     save_head(head, Path(out_dir), with_embed=False)
     return scores
+
+
+def _cached(directory: Path, settings: dict[str, object]) -> bool:
+    marker = directory / MARKER
+    return marker.is_file() and json.loads(marker.read_text()).get("settings") == settings
+
+
+def write_workload_head(
+    directory: Path, target: Path, prompts: list[list[int]], max_tokens: int, seed: int = 0
+) -> Path:
+    """``directory``: a head trained on ``target``'s own greedy outputs for ``prompts`` (of
+    one length), ``max_tokens`` each: a head that has seen the workload it drafts for, whose
+    drafts are nearly all accepted. It measures the machinery's ceiling (what a well-trained
+    head would give), not a head's quality. Cached like :func:`write_eagle3_fixture`."""
+    directory = Path(directory)
+    settings = {"prompts": prompts, "max_tokens": max_tokens, "seed": seed, "target": target.name}
+    if _cached(directory, settings):
+        return directory
+    model = AutoModelForCausalLM.from_pretrained(
+        str(target), dtype=torch.float32, local_files_only=True
+    ).eval()
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False
+        )
+    scores = train_eagle3_head(target, directory, out.tolist(), steps=300, depth=3, seed=seed)
+    marker = {"settings": settings, "scores": scores}
+    (directory / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    return directory
+
+
+def write_eagle3_fixture(directory: Path, target: Path, seed: int = 0) -> Path:
+    """``directory``: an EAGLE-3 head for the speculative benchmark's fixture ``target``,
+    trained on the copy corpus the target learnt from (another draw of it). Cached: a head
+    whose marker records this target, seed and :data:`FIXTURE` is kept."""
+    from bench.common.trained import _tokenizer_ids, copy_corpus, ordinary_vocab
+
+    directory = Path(directory)
+    settings = {**FIXTURE, "seed": seed, "target": target.name}
+    if _cached(directory, settings):
+        return directory
+    bos = _tokenizer_ids()[1]
+    corpus = copy_corpus(seed + 7, FIXTURE["num_sequences"], FIXTURE["length"], ordinary_vocab())
+    scores = train_eagle3_head(
+        target,
+        directory,
+        [[bos, *s] for s in corpus],
+        steps=FIXTURE["steps"],
+        depth=FIXTURE["depth"],
+        seed=seed,
+    )
+    marker = {"settings": settings, "scores": scores}
+    (directory / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    return directory

@@ -39,6 +39,9 @@ def head_config(target: dict[str, Any], aux_layers: tuple[int, ...] | None = Non
         )
     hidden = int(text["hidden_size"])
     heads = int(text["num_attention_heads"])
+    theta = float(
+        text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta") or 1e4
+    )
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -49,7 +52,8 @@ def head_config(target: dict[str, Any], aux_layers: tuple[int, ...] | None = Non
         "head_dim": int(text.get("head_dim") or hidden // heads),
         "num_hidden_layers": 1,
         "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6)),
-        "rope_theta": float(text.get("rope_theta", 10000.0)),
+        "rope_theta": theta,
+        "rope_parameters": {"rope_theta": theta, "rope_type": "default"},
         "max_position_embeddings": int(text["max_position_embeddings"]),
         "vocab_size": int(text["vocab_size"]),
         "draft_vocab_size": int(text["vocab_size"]),
@@ -57,6 +61,27 @@ def head_config(target: dict[str, Any], aux_layers: tuple[int, ...] | None = Non
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers)},
         "torch_dtype": "float32",
     }
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(2 * hidden, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, lc: LlamaConfig, head_dim: int) -> None:
+        super().__init__()
+        h, eps = lc.hidden_size, lc.rms_norm_eps
+        self.input_layernorm = LlamaRMSNorm(h, eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps)
+        heads = int(lc.num_attention_heads)
+        self.self_attn = _Attention(h, heads, int(lc.num_key_value_heads or heads), head_dim)
+        self.mlp = LlamaMLP(lc)
 
 
 class Eagle3Reference(nn.Module):
@@ -74,26 +99,16 @@ class Eagle3Reference(nn.Module):
         lc = LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})
         lc._attn_implementation = "eager"
         h, d = lc.hidden_size, config["head_dim"]
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            lc.num_attention_heads,
-            lc.num_key_value_heads,
-            d,
-        )
+        self.num_heads = int(config["num_attention_heads"])
+        self.num_kv_heads = int(config["num_key_value_heads"])
+        self.head_dim = int(d)
         vd = config["draft_vocab_size"]
         self.embed_tokens = nn.Embedding(lc.vocab_size, h)
         self.fc = nn.Linear(3 * config["target_hidden_size"], h, bias=False)
-        mid = self.midlayer = nn.Module()
-        mid.input_layernorm = LlamaRMSNorm(h, lc.rms_norm_eps)
-        mid.hidden_norm = LlamaRMSNorm(h, lc.rms_norm_eps)
-        mid.post_attention_layernorm = LlamaRMSNorm(h, lc.rms_norm_eps)
-        attn = mid.self_attn = nn.Module()
-        attn.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=False)
-        attn.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
-        attn.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
-        attn.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        mid.mlp = LlamaMLP(lc)
+        self.midlayer = _MidLayer(lc, d)
         self.norm = LlamaRMSNorm(h, lc.rms_norm_eps)
         self.lm_head = nn.Linear(h, vd, bias=False)
+        self.d2t: Tensor
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.int64))
         self.rotary = LlamaRotaryEmbedding(lc)
 

@@ -119,6 +119,22 @@ def test_eagle3_speculation_gives_the_tokens_of_the_engine_without_it(model_dir,
     assert_preempted_as_configured(engine, CONFIGS[config])
 
 
+def test_while_speculation_is_off_for_a_large_batch_the_head_skips_and_drafts_again_later(
+    model_dir, head_dir
+):
+    """Off for a batch of 6 or more (each request has its own length, so the batch shrinks):
+    the head neither drafts nor catches up on those steps, then drafts from a stale cache;
+    the tokens are the same, and drafts are accepted once it drafts again."""
+    requests = {
+        rid: (prompt, dataclasses.replace(params, ignore_eos=True, max_tokens=20 + 8 * i))
+        for i, (rid, (prompt, params)) in enumerate(_requests(seed=1, num=12).items())
+    }
+    plain, _ = run_engine(_engine(model_dir), requests)
+    engine = _engine(model_dir, speculative_config=_spec(head_dir, disable_by_batch_size=6))
+    assert run_engine(engine, requests)[0] == plain
+    assert _spec_counts(engine)[1] > 0
+
+
 def test_a_trained_head_has_most_drafts_accepted(model_dir, head_dir):
     """Trained on these prompts' greedy tokens, the head drafts them: the mean acceptance
     length is near k + 1 at every draft position."""

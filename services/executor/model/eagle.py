@@ -274,7 +274,7 @@ def load_eagle3(path: str, target: DecoderLM, target_dir: str | Path) -> Eagle3H
     config = read_eagle3_config(path, target.config)
     weights = _read_weights(Path(path))
     device = next(target.parameters()).device
-    shared = None
+    shared: Tensor | None = None
     if "embed_tokens.weight" not in {_param_name(n) for n in weights}:
         # The target's: this rank's rows when it holds them all, else read whole.
         shared = target.embed_tokens.weight

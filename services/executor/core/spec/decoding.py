@@ -191,14 +191,13 @@ class Speculation:
                 seq.draft_token_ids = drafts
                 seq.num_planned_drafts = len(drafts)
         if self.eagle is not None:
-            drafting = {
-                s.seq_id
-                for s in sampled
-                if not off and s.status is running and speculable(s.params)
-            }
+            # Off for the step: nothing drafts, and the head does not catch up either (its KV
+            # of these rows is left stale: fewer drafts accepted later, no output changes).
+            drafting = {s.seq_id for s in sampled if s.status is running and speculable(s.params)}
             room = self._max_model_len
             self.eagle.catch_up(
                 lambda s, k: 1 + v.num_accepted if (v := self._by_seq.get(s.seq_id)) else k,
                 lambda s: draft_room(s, self.config, room) if s.seq_id in drafting else 0,
+                skip=off,
             )
         self.verified, self._by_seq = [], {}

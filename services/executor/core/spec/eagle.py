@@ -84,14 +84,18 @@ class EagleProposer:
         self._rows, self._features = rows, self.features()
 
     def catch_up(
-        self, kept: Callable[[Sequence, int], int], drafts: Callable[[Sequence], int]
+        self,
+        kept: Callable[[Sequence, int], int],
+        drafts: Callable[[Sequence], int],
+        skip: bool = False,
     ) -> None:
         """After sampling: the head computes the step's rows that were kept (``kept(seq, k)``
         of a chunk of ``k``), and each sequence with ``drafts(seq) > 0`` gets its first
-        draft and the head's state to draft on from."""
+        draft and the head's state to draft on from; nothing if ``skip`` (speculation off for
+        the step: those rows' head KV stays stale)."""
         rows, features = self._rows, self._features
         self._rows, self._features = [], None
-        if not rows or features is None:
+        if skip or not rows or features is None:
             return
         g = self.group
         chunks: list[SeqChunk] = []
