@@ -1,7 +1,7 @@
 """Speculative decoding through the real stack (block manager, executor with
-``--speculative-config``, n-gram or a draft model, gateway): OpenAI completions give
-transformers' greedy text, the gateway's ``/metrics`` carries vLLM's ``spec_decode``
-counters, and ``bench serve`` prints the acceptance summary."""
+``--speculative-config``, n-gram, a draft model or an EAGLE-3 head, gateway): OpenAI
+completions give transformers' greedy text, the gateway's ``/metrics`` carries vLLM's
+``spec_decode`` counters, and ``bench serve`` prints the acceptance summary."""
 
 from __future__ import annotations
 
@@ -13,18 +13,25 @@ import httpx
 import pytest
 
 from pagedserve.testing.procs import ServiceProcess, gateway_args, wait_serving
+from pagedserve.tools.eagle3_head import write_random_head
 from services.bench.serve import main as bench_serve
 from tests.gateway.conftest import stack_executor_args
 
 
-@pytest.fixture(scope="module", params=["ngram", "draft_model"])
-def spec_stack(request, tiny_model_dir: Path) -> Iterator[tuple[str, ServiceProcess]]:
-    """The stack with n-gram drafts, or with a draft model (the model itself: it loads in
-    the executor process beside the target, its cache sized with the target's)."""
+@pytest.fixture(scope="module", params=["ngram", "draft_model", "eagle3"])
+def spec_stack(
+    request, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, ServiceProcess]]:
+    """The stack with n-gram drafts, with a draft model (the model itself: it loads in the
+    executor process beside the target, its cache sized with the target's), or with a random
+    EAGLE-3 head (its pool registered over gRPC with a prefix hit margin of one block)."""
     if request.param == "ngram":
         spec = '{"method": "ngram", "num_speculative_tokens": 4}'
-    else:
+    elif request.param == "draft_model":
         spec = json.dumps({"model": str(tiny_model_dir), "num_speculative_tokens": 4})
+    else:
+        head = write_random_head(tiny_model_dir, tmp_path_factory.mktemp("eagle3") / "head")
+        spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 4})
     blockmgr = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")
     executor = ServiceProcess(
         stack_executor_args(
