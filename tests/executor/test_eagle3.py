@@ -26,6 +26,7 @@ from services.executor.model.loader import load_model
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
 from tests.executor.greedy import run_engine
+from tests.executor.test_draft_model import _config
 from tests.executor.test_speculative import (
     CONFIGS,
     _engine,
@@ -256,13 +257,6 @@ def test_a_head_that_cannot_serve_the_target_is_a_load_error_naming_the_field(
     with pytest.raises(ModelLoadError, match=r"^speculative_config\.model: ") as info:
         build_engine(cfg, runner=build_runner(cfg.runner_config()), blockmgr=InProcessClient())
     assert message in str(info.value)
-
-
-def _config(model_dir: str, **flags) -> ExecutorConfig:
-    flags.setdefault("num_kv_blocks", None if "kv_cache_memory" in flags else 64)
-    return ExecutorConfig(
-        model=model_dir, dtype="float32", device="cpu", block_size=8, max_model_len=256, **flags
-    )
 
 
 @pytest.mark.gpu

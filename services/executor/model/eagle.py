@@ -19,11 +19,9 @@ over the target's blocks, as a draft model has (:mod:`.draft`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import structlog
 import torch
@@ -38,7 +36,11 @@ from services.executor.model.layers.linear import Linear
 from services.executor.model.layers.mlp import MLP
 from services.executor.model.layers.norm import RMSNorm
 from services.executor.model.layers.rotary import RotaryEmbedding
-from services.executor.model.loader import iter_checkpoint_slices, iter_checkpoint_weights
+from services.executor.model.loader import (
+    iter_checkpoint_slices,
+    iter_checkpoint_weights,
+    read_json_object,
+)
 from services.executor.model.models import DecoderLM
 from services.executor.model.parallel import SingleComm
 
@@ -82,13 +84,10 @@ class Eagle3Config:
 def read_eagle3_config(path: str | Path, target: ModelConfig) -> Eagle3Config:
     """The head's ``config.json`` at ``path``, checked against ``target``; a ModelLoadError
     naming ``speculative_config.model`` when it cannot be the target's head."""
-    file = Path(path) / "config.json"
     try:
-        hf: Any = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{_FIELD}: cannot read {file} ({exc})") from None
-    if not isinstance(hf, dict):
-        raise ModelLoadError(f"{_FIELD}: {file} is not a JSON object")
+        hf = read_json_object(Path(path) / "config.json")
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{_FIELD}: {exc}") from None
     arch = (hf.get("architectures") or [None])[0]
     if arch not in EAGLE3_ARCHITECTURES:
         raise ModelLoadError(

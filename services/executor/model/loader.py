@@ -58,13 +58,18 @@ def read_model_config(model_dir: str | Path, *, max_model_len: int | None = None
         raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
     if not path.is_file():
         raise ModelLoadError(f"{path} not found: a checkpoint directory needs {CONFIG_FILE}")
+    return ModelConfig.from_hf_config(read_json_object(path), max_model_len=max_model_len)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; a ModelLoadError naming the file if it is none."""
     try:
-        hf_config: Any = json.loads(path.read_text())
+        obj: Any = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: cannot read JSON ({exc})") from exc
-    if not isinstance(hf_config, dict):
+    if not isinstance(obj, dict):
         raise ModelLoadError(f"{path}: expected a JSON object")
-    return ModelConfig.from_hf_config(hf_config, max_model_len=max_model_len)
+    return obj
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
