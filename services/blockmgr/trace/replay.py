@@ -3,6 +3,8 @@ compare policies in seconds, without a model.
 
     pagedserve blockmgr replay TRACE [--policy lru,lfu,arc,s3fifo] [--device-blocks N]
 
+(A public trace, ``--format mooncake|bailian``, is a cache experiment instead: :mod:`.sweep`.)
+
 Each pool of the trace is rebuilt from its Register record (``--device-blocks``: its
 ``num_blocks``, the null block included, instead of the recorded one; ``--policy``: its
 eviction policy) and driven through the real :class:`~.kv_manager.KVBlockManager` by the
@@ -273,6 +275,15 @@ def replay(
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    fmt = _format_of(args_in)
+    if fmt not in (None, "pagedserve"):  # a public trace: a cache experiment (.sweep)
+        from services.blockmgr.trace.sweep import main as sweep_main
+
+        return sweep_main(args_in)
+    if fmt is not None:  # (our own recorded format, named)
+        args_in = [a for a in args_in if a not in ("--format", "pagedserve", "--format=pagedserve")]
+    argv = args_in
     p = argparse.ArgumentParser(
         prog="pagedserve blockmgr replay",
         description="Replay a trace recorded with `pagedserve blockmgr --record-trace` under "
@@ -348,6 +359,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{r.num_refused_admissions:,} | {r.num_dropped:,} | {r.seconds:.2f} |"
         )
     return 0
+
+
+def _format_of(argv: Sequence[str]) -> str | None:
+    """``--format``'s value in ``argv`` (None: not given)."""
+    for i, a in enumerate(argv):
+        if a == "--format" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--format="):
+            return a.split("=", 1)[1]
+    return None
 
 
 if __name__ == "__main__":
