@@ -96,10 +96,7 @@ def replay_sequential(
     if capacity_tokens is None:  # room for every distinct block and the largest request
         distinct = len({h for r in trace.requests for h in r.hash_ids}) * sub
         largest = max(
-            (
-                len(r.hash_ids) * sub + 1 + _blocks(r.output_length, bs)
-                for r in trace.requests
-            ),
+            (len(r.hash_ids) * sub + 1 + _blocks(r.output_length, bs) for r in trace.requests),
             default=1,
         )
         num_blocks = distinct + largest + 2
