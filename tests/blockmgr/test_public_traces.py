@@ -14,6 +14,7 @@ import pytest
 from services.blockmgr.trace.public import read_public_trace
 from services.blockmgr.trace.replay import main as replay_main
 from services.blockmgr.trace.sweep import parse_capacity, replay_sequential, sweep
+from services.blockmgr.trace.timed import ServiceModel, replay_timed
 
 
 def _conversations(seed: int, num: int, block: int) -> list[dict]:
@@ -165,3 +166,41 @@ def test_the_cli_prints_a_table_and_writes_the_points_and_the_plot(tmp_path, cap
     ]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| lru | unbounded |" in capsys.readouterr().out
+
+
+def test_timed_replay_of_requests_that_never_overlap_is_the_sequential_one(tmp_path):
+    lines = _conversations(4, 300, 512)  # 0.1 s apart; each runs under 10 ms here
+    trace = read_public_trace(_write(tmp_path / "t.jsonl", lines), "mooncake")
+    model = ServiceModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=1e6, max_concurrency=1)
+    for capacity in (30_000, None):
+        timed = replay_timed(trace, capacity, "lru", model=model)
+        sequential = replay_sequential(trace, capacity, "lru")
+        assert (timed.hit_tokens, timed.num_refused) == (
+            sequential.hit_tokens,
+            sequential.num_refused,
+        )
+        assert timed.mean_wait_s == 0 and timed.max_waiting == 1
+
+
+def test_blocks_in_use_are_not_evicted_and_admissions_wait_for_them(tmp_path):
+    """Three requests at once, each holding 3 blocks (2 of prompt, the output's) for 10 s, in
+    a pool of 6: the third, which needs one block more than its hit, waits for the first to
+    end, then hits the prefix the first committed."""
+    lines = [
+        {"timestamp": 0, "input_length": 1000, "output_length": 100, "hash_ids": [1, 2]},
+        {"timestamp": 0, "input_length": 1000, "output_length": 100, "hash_ids": [3, 4]},
+        {"timestamp": 0, "input_length": 1000, "output_length": 100, "hash_ids": [1, 2]},
+    ]
+    trace = read_public_trace(_write(tmp_path / "t.jsonl", lines), "mooncake")
+    model = ServiceModel(prefill_tokens_per_s=1e9, decode_tokens_per_s=10, max_concurrency=8)
+    point = replay_timed(trace, 6 * 512, "lru", model=model)
+    assert point.num_refused == 0 and point.num_evicted_blocks == 0
+    assert point.mean_wait_s == pytest.approx(10 / 3)  # the third waited 10 s
+    assert point.hit_tokens == 1000  # its whole prompt (capped at its input_length)
+
+
+def test_a_bad_service_model_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--decode-tokens-per-s must be > 0"):
+        ServiceModel(decode_tokens_per_s=0)
+    with pytest.raises(ValueError, match="--max-concurrency must be >= 1"):
+        ServiceModel(max_concurrency=0)

@@ -16,6 +16,10 @@ held and hit whole); the hit ratio is hit tokens over prompt tokens. At unbounde
 this is exactly the trace's maximum (:attr:`PublicTrace.max_hit_tokens`). A request larger
 than the whole pool is refused (counted), its prompt tokens looked up without a hit.
 
+**Timed** (``--timed``, :mod:`.timed`): requests arrive at their timestamps and hold their
+blocks for a service time from a stated model (``--prefill-rate``, ``--decode-rate``,
+``--max-concurrency``, ``--time-scale``); admissions wait as an engine's would.
+
 Points of a sweep run in parallel worker processes, one per core.
 """
 
@@ -29,23 +33,15 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from services.blockmgr.api.types import (
-    Admit,
-    AdmitResult,
-    Commit,
-    EvictionPolicyName,
-    Free,
-    Grow,
-    OpStatus,
-    PoolSpec,
-)
-from services.blockmgr.pool.manager import KVBlockManager
+from services.blockmgr.api.types import EvictionPolicyName
 from services.blockmgr.trace.public import FORMATS, PublicTrace, read_public_trace
+from services.blockmgr.trace.timed import ServiceModel, TimedPoint, replay_timed
+from services.blockmgr.trace.trace_pool import Point, TracePool, finish
 
-__all__ = ["Point", "main", "parse_capacity", "replay_sequential"]
+__all__ = ["main", "parse_capacity", "replay_sequential", "sweep"]
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)([kKmMgG]?)(b?)")
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
@@ -66,93 +62,33 @@ def parse_capacity(text: str, block_size: int) -> int | None:
     return tokens
 
 
-@dataclass
-class Point:
-    """One replay: the JSON's names (scripts and tests read them)."""
-
-    policy: str
-    capacity_tokens: int | None  # None: unbounded
-    prompt_tokens: int = 0
-    hit_tokens: int = 0
-    hit_ratio: float = 0.0
-    max_hit_ratio: float = 0.0  # the trace's, at unbounded capacity
-    num_requests: int = 0
-    num_refused: int = 0  # requests larger than the pool
-    num_evicted_blocks: int = 0
-    seconds: float = 0.0
-
-
 def replay_sequential(
     trace: PublicTrace, capacity_tokens: int | None, policy: str, block_size: int | None = None
 ) -> Point:
     """Replay ``trace`` one request after another (see the module docstring)."""
-    bs = block_size or trace.block_tokens
-    if trace.block_tokens % bs:
-        raise ValueError(
-            f"--block-size {bs} does not divide the trace's blocks of {trace.block_tokens} tokens"
-        )
-    sub = trace.block_tokens // bs
     start = time.perf_counter()
-    if capacity_tokens is None:  # room for every distinct block and the largest request
-        distinct = len({h for r in trace.requests for h in r.hash_ids}) * sub
-        largest = max(
-            (len(r.hash_ids) * sub + 1 + _blocks(r.output_length, bs) for r in trace.requests),
-            default=1,
-        )
-        num_blocks = distinct + largest + 2
-    else:
-        num_blocks = capacity_tokens // bs + 1  # (the null block)
-    manager = KVBlockManager(
-        PoolSpec(num_blocks, bs, eviction_policy=EvictionPolicyName.parse(policy))
-    )
+    pool = TracePool(trace, capacity_tokens, policy, block_size)
     point = Point(policy, capacity_tokens, num_requests=len(trace.requests))
-    keys: dict[int, list[bytes]] = {}
-    step = manager.step
     for seq, r in enumerate(trace.requests):
-        # Its trace blocks whole (the last one may be partial: held and hit whole).
-        hashes = [k for h in r.hash_ids for k in _keys(keys, h, sub)]
-        prompt = len(hashes) * bs + 1  # every block can hit (a hit never covers the last token)
         point.prompt_tokens += r.input_length
-        (admitted,) = step([Admit(seq, prompt, prompt, tuple(hashes))])
-        assert isinstance(admitted, AdmitResult)
-        if admitted.status is not OpStatus.OK:
+        hit = pool.admit(seq, r)
+        if hit is None:  # larger than the whole pool (nothing else holds blocks)
             point.num_refused += 1
             continue
-        hit = admitted.num_cached_tokens // bs
-        point.hit_tokens += min(hit * bs, r.input_length)
-        step(
-            [
-                Commit(seq, hit, tuple(hashes[hit:])),
-                Grow((seq,), (r.output_length,)),
-                Free((seq,)),
-            ]
-        )
-    point.hit_ratio = point.hit_tokens / point.prompt_tokens if point.prompt_tokens else 0.0
-    point.max_hit_ratio = trace.max_hit_tokens / trace.prompt_tokens if trace.prompt_tokens else 0.0
-    point.num_evicted_blocks = manager.pool.num_evicted
-    point.seconds = time.perf_counter() - start
-    return point
-
-
-def _blocks(tokens: int, bs: int) -> int:
-    return -(-tokens // bs)
-
-
-def _keys(cache: dict[int, list[bytes]], h: int, sub: int) -> list[bytes]:
-    """Our blocks' hashes for the trace's hash id ``h``: (h, j) for its j-th block."""
-    keys = cache.get(h)
-    if keys is None:
-        base = h.to_bytes(8, "little", signed=True)
-        keys = cache[h] = [base + j.to_bytes(24, "little") for j in range(sub)]  # 32 bytes
-    return keys
+        point.hit_tokens += hit
+        pool.free(seq)
+    return finish(point, trace, pool, start)
 
 
 _TRACE: PublicTrace | None = None  # a worker's copy (forked)
 
 
-def _run(job: tuple[int | None, str, int | None]) -> Point:
+def _run(job: tuple[int | None, str, int | None, ServiceModel | None]) -> Point:
     assert _TRACE is not None
-    return replay_sequential(_TRACE, *job)
+    capacity, policy, block_size, model = job
+    if model is not None:
+        return replay_timed(_TRACE, capacity, policy, block_size, model)
+    return replay_sequential(_TRACE, capacity, policy, block_size)
 
 
 def sweep(
@@ -161,10 +97,12 @@ def sweep(
     policies: Sequence[str],
     block_size: int | None = None,
     workers: int = 1,
+    model: ServiceModel | None = None,
 ) -> list[Point]:
-    """Every (capacity, policy) point, in that order, on ``workers`` processes."""
+    """Every (capacity, policy) point, in that order, on ``workers`` processes; timed under
+    ``model`` if given, else sequential."""
     global _TRACE
-    jobs = [(c, p, block_size) for c in capacities for p in policies]
+    jobs = [(c, p, block_size, model) for c in capacities for p in policies]
     _TRACE = trace
     if workers <= 1 or len(jobs) == 1:
         return [_run(job) for job in jobs]
@@ -205,7 +143,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("trace", help="the trace file (JSON lines)")
     p.add_argument("--format", required=True, choices=sorted(FORMATS))
-    p.add_argument("--sequential", action="store_true", help="the (default) sequential mode")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--sequential", action="store_true", help="one request at a time (default)")
+    mode.add_argument("--timed", action="store_true", help="arrivals at the trace's times")
+    defaults = ServiceModel()
+    p.add_argument("--time-scale", type=float, default=defaults.time_scale)
+    p.add_argument(
+        "--prefill-rate",
+        type=float,
+        default=defaults.prefill_tokens_per_s,
+        help="--timed: uncached prompt tokens per second",
+    )
+    p.add_argument(
+        "--decode-rate",
+        type=float,
+        default=defaults.decode_tokens_per_s,
+        help="--timed: output tokens per second of each running request",
+    )
+    p.add_argument("--max-concurrency", type=int, default=defaults.max_concurrency)
     p.add_argument(
         "--capacity", default="unbounded", help="comma-separated: 3M, 250000, 5859b, unbounded"
     )
@@ -232,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"--block-size {bs} does not divide the format's {FORMATS[args.format]} "
                 "tokens per hash"
             )
+        model = (
+            ServiceModel(args.prefill_rate, args.decode_rate, args.max_concurrency, args.time_scale)
+            if args.timed
+            else None
+        )
     except ValueError as exc:
         p.error(str(exc))
     try:
@@ -246,23 +206,28 @@ def main(argv: list[str] | None = None) -> int:
         f"{trace.prompt_tokens:,} prompt tokens, {len(trace.bad_lines)} bad lines; "
         f"maximum hit ratio {trace.max_hit_tokens / max(1, trace.prompt_tokens):.1%}\n"
     )
-    points = sweep(trace, capacities, policies, args.block_size, args.workers)
+    points = sweep(trace, capacities, policies, args.block_size, args.workers, model)
+    timed = " mean wait s | longest queue |" if args.timed else ""
     print(
         "| policy | capacity (tokens) | hit ratio | of the maximum | refused | evicted blocks "
-        "| replay s |"
+        f"| replay s |{timed}"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.timed else ""))
     for pt in points:
         cap = "unbounded" if pt.capacity_tokens is None else f"{pt.capacity_tokens:,}"
         share = pt.hit_ratio / pt.max_hit_ratio if pt.max_hit_ratio else 0.0
+        waits = (
+            f" {pt.mean_wait_s:.2f} | {pt.max_waiting:,} |" if isinstance(pt, TimedPoint) else ""
+        )
         print(
             f"| {pt.policy} | {cap} | {pt.hit_ratio:.1%} | {share:.0%} | {pt.num_refused:,} "
-            f"| {pt.num_evicted_blocks:,} | {pt.seconds:.1f} |"
+            f"| {pt.num_evicted_blocks:,} | {pt.seconds:.1f} |{waits}"
         )
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(pt) for pt in points], indent=1) + "\n")
     if args.plot is not None:
-        plot(points, args.plot, f"{Path(args.trace).name} ({args.format}), sequential")
+        where = f"{Path(args.trace).name} ({args.format})"
+        plot(points, args.plot, f"{where}, {'timed' if args.timed else 'sequential'}")
     return 1 if trace.bad_lines and not trace.requests else 0
 
 
