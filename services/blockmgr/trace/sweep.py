@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from tqdm import tqdm
+
 from services.blockmgr.api.types import EvictionPolicyName
 from services.blockmgr.trace.public import FORMATS, PublicTrace, read_public_trace
 from services.blockmgr.trace.timed import ServiceModel, TimedPoint, replay_timed
@@ -98,16 +100,28 @@ def sweep(
     block_size: int | None = None,
     workers: int = 1,
     model: ServiceModel | None = None,
+    progress: bool = False,
 ) -> list[Point]:
     """Every (capacity, policy) point, in that order, on ``workers`` processes; timed under
-    ``model`` if given, else sequential."""
+    ``model`` if given, else sequential; a progress bar on stderr if ``progress``."""
     global _TRACE
     jobs = [(c, p, block_size, model) for c in capacities for p in policies]
     _TRACE = trace
+    bar = tqdm(total=len(jobs), unit="point", disable=not progress, file=sys.stderr)
     if workers <= 1 or len(jobs) == 1:
-        return [_run(job) for job in jobs]
+        points = []
+        for job in jobs:
+            points.append(_run(job))
+            bar.update()
+        bar.close()
+        return points
     with multiprocessing.get_context("fork").Pool(min(workers, len(jobs))) as pool:
-        return pool.map(_run, jobs, chunksize=1)
+        points = []
+        for point in pool.imap(_run, jobs, chunksize=1):  # (in order)
+            points.append(point)
+            bar.update()
+    bar.close()
+    return points
 
 
 def plot(points: Sequence[Point], path: Path, title: str) -> None:
@@ -173,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "--block-size", type=int, default=None, help="tokens per block (default: the format's)"
     )
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", type=Path, default=None, help="write every point to this file")
     p.add_argument("--plot", type=Path, default=None, help="write the hit-ratio plot (PNG)")
     args = p.parse_args(argv)
@@ -206,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{trace.prompt_tokens:,} prompt tokens, {len(trace.bad_lines)} bad lines; "
         f"maximum hit ratio {trace.max_hit_tokens / max(1, trace.prompt_tokens):.1%}\n"
     )
-    points = sweep(trace, capacities, policies, args.block_size, args.workers, model)
+    points = sweep(
+        trace, capacities, policies, args.block_size, args.workers, model, not args.no_progress
+    )
     timed = " mean wait s | longest queue |" if args.timed else ""
     print(
         "| policy | capacity (tokens) | hit ratio | of the maximum | refused | evicted blocks "
