@@ -114,7 +114,7 @@ class Sequence:
         """Preempted to be recomputed: no slot, draft or unreported token is left (a draft
         model's KV is kept as far as it went: its prefix hits are read up to there)."""
         self.num_unreported = self.num_surplus_slots = self.num_scheduled_drafts = 0
-        self.draft_state = None
+        self.num_planned_drafts, self.draft_state = 0, None
 
     def wants_prompt_logprobs(self) -> bool:
         """Its prompt chunks return every token's logits: sample 0 of a request that asked for
