@@ -46,11 +46,15 @@ class RetentionLevels:
         self._freed_at: dict[int, int] = {}  # retained free block -> the step it was freed
         self._expiry: deque[tuple[int, int]] = deque()  # (step freed, block), oldest first
         self.num_demoted = 0
+        # Until a priority is first given, level 0 is the only one in use: pop, forget and
+        # missed go straight to it (the hot path of a pool that uses no priorities).
+        self._leveled = False
 
     def retain(self, block_id: int, priority: int) -> None:
         """Raise an in-use block's priority to ``priority``."""
         if priority > self.priority.get(block_id, 0):
             self.priority[block_id] = priority
+            self._leveled = True
 
     def clear(self, block_id: int) -> None:
         """A block handed out again: its content, and so its priority, is gone."""
@@ -77,6 +81,8 @@ class RetentionLevels:
         self._demote_expired()
 
     def pop(self) -> int:
+        if not self._leveled:
+            return self.levels[0].pop()
         for level in self.levels:
             if len(level):
                 block_id = level.pop()
@@ -90,11 +96,17 @@ class RetentionLevels:
     def forget(self, block_id: int, key: bytes) -> None:
         # Every level: the block may have been hit at one priority and freed at another; only
         # the level that popped it keeps a ghost of ``key``.
+        if not self._leveled:
+            self.levels[0].forget(block_id, key)
+            return
         self.priority.pop(block_id, None)
         for level in self.levels:
             level.forget(block_id, key)
 
     def missed(self, key: bytes) -> None:
+        if not self._leveled:
+            self.levels[0].missed(key)
+            return
         for level in self.levels:
             level.missed(key)
 
