@@ -21,6 +21,7 @@ class RequestOutput:
     success: bool = False
     error: str = ""
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server's prefix cache served
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)  # gaps between token messages
@@ -59,6 +60,7 @@ class GrpcBackend:
                     last = now
                 if r.finish_reason:
                     out.output_tokens = r.usage.completion_tokens
+                    out.cached_tokens = r.usage.cached_prompt_tokens
             out.success = True
         except grpc.aio.AioRpcError as exc:
             out.error = f"{exc.code().name}: {exc.details()}"
@@ -132,8 +134,10 @@ class OpenAIBackend:
                     if "error" in chunk:
                         raise RuntimeError(chunk["error"].get("message", "error"))
                     now = time.perf_counter()
-                    if chunk.get("usage"):
-                        out.output_tokens = chunk["usage"]["completion_tokens"]
+                    if usage := chunk.get("usage"):
+                        out.output_tokens = usage["completion_tokens"]
+                        details = usage.get("prompt_tokens_details") or {}
+                        out.cached_tokens = int(details.get("cached_tokens") or 0)
                     if chunk.get("choices") and chunk["choices"][0].get("text"):
                         _tokens(out, now, last, 1)
                         last, chunks = now, chunks + 1

@@ -4,7 +4,9 @@
 outputs ``--random-output-len`` (same spread). ``prefix-repetition``: ``num_prefixes`` shared
 random prefixes, each request one of them plus a random suffix (the prefix cache's workload).
 ``sharegpt``: the first human turn of each conversation in a local ShareGPT JSON file as the
-prompt (text), the first reply's token count as the output length. Everything is seeded.
+prompt (text), the first reply's token count as the output length. ``mooncake`` / ``bailian``:
+a public trace (:mod:`services.blockmgr.trace.public`) as real requests (:func:`trace_requests`).
+Everything is seeded.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from services.blockmgr.trace.public import PublicTrace
+
 
 @dataclass(frozen=True)
 class BenchRequest:
     prompt: str | list[int]
     prompt_len: int
     output_len: int
+    arrival_s: float | None = None  # a trace's: when to send it (else the request rate's)
 
 
 class Tokenizer(Protocol):
@@ -87,4 +92,22 @@ def sharegpt_requests(path: Path, n: int, tokenizer: Tokenizer, seed: int) -> li
             break
     if len(out) < n:
         raise ValueError(f"{path} holds only {len(out)} usable conversations, {n} asked")
+    return out
+
+
+def trace_requests(trace: PublicTrace, vocab_size: int, seed: int) -> list[BenchRequest]:
+    """``trace``'s requests (scaled already: :meth:`PublicTrace.scaled`) as real prompts: each
+    hash id becomes a block of ``trace.block_tokens`` token ids drawn from a generator seeded
+    by (``seed``, the id), so equal ids give equal tokens; a prompt is its blocks cut to its
+    ``input_length``; it is sent at its timestamp."""
+    blocks: dict[int, list[int]] = {}
+    out = []
+    for r in trace.requests:
+        ids: list[int] = []
+        for h in r.hash_ids:
+            if h not in blocks:
+                blocks[h] = _ids(random.Random(f"{seed}:{h}"), trace.block_tokens, vocab_size)
+            ids += blocks[h]
+        prompt = ids[: r.input_length]
+        out.append(BenchRequest(prompt, len(prompt), r.output_length, r.timestamp_s))
     return out

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from services.bench import trace_replay
 from services.bench.backends import GrpcBackend, ModelListError, OpenAIBackend, RequestOutput
 from services.bench.datasets import (
     BenchRequest,
@@ -74,8 +75,12 @@ def parser() -> argparse.ArgumentParser:
         help=f"sent as `authorization: Bearer` (default: the {API_KEY_ENV} environment "
         "variable, as in vllm bench serve)",
     )
-    a("--dataset-name", choices=["random", "prefix-repetition", "sharegpt"], default="random")
-    a("--dataset-path", default=None, help="ShareGPT JSON file")
+    a(
+        "--dataset-name",
+        choices=["random", "prefix-repetition", "sharegpt", *trace_replay.TRACE_DATASETS],
+        default="random",
+    )
+    a("--dataset-path", default=None, help="ShareGPT JSON file, or a mooncake/bailian trace")
     a("--random-input-len", type=int, default=1024)
     a("--random-output-len", type=int, default=128)
     a("--random-range-ratio", type=float, default=0.0)
@@ -83,6 +88,7 @@ def parser() -> argparse.ArgumentParser:
     a("--prefix-repetition-suffix-len", type=int, default=256)
     a("--prefix-repetition-num-prefixes", type=int, default=10)
     a("--prefix-repetition-output-len", type=int, default=128)
+    trace_replay.add_arguments(a)
     a("--num-prompts", type=int, default=1000)
     a("--request-rate", type=float, default=math.inf, help="requests/s (default inf)")
     a("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
@@ -114,6 +120,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--max-concurrency must be >= 1")
     if args.dataset_name == "sharegpt" and not (args.dataset_path and args.tokenizer):
         raise ValueError("--dataset-name sharegpt needs --dataset-path and --tokenizer")
+    trace_replay.check(args)
     if args.backend == "openai":
         openai_urls(args)
 
@@ -154,6 +161,9 @@ async def _dataset(args: argparse.Namespace, backend: Backend) -> list[BenchRequ
         vocab = await backend.vocab_size()
     else:
         raise ValueError("--backend openai with token-id datasets needs --tokenizer")
+    if args.dataset_name in trace_replay.TRACE_DATASETS:
+        requests, args.scaled_trace = trace_replay.load(args, vocab)
+        return requests
     if args.dataset_name == "random":
         return random_requests(
             args.num_prompts,
@@ -199,6 +209,9 @@ async def _run_once(
     for req, gap in zip(
         requests, _gaps(len(requests), rate, args.burstiness, args.seed), strict=True
     ):
+        if req.arrival_s is not None:  # a trace's time, not the request rate's
+            await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
+            gap = 0.0
         tasks.append(asyncio.create_task(one(req)))
         if gap:
             await asyncio.sleep(gap)
@@ -266,6 +279,7 @@ def _table(result: dict[str, Any], args: argparse.Namespace) -> str:
         lines.append(
             f"{'Per-position acceptance (%):':<44}{' '.join(f'{r * 100:.1f}' for r in rates):>16}"
         )
+    lines += trace_replay.table_lines(result)
     lines.append("=" * 60)
     return "\n".join(lines)
 
@@ -305,6 +319,7 @@ def _record(
         "itls": [o.itl for o in ok],
         "errors": [o.error for o in outputs],
         "timeline": timeline(outputs, t0, duration),
+        **trace_replay.hit_summary(outputs, getattr(args, "scaled_trace", None), args),
     }
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,31 @@ class PublicTrace:
     @property
     def prompt_tokens(self) -> int:
         return sum(r.input_length for r in self.requests)
+
+    def scaled(self, n: int, scale: float, time_scale: float = 1.0) -> PublicTrace:
+        """Its first ``n`` requests with every length times ``scale`` (at least 1 token; the
+        hash ids cut to the blocks the prompt then covers) and every time over
+        ``time_scale``: what ``bench serve --dataset-name`` sends. ``scale`` must give whole
+        tokens per block (ValueError otherwise)."""
+        block = self.block_tokens * scale
+        if block < 1 or block != int(block):
+            raise ValueError(
+                f"--trace-scale {scale} gives {block} tokens per trace block: choose one that "
+                f"gives a whole number (the trace's blocks are {self.block_tokens} tokens)"
+            )
+        out = PublicTrace(self.format, int(block))
+        for r in self.requests[:n]:
+            length = max(1, round(r.input_length * scale))
+            out.requests.append(
+                replace(
+                    r,
+                    timestamp_s=r.timestamp_s / time_scale,
+                    input_length=length,
+                    output_length=max(1, round(r.output_length * scale)),
+                    hash_ids=r.hash_ids[: -(-length // int(block))],
+                )
+            )
+        return out
 
 
 def read_public_trace(path: str | Path, fmt: str) -> PublicTrace:

@@ -65,11 +65,16 @@ def parse_capacity(text: str, block_size: int) -> int | None:
 
 
 def replay_sequential(
-    trace: PublicTrace, capacity_tokens: int | None, policy: str, block_size: int | None = None
+    trace: PublicTrace,
+    capacity_tokens: int | None,
+    policy: str,
+    block_size: int | None = None,
+    engine_rules: bool = False,
 ) -> Point:
-    """Replay ``trace`` one request after another (see the module docstring)."""
+    """Replay ``trace`` one request after another (see the module docstring; with
+    ``engine_rules``, a live engine's hit rules: :class:`TracePool`)."""
     start = time.perf_counter()
-    pool = TracePool(trace, capacity_tokens, policy, block_size)
+    pool = TracePool(trace, capacity_tokens, policy, block_size, engine_rules)
     point = Point(policy, capacity_tokens, num_requests=len(trace.requests))
     for seq, r in enumerate(trace.requests):
         point.prompt_tokens += r.input_length

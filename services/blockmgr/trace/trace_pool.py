@@ -44,8 +44,12 @@ class TracePool:
         capacity_tokens: int | None,
         policy: str,
         block_size: int | None = None,
+        engine_rules: bool = False,
     ) -> None:
         bs = self.block_size = block_size or trace.block_tokens
+        # A live engine's own rules instead of the papers': only a prompt's full blocks are
+        # committed, and a hit never covers its last token (what a live replay is held to).
+        self.engine_rules = engine_rules
         if trace.block_tokens % bs:
             raise ValueError(
                 f"--block-size {bs} does not divide the trace's blocks of "
@@ -74,6 +78,8 @@ class TracePool:
         # Its whole blocks and the first output token, so that every block can hit (a hit
         # never covers the last prompt token); the rest of the output grows after.
         prompt = len(hashes) * bs + 1
+        if self.engine_rules:
+            hashes, prompt = hashes[: r.input_length // bs], r.input_length + 1
         later = self.blocks(r) - -(-prompt // bs)
         step = self.manager.step
         (admitted,) = step([Admit(seq, prompt, prompt, tuple(hashes), reserve_blocks=later)])
