@@ -68,7 +68,8 @@ def hit_summary(
     outputs: Sequence[RequestOutput], trace: PublicTrace | None, args: argparse.Namespace
 ) -> dict[str, Any]:
     """The served prefix-hit ratio (cached prompt tokens over prompt tokens, successful
-    requests), and for a trace dataset the offline replay's prediction."""
+    requests), and for a trace dataset the offline replay's prediction for the same requests
+    (``outputs`` in ``trace``'s order)."""
     ok = [o for o in outputs if o.success]
     prompt = sum(o.prompt_len for o in ok)
     cached = sum(o.cached_tokens for o in ok)
@@ -76,7 +77,9 @@ def hit_summary(
         "cached_prompt_tokens": cached,
         "prefix_hit_ratio": cached / prompt if prompt else 0.0,
     }
-    if trace is not None:
+    if trace is not None:  # the requests served (a failed one cached nothing)
+        served = [r for r, o in zip(trace.requests, outputs, strict=True) if o.success]
+        trace = PublicTrace(trace.format, trace.block_tokens, served)
         capacity = parse_capacity(args.replay_capacity, args.replay_block_size)
         point = replay_sequential(
             trace, capacity, args.replay_policy, args.replay_block_size, engine_rules=True
