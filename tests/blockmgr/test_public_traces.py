@@ -204,3 +204,13 @@ def test_a_bad_service_model_is_refused_naming_the_flag():
         ServiceModel(decode_tokens_per_s=0)
     with pytest.raises(ValueError, match="--max-concurrency must be >= 1"):
         ServiceModel(max_concurrency=0)
+
+
+def test_a_host_tier_under_a_small_device_cache_gets_back_what_it_evicted(tmp_path):
+    lines = _conversations(6, 400, 512)
+    trace = read_public_trace(_write(tmp_path / "t.jsonl", lines), "mooncake")
+    points = sweep(trace, [20_000], ["lru"], host_capacities=[0, 10_000_000])
+    alone, tiered = points
+    assert (alone.host_capacity_tokens, tiered.host_capacity_tokens) == (0, 10_000_000)
+    assert alone.host_hit_tokens == 0 < tiered.host_hit_tokens
+    assert alone.hit_ratio < tiered.hit_ratio == pytest.approx(tiered.max_hit_ratio)

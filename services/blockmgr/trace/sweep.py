@@ -70,12 +70,15 @@ def replay_sequential(
     policy: str,
     block_size: int | None = None,
     engine_rules: bool = False,
+    host_tokens: int = 0,
 ) -> Point:
     """Replay ``trace`` one request after another (see the module docstring; with
-    ``engine_rules``, a live engine's hit rules: :class:`TracePool`)."""
+    ``engine_rules``, a live engine's hit rules; over a host tier of ``host_tokens``:
+    :class:`TracePool`)."""
     start = time.perf_counter()
-    pool = TracePool(trace, capacity_tokens, policy, block_size, engine_rules)
+    pool = TracePool(trace, capacity_tokens, policy, block_size, engine_rules, host_tokens)
     point = Point(policy, capacity_tokens, num_requests=len(trace.requests))
+    point.host_capacity_tokens = host_tokens
     for seq, r in enumerate(trace.requests):
         point.prompt_tokens += r.input_length
         hit = pool.admit(seq, r)
@@ -90,12 +93,12 @@ def replay_sequential(
 _TRACE: PublicTrace | None = None  # a worker's copy (forked)
 
 
-def _run(job: tuple[int | None, str, int | None, ServiceModel | None]) -> Point:
+def _run(job: tuple[int | None, int, str, int | None, ServiceModel | None]) -> Point:
     assert _TRACE is not None
-    capacity, policy, block_size, model = job
+    capacity, host, policy, block_size, model = job
     if model is not None:
-        return replay_timed(_TRACE, capacity, policy, block_size, model)
-    return replay_sequential(_TRACE, capacity, policy, block_size)
+        return replay_timed(_TRACE, capacity, policy, block_size, model, host)
+    return replay_sequential(_TRACE, capacity, policy, block_size, host_tokens=host)
 
 
 def sweep(
@@ -106,11 +109,15 @@ def sweep(
     workers: int = 1,
     model: ServiceModel | None = None,
     progress: bool = False,
+    host_capacities: Sequence[int] = (0,),
 ) -> list[Point]:
-    """Every (capacity, policy) point, in that order, on ``workers`` processes; timed under
-    ``model`` if given, else sequential; a progress bar on stderr if ``progress``."""
+    """Every (capacity, host tier, policy) point, in that order, on ``workers`` processes;
+    timed under ``model`` if given, else sequential; a progress bar on stderr if
+    ``progress``."""
     global _TRACE
-    jobs = [(c, p, block_size, model) for c in capacities for p in policies]
+    jobs = [
+        (c, h, p, block_size, model) for c in capacities for h in host_capacities for p in policies
+    ]
     _TRACE = trace
     bar = tqdm(total=len(jobs), unit="point", disable=not progress, file=sys.stderr)
     if workers <= 1 or len(jobs) == 1:
@@ -137,13 +144,14 @@ def plot(points: Sequence[Point], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for policy in dict.fromkeys(p.policy for p in points):
+    for policy, host in dict.fromkeys((p.policy, p.host_capacity_tokens) for p in points):
         pts = sorted(
             (p.capacity_tokens, p.hit_ratio)
             for p in points
-            if p.policy == policy and p.capacity_tokens
+            if (p.policy, p.host_capacity_tokens) == (policy, host) and p.capacity_tokens
         )
-        ax.plot([c for c, _ in pts], [h for _, h in pts], marker="o", label=policy)
+        label = f"{policy} + host {host:,}" if host else policy
+        ax.plot([c for c, _ in pts], [h for _, h in pts], marker="o", label=label)
     ax.axhline(points[0].max_hit_ratio, color="grey", linestyle="--", label="trace maximum")
     ax.set_xscale("log")
     ax.set_xlabel("device KV capacity (tokens)")
@@ -184,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         "--capacity", default="unbounded", help="comma-separated: 3M, 250000, 5859b, unbounded"
     )
     p.add_argument(
+        "--host-capacity",
+        default="0",
+        help="comma-separated host-tier sizes under the device cache (as --capacity; 0: none)",
+    )
+    p.add_argument(
         "--policy",
         default="lru",
         help=f"comma-separated, of {[x.value for x in EvictionPolicyName]}",
@@ -202,6 +215,13 @@ def main(argv: list[str] | None = None) -> int:
             EvictionPolicyName.parse(x.strip()).value for x in args.policy.split(",") if x.strip()
         ]
         capacities = [parse_capacity(x, bs) for x in args.capacity.split(",") if x.strip()]
+        hosts = [
+            0 if x.strip() == "0" else parse_capacity(x, bs) or 0
+            for x in args.host_capacity.split(",")
+            if x.strip()
+        ]
+        if any(h and h < bs for h in hosts):
+            raise ValueError("--host-capacity holds no block")
         if FORMATS[args.format] % bs:
             raise ValueError(
                 f"--block-size {bs} does not divide the format's {FORMATS[args.format]} "
@@ -227,23 +247,33 @@ def main(argv: list[str] | None = None) -> int:
         f"maximum hit ratio {trace.max_hit_tokens / max(1, trace.prompt_tokens):.1%}\n"
     )
     points = sweep(
-        trace, capacities, policies, args.block_size, args.workers, model, not args.no_progress
+        trace,
+        capacities,
+        policies,
+        args.block_size,
+        args.workers,
+        model,
+        not args.no_progress,
+        hosts,
     )
     timed = " mean wait s | longest queue |" if args.timed else ""
+    tiers = any(hosts)
+    tier = " host tier (tokens) | host hit tokens |" if tiers else ""
     print(
         "| policy | capacity (tokens) | hit ratio | of the maximum | refused | evicted blocks "
-        f"| replay s |{timed}"
+        f"| replay s |{timed}{tier}"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.timed else ""))
+    print("|---|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * (args.timed + tiers))
     for pt in points:
         cap = "unbounded" if pt.capacity_tokens is None else f"{pt.capacity_tokens:,}"
         share = pt.hit_ratio / pt.max_hit_ratio if pt.max_hit_ratio else 0.0
         waits = (
             f" {pt.mean_wait_s:.2f} | {pt.max_waiting:,} |" if isinstance(pt, TimedPoint) else ""
         )
+        host = f" {pt.host_capacity_tokens:,} | {pt.host_hit_tokens:,} |" if tiers else ""
         print(
             f"| {pt.policy} | {cap} | {pt.hit_ratio:.1%} | {share:.0%} | {pt.num_refused:,} "
-            f"| {pt.num_evicted_blocks:,} | {pt.seconds:.1f} |{waits}"
+            f"| {pt.num_evicted_blocks:,} | {pt.seconds:.1f} |{waits}{host}"
         )
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(pt) for pt in points], indent=1) + "\n")

@@ -57,12 +57,15 @@ def replay_timed(
     policy: str,
     block_size: int | None = None,
     model: ServiceModel | None = None,
+    host_tokens: int = 0,
 ) -> TimedPoint:
-    """Replay ``trace`` at its times under ``model`` (see the module docstring)."""
+    """Replay ``trace`` at its times under ``model`` (see the module docstring), over a host
+    tier of ``host_tokens`` (0: none)."""
     model = model or ServiceModel()
     start = time.perf_counter()
-    pool = TracePool(trace, capacity_tokens, policy, block_size)
+    pool = TracePool(trace, capacity_tokens, policy, block_size, host_tokens=host_tokens)
     point = TimedPoint(policy, capacity_tokens, num_requests=len(trace.requests))
+    point.host_capacity_tokens = host_tokens
     running: list[tuple[float, int]] = []  # (end time, seq): a heap
     waiting: deque[tuple[int, float]] = deque()  # (seq, arrival time)
     requests = trace.requests

@@ -36,7 +36,7 @@ __all__ = ["Point", "TracePool", "finish"]
 class TracePool:
     """A fresh pool of ``capacity_tokens`` (None: room for every distinct block of ``trace``
     and its largest request) under ``policy``, in blocks of ``block_size`` tokens (default:
-    the trace's)."""
+    the trace's), over a host tier of ``host_tokens`` (0: none; LRU)."""
 
     def __init__(
         self,
@@ -45,6 +45,7 @@ class TracePool:
         policy: str,
         block_size: int | None = None,
         engine_rules: bool = False,
+        host_tokens: int = 0,
     ) -> None:
         bs = self.block_size = block_size or trace.block_tokens
         # A live engine's own rules instead of the papers': only a prompt's full blocks are
@@ -61,7 +62,12 @@ class TracePool:
             num_blocks = distinct + max((self.blocks(r) for r in trace.requests), default=1) + 2
         else:
             num_blocks = capacity_tokens // bs + 1  # (the null block)
-        spec = PoolSpec(num_blocks, bs, eviction_policy=EvictionPolicyName.parse(policy))
+        spec = PoolSpec(
+            num_blocks,
+            bs,
+            eviction_policy=EvictionPolicyName.parse(policy),
+            host_blocks=host_tokens // bs,
+        )
         self.manager = KVBlockManager(spec)
         self._keys: dict[int, list[bytes]] = {}
 
@@ -124,6 +130,8 @@ class Point:
     num_refused: int = 0  # requests larger than the pool
     num_evicted_blocks: int = 0
     seconds: float = 0.0
+    host_capacity_tokens: int = 0  # the host tier's (0: none)
+    host_hit_tokens: int = 0  # of the hits, onboarded from the host tier
 
 
 def finish(point: Point, trace: PublicTrace, pool: TracePool, start: float) -> Point:
@@ -131,5 +139,6 @@ def finish(point: Point, trace: PublicTrace, pool: TracePool, start: float) -> P
     point.hit_ratio = point.hit_tokens / point.prompt_tokens if point.prompt_tokens else 0.0
     point.max_hit_ratio = trace.max_hit_tokens / trace.prompt_tokens if trace.prompt_tokens else 0.0
     point.num_evicted_blocks = pool.manager.pool.num_evicted
+    point.host_hit_tokens = pool.manager.host_hits_tokens
     point.seconds = time.perf_counter() - start
     return point
