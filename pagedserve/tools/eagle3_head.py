@@ -23,6 +23,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from services.executor.model.eagle import default_aux_layers
+
 __all__ = ["Eagle3Reference", "head_config", "save_head", "target_features", "write_random_head"]
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -33,10 +35,8 @@ def head_config(target: dict[str, Any], aux_layers: tuple[int, ...] | None = Non
     heads, RoPE and vocabulary, one layer, the full vocabulary as the draft one."""
     text = target.get("text_config", target)
     num_layers = int(text["num_hidden_layers"])
-    if aux_layers is None:  # vLLM's default, within a shallow model, in layer order
-        aux_layers = tuple(
-            sorted(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
-        )
+    if aux_layers is None:
+        aux_layers = default_aux_layers(num_layers)
     hidden = int(text["hidden_size"])
     heads = int(text["num_attention_heads"])
     theta = float(

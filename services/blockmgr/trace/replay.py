@@ -45,6 +45,7 @@ from services.blockmgr.api.types import (
     Uncache,
 )
 from services.blockmgr.pool.manager import KVBlockManager
+from services.blockmgr.trace.public import FORMATS
 from services.blockmgr.trace.record import (
     RegisterRecord,
     RestoreRecord,
@@ -275,21 +276,27 @@ def replay(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args_in = sys.argv[1:] if argv is None else argv
-    fmt = _format_of(args_in)
-    if fmt not in (None, "pagedserve"):  # a public trace: a cache experiment (.sweep)
+    argv = sys.argv[1:] if argv is None else argv
+    formats = ["pagedserve", *sorted(FORMATS)]
+    pre = argparse.ArgumentParser(prog="pagedserve blockmgr replay", add_help=False)
+    pre.add_argument("--format", choices=formats, default="pagedserve")
+    if pre.parse_known_args(argv)[0].format != "pagedserve":  # a public trace (.sweep)
         from services.blockmgr.trace.sweep import main as sweep_main
 
-        return sweep_main(args_in)
-    if fmt is not None:  # (our own recorded format, named)
-        args_in = [a for a in args_in if a not in ("--format", "pagedserve", "--format=pagedserve")]
-    argv = args_in
+        return sweep_main(argv)
     p = argparse.ArgumentParser(
         prog="pagedserve blockmgr replay",
         description="Replay a trace recorded with `pagedserve blockmgr --record-trace` under "
         "other eviction policies and pool sizes; prints one row per policy.",
     )
     p.add_argument("trace", help="the trace file (JSON lines)")
+    p.add_argument(
+        "--format",
+        choices=formats,
+        default="pagedserve",
+        help="pagedserve: recorded with --record-trace; mooncake, bailian: a public trace, "
+        "replayed as a cache experiment (see `--format mooncake --help`)",
+    )
     p.add_argument(
         "--policy",
         default="recorded",
@@ -359,16 +366,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{r.num_refused_admissions:,} | {r.num_dropped:,} | {r.seconds:.2f} |"
         )
     return 0
-
-
-def _format_of(argv: Sequence[str]) -> str | None:
-    """``--format``'s value in ``argv`` (None: not given)."""
-    for i, a in enumerate(argv):
-        if a == "--format" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--format="):
-            return a.split("=", 1)[1]
-    return None
 
 
 if __name__ == "__main__":

@@ -164,9 +164,11 @@ class Eagle3Head(nn.Module):
         self.norm_before_residual = config.norm_before_residual
         h = mc.hidden_size
         self.shares_embed = embed is not None
-        self.embed_tokens = nn.Embedding(mc.vocab_size, h, dtype=dtype)
-        if embed is not None:
-            self.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
+        self.embed_tokens = (
+            nn.Embedding(embed.shape[0], h, _weight=embed, _freeze=True)  # (no copy made)
+            if embed is not None
+            else nn.Embedding(mc.vocab_size, h, dtype=dtype)
+        )
         self.fc = Linear(3 * config.target_hidden_size, h, bias=False, dtype=dtype)
         self.midlayer = _MidLayer(mc, dtype)
         self.norm = RMSNorm(h, mc.rms_norm_eps, dtype)
@@ -174,6 +176,8 @@ class Eagle3Head(nn.Module):
         # Target id of draft id d: d + d2t[d].
         self.d2t: Tensor
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        # The target ids of the draft ids, from d2t once loaded (None: the same ids).
+        self.target_ids: Tensor | None = None
         self.rotary_emb = RotaryEmbedding(mc.rope, mc.head_dim, mc.max_model_len, dtype)
 
     @torch.inference_mode()
@@ -201,8 +205,10 @@ class Eagle3Head(nn.Module):
         idx = batch.logits_indices
         prenorm = residual[idx]  # (a copy: the norm adds x into it)
         logits = self.lm_head(self.norm(x[idx], prenorm)).float()  # [K, Vd]
+        if self.target_ids is None:
+            return logits, prenorm
         full = logits.new_full((logits.shape[0], self.config.model.vocab_size), float("-inf"))
-        full[:, torch.arange(logits.shape[1], device=logits.device) + self.d2t] = logits
+        full[:, self.target_ids] = logits
         return full, prenorm
 
     @torch.inference_mode()
@@ -237,6 +243,9 @@ class Eagle3Head(nn.Module):
             needed.discard(name)
         if needed:
             raise ModelLoadError(f"{_FIELD}: checkpoint lacks {sorted(needed)[:8]}")
+        ids = torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+        full = ids.shape[0] == self.config.model.vocab_size and bool((self.d2t == 0).all())
+        self.target_ids = None if full else ids
 
 
 def _read_weights(path: Path) -> dict[str, Tensor]:

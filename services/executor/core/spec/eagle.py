@@ -102,11 +102,12 @@ class EagleProposer:
         index: list[int] = []
         wanting: list[Sequence] = []
         for seq, start, k, row in rows:
-            n = min(kept(seq, k), len(seq.token_ids) - start - 1)
+            used = kept(seq, k)
+            n = min(used, len(seq.token_ids) - start - 1)
             table = seq.tables[g] if len(seq.tables) > g else []
             if n <= 0 or seq.params.use_beam_search or not table:
                 continue  # (beams: their blocks are shared, and they never draft)
-            want = n == kept(seq, k) and drafts(seq) > 0
+            want = n == used and drafts(seq) > 0
             chunks.append(SeqChunk(seq.token_ids[start + 1 : start + 1 + n], start, table, want))
             index.extend(range(row, row + n))
             if want:
