@@ -112,6 +112,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=sorted(REASONING_PARSERS),
         help="the gateway's: puts a thinking model's reasoning apart (reasoning_content)",
     )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="the gateway's: load and unload LoRA adapters at runtime (the executor's "
+        "--enable-lora and --lora-modules go after `--`)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
         "--max-restarts",
@@ -390,6 +396,7 @@ def _specs(args: argparse.Namespace, model: Path) -> dict[str, list[str]]:
             *(["--enable-auto-tool-choice"] if auto_tools else []),
             *(["--tool-call-parser", parser] if parser else []),
             *(["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []),
+            *(["--allow-runtime-lora-updating"] if args.allow_runtime_lora_updating else []),
             *common,
         ],
     }

@@ -36,6 +36,7 @@ STREAM_OPEN_S = 1.0  # a server stream still open this long was accepted
 
 # method path -> (kind, a valid request to mutate, metadata)
 BM, EX, GW = "pagedserve.v1.BlockManager", "pagedserve.v1.Executor", "pagedserve.v1.Generation"
+GW_ADAPTERS = "pagedserve.v1.Adapters"
 VALID_PARAMS = E.ExecutorSamplingParams(
     n=1, temperature=0, top_p=1, max_tokens=4, repetition_penalty=1
 )
@@ -54,7 +55,29 @@ RPCS: dict[str, tuple[str, bytes, str]] = {
         "gw",
     ),
     f"/{GW}/GetModelInfo": ("unary_unary", b"", "gw"),
+    f"/{GW_ADAPTERS}/LoadAdapter": (
+        "unary_unary",
+        G.LoadLoraAdapterRequest(lora_name="a", lora_path="/tmp").SerializeToString(),
+        "gw",
+    ),
+    f"/{GW_ADAPTERS}/UnloadAdapter": (
+        "unary_unary",
+        G.UnloadLoraAdapterRequest(lora_name="a").SerializeToString(),
+        "gw",
+    ),
+    f"/{GW_ADAPTERS}/ListAdapters": ("unary_unary", b"", "gw"),
     f"/{EX}/Info": ("unary_unary", b"", "ex"),
+    f"/{EX}/LoadAdapter": (
+        "unary_unary",
+        E.LoadAdapterRequest(name="a", path="/tmp").SerializeToString(),
+        "ex",
+    ),
+    f"/{EX}/UnloadAdapter": (
+        "unary_unary",
+        E.UnloadAdapterRequest(name="a").SerializeToString(),
+        "ex",
+    ),
+    f"/{EX}/ListAdapters": ("unary_unary", b"", "ex"),
     f"/{EX}/Session": (
         "stream_stream",
         E.SessionRequest(

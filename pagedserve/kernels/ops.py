@@ -26,6 +26,7 @@ from torch import Tensor
 from pagedserve.kernels import reference
 from pagedserve.kernels.cpu_attention import paged_attention_cpu
 from pagedserve.kernels.cpu_linear import cpu_linear
+from pagedserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
 
 __all__ = [
     "CPU_ATTENTION_ENV",
@@ -36,6 +37,8 @@ __all__ = [
     "fused_moe",
     "gelu_tanh_and_mul",
     "linear",
+    "lora_expand",
+    "lora_shrink",
     "paged_attention",
     "reshape_and_cache",
     "rotary_embedding",
@@ -299,3 +302,38 @@ def fused_moe(
     from pagedserve.kernels.cpu_moe import fused_moe_cpu
 
     return fused_moe_cpu(x, topk_weights, topk_ids, w13, w2)
+
+
+def lora_shrink(
+    x: Tensor,  # [T, K]
+    a: Tensor,  # [S, R, K]
+    token_slots: Tensor,  # [T] int, in [-1, S)
+) -> Tensor:  # [T, R] fp32
+    """Each row times its own adapter's ``lora_A``; contract of
+    :func:`pagedserve.kernels.lora_reference.lora_shrink_ref`.
+
+    Triton (:mod:`.lora_triton`): rows grouped by slot on the device, one launch sized by
+    shapes alone (no host sync, CUDA-graph capturable). CPU: the reference.
+    """
+    if _use_triton(x):
+        from pagedserve.kernels.lora_triton import lora_shrink_triton
+
+        return lora_shrink_triton(x, a, token_slots)
+    return lora_shrink_ref(x, a, token_slots)
+
+
+def lora_expand(
+    s: Tensor,  # [T, R] fp32
+    b: Tensor,  # [S, N, R]
+    token_slots: Tensor,  # [T] int, in [-1, S)
+    y: Tensor,  # [T, N], updated in place
+) -> None:
+    """``y`` plus each row's shrunk input times its own adapter's scaled ``lora_B``, in place;
+    contract of :func:`pagedserve.kernels.lora_reference.lora_expand_ref`. Dispatch as for
+    :func:`lora_shrink`."""
+    if _use_triton(s):
+        from pagedserve.kernels.lora_triton import lora_expand_triton
+
+        lora_expand_triton(s, b, token_slots, y)
+    else:
+        lora_expand_ref(s, b, token_slots, y)

@@ -38,6 +38,7 @@ from transformers import (
 )
 
 from pagedserve.tools.eagle3_head import write_random_head
+from pagedserve.tools.lora_adapter import write_random_adapter
 from pagedserve.tools.tiny_tokenizer import (
     BOS,
     DEFAULT_VOCAB_SIZE,
@@ -369,10 +370,36 @@ def main(argv: list[str]) -> int:
         metavar="TARGET",
         help="write instead a random EAGLE-3 head for the checkpoint at TARGET (--seed applies)",
     )
+    parser.add_argument(
+        "--lora",
+        type=Path,
+        default=None,
+        metavar="BASE",
+        help="write instead a random PEFT LoRA adapter for the checkpoint at BASE (nonzero A "
+        "and B; --seed applies)",
+    )
+    parser.add_argument("--lora-rank", type=int, default=8, help="with --lora: its rank")
+    parser.add_argument("--lora-alpha", type=float, default=16, help="with --lora: lora_alpha")
+    parser.add_argument("--use-rslora", action="store_true", help="with --lora: rsLoRA scaling")
     args = parser.parse_args(argv)
 
     if args.dir.exists() and any(args.dir.iterdir()) and not args.force:
         parser.error(f"{args.dir} is not empty (use --force to overwrite)")
+    if args.lora is not None:
+        if not (args.lora / "config.json").is_file():
+            parser.error(f"--lora: {args.lora} has no config.json")
+        if args.lora_rank < 1:
+            parser.error("--lora-rank must be >= 1")
+        write_random_adapter(
+            args.lora,
+            args.dir,
+            rank=args.lora_rank,
+            alpha=args.lora_alpha,
+            use_rslora=args.use_rslora,
+            seed=args.seed,
+        )
+        print(f"wrote a random rank-{args.lora_rank} LoRA adapter for {args.lora} to {args.dir}")
+        return 0
     if args.eagle3_for is not None:
         if not (args.eagle3_for / "config.json").is_file():
             parser.error(f"--eagle3-for: {args.eagle3_for} has no config.json")

@@ -58,7 +58,7 @@ def test_a_v1_reflection_client_reads_the_descriptors_v1_itself_included() -> No
         proto = descriptor_pb2.FileDescriptorProto()
         proto.ParseFromString(response.file_descriptor_response.file_descriptor_proto[0])
         files.append(proto)
-    assert [s.name for s in files[0].service] == ["Generation"]
+    assert [s.name for s in files[0].service] == ["Generation", "Adapters"]
     assert (files[1].name, files[1].package) == (
         "grpc/reflection/v1/reflection.proto",
         "grpc.reflection.v1",

@@ -200,3 +200,26 @@ def prompt_ids(tiny_checkpoint: CheckpointFactory) -> list[list[int]]:
     """
     tokenizer = load_tokenizer(tiny_checkpoint("llama"))
     return [tokenizer(text).input_ids for text in PROMPT_TEXTS]
+
+
+@pytest.fixture(scope="session")
+def lora_adapter(
+    tiny_checkpoint: CheckpointFactory, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., Path]:
+    """``lora_adapter(name, seed, rank=8, use_rslora=False)`` -> a random PEFT adapter of
+    checkpoint ``name`` (nonzero A and B: it changes the model's greedy tokens)."""
+    from pagedserve.tools.lora_adapter import write_random_adapter
+
+    root = tmp_path_factory.mktemp("lora_adapters")
+    written: dict[tuple[str, int, int, bool], Path] = {}
+
+    def get(name: str, seed: int, rank: int = 8, use_rslora: bool = False) -> Path:
+        key = (name, seed, rank, use_rslora)
+        if key not in written:
+            out = root / f"{name}-{seed}-r{rank}{'-rs' if use_rslora else ''}"
+            written[key] = write_random_adapter(
+                tiny_checkpoint(name), out, rank=rank, use_rslora=use_rslora, seed=seed
+            )
+        return written[key]
+
+    return get

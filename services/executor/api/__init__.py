@@ -52,6 +52,7 @@ from services.executor.core.outputs import EngineError, RequestErrorCode, TokenL
 from services.executor.core.sequence import FinishReason
 from services.executor.model.runner_config import available_cores
 from services.executor.service.config import ExecutorConfig
+from services.executor.service.lora_config import LoRAConfig, LoRAModulePath
 from services.executor.service.startup import ServedModel
 
 __all__ = [
@@ -63,6 +64,8 @@ __all__ = [
     "ForwardInfo",
     "InProcessEngine",
     "KVUsage",
+    "LoRAConfig",
+    "LoRAModulePath",
     "LoadedModel",
     "RequestErrorCode",
     "RequestOutput",

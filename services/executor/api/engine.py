@@ -164,15 +164,21 @@ class InProcessEngine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        lora_name: str = "",
     ) -> str:
         """Queue a request (token ids, or text for the checkpoint's tokenizer) and return its
-        id (``request_id``, else a new one). Its outputs come from :meth:`step`. Raises
-        ``EngineError`` (nothing queued) for a request the engine refuses."""
+        id (``request_id``, else a new one); ``lora_name``: the LoRA adapter it runs with
+        (``--enable-lora``; empty: the base model). Its outputs come from :meth:`step`.
+        Raises ``EngineError`` (nothing queued) for a request the engine refuses."""
         self._check_open()
         rid = request_id if request_id is not None else f"request-{next(self._ids)}"
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else prompt
         self._engine.add_request(
-            RequestKey(SESSION_ID, rid), tokens, params or SamplingParams(), priority=priority
+            RequestKey(SESSION_ID, rid),
+            tokens,
+            params or SamplingParams(),
+            priority=priority,
+            lora_name=lora_name,
         )
         return rid
 

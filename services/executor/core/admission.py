@@ -9,7 +9,7 @@ from services.executor.core.config import SchedulerConfig
 from services.executor.core.plan import SchedulePlan
 from services.executor.core.sequence import Sequence
 
-__all__ = ["plan_admissions", "uncommitted_prompt_blocks"]
+__all__ = ["plan_admissions", "running_adapters", "uncommitted_prompt_blocks"]
 
 
 def plan_admissions(
@@ -30,6 +30,9 @@ def plan_admissions(
     admitted, preempted, recomputed, again). With nothing running no headroom is needed.
     In a hybrid pool a sequence's blocks are counted in every KV-cache group, and the headroom
     in the groups that keep their blocks (a sliding group releases about as fast as it grows).
+    With multi-LoRA serving, a sequence whose adapter is not running yet needs one of the
+    ``max_loras`` slots: without one free, admissions stop there (FCFS, so it is never
+    overtaken and never starves: the running adapters drain).
     """
     if not waiting:
         return
@@ -41,6 +44,7 @@ def plan_admissions(
     admits = plan.admits
     hold_back = cfg.enable_prefix_caching and cfg.hold_back_shared_prefixes
     computing = uncommitted_prompt_blocks(running, cfg.block_size) if hold_back else set()
+    adapters = running_adapters(running) if cfg.max_loras else set()
     skip = 0  # the other beams of a search just admitted
     for i, seq in enumerate(waiting):
         if skip:
@@ -48,6 +52,10 @@ def plan_admissions(
             continue
         if budget <= 0 or num_running + len(admits) >= cfg.max_num_seqs:
             break
+        if seq.lora_id and seq.lora_id not in adapters:
+            if len(adapters) >= cfg.max_loras:
+                break  # FCFS: its adapter gets the next slot that frees, nothing overtakes it
+            adapters.add(seq.lora_id)
         if seq.params.use_beam_search:
             group = _beam_group(waiting, i)
             used = _admit_group(plan, group, num_running, cfg, free, budget)
@@ -128,6 +136,11 @@ def _admit_group(
         )
         plan.admits.append((seq, admit))
     return uppers, sum(firsts)
+
+
+def running_adapters(running: list[Sequence]) -> set[int]:
+    """The LoRA adapters of ``running`` sequences: each holds a device slot."""
+    return {seq.lora_id for seq in running if seq.lora_id}
 
 
 def uncommitted_prompt_blocks(running: list[Sequence], block_size: int) -> set[bytes]:

@@ -44,6 +44,9 @@ class SchedulerConfig:
     defer_filled_chunks: bool = False
     # Speculative decoding is on (core.spec): running sequences may compute drafts.
     speculative: bool = False
+    # Multi-LoRA serving: the distinct adapters running sequences may use at once (the
+    # runner's device slots); a sequence whose adapter would be one more waits (0: no LoRA).
+    max_loras: int = 0
 
     @property
     def group_slides(self) -> tuple[bool, ...]:

@@ -22,14 +22,14 @@ import structlog
 import torch
 from torch import Tensor
 
-from services.common.limits import FieldError
 from services.common.sampling_params import SamplingParams
 from services.executor.core.beam import BeamState
 from services.executor.core.blockmgr_link import BlockManagerLink
 from services.executor.core.config import EngineSettings
 from services.executor.core.engine_ahead import AheadEngine, PreparedBatch
 from services.executor.core.engine_beams import BeamSearchEngine
-from services.executor.core.grammar import GrammarCompiler, Matcher, accept
+from services.executor.core.grammar import GrammarCompiler, accept, request_matcher
+from services.executor.core.lora import NO_ADAPTERS, LoRARegistry
 from services.executor.core.outputs import (
     EngineError,
     RequestErrorCode,
@@ -63,9 +63,11 @@ class Engine(AheadEngine, BeamSearchEngine):
         runner: Runner,
         link: BlockManagerLink,
         grammars: GrammarCompiler | None = None,
+        adapters: LoRARegistry | None = None,
     ) -> None:
         self.settings = settings
         self.grammars = grammars  # None: structured outputs are refused (no tokenizer)
+        self.adapters = adapters or NO_ADAPTERS  # multi-LoRA serving (core.lora)
         self.runner = runner
         self.link = link
         self.sampler = Sampler(runner.device, settings.seed)
@@ -126,9 +128,11 @@ class Engine(AheadEngine, BeamSearchEngine):
         priority: int = 0,
         cache_salt: bytes = b"",
         resume: Resume | None = None,
+        lora_name: str = "",
     ) -> None:
         """Queue a request; raises :class:`EngineError` (nothing queued) if it is refused.
-        ``resume``: carry on a sample from its earlier output tokens (see :class:`Resume`)."""
+        ``resume``: carry on a sample from its earlier output tokens (see :class:`Resume`);
+        ``lora_name``: the adapter it runs with (empty: the base model; core.lora)."""
         if req_id in self.requests:
             raise EngineError(
                 RequestErrorCode.ALREADY_EXISTS,
@@ -139,7 +143,8 @@ class Engine(AheadEngine, BeamSearchEngine):
         outputs = list(resume.output_token_ids) if resume is not None else []
         if params.use_beam_search:
             self._check_beams_fit(len(prompt), params)
-        matcher = self._matcher(params, outputs)
+        matcher = request_matcher(self.grammars, params, outputs)
+        lora_id, cache_salt = self.adapters.bind(lora_name, cache_salt)  # (last to refuse)
         arrival = next(self._arrivals)
         seq = Seq(
             seq_id=next(self._seq_ids),
@@ -152,9 +157,10 @@ class Engine(AheadEngine, BeamSearchEngine):
             arrival=arrival,
             cache_salt=cache_salt,
             matcher=matcher,
+            lora_id=lora_id,
         )
         self.requests[req_id] = Request(
-            req_id, prompt, params, priority, arrival, [seq], cache_salt
+            req_id, prompt, params, priority, arrival, [seq], cache_salt, lora_id=lora_id
         )
         if not params.use_beam_search:  # (beams draw nothing)
             self.generators.create(seq.seq_id, params.seed, resume.sample_index if resume else 0)
@@ -167,23 +173,6 @@ class Engine(AheadEngine, BeamSearchEngine):
             )
             self._num_beam_requests += 1
         self._num_structured += params.structured_outputs is not None
-
-    def _matcher(self, params: SamplingParams, outputs: list[int]) -> Matcher | None:
-        """The grammar matcher of a request's sample (past ``outputs``), or None."""
-        spec = params.structured_outputs
-        if spec is None:
-            return None
-        if self.grammars is None:
-            raise EngineError(
-                RequestErrorCode.INVALID_ARGUMENT,
-                f"sampling_params.{spec.field}: this executor has no tokenizer to compile "
-                "grammars with (its model directory has none)",
-            )
-        try:
-            return self.grammars.matcher(spec, outputs)
-        except FieldError as exc:
-            under = exc if exc.field.startswith("resume.") else exc.under("sampling_params")
-            raise EngineError(RequestErrorCode.INVALID_ARGUMENT, str(under)) from None
 
     def keepalive(self) -> None:
         """Called while idle: keeps the block-manager pool's lease."""
@@ -249,6 +238,7 @@ class Engine(AheadEngine, BeamSearchEngine):
 
     def _forget(self, req: Request) -> None:
         del self.requests[req.req_id]
+        self.adapters.release(req.lora_id)
         self._num_prompt_logprobs -= req.params.prompt_logprobs is not None
         self._num_beam_requests -= req.params.use_beam_search
         self._num_structured -= req.params.structured_outputs is not None
@@ -489,6 +479,7 @@ class Engine(AheadEngine, BeamSearchEngine):
             priority=parent.priority,
             arrival=parent.arrival,
             cache_salt=parent.cache_salt,
+            lora_id=parent.lora_id,
             num_draft_computed=parent.num_draft_computed,  # (their blocks are shared)
         )
         if parent.matcher is not None:

@@ -170,6 +170,7 @@ class BeamSearchEngine:
             priority=parent.priority,
             arrival=parent.arrival,
             cache_salt=parent.cache_salt,
+            lora_id=parent.lora_id,
         )
 
     def _beams_done(self, req: Request) -> list[SeqOutput]:

@@ -29,9 +29,18 @@ import structlog
 from torch import Tensor
 
 from services.common.limits import FieldError
+from services.common.sampling_params import SamplingParams
 from services.common.structured_outputs import StructuredKind, StructuredOutputs
+from services.executor.core.outputs import EngineError, RequestErrorCode
 
-__all__ = ["GrammarCompiler", "Matcher", "accept", "compile_error_message", "json_schema_grammar"]
+__all__ = [
+    "GrammarCompiler",
+    "Matcher",
+    "accept",
+    "compile_error_message",
+    "json_schema_grammar",
+    "request_matcher",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -311,3 +320,24 @@ def accept(matcher: Matcher, token: int) -> None:
     if not matcher.accept(token):
         matcher.failed = True
         log.warning("grammar_refused_sampled_token", token=token)
+
+
+def request_matcher(
+    grammars: GrammarCompiler | None, params: SamplingParams, outputs: list[int]
+) -> Matcher | None:
+    """The grammar matcher of a request's sample (past ``outputs``), or None; raises
+    :class:`EngineError` (INVALID_ARGUMENT, naming the field) for a grammar it cannot serve."""
+    spec = params.structured_outputs
+    if spec is None:
+        return None
+    if grammars is None:
+        raise EngineError(
+            RequestErrorCode.INVALID_ARGUMENT,
+            f"sampling_params.{spec.field}: this executor has no tokenizer to compile "
+            "grammars with (its model directory has none)",
+        )
+    try:
+        return grammars.matcher(spec, outputs)
+    except FieldError as exc:
+        under = exc if exc.field.startswith("resume.") else exc.under("sampling_params")
+        raise EngineError(RequestErrorCode.INVALID_ARGUMENT, str(under)) from None

@@ -16,6 +16,8 @@ class RequestErrorCode(enum.Enum):
     ALREADY_EXISTS = "ALREADY_EXISTS"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     INTERNAL = "INTERNAL"
+    NOT_FOUND = "NOT_FOUND"  # an unknown LoRA adapter
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"  # an adapter in use, or changed on disk
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,5 +75,6 @@ def seq_chunks(batch: ScheduledBatch) -> tuple[list[SeqChunk], list[int]]:
             every = start < seq.prompt_len and seq.wants_prompt_logprobs()
         tables = seq.tables
         group_tables = tuple(tables) if len(tables) > 1 else ()
-        append(new(SeqChunk, (tokens, start, tables[0], need_logits, every, group_tables)))
+        chunk = (tokens, start, tables[0], need_logits, every, group_tables, seq.lora_id)
+        append(new(SeqChunk, chunk))
     return seq_chunks, pending

@@ -58,6 +58,7 @@ class Sequence:
     priority: int
     arrival: int  # admission order tie-break (monotonic counter)
     cache_salt: bytes = b""
+    lora_id: int = 0  # the LoRA adapter version it runs with (0: the base model; core.lora)
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     # One block table per KV-cache group of the pool, all of one length. Each is only ever
@@ -173,6 +174,7 @@ class Request:
     arrival: int
     seqs: list[Sequence]
     cache_salt: bytes = b""
+    lora_id: int = 0
     pending_aborts: set[int] = field(default_factory=set)  # samples aborted before their fork
     # Beam search: its core.beam.BeamState; ``seqs`` are then the live beams, in the state's
     # order, and ``beam_logprobs`` the next-token log-probabilities of those computed ahead

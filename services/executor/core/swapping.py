@@ -104,10 +104,15 @@ class Swapping:
             len(s.token_ids) - s.num_computed_tokens - chunk.get(s.seq_id, 0) > 1 for s in running
         ):
             return None
+        adapters = {s.lora_id for s in running if s.lora_id} if cfg.max_loras else set()
         for seq in self.swapped:
             others = len(running) + len(plan.swap_ins)
             if others >= cfg.max_num_seqs:
                 return None
+            if seq.lora_id and seq.lora_id not in adapters:
+                if len(adapters) >= cfg.max_loras:
+                    return None  # its adapter waits for a slot (the running ones drain)
+                adapters.add(seq.lora_id)
             # Its blocks, and those of its next prompt chunk if it was prefilling (else that
             # chunk would preempt it again at once), in every group, less what that chunk's
             # grow releases out of a sliding window.

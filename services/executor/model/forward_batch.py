@@ -46,6 +46,7 @@ class SeqChunk(NamedTuple):
     log-probabilities), in token order; the last is the one ``need_logits`` asks for.
     ``group_tables``: in a hybrid KV cache (several KV-cache groups), the sequence's table in
     each group, ``block_table`` being the first (mirrored by identity alike); empty otherwise.
+    ``lora_id``: the LoRA adapter its rows apply (0: the base model).
     """
 
     token_ids: Sequence[int]
@@ -54,6 +55,7 @@ class SeqChunk(NamedTuple):
     need_logits: bool = True
     all_logits: bool = False
     group_tables: Sequence[Sequence[int]] = ()
+    lora_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,7 @@ class PreparedForward:
     host: HostBatch
     graph_size: int | None  # the captured graph that runs it, or None: eager
     num_chunks: int
+    lora_rows: np.ndarray | None = None  # [T] the adapter of each token row (multi-LoRA)
 
 
 class BatchBuilder:
@@ -271,8 +274,8 @@ class BatchBuilder:
         num_seqs = max(num_real, pad_to_seqs or 0)
 
         # One C-level transpose of the chunks into columns; no Python loop per chunk below.
-        token_col, computed_col, table_col, need_col, all_col, group_col = (
-            zip(*chunks, strict=True) if chunks else ((), (), (), (), (), ())
+        token_col, computed_col, table_col, need_col, all_col, group_col, _ = (
+            zip(*chunks, strict=True) if chunks else ((), (), (), (), (), (), ())
         )
         groups = self.num_groups
         if groups > 1 and any(len(t) != groups for t in group_col):

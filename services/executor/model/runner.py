@@ -7,9 +7,11 @@ those block tables, and the block pairs to copy for copy-on-write.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
+import numpy as np
 import structlog
 import torch
 from torch import Tensor
@@ -29,6 +31,7 @@ from services.executor.model.forward_batch import (
     SeqChunk,
 )
 from services.executor.model.host_kv import HostKVCache, MoveFailures
+from services.executor.model.lora.slots import LoRASlots
 from services.executor.model.models import DecoderLM
 from services.executor.model.workers import (
     CopyBlocksHeader,
@@ -82,6 +85,8 @@ class ModelRunner:
         self.draft: ModelRunner | None = None
         # Or an EAGLE-3 head (.eagle, an Eagle3Runner), its one-layer cache of the same blocks.
         self.eagle: Eagle3Runner | None = None
+        # Multi-LoRA serving: the adapters' device slot table (attach_lora).
+        self.lora: LoRASlots | None = None
         self.builder = BatchBuilder(
             block_size,
             self.device,
@@ -90,6 +95,14 @@ class ModelRunner:
             vocab_size=self.config.vocab_size,
             num_groups=model.kv_layout.num_groups,
         )
+
+    def attach_lora(self, max_loras: int, max_lora_rank: int) -> LoRASlots:
+        """Serve LoRA adapters: a slot table of ``max_loras`` adapters up to rank
+        ``max_lora_rank`` in every projection; chunks name theirs by ``lora_id``."""
+        if self.graphs is not None:
+            raise RuntimeError("attach LoRA before capturing CUDA graphs (they do not serve it)")
+        self.lora = LoRASlots(self.model, max_loras, max_lora_rank)
+        return self.lora
 
     def capture_decode_graphs(self, sizes: Sequence[int], backend: GraphBackend) -> None:
         """Capture the decode forward at each of ``sizes``; pure-decode steps of at most
@@ -135,6 +148,11 @@ class ModelRunner:
     def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedForward:
         """The host half of :meth:`execute`: the batch built on the host, nothing on the
         device (so it can run while the device computes the step before)."""
+        if self.lora is not None:
+            prepared = self.builder.prepare(chunks)
+            lens = [len(c.token_ids) for c in chunks]
+            rows = np.repeat(np.array([c.lora_id for c in chunks], dtype=np.int64), lens)
+            return dataclasses.replace(prepared, lora_rows=rows)
         graphs = self.graphs
         size = graphs.bucket(chunks) if graphs is not None else None
         if size is None:
@@ -163,6 +181,11 @@ class ModelRunner:
                 size or 0,
             )
             self.workers.send(Op.FORWARD, header, (d64, d32))
+        if self.lora is not None:
+            if prepared.lora_rows is None or not prepared.lora_rows.any():
+                self.lora.clear_mapping()
+            else:
+                self.lora.activate(prepared.lora_rows)
         logits = self._forward(
             host.layout.views(d64, d32, host.max_query_len, host.max_seq_len), size
         )

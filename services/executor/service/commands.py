@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.sampling_params import SamplingParams
 from services.executor.core.outputs import RequestError, SeqOutput
@@ -41,6 +43,9 @@ class Load:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +89,16 @@ class Add:
     priority: int = 0
     cache_salt: bytes = b""
     resume: Resume | None = None
+    lora_name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Run ``fn`` on the engine (between steps, on its thread); its result or exception goes
+    to ``future`` (the adapters' load, unload and listing)."""
+
+    fn: Callable[[Any], Any]
+    future: Future[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,4 +141,4 @@ class Fail:
     error: BaseException
 
 
-Command = Open | Add | Refuse | Abort | HalfClose | Close | Fail
+Command = Open | Add | Call | Refuse | Abort | HalfClose | Close | Fail

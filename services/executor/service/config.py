@@ -13,6 +13,7 @@ from services.blockmgr.api.types import EvictionPolicyName
 from services.common.auth import InternalSecurity
 from services.executor.core.spec.config import SpeculativeConfig
 from services.executor.model.runner_config import CacheConfig, RunnerConfig
+from services.executor.service.lora_config import LoRAConfig
 
 
 def _parse_bytes(text: str) -> int:
@@ -87,6 +88,7 @@ class ExecutorConfig:
     port: int = 50061
     served_model_name: str | None = None
     security: InternalSecurity = field(default_factory=InternalSecurity)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # multi-LoRA serving
     max_seqs_per_session: int = 1024  # sequences one gateway session may hold at once
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     async_scheduling: bool = False  # the next Step's round trip overlaps this forward
@@ -268,6 +270,7 @@ class ExecutorConfig:
         a("--port", type=int, default=cls.port)
         a("--log-level", default=cls.log_level)
         InternalSecurity.add_args(p)
+        LoRAConfig.add_args(p)
         return p
 
     @classmethod
@@ -276,6 +279,7 @@ class ExecutorConfig:
         ns = p.parse_args(argv)
         values = {k.replace("-", "_"): v for k, v in vars(ns).items()}
         values["security"] = InternalSecurity.from_namespace(values)
+        values["lora"] = LoRAConfig.from_namespace(values)
         if values["blockmgr_address"]:
             values["blockmgr"] = BlockManagerMode.GRPC
         try:
@@ -357,6 +361,11 @@ class ExecutorConfig:
         if self.max_seqs_per_session < 1:
             raise ValueError("--max-seqs-per-session must be >= 1")
         self.security.validate()
+        self.lora.validate()
+        if self.lora.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "--enable-lora serves adapters on one rank: drop --tensor-parallel-size"
+            )
 
     @property
     def capture_sizes(self) -> tuple[int, ...]:
@@ -392,7 +401,8 @@ class ExecutorConfig:
             device=self.device,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            enforce_eager=self.enforce_eager,
+            # The adapters' rows are mapped per step (no CUDA graphs serve LoRA yet).
+            enforce_eager=self.enforce_eager or self.lora.enable_lora,
             capture_sizes=self.capture_sizes,
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_init_method=self.distributed_init_method,

@@ -22,6 +22,7 @@ from services.executor.core.sequence import FinishReason, RequestKey
 from services.executor.service.commands import (
     Abort,
     Add,
+    Call,
     Close,
     Command,
     Delivery,
@@ -126,7 +127,7 @@ class EngineLoop:
         match command:
             case Open(session):
                 self._sessions[session.session_id] = session
-            case Add(session, request_id, prompt, params, priority, cache_salt, resume):
+            case Add(session, request_id, prompt, params, priority, cache_salt, resume, lora):
                 try:
                     if session.num_seqs + params.n > self.max_seqs_per_session:
                         raise EngineError(
@@ -142,6 +143,7 @@ class EngineLoop:
                         priority=priority,
                         cache_salt=cache_salt,
                         resume=resume,
+                        lora_name=lora,
                     )
                 except EngineError as exc:
                     errors.setdefault(session.session_id, []).append(
@@ -149,6 +151,12 @@ class EngineLoop:
                     )
                     return
                 session.live[request_id] = params.n
+            case Call(fn, future):
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(self.engine))
+                    except Exception as exc:  # the caller's to report (an EngineError)
+                        future.set_exception(exc)
             case Refuse(session, error):
                 errors.setdefault(session.session_id, []).append(error)
             case Abort(session, request_id, index):
@@ -243,7 +251,26 @@ class EngineLoop:
             num_stored_blocks=e.num_blocks_moved["store"],
             num_failed_moves=e.num_failed_moves,
             **_spec_load(e),
+            **_lora_load(e),
         )
+
+
+def _lora_load(engine: Engine) -> dict[str, Any]:
+    """The adapters of the running and waiting sequences (none without LoRA)."""
+    registry = engine.adapters
+    if not registry.enabled:
+        return {}
+    s = engine.scheduler
+
+    def names(seqs: Any) -> tuple[str, ...]:
+        ids = {seq.lora_id for seq in seqs if seq.lora_id}
+        return tuple(sorted({registry.versions[i].name for i in ids if i in registry.versions}))
+
+    return {
+        "running_lora_adapters": names(s.running),
+        "waiting_lora_adapters": names([*s.waiting, *s.swapped]),
+        "max_loras": registry.max_loras,
+    }
 
 
 def _spec_load(engine: Engine) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from services.common.structured_outputs import StructuredOutputs
 from services.executor.core.outputs import RequestError, RequestErrorCode, SeqOutput, TokenLogprob
 from services.executor.core.sequence import FinishReason, Resume
 from services.executor.model.parallel import WorkerLost
+from services.executor.service.adapters import AdapterRpcs
 from services.executor.service.commands import (
     Abort,
     Add,
@@ -44,6 +45,8 @@ ERROR_CODE_TO_PB = {
     RequestErrorCode.ALREADY_EXISTS: executor_pb2.REQUEST_ERROR_CODE_ALREADY_EXISTS,
     RequestErrorCode.RESOURCE_EXHAUSTED: executor_pb2.REQUEST_ERROR_CODE_RESOURCE_EXHAUSTED,
     RequestErrorCode.INTERNAL: executor_pb2.REQUEST_ERROR_CODE_INTERNAL,
+    RequestErrorCode.NOT_FOUND: executor_pb2.REQUEST_ERROR_CODE_NOT_FOUND,
+    RequestErrorCode.FAILED_PRECONDITION: executor_pb2.REQUEST_ERROR_CODE_FAILED_PRECONDITION,
 }
 
 
@@ -105,7 +108,7 @@ def delivery_to_pb(d: Delivery) -> executor_pb2.ExecutorStep:
     )
 
 
-class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+class ExecutorServicer(AdapterRpcs, executor_pb2_grpc.ExecutorServicer):
     """Serves once :meth:`ready` is called with a running loop; UNAVAILABLE before."""
 
     def __init__(self) -> None:
@@ -242,4 +245,5 @@ def _add_command(session: Session, add: executor_pb2.AddRequest) -> Add | Refuse
         Resume(add.resume.sample_index, tuple(add.resume.output_token_ids))
         if add.HasField("resume")
         else None,
+        add.lora_name,
     )

@@ -23,6 +23,8 @@ from services.executor.core.blockmgr_link import BlockManagerLink
 from services.executor.core.config import EngineSettings
 from services.executor.core.engine import Engine
 from services.executor.core.grammar import GrammarCompiler
+from services.executor.core.lora import LoRARegistry
+from services.executor.core.outputs import EngineError
 from services.executor.core.scheduler import SchedulerConfig
 from services.executor.core.spec.config import SpeculativeConfig
 from services.executor.model.config import ModelConfig
@@ -30,6 +32,7 @@ from services.executor.model.errors import ModelLoadError
 from services.executor.model.kv_layout import KVCacheLayout
 from services.executor.model.launch import build_runner
 from services.executor.model.loader import load_tokenizer
+from services.executor.model.lora.adapter import LoRAAdapter, read_adapter
 from services.executor.model.runner import ModelRunner
 from services.executor.service.config import BlockManagerMode, ExecutorConfig
 
@@ -152,6 +155,7 @@ def _build_engine(
     # its pool gone, NOT_FOUND, on its first Step).
     eos = eos_token_ids(config.model, mc)
     grammars = grammar_compiler(config.model, mc.vocab_size, eos)
+    adapters = lora_registry(config, runner)
     link = BlockManagerLink(
         client,
         pool_id,
@@ -205,12 +209,13 @@ def _build_engine(
             kv_group_slides=layout.group_slides if len(groups) > 1 else (),
             max_retention_priority=max_retention,
             swap_slots=link.pool.host_blocks if config.preemption_mode == "swap" else 0,
+            max_loras=adapters.max_loras if adapters is not None else 0,
         ),
         seed=config.seed,
         async_scheduling=config.async_scheduling,
         speculative_config=_speculative(config, groups),
     )
-    engine = Engine(settings, runner, link, grammars)
+    engine = Engine(settings, runner, link, grammars, adapters)
     served = ServedModel(
         name=config.served_model_name or Path(config.model).name,
         dtype=str(runner.dtype).removeprefix("torch."),
@@ -224,6 +229,31 @@ def _build_engine(
         tensor_parallel_size=runner.model.shard.size,
     )
     return engine, served
+
+
+def lora_registry(config: ExecutorConfig, runner: ModelRunner) -> LoRARegistry | None:
+    """With ``--enable-lora``: the runner's slot table and the registry of adapters, the
+    ``--lora-modules`` loaded (:class:`ModelLoadError` naming the one that cannot serve)."""
+    lora = config.lora
+    if not lora.enable_lora:
+        return None
+    slots = runner.attach_lora(lora.max_loras, lora.max_lora_rank)
+    model = runner.model
+
+    def read(path: str) -> LoRAAdapter:
+        return read_adapter(
+            path, model.config, model.dtype, lora.max_lora_rank, model.checkpoint_name
+        )
+
+    registry = LoRARegistry(read, slots, lora.cpu_loras)
+    for module in lora.lora_modules:
+        try:
+            version = registry.load(module.name, module.path)
+        except EngineError as exc:
+            where = f"--lora-modules {module.name}={module.path}"
+            raise ModelLoadError(f"{where}: {exc.message}") from None
+        log.info("lora_adapter_loaded", name=version.name, path=version.path, rank=version.rank)
+    return registry
 
 
 def _speculative(

@@ -1,5 +1,6 @@
-"""The public ``pagedserve.v1.Generation`` gRPC service: a thin front over
-:class:`GenerationCore`, mapping its errors to gRPC status codes."""
+"""The public gRPC services, ``pagedserve.v1.Generation`` and ``pagedserve.v1.Adapters``: thin
+fronts over :class:`GenerationCore` and :class:`AdapterService`, mapping their errors to gRPC
+status codes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from services.gateway.core.adapters import AdapterService
 from services.gateway.core.generation import ErrorKind, GenerationCore, GenerationError
+from services.gateway.fleet.adapters import AdapterSummary
 
 _STATUS = {
     ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -17,6 +20,9 @@ _STATUS = {
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -65,3 +71,53 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except GenerationError as exc:
             await _abort(context, exc)
             raise
+
+
+def _adapter_pb(summary: AdapterSummary) -> generation_pb2.LoraAdapter:
+    return generation_pb2.LoraAdapter(
+        name=summary.name,
+        path=summary.path,
+        rank=summary.rank,
+        digest=summary.digest,
+        num_executors=summary.num_executors,
+        num_running=summary.num_running,
+    )
+
+
+class AdaptersServicer(generation_pb2_grpc.AdaptersServicer):
+    """``pagedserve.v1.Adapters``: the LoRA adapters of the executors."""
+
+    def __init__(self, adapters: AdapterService) -> None:
+        self.adapters = adapters
+
+    async def LoadAdapter(
+        self, request: generation_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.LoraAdapter:
+        try:
+            summary = await self.adapters.load(
+                request.lora_name, request.lora_path, request.replace
+            )
+        except GenerationError as exc:
+            await _abort(context, exc)
+            raise
+        return _adapter_pb(summary)
+
+    async def UnloadAdapter(
+        self, request: generation_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.UnloadLoraAdapterResponse:
+        try:
+            await self.adapters.unload(request.lora_name)
+        except GenerationError as exc:
+            await _abort(context, exc)
+            raise
+        return generation_pb2.UnloadLoraAdapterResponse()
+
+    async def ListAdapters(
+        self, request: generation_pb2.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ListLoraAdaptersResponse:
+        try:
+            listing = await self.adapters.listing()
+        except GenerationError as exc:
+            await _abort(context, exc)
+            raise
+        return generation_pb2.ListLoraAdaptersResponse(adapters=[_adapter_pb(s) for s in listing])

@@ -77,6 +77,9 @@ class ErrorKind(enum.Enum):
     UNAVAILABLE = "unavailable"
     ALREADY_EXISTS = "already_exists"
     INTERNAL = "internal"
+    NOT_FOUND = "not_found"  # a LoRA adapter no executor serves
+    FAILED_PRECONDITION = "failed_precondition"  # an adapter in use, changed, or LoRA off
+    PERMISSION_DENIED = "permission_denied"  # runtime adapter updates are off
 
 
 class GenerationError(Exception):
@@ -96,6 +99,8 @@ _REFUSAL_KIND = {
     executor_pb2.REQUEST_ERROR_CODE_ALREADY_EXISTS: ErrorKind.ALREADY_EXISTS,
     executor_pb2.REQUEST_ERROR_CODE_RESOURCE_EXHAUSTED: ErrorKind.RESOURCE_EXHAUSTED,
     executor_pb2.REQUEST_ERROR_CODE_INTERNAL: ErrorKind.INTERNAL,
+    executor_pb2.REQUEST_ERROR_CODE_NOT_FOUND: ErrorKind.NOT_FOUND,
+    executor_pb2.REQUEST_ERROR_CODE_FAILED_PRECONDITION: ErrorKind.FAILED_PRECONDITION,
 }
 FINISH_NAMES = {  # finish reasons as the APIs and metrics name them
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -194,6 +199,10 @@ class GenerationCore:
             self.metrics.requests.labels("invalid").inc()
             log.info("request_invalid", error=str(exc))
             raise GenerationError.invalid(exc) from None
+        lora = request.lora_name
+        if lora and not any(lora in c.adapters for c in self.pool.ready):
+            self.metrics.requests.labels("invalid").inc()
+            raise GenerationError(ErrorKind.NOT_FOUND, f"lora_name: no executor serves {lora!r}")
         if on_prompt is not None:
             on_prompt(prompt_ids)
         samples = [
@@ -236,6 +245,7 @@ class GenerationCore:
             sampling_params=params,
             priority=request.priority,
             cache_salt=request.cache_salt.encode(),
+            lora_name=request.lora_name,
         )
         queue: asyncio.Queue[Tagged] = asyncio.Queue()
         try:

@@ -14,6 +14,7 @@ index's state (event stream live, confirmed blocks).
 from __future__ import annotations
 
 import errno
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -93,11 +94,30 @@ class _ExecutorCollector(Collector):
             moved.add_metric([move], sum(getattr(x, field) for x in loads))
         yield moved
         yield from _spec_metrics(loads)
+        yield from _lora_metrics(loads)
         yield CounterMetricFamily(
             "pagedserve_kv_tier_failed_moves",
             "KV tier moves that failed (I/O errors): those blocks were uncached, nothing lost",
             value=sum(x.num_failed_moves for x in loads),
         )
+
+
+def _lora_metrics(loads: list[executor_pb2.ExecutorLoad]) -> Iterable[GaugeMetricFamily]:
+    """vLLM's ``lora_requests_info``: one sample whose labels name the adapters of the running
+    and of the waiting requests (comma-separated, over the executors) and the slots per
+    executor; its value is when it was taken. Nothing without LoRA."""
+    if not any(x.max_loras for x in loads):
+        return
+    info = GaugeMetricFamily(
+        "pagedserve_lora_requests_info",
+        "Running and waiting LoRA adapters (labels); value: the time of the snapshot",
+        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    running = sorted({a for x in loads for a in x.running_lora_adapters})
+    waiting = sorted({a for x in loads for a in x.waiting_lora_adapters})
+    max_lora = str(max(x.max_loras for x in loads))
+    info.add_metric([",".join(running), ",".join(waiting), max_lora], time.time())
+    yield info
 
 
 def _spec_metrics(loads: list[executor_pb2.ExecutorLoad]) -> Iterable[CounterMetricFamily]:

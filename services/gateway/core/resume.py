@@ -64,7 +64,7 @@ class Placement:
             key=lambda add: len(add.prompt_token_ids) + len(add.resume.output_token_ids),
         )
         tokens = [*first.prompt_token_ids, *first.resume.output_token_ids]
-        conn, decision = pool.pick(tokens, first.cache_salt, accept)
+        conn, decision = pool.pick(tokens, first.cache_salt, accept, first.lora_name)
         placement = cls(conn, decision)
         for add, indexes in adds:
             conn.submit(add, queue)

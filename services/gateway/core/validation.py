@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedserve.v1 import executor_pb2, generation_pb2
 from services.common.limits import MAX_CACHE_SALT_LEN, MAX_STOP_STRINGS, FieldError
+from services.common.lora import check_lora_name
 from services.common.sampling_params import (
     SamplingParams,
     params_from_message,
@@ -127,6 +128,10 @@ def sampling_to_executor(
             raise FieldError(f"{f}.stop[{i}]", "stop strings must not be empty")
     if len(request.cache_salt) > MAX_CACHE_SALT_LEN:
         raise FieldError("cache_salt", f"at most {MAX_CACHE_SALT_LEN} characters")
+    if "\0" in request.cache_salt:
+        raise FieldError("cache_salt", "must not hold a NUL character")
+    if request.lora_name:
+        check_lora_name(request.lora_name)
     options = TextOptions(
         stop=tuple(sp.stop),
         include_stop_str_in_output=opt("include_stop_str_in_output", False),

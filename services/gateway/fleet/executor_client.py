@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from services.common.auth import InternalSecurity
+from services.common.lora import lora_salt
 from services.gateway.fleet.routing import Candidate, Decision, Router, RoutingPolicy
 
 log = structlog.get_logger(__name__)
@@ -67,6 +68,8 @@ class ExecutorConnection:
         self.retry_s = retry_s
         self.info: executor_pb2.ExecutorInfo | None = None
         self.load: executor_pb2.ExecutorLoad | None = None
+        # The LoRA adapters it serves, by name (read when it connects; kept by fleet.adapters).
+        self.adapters: dict[str, executor_pb2.AdapterInfo] = {}
         self.ready = False
         self.draining = False  # gone from discovery: no new requests, closed once idle
         self.not_ready_since: float | None = time.monotonic()
@@ -134,6 +137,27 @@ class ExecutorConnection:
                 )
             )
 
+    async def list_adapters(self) -> dict[str, executor_pb2.AdapterInfo]:
+        """The adapters the executor serves (none from one that predates them)."""
+        try:
+            listing = await self.adapter_stub.ListAdapters(
+                executor_pb2.ListAdaptersRequest(), timeout=5, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            return {}
+        return {a.name: a for a in listing.adapters}
+
+    @property
+    def adapter_stub(self) -> executor_pb2_grpc.ExecutorStub:
+        """The stub for the adapter RPCs (they carry :attr:`metadata`)."""
+        return self._stub
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return self._metadata
+
     # ---- the connection ---------------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -142,6 +166,7 @@ class ExecutorConnection:
                 self.info = await self._stub.Info(
                     executor_pb2.ExecutorInfoRequest(), timeout=5, metadata=self._metadata
                 )
+                self.adapters = await self.list_adapters()
                 await self._session()
             except asyncio.CancelledError:
                 raise
@@ -376,10 +401,15 @@ class ExecutorPool:
         prompt_ids: Sequence[int] = (),
         cache_salt: bytes = b"",
         accept: Callable[[ExecutorConnection], bool] | None = None,
+        lora_name: str = "",
     ) -> tuple[ExecutorConnection, Decision]:
-        """The executor for a prompt (among those ``accept`` takes), and why (see
-        ``routing``)."""
-        ready = [c for c in self.ready if accept is None or accept(c)]
+        """The executor for a prompt (among those ``accept`` takes, and that serve LoRA
+        adapter ``lora_name`` if given), and why (see ``routing``)."""
+        ready = [
+            c
+            for c in self.ready
+            if (accept is None or accept(c)) and (not lora_name or lora_name in c.adapters)
+        ]
         if not ready:
             raise ExecutorUnavailable(
                 "no executor is serving (starting up, restarting, or waiting for its block "
@@ -392,6 +422,7 @@ class ExecutorPool:
                 block_size=c.info.block_size if c.info else 1,
                 prefix_caching=bool(c.info and c.info.enable_prefix_caching and c.info.pool_id),
                 load_tokens=c.load_tokens,
+                salt=lora_salt(cache_salt, c.adapters[lora_name].digest) if lora_name else None,
             )
             for c in ready
         ]

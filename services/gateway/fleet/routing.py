@@ -59,6 +59,7 @@ class Candidate:
     block_size: int
     prefix_caching: bool
     load_tokens: int
+    salt: bytes | None = None  # what it salts the prompt's first block with (None: the request's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,17 +138,16 @@ class Router:
         prompt_ids: Sequence[int],
         cache_salt: bytes,
     ) -> Decision:
-        hashes_by_size: dict[int, list[bytes]] = {}
+        hashes_by_key: dict[tuple[int, bytes], list[bytes]] = {}
         cached: list[int] = []
         for c in candidates:
             if not c.prefix_caching:
                 cached.append(0)
                 continue
-            hashes = hashes_by_size.get(c.block_size)
+            key = (c.block_size, cache_salt if c.salt is None else c.salt)
+            hashes = hashes_by_key.get(key)
             if hashes is None:
-                hashes = hashes_by_size[c.block_size] = block_hashes(
-                    prompt_ids, c.block_size, cache_salt
-                )
+                hashes = hashes_by_key[key] = block_hashes(prompt_ids, *key)
             # The last prompt token is always computed: a block holding it is never reused.
             reusable = hashes[: (len(prompt_ids) - 1) // c.block_size]
             cached.append(index.match(c.pool_id, reusable) * c.block_size)
@@ -157,5 +157,6 @@ class Router:
         best = self._best(candidates, scores)
         chosen = candidates[best]
         if chosen.prefix_caching:
-            index.note_routed(chosen.pool_id, hashes_by_size[chosen.block_size])
+            salt = cache_salt if chosen.salt is None else chosen.salt
+            index.note_routed(chosen.pool_id, hashes_by_key[(chosen.block_size, salt)])
         return Decision(best, RoutingPolicy.PREFIX_AWARE, cached[best], scores)

@@ -44,6 +44,8 @@ class GatewayConfig:
     tool_call_parser: str | None = None
     # A thinking model's reasoning apart from its answer (chat's reasoning_content).
     reasoning_parser: str | None = None
+    # Load and unload LoRA adapters at runtime (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    allow_runtime_lora_updating: bool = False
     security: InternalSecurity = field(default_factory=InternalSecurity)
     log_level: str = "INFO"
 
@@ -118,6 +120,13 @@ class GatewayConfig:
             default=None,
             help="refuse longer prompts (text or chat messages) before tokenizing them "
             f"(default {PROMPT_BYTES_PER_TOKEN} x the executor's max_model_len)",
+        )
+        a(
+            "--allow-runtime-lora-updating",
+            action="store_true",
+            help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (and the gRPC "
+            "Adapters.LoadAdapter / UnloadAdapter): anyone with the API key may then load "
+            "adapters from the executors' disks",
         )
         a(
             "--executor-wait-s",

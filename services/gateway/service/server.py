@@ -22,8 +22,9 @@ from services.common.grpc_server import (
     stop_event,
 )
 from services.common.ports import bind_port
-from services.gateway.api.grpc import GenerationServicer
+from services.gateway.api.grpc import AdaptersServicer, GenerationServicer
 from services.gateway.api.openai.app import build_app
+from services.gateway.core.adapters import AdapterService
 from services.gateway.core.generation import GenerationCore
 from services.gateway.core.metrics import GatewayMetrics
 from services.gateway.fleet.executor_client import ExecutorPool
@@ -75,8 +76,12 @@ class GatewayServer:
         self.core = GenerationCore(
             config.generation_settings(), self.tokenizer, self.pool, self.metrics
         )
+        self.adapters = AdapterService(self.pool, config.allow_runtime_lora_updating)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.core), self.server
+        )
+        generation_pb2_grpc.add_AdaptersServicer_to_server(
+            AdaptersServicer(self.adapters), self.server
         )
         self.health = add_health_and_reflection(
             self.server, SERVICE_NAME, enable_reflection=config.enable_reflection
@@ -96,6 +101,7 @@ class GatewayServer:
             parser = config.tool_call_parser if config.enable_auto_tool_choice else None
             app = build_app(
                 self.core,
+                adapters=self.adapters,
                 api_key=config.api_key,
                 registry=self.metrics.registry,
                 auto_tools=tool_call_parser(parser) if parser else None,

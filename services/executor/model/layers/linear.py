@@ -18,10 +18,17 @@ __all__ = ["Linear", "Placement", "VocabParallelEmbedding", "tensor_shape"]
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same checkpoint names) computed by
-    :func:`pagedserve.kernels.ops.linear`: oneDNN for fp32 on the CPU."""
+    :func:`pagedserve.kernels.ops.linear`: oneDNN for fp32 on the CPU. With multi-LoRA
+    serving, ``lora`` (a :class:`~services.executor.model.lora.layer.LoRAProjection`) adds
+    each row's adapter to the output, before any all-reduce."""
+
+    lora: Any = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        y = ops.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.add_to(x, y)
+        return y
 
 
 class VocabParallelEmbedding(nn.Module):

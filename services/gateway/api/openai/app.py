@@ -48,6 +48,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedserve.v1 import generation_pb2
 from services.common.limits import FieldError
 from services.gateway.api.openai import errors as openai_errors
+from services.gateway.api.openai.adapters import ModelNames, add_adapter_routes
 from services.gateway.api.openai.errors import HttpError
 from services.gateway.api.openai.format import Formatter
 from services.gateway.api.openai.protocol import (
@@ -56,6 +57,7 @@ from services.gateway.api.openai.protocol import (
     DetokenizeBody,
     TokenizeBody,
 )
+from services.gateway.core.adapters import AdapterService
 from services.gateway.core.generation import GenerationCore, GenerationError
 from services.gateway.core.validation import DEFAULT_MAX_TOKENS
 from services.gateway.text.reasoning_parsers import ReasoningParser
@@ -98,6 +100,7 @@ def build_app(
     registry: Any,
     auto_tools: ToolCallParser | None = None,
     reasoning: ReasoningParser | None = None,
+    adapters: AdapterService | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``core``; ``auto_tools``: the tool-call parser that
     ``tool_choice: "auto"`` needs (None: auto is refused); ``reasoning``: the parser that
@@ -108,9 +111,10 @@ def build_app(
         app.add_middleware(_ApiKeyAuth, api_key=api_key)
     openai_errors.install(app)
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != core.model_name:
-            raise HttpError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+    names = ModelNames(core.model_name, adapters)
+    check_model = names.lora_of  # the adapter a request's model names ('' for the base)
+    if adapters is not None:
+        add_adapter_routes(app, adapters)
 
     # ---- models, health, metrics -------------------------------------------------------------
 
@@ -128,12 +132,12 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": [card(), *names.cards(created)]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
-        check_model(model)
-        return card()
+        lora = check_model(model)
+        return names.card(lora, created) if lora else card()
 
     @app.get("/health")
     async def health() -> Response:
@@ -176,8 +180,10 @@ def build_app(
         headers = _ignored(body, "/v1/completions")
         prompt_only = body.prompt_only
         with _as_http(headers, body.field_names):
-            check_model(body.model)
+            lora = check_model(body.model)
             gens = body.to_generates()
+            for gen in gens:
+                gen.lora_name = lora
             capacity = core.admission.max_running + core.admission.max_queued
             if len(gens) > capacity:
                 raise FieldError(
@@ -196,8 +202,9 @@ def build_app(
     async def chat(body: ChatCompletionRequest) -> Response:
         headers = _ignored(body, "/v1/chat/completions")
         with _as_http(headers, body.field_names):
-            check_model(body.model)
+            lora = check_model(body.model)
             gen = body.to_generate(auto_tools)
+            gen.lora_name = lora
             calls = body.tool_calls(auto_tools)
         fmt = Formatter(core, "chat", body.include_usage, body.logprobs, body.continuous_usage)
         fmt.tool_calls = calls

@@ -31,10 +31,14 @@ _HTTP_STATUS = {
     ErrorKind.RESOURCE_EXHAUSTED: 429,
     ErrorKind.UNAVAILABLE: 503,
     ErrorKind.INTERNAL: 500,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.FAILED_PRECONDITION: 400,
+    ErrorKind.PERMISSION_DENIED: 403,
 }
 _ERROR_TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     429: "rate_limit_error",

@@ -1,0 +1,123 @@
+"""The adapters of one forward, applied row by row: each projection's LoRA slot table and the
+per-forward map of which rows use which slot.
+
+A projection with LoRA holds ``a [S, P*R, in]`` and ``b [S, out, P*R]``: for each of the
+``S`` device slots, its ``P`` parts (q, k, v of ``qkv_proj``; gate, up of ``gate_up_proj``)
+each padded to the max rank ``R`` with zeros. A row of slot ``s`` adds
+``(x @ a[s].T) @ b[s].T`` to the base projection's output; the zero padding adds exactly
+nothing, so one shrink and one expand serve every part. On the CPU the rows of each adapter
+go through two matmuls when they are contiguous (a prefill), else every adapter's rows
+through two batched matmuls over the slots (decode batches interleave them); on CUDA the
+Punica shrink / expand kernels take a per-row slot index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from pagedserve.kernels import ops
+
+__all__ = ["LoRABatched", "LoRAContext", "LoRAGroup", "LoRAMapping", "LoRAProjection"]
+
+
+@dataclass(frozen=True)
+class LoRAGroup:
+    """The rows of one adapter slot in a forward: a slice of the token axis, or of
+    :attr:`LoRAMapping.perm` when the adapters' rows are interleaved."""
+
+    slot: int
+    rows: slice
+
+
+@dataclass(frozen=True)
+class LoRABatched:
+    """The rows of interleaved adapters as one batched matmul (CPU): the ``G`` slots of
+    ``slots`` each get ``M`` rows (their own, then fillers), gathered by ``gather`` ``[G*M]``;
+    the results at ``valid`` (the real rows' positions) are added to token rows ``dest``."""
+
+    slots: Tensor | None  # [G] the slots in use; None: every slot, in order
+    num_rows: int  # M
+    gather: Tensor  # [G * M] int64
+    valid: Tensor  # [N] int64
+    dest: Tensor  # [N] int64
+
+
+@dataclass(frozen=True)
+class LoRAMapping:
+    """Which token rows of a forward use which slot (rows of the base model in none): as
+    contiguous slices of the token axis (``groups``), or when some adapter's rows are
+    interleaved with others', as one batched matmul over the slots (``batched``): a few ops
+    per projection whatever the number of adapters."""
+
+    groups: tuple[LoRAGroup, ...]
+    batched: LoRABatched | None = None
+    token_slots: Tensor | None = None  # [T] int32, -1 for base rows (the CUDA kernels)
+
+    @property
+    def empty(self) -> bool:
+        return not self.groups and self.batched is None
+
+    @property
+    def num_adapters(self) -> int:
+        """The adapters (slots) its rows use."""
+        b = self.batched
+        return len(self.groups) if b is None else len(b.gather) // b.num_rows
+
+
+@dataclass
+class LoRAContext:
+    """Shared by every projection with LoRA: the mapping of the forward running now (set by
+    the runner before it, empty when no row uses an adapter)."""
+
+    mapping: LoRAMapping = field(default_factory=lambda: LoRAMapping(()))
+
+
+class LoRAProjection:
+    """One projection's slot table and its row-wise update (duck-typed as the ``lora``
+    attribute of :class:`~services.executor.model.layers.linear.Linear`)."""
+
+    def __init__(
+        self,
+        context: LoRAContext,
+        num_slots: int,
+        num_parts: int,
+        max_rank: int,
+        in_features: int,
+        out_features: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.context = context
+        self.max_rank = max_rank
+        width = num_parts * max_rank
+        self.a = torch.zeros(num_slots, width, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, out_features, width, dtype=dtype, device=device)
+
+    def add_to(self, x: Tensor, y: Tensor) -> None:
+        """``y[rows of slot s] += x[rows] @ a[s].T @ b[s].T`` for each slot of the mapping."""
+        mapping = self.context.mapping
+        if mapping.empty:
+            return
+        if mapping.token_slots is not None and x.device.type == "cuda":
+            shrunk = ops.lora_shrink(x, self.a, mapping.token_slots)
+            ops.lora_expand(shrunk, self.b, mapping.token_slots, y)
+            return
+        batched = mapping.batched
+        if batched is None:
+            for group in mapping.groups:
+                a, b, rows = self.a[group.slot], self.b[group.slot], group.rows
+                y[rows] += (x[rows] @ a.T) @ b.T
+            return
+        a, b = self.a, self.b
+        if batched.slots is not None:
+            a, b = a.index_select(0, batched.slots), b.index_select(0, batched.slots)
+        xs = x.index_select(0, batched.gather).view(a.shape[0], batched.num_rows, -1)
+        ys = torch.bmm(torch.bmm(xs, a.mT), b.mT).view(-1, y.shape[1])  # [G * M, out]
+        y.index_add_(0, batched.dest, ys.index_select(0, batched.valid))
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()

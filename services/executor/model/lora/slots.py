@@ -1,0 +1,189 @@
+"""The device slot table of multi-LoRA serving: ``max_loras`` slots, each holding one adapter's
+weights in every projection, filled on demand from the adapters registered in host memory.
+
+A forward names its rows' adapters by id (0: the base model); :meth:`LoRASlots.activate` puts
+each into a slot (least recently used slot out, never one this forward needs) and sets the
+rows-to-slots map every projection reads. The scheduler never runs more distinct adapters at
+once than there are slots.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from services.executor.model.layers.linear import Linear
+from services.executor.model.lora.adapter import (
+    NUM_PARTS,
+    LoRAAdapter,
+    in_features,
+    part_sizes,
+)
+from services.executor.model.lora.layer import (
+    LoRABatched,
+    LoRAContext,
+    LoRAGroup,
+    LoRAMapping,
+    LoRAProjection,
+)
+from services.executor.model.models import DecoderLM
+
+__all__ = ["LoRASlots"]
+
+
+class LoRASlots:
+    """The slot table of one model (one rank), and the adapters it may load."""
+
+    def __init__(self, model: DecoderLM, max_loras: int, max_lora_rank: int) -> None:
+        if max_loras < 1 or max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if model.shard.size > 1:
+            raise ValueError("LoRA adapters are served on one rank (tensor_parallel_size=1)")
+        self.model = model
+        self.num_slots, self.max_rank = max_loras, max_lora_rank
+        self.context = LoRAContext()
+        self.device = next(model.parameters()).device
+        config = model.config
+        #: (layer, our projection) -> its slot table
+        self.projections: dict[tuple[int, str], LoRAProjection] = {}
+        for i, layer in enumerate(model.layers):
+            for name, num_parts in NUM_PARTS.items():
+                module = layer.get_submodule(name) if _has(layer, name) else None
+                if not isinstance(module, Linear):
+                    continue  # a mixture of experts has no dense MLP projections
+                projection = LoRAProjection(
+                    self.context,
+                    max_loras,
+                    num_parts,
+                    max_lora_rank,
+                    in_features(name, config),
+                    sum(part_sizes(name, config)),
+                    model.dtype,
+                    self.device,
+                )
+                module.lora = projection
+                self.projections[(i, name)] = projection
+        self.adapters: dict[int, LoRAAdapter] = {}
+        self._slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
+        self._free = list(range(max_loras))
+
+    @property
+    def loaded(self) -> tuple[int, ...]:
+        """The adapter ids in device slots."""
+        return tuple(self._slots)
+
+    def register(self, adapter_id: int, adapter: LoRAAdapter) -> None:
+        """Make ``adapter`` loadable under ``adapter_id`` (> 0, never reused for other
+        content)."""
+        if adapter_id <= 0:
+            raise ValueError("adapter ids are positive (0 is the base model)")
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"adapter rank {adapter.rank} > max_lora_rank {self.max_rank}")
+        missing = [key for key in adapter.modules if key not in self.projections]
+        if missing:
+            raise ValueError(f"the model has no LoRA projection {missing[0]}")
+        self.adapters[adapter_id] = adapter
+
+    def forget(self, adapter_id: int) -> None:
+        """Drop ``adapter_id``: its host copy and its slot, if it holds one."""
+        self.adapters.pop(adapter_id, None)
+        slot = self._slots.pop(adapter_id, None)
+        if slot is not None:
+            for projection in self.projections.values():
+                projection.clear(slot)
+            self._free.append(slot)
+
+    def activate(self, row_adapters: np.ndarray) -> LoRAMapping:
+        """Put the adapters of ``row_adapters`` (``[T]``, an adapter id per token row, 0 for
+        the base model) in slots and make them the mapping of the next forward (rows of an
+        adapter no longer registered apply none)."""
+        ids = np.unique(row_adapters)
+        # An adapter forgotten since the batch was built served only sequences that ended in
+        # between (a request holds its adapter while it lives): their rows write nothing.
+        wanted = [int(i) for i in ids if i != 0 and (i in self.adapters or i in self._slots)]
+        if len(wanted) > self.num_slots:
+            raise ValueError(f"{len(wanted)} adapters in one forward; max_loras={self.num_slots}")
+        for adapter_id in wanted:
+            if adapter_id in self._slots:
+                self._slots.move_to_end(adapter_id)
+        for adapter_id in wanted:
+            if adapter_id not in self._slots:
+                self._load(adapter_id, keep=wanted)
+        mapping = self._mapping(row_adapters, wanted)
+        self.context.mapping = mapping
+        return mapping
+
+    def clear_mapping(self) -> None:
+        self.context.mapping = LoRAMapping(())
+
+    def _load(self, adapter_id: int, keep: Sequence[int]) -> None:
+        adapter = self.adapters.get(adapter_id)
+        if adapter is None:
+            raise KeyError(f"adapter {adapter_id} is not registered")
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = next(i for i in self._slots if i not in keep)
+            slot = self._slots.pop(victim)
+        r_max = self.max_rank
+        for key, projection in self.projections.items():
+            projection.clear(slot)
+            sizes = part_sizes(key[1], self.model.config)
+            for module in adapter.modules.get(key, ()):
+                r = module.rank
+                col = module.parts[0] * r_max  # the piece of the first part it covers
+                projection.a[slot, col : col + r].copy_(module.a)
+                row = sum(sizes[: module.parts[0]])
+                projection.b[slot, row : row + module.b.shape[0], col : col + r].copy_(module.b)
+        self._slots[adapter_id] = slot
+
+    def _mapping(self, row_adapters: np.ndarray, wanted: list[int]) -> LoRAMapping:
+        if not wanted:
+            return LoRAMapping(())
+        slots = np.full(len(row_adapters), -1, dtype=np.int32)
+        rows_of = []
+        for adapter_id in wanted:
+            rows = np.flatnonzero(row_adapters == adapter_id)
+            slots[rows] = self._slots[adapter_id]
+            rows_of.append(rows)
+        token_slots = None
+        if self.device.type == "cuda":
+            token_slots = torch.from_numpy(slots).to(self.device, non_blocking=True)
+        if all(int(r[-1]) - int(r[0]) + 1 == len(r) for r in rows_of):  # each contiguous
+            groups = [
+                LoRAGroup(self._slots[i], slice(int(r[0]), int(r[-1]) + 1))
+                for i, r in zip(wanted, rows_of, strict=True)
+            ]
+            return LoRAMapping(tuple(groups), None, token_slots)
+        # Interleaved: one batched matmul, M rows per slot in use (fillers repeat row 0).
+        used = [self._slots[i] for i in wanted]
+        order = sorted(range(len(used)), key=used.__getitem__)
+        m = max(len(r) for r in rows_of)
+        gather = np.zeros((len(used), m), dtype=np.int64)
+        valid, dest = [], []
+        for g, k in enumerate(order):
+            rows = rows_of[k]
+            gather[g, : len(rows)] = rows
+            valid.append(g * m + np.arange(len(rows)))
+            dest.append(rows)
+        every = [used[k] for k in order] == list(range(self.num_slots))
+        device = self.device
+        batched = LoRABatched(
+            None if every else torch.tensor([used[k] for k in order], device=device),
+            m,
+            torch.from_numpy(gather.reshape(-1)).to(device),
+            torch.from_numpy(np.concatenate(valid)).to(device),
+            torch.from_numpy(np.concatenate(dest)).to(device),
+        )
+        return LoRAMapping((), batched, token_slots)
+
+
+def _has(layer: torch.nn.Module, name: str) -> bool:
+    try:
+        layer.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
