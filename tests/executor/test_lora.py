@@ -401,3 +401,49 @@ def test_adapters_on_cuda_use_the_punica_kernels_and_match_peft(
         for j, name in enumerate(("__base__", "a", "b")):
             expected = model(ids, adapter_names=[name]).logits[0]
             assert (logits[j * n : (j + 1) * n] - expected).abs().max().item() < tol, name
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3", "llama_odd_sizes"])
+def test_adapters_sharded_over_two_ranks_match_peft(
+    name: str, tiny_checkpoint: CheckpointFactory, lora_adapter: AdapterFactory
+) -> None:
+    """TP = 2: every rank holds its shard of each slot (B's rows of q/k/v and gate/up, A's
+    columns of o and down; Phi-3's fused modules; an MLP width the ranks pad), adapters
+    registered, mapped and forgotten on every rank alike."""
+    base_dir = tiny_checkpoint(name)
+    adapters = {"a": lora_adapter(name, 1), "b": lora_adapter(name, 2, 16, True)}
+    lora = LoRAConfig(
+        enable_lora=True,
+        max_loras=1,  # the two adapters take turns in one slot: loads on both ranks
+        max_lora_rank=16,
+        lora_modules=tuple(LoRAModulePath(n, str(p)) for n, p in adapters.items()),
+    )
+    config = ExecutorConfig(
+        model=str(base_dir),
+        dtype="float32",
+        device="cpu",
+        tensor_parallel_size=2,
+        block_size=8,
+        num_kv_blocks=64,
+        max_model_len=128,
+        lora=lora,
+    )
+    runner = build_runner(config.runner_config())
+    try:
+        engine, _ = build_engine(config, runner=runner, blockmgr=InProcessClient())
+        requests = {
+            f"{a or 'base'}-{i}": (p, 8, a)
+            for i, p in enumerate(PROMPTS[:2])
+            for a in ("", "a", "b")
+        }
+        tokens, _ = run(engine, requests)
+        engine.adapters.unload("b")  # forgotten on every rank
+        more, _ = run(engine, {"a-again": (PROMPTS[0], 8, "a")})
+    finally:
+        runner.close()
+    assert runner.workers is not None
+    assert all(p.exitcode == 0 for p in runner.workers.processes)
+    model = peft_model(base_dir, adapters)
+    for rid, (prompt, n, adapter) in requests.items():
+        assert tokens[rid] == peft_greedy(model, prompt, n, adapter), rid
+    assert more["a-again"] == tokens["a-0"]

@@ -67,6 +67,8 @@ class LoRARegistry:
         max_cpu_loras: int = 0,
     ) -> None:
         self._read, self.slots, self.max_cpu_loras = read, slots, max_cpu_loras
+        if slots is not None:
+            slots.reset()  # ids start over: no version of an earlier registry may linger
         self.names: dict[str, AdapterVersion] = {}
         self.versions: dict[int, AdapterVersion] = {}
         self._ids = itertools.count(1)

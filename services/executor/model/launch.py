@@ -35,6 +35,7 @@ from services.executor.model.host_kv import HostKVCache
 from services.executor.model.kv_cache import allocate_kv_cache, size_kv_cache
 from services.executor.model.kv_layout import plan_kv_layout
 from services.executor.model.loader import load_model, read_model_config, resolve_device
+from services.executor.model.lora.slots import LoRASlots
 from services.executor.model.models import DecoderLM
 from services.executor.model.parallel import Comm, DistComm, ShardPlan, SingleComm
 from services.executor.model.runner import ModelRunner
@@ -134,6 +135,12 @@ def _build(
     if config.eagle3_head and graph_sizes:
         log.info("cuda_graphs_disabled", reason="eagle3 speculative decoding")
         graph_sizes = ()
+    # Multi-LoRA: every rank its shard of the slots, allocated before the cache is sized. The
+    # rows' slots change every step: no graphs captured (yet).
+    lora = LoRASlots(model, config.max_loras, config.max_lora_rank) if config.max_loras else None
+    if lora is not None and graph_sizes:
+        log.info("cuda_graphs_disabled", reason="lora adapters")
+        graph_sizes = ()
     extra = draft_bytes_per_block(draft, config.block_size) if draft else 0
     extra += eagle3_bytes_per_block(head, config.block_size) if head else 0
     num_blocks = size_kv_cache(
@@ -158,6 +165,8 @@ def _build(
             host.disk = _disk_tier(host, config.cache.disk_tier_bytes, config.cache.disk_tier_path)
         host.report_failures = comm.rank == 0  # (another rank's failure stops the executor)
     runner = ModelRunner(model, kv_cache, config.block_size, workers, host)
+    if lora is not None:
+        runner.use_lora(lora)
     if draft is not None:
         runner.draft = draft_runner(draft, num_blocks, config.block_size)
     if head is not None:

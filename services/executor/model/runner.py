@@ -34,8 +34,12 @@ from services.executor.model.host_kv import HostKVCache, MoveFailures
 from services.executor.model.lora.slots import LoRASlots
 from services.executor.model.models import DecoderLM
 from services.executor.model.workers import (
+    LORA_FORGET,
+    LORA_MAP,
+    LORA_REGISTER,
     CopyBlocksHeader,
     ForwardHeader,
+    LoRAHeader,
     MoveBlocksHeader,
     Op,
     StepChannel,
@@ -98,11 +102,29 @@ class ModelRunner:
 
     def attach_lora(self, max_loras: int, max_lora_rank: int) -> LoRASlots:
         """Serve LoRA adapters: a slot table of ``max_loras`` adapters up to rank
-        ``max_lora_rank`` in every projection; chunks name theirs by ``lora_id``."""
+        ``max_lora_rank`` in every projection; chunks name theirs by ``lora_id``. (One rank:
+        a tensor-parallel runner gets its slots in ``build_runner``, on every rank.)"""
         if self.graphs is not None:
             raise RuntimeError("attach LoRA before capturing CUDA graphs (they do not serve it)")
-        self.lora = LoRASlots(self.model, max_loras, max_lora_rank)
+        if self.workers is not None:
+            raise RuntimeError("a tensor-parallel runner attaches LoRA in build_runner")
+        self.use_lora(LoRASlots(self.model, max_loras, max_lora_rank))
+        assert self.lora is not None
         return self.lora
+
+    def use_lora(self, slots: LoRASlots) -> None:
+        """Serve LoRA adapters from ``slots`` (rank 0 tells the other ranks what it registers
+        and forgets)."""
+        self.lora = slots
+        if self.workers is not None:
+            slots.broadcast = self._broadcast_lora
+
+    def _broadcast_lora(self, kind: int, adapter_id: int, path: str) -> None:
+        assert self.workers is not None
+        data = torch.frombuffer(bytearray(path.encode()), dtype=torch.uint8) if path else None
+        header = LoRAHeader(kind, adapter_id, 0 if data is None else len(data))
+        self.workers.send(Op.LORA, header, () if data is None else (data.to(self.device),))
+        self.workers.done()
 
     def capture_decode_graphs(self, sizes: Sequence[int], backend: GraphBackend) -> None:
         """Capture the decode forward at each of ``sizes``; pure-decode steps of at most
@@ -180,18 +202,33 @@ class ModelRunner:
                 host.max_seq_len,
                 size or 0,
             )
+            self._map_lora_rows(prepared)
             self.workers.send(Op.FORWARD, header, (d64, d32))
-        if self.lora is not None:
-            if prepared.lora_rows is None or not prepared.lora_rows.any():
-                self.lora.clear_mapping()
-            else:
-                self.lora.activate(prepared.lora_rows)
+        else:
+            self._map_lora_rows(prepared)
         logits = self._forward(
             host.layout.views(d64, d32, host.max_query_len, host.max_seq_len), size
         )
         if self.workers is not None:
             self.workers.done()
         return logits if size is None else logits[: prepared.num_chunks]
+
+    def _map_lora_rows(self, prepared: PreparedForward) -> None:
+        """Map the forward's rows to their adapters' slots, on every rank alike (each runs
+        the same LRU over the same calls)."""
+        if self.lora is None:
+            return
+        rows = prepared.lora_rows
+        if rows is not None and not rows.any():
+            rows = None
+        if self.workers is not None:
+            n = 0 if rows is None else len(rows)
+            ids = () if rows is None else (torch.from_numpy(rows).to(self.device),)
+            self.workers.send(Op.LORA, LoRAHeader(LORA_MAP, 0, n), ids)
+        if rows is None:
+            self.lora.clear_mapping()
+        else:
+            self.lora.activate(rows)
 
     def _forward(self, batch: ForwardBatch, graph_size: int | None) -> Tensor:
         if graph_size and self.graphs is not None:
@@ -273,6 +310,23 @@ class ModelRunner:
         assert self.host is not None
         self.host.move(self.kv_cache, offloads, onboards, spills, loads, stores)
 
+    def _lora_on_this_rank(self, header: LoRAHeader, channel: StepChannel) -> None:
+        slots = self.lora
+        assert slots is not None, "a LoRA operation for a rank without LoRA slots"
+        dtype = torch.int64 if header.kind == LORA_MAP else torch.uint8
+        data = torch.empty(header.length, dtype=dtype, device=self.device)
+        if header.length:
+            channel.recv_payload((data,))
+        if header.kind == LORA_FORGET:
+            slots.forget(header.adapter_id)
+        elif header.kind == LORA_REGISTER:
+            path = bytes(data.cpu().tolist()).decode()
+            slots.register(header.adapter_id, slots.read(path))
+        elif header.length:
+            slots.activate(data.cpu().numpy())
+        else:
+            slots.clear_mapping()
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and the host tier's fills."""
         try:
@@ -296,6 +350,9 @@ class ModelRunner:
                 continue
             if isinstance(header, MoveBlocksHeader):
                 self._move_on_this_rank(header, channel)
+                continue
+            if isinstance(header, LoRAHeader):
+                self._lora_on_this_rank(header, channel)
                 continue
             assert isinstance(header, ForwardHeader)
             size, max_query_len, max_seq_len = (

@@ -58,6 +58,10 @@ class RunnerConfig:
     cpu_threads: int | None = None  # torch intra-op threads on the CPU, all ranks together
     draft_model: str | None = None  # speculative decoding's draft checkpoint (first rank)
     eagle3_head: str | None = None  # or its EAGLE-3 head (first rank)
+    # Multi-LoRA serving: slots for this many adapters up to this rank (every rank its shard;
+    # 0: none). Sized before the KV cache; no CUDA graphs then.
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     @property
     def block_size(self) -> int:

@@ -16,6 +16,8 @@ broadcast on the default group (never pickled objects):
   size (0: eager), then the packed int64 and int32 batch buffers (see
   :class:`~.forward_batch.BatchLayout`);
 - ``COPY_BLOCKS``: the number of pairs, then the ``[2, n]`` (src, dst) block ids;
+- ``LORA``: an adapter registered (its path) or forgotten, or the adapter of each row of the
+  next forward (see :class:`LoRAHeader`);
 - ``SHUTDOWN``: nothing; the worker leaves its loop and exits 0.
 
 A worker that dies is noticed by rank 0 at once: its next collective fails (gloo reports
@@ -48,8 +50,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HEADER_LEN",
+    "LORA_FORGET",
+    "LORA_MAP",
+    "LORA_REGISTER",
     "CopyBlocksHeader",
     "ForwardHeader",
+    "LoRAHeader",
     "Op",
     "OpHeader",
     "StepChannel",
@@ -72,6 +78,7 @@ class Op(IntEnum):
     COPY_BLOCKS = 2
     SHUTDOWN = 3
     MOVE_BLOCKS = 4
+    LORA = 5
 
 
 class ForwardHeader(NamedTuple):
@@ -106,12 +113,27 @@ class MoveBlocksHeader(NamedTuple):
     num_stores: int
 
 
-OpHeader = ForwardHeader | CopyBlocksHeader | MoveBlocksHeader | None
-_HEADER_TYPES: dict[Op, type[ForwardHeader | CopyBlocksHeader | MoveBlocksHeader] | None] = {
+class LoRAHeader(NamedTuple):
+    """The fields of a ``LORA`` header (multi-LoRA serving, every rank its shard of the
+    slots): ``kind`` 1 registers adapter ``adapter_id`` read from the path that follows
+    (``length`` UTF-8 bytes), 2 forgets it, 3 maps the next forward's rows to adapters (the
+    ``length`` int64 adapter ids that follow; 0: no row uses one)."""
+
+    kind: int
+    adapter_id: int
+    length: int
+
+
+LORA_REGISTER, LORA_FORGET, LORA_MAP = 1, 2, 3
+
+_Header = ForwardHeader | CopyBlocksHeader | MoveBlocksHeader | LoRAHeader
+OpHeader = _Header | None
+_HEADER_TYPES: dict[Op, type[_Header] | None] = {
     Op.FORWARD: ForwardHeader,
     Op.COPY_BLOCKS: CopyBlocksHeader,
     Op.SHUTDOWN: None,
     Op.MOVE_BLOCKS: MoveBlocksHeader,
+    Op.LORA: LoRAHeader,
 }
 assert max(len(t._fields) for t in _HEADER_TYPES.values() if t) < HEADER_LEN
 

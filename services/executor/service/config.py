@@ -362,10 +362,6 @@ class ExecutorConfig:
             raise ValueError("--max-seqs-per-session must be >= 1")
         self.security.validate()
         self.lora.validate()
-        if self.lora.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "--enable-lora serves adapters on one rank: drop --tensor-parallel-size"
-            )
 
     @property
     def capture_sizes(self) -> tuple[int, ...]:
@@ -401,8 +397,7 @@ class ExecutorConfig:
             device=self.device,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            # The adapters' rows are mapped per step (no CUDA graphs serve LoRA yet).
-            enforce_eager=self.enforce_eager or self.lora.enable_lora,
+            enforce_eager=self.enforce_eager,
             capture_sizes=self.capture_sizes,
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_init_method=self.distributed_init_method,
@@ -411,4 +406,6 @@ class ExecutorConfig:
             cpu_threads=self.cpu_threads,
             draft_model=spec.model if spec is not None and spec.uses_draft_model else None,
             eagle3_head=spec.model if spec is not None and spec.uses_eagle else None,
+            max_loras=self.lora.max_loras if self.lora.enable_lora else 0,
+            max_lora_rank=self.lora.max_lora_rank if self.lora.enable_lora else 0,
         )

@@ -32,7 +32,6 @@ from services.executor.model.errors import ModelLoadError
 from services.executor.model.kv_layout import KVCacheLayout
 from services.executor.model.launch import build_runner
 from services.executor.model.loader import load_tokenizer
-from services.executor.model.lora.adapter import LoRAAdapter, read_adapter
 from services.executor.model.runner import ModelRunner
 from services.executor.service.config import BlockManagerMode, ExecutorConfig
 
@@ -232,20 +231,15 @@ def _build_engine(
 
 
 def lora_registry(config: ExecutorConfig, runner: ModelRunner) -> LoRARegistry | None:
-    """With ``--enable-lora``: the runner's slot table and the registry of adapters, the
-    ``--lora-modules`` loaded (:class:`ModelLoadError` naming the one that cannot serve)."""
+    """With ``--enable-lora``: the runner's slot table (attached here unless
+    ``build_runner`` did, as it does on every rank of a tensor-parallel model) and the
+    registry of adapters, the ``--lora-modules`` loaded (:class:`ModelLoadError` naming the
+    one that cannot serve)."""
     lora = config.lora
     if not lora.enable_lora:
         return None
-    slots = runner.attach_lora(lora.max_loras, lora.max_lora_rank)
-    model = runner.model
-
-    def read(path: str) -> LoRAAdapter:
-        return read_adapter(
-            path, model.config, model.dtype, lora.max_lora_rank, model.checkpoint_name
-        )
-
-    registry = LoRARegistry(read, slots, lora.cpu_loras)
+    slots = runner.lora or runner.attach_lora(lora.max_loras, lora.max_lora_rank)
+    registry = LoRARegistry(slots.read, slots, lora.cpu_loras)
     for module in lora.lora_modules:
         try:
             version = registry.load(module.name, module.path)

@@ -10,7 +10,7 @@ once than there are slots.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -19,8 +19,9 @@ from services.executor.model.layers.linear import Linear
 from services.executor.model.lora.adapter import (
     NUM_PARTS,
     LoRAAdapter,
-    in_features,
+    LoRAModule,
     part_sizes,
+    read_adapter,
 )
 from services.executor.model.lora.layer import (
     LoRABatched,
@@ -30,6 +31,7 @@ from services.executor.model.lora.layer import (
     LoRAProjection,
 )
 from services.executor.model.models import DecoderLM
+from services.executor.model.workers import LORA_FORGET, LORA_REGISTER
 
 __all__ = ["LoRASlots"]
 
@@ -40,14 +42,11 @@ class LoRASlots:
     def __init__(self, model: DecoderLM, max_loras: int, max_lora_rank: int) -> None:
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
-        if model.shard.size > 1:
-            raise ValueError("LoRA adapters are served on one rank (tensor_parallel_size=1)")
         self.model = model
         self.num_slots, self.max_rank = max_loras, max_lora_rank
         self.context = LoRAContext()
         self.device = next(model.parameters()).device
-        config = model.config
-        #: (layer, our projection) -> its slot table
+        #: (layer, our projection) -> its slot table (this rank's shard of it)
         self.projections: dict[tuple[int, str], LoRAProjection] = {}
         for i, layer in enumerate(model.layers):
             for name, num_parts in NUM_PARTS.items():
@@ -59,8 +58,8 @@ class LoRASlots:
                     max_loras,
                     num_parts,
                     max_lora_rank,
-                    in_features(name, config),
-                    sum(part_sizes(name, config)),
+                    module.in_features,
+                    module.out_features,
                     model.dtype,
                     self.device,
                 )
@@ -69,6 +68,15 @@ class LoRASlots:
         self.adapters: dict[int, LoRAAdapter] = {}
         self._slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self._free = list(range(max_loras))
+        #: Rank 0 of a tensor-parallel model: tells the other ranks what it registers and
+        #: forgets (``(kind, adapter id, path)``; see ``workers.LoRAHeader``).
+        self.broadcast: Callable[[int, int, str], None] | None = None
+
+    def read(self, path: str) -> LoRAAdapter:
+        """The adapter at ``path``, read and checked for this model (any thread);
+        :class:`~services.executor.model.errors.ModelLoadError` naming what does not fit."""
+        m = self.model
+        return read_adapter(path, m.config, m.dtype, self.max_rank, m.checkpoint_name)
 
     @property
     def loaded(self) -> tuple[int, ...]:
@@ -85,16 +93,26 @@ class LoRASlots:
         missing = [key for key in adapter.modules if key not in self.projections]
         if missing:
             raise ValueError(f"the model has no LoRA projection {missing[0]}")
+        if self.broadcast is not None:
+            self.broadcast(LORA_REGISTER, adapter_id, adapter.path)
         self.adapters[adapter_id] = adapter
 
     def forget(self, adapter_id: int) -> None:
         """Drop ``adapter_id``: its host copy and its slot, if it holds one."""
+        if self.broadcast is not None and adapter_id in self.adapters:
+            self.broadcast(LORA_FORGET, adapter_id, "")
         self.adapters.pop(adapter_id, None)
         slot = self._slots.pop(adapter_id, None)
         if slot is not None:
             for projection in self.projections.values():
                 projection.clear(slot)
             self._free.append(slot)
+
+    def reset(self) -> None:
+        """Forget every adapter (a new registry starts over on a model already loaded)."""
+        for adapter_id in [*self.adapters, *self._slots]:
+            self.forget(adapter_id)
+        self.clear_mapping()
 
     def activate(self, row_adapters: np.ndarray) -> LoRAMapping:
         """Put the adapters of ``row_adapters`` (``[T]``, an adapter id per token row, 0 for
@@ -128,17 +146,38 @@ class LoRASlots:
         else:
             victim = next(i for i in self._slots if i not in keep)
             slot = self._slots.pop(victim)
-        r_max = self.max_rank
         for key, projection in self.projections.items():
             projection.clear(slot)
-            sizes = part_sizes(key[1], self.model.config)
             for module in adapter.modules.get(key, ()):
-                r = module.rank
-                col = module.parts[0] * r_max  # the piece of the first part it covers
-                projection.a[slot, col : col + r].copy_(module.a)
-                row = sum(sizes[: module.parts[0]])
-                projection.b[slot, row : row + module.b.shape[0], col : col + r].copy_(module.b)
+                self._place(projection, slot, key[1], module)
         self._slots[adapter_id] = slot
+
+    def _place(
+        self, projection: LoRAProjection, slot: int, name: str, module: LoRAModule
+    ) -> None:
+        """Copy this rank's shard of ``module`` into ``slot``: ``A`` whole and the rows of
+        ``B`` this rank's output holds (column-parallel q/k/v, gate/up), or the columns of
+        ``A`` of this rank's input and ``B`` whole (row-parallel o, down; their partial
+        sums meet in the layer's all-reduce)."""
+        r, col = module.rank, module.parts[0] * self.max_rank  # its piece of the rank axis
+        a_dst = projection.a[slot, col : col + r]
+        b_dst = projection.b[slot, :, col : col + r]
+        s, c = self.model.shard, self.model.config
+        if name in ("self_attn.o_proj", "mlp.down_proj"):
+            if name == "self_attn.o_proj":
+                start, n = s.q_head_start * c.head_dim, s.num_heads * c.head_dim
+            else:
+                start, n = s.intermediate_start, s.num_real_intermediate
+            a_dst[:, :n].copy_(module.a[:, start : start + n])
+            b_dst.copy_(module.b)
+            return
+        a_dst.copy_(module.a)
+        sizes = part_sizes(name, c)
+        first = 0  # where each part's rows start in the module's B (Phi-3: several parts)
+        for part in module.parts:
+            offset, rows, start, _ = self.model._fused_part(name, part)
+            b_dst[offset : offset + rows].copy_(module.b[first + start : first + start + rows])
+            first += sizes[part]
 
     def _mapping(self, row_adapters: np.ndarray, wanted: list[int]) -> LoRAMapping:
         if not wanted:
