@@ -3,7 +3,9 @@
 #   1. the kernel checks and bandwidth tables (bench.internals.gpu_check), and the newer
 #      families' kernels (sliding window, soft-cap, fused MoE: bench.internals.gpu_check_families),
 #   2. every `gpu` test (fused kernels in bf16, CUDA graphs vs eager, no recapture, speculative
-#      decoding's verification, n-gram and draft model, against graphed decoding),
+#      decoding's verification, n-gram and draft model, against graphed decoding, the
+#      multi-LoRA shrink / expand kernels in bf16 and under graph capture, and LoRA rows on
+#      CUDA against PEFT: that one needs the peft wheel, else it skips),
 #   3. the engine benchmark with and without CUDA graphs (bench.internals.gpu_engine), and
 #      EAGLE-3 speculation at batch 1 and 64 against graphed decoding (bench.spec_bench), when
 #      the speculative fixture and its heads were carried in models/spec-fixture (write them

@@ -199,3 +199,30 @@ def test_serve_does_not_restart_a_child_that_finds_its_port_taken_and_names_its_
     events = [event for event, _ in log.records]
     assert events == ["service_started", "service_misconfigured"], log.records
     assert log.records[1][1]["reason"] == _in_use(port, "--blockmgr-port")
+
+
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [
+        (("--lora-modules", "a=/x"), "--lora-modules needs --enable-lora"),
+        (("--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"), "--max-cpu-loras (2)"),
+        (("--enable-lora", "--lora-modules", "a"), "expected NAME=DIR"),
+    ],
+)
+def test_lora_flags_that_cannot_work_are_refused_naming_the_flag(flags, reason) -> None:
+    from services.executor.service.config import ExecutorConfig
+
+    with pytest.raises(SystemExit) as exit_info:
+        ExecutorConfig.from_args(["--model", "m", *flags])
+    assert exit_info.value.code == 2
+
+
+def test_an_executor_whose_lora_module_cannot_serve_exits_2_naming_it(tiny_model) -> None:
+    missing = "/nonexistent/adapter"
+    args = ["executor", "--model", str(tiny_model), "--port", "0", "--num-kv-blocks", "64"]
+    args += ["--max-model-len", "256", "--enable-lora", "--lora-modules", f"sql={missing}"]
+    done = run_cli(*args)
+    assert done.returncode == CONFIG_ERROR_STATUS, done.stderr[-3000:]
+    errors = [r for r in json_records(done.stderr) if r.get("event") == "config_error"]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert f"--lora-modules sql={missing}" in errors[0]["reason"]

@@ -309,3 +309,53 @@ def test_the_chat_parsers_given_to_serve_go_to_the_gateway():
     # The default tiny model's template renders tools as Hermes does: served with its parser.
     tiny = " ".join(serve._specs(serve._parser().parse_args([]), Path("m"))["gateway"])
     assert "--enable-auto-tool-choice --tool-call-parser hermes" in tiny
+
+
+def test_serve_with_lora_answers_the_openai_client_per_adapter_and_loads_at_runtime(tmp_path):
+    """``pagedserve serve --allow-runtime-lora-updating -- --enable-lora --lora-modules``: the
+    official client names the adapter in ``model``; an adapter loaded at runtime serves, and
+    one unloaded is a 404."""
+    import openai
+
+    from pagedserve.tools.lora_adapter import write_random_adapter
+
+    model = write_tiny_model(tmp_path / "model")
+    first = write_random_adapter(model, tmp_path / "first", seed=1)
+    second = write_random_adapter(model, tmp_path / "second", seed=2)
+    stack = ServeStack(
+        model,
+        "--allow-runtime-lora-updating",
+        executor_args=(
+            *("--num-kv-blocks", "64", "--max-model-len", "256"),
+            *("--enable-lora", "--max-loras", "2", "--lora-modules", f"first={first}"),
+        ),
+    )
+    try:
+        assert stack.wait_generate("generate", "Hi", "--max-tokens", "1").returncode == 0
+        port = next(r["http_port"] for r in stack.lines if r.get("event") == "http_listening")
+        root = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=f"{root}/v1", api_key="unused")
+        texts = {
+            name: client.completions.create(
+                model=name, prompt="The train", max_tokens=8, temperature=0
+            )
+            .choices[0]
+            .text
+            for name in ("model", "first")
+        }
+        body = {"lora_name": "second", "lora_path": str(second)}
+        assert httpx.post(f"{root}/v1/load_lora_adapter", json=body, timeout=60).status_code == 200
+        out = client.completions.create(
+            model="second", prompt="The train", max_tokens=8, temperature=0
+        )
+        texts["second"] = out.choices[0].text
+        assert len(set(texts.values())) == 3  # the base model and two adapters, each its own
+        assert {m.id for m in client.models.list()} == {"model", "first", "second"}
+        unload = {"lora_name": "second"}
+        assert (
+            httpx.post(f"{root}/v1/unload_lora_adapter", json=unload, timeout=60).status_code == 200
+        )
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="second", prompt="The train", max_tokens=2)
+    finally:
+        stack.stop()

@@ -154,3 +154,20 @@ def test_cli_refuses_a_non_empty_directory_without_force(tmp_path: Path) -> None
     assert info.value.code == 2
     assert cli.main(["make-tiny-model", str(tmp_path), "--force"]) == 0
     assert (tmp_path / "config.json").is_file() and (tmp_path / "keep.txt").is_file()
+
+
+def test_cli_make_tiny_model_lora_writes_a_peft_adapter_the_executor_reads(tmp_path: Path) -> None:
+    from services.executor.model.lora.adapter import read_adapter
+
+    base = tmp_path / "base"
+    assert cli.main(["make-tiny-model", str(base), "--arch", "phi3"]) == 0
+    out = tmp_path / "adapter"
+    argv = ["make-tiny-model", str(out), "--lora", str(base), "--lora-rank", "4", "--use-rslora"]
+    assert cli.main(argv) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["use_rslora"], config["init_lora_weights"]) == (4, True, False)
+    model = load_runner(base, num_kv_blocks=4).model
+    adapter = read_adapter(out, model.config, model.dtype, 4)
+    assert adapter.rank == 4
+    qkv = adapter.modules[(0, "self_attn.qkv_proj")]  # Phi-3's fused module, as PEFT targets it
+    assert [m.parts for m in qkv] == [(0, 1, 2)] and qkv[0].b.abs().sum() > 0

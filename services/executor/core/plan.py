@@ -28,6 +28,7 @@ from services.blockmgr.api.types import (
     Uncache,
 )
 from services.common.blocks import NULL_BLOCK, blocks_for_tokens, first_live_block
+from services.executor.core.config import SchedulerConfig
 from services.executor.core.sequence import Sequence
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "grow_counts",
     "hold_back_filled",
     "split_tables",
+    "step_batch",
     "step_moves",
 ]
 
@@ -182,7 +184,7 @@ class SchedulePlan:
 class ScheduledBatch:
     """What the model computes in this step, and the block copies to make before it."""
 
-    chunks: list[ScheduledChunk]  # decodes first, then prefill chunks
+    chunks: list[ScheduledChunk]  # decodes first, then prefill chunks (LoRA: by adapter)
     copies: list[tuple[int, int]]  # copy-on-write (src, dst) block pairs
     # The tiers' moves, made before the copies (a copy may write into a block just
     # offloaded): spills (host slot, disk slot), offloads (device block, host slot), stores
@@ -201,6 +203,20 @@ class ScheduledBatch:
     @property
     def moves(self) -> tuple[Moves, Moves, Moves, Moves, Moves]:
         return self.offloads, self.onboards, self.spills, self.loads, self.stores
+
+
+def step_batch(
+    chunks: list[ScheduledChunk],
+    copies: list[tuple[int, int]],
+    result: StepResult,
+    config: SchedulerConfig,
+) -> ScheduledBatch:
+    """The batch of a step whose Step answered ``result``. With multi-LoRA serving its chunks
+    are grouped by adapter (stable: in scheduling order within one), so each adapter's rows
+    are one slice of the token axis."""
+    if config.max_loras:
+        chunks.sort(key=lambda c: c.seq.lora_id)
+    return ScheduledBatch(chunks, copies, *step_moves(result))
 
 
 Moves = tuple[tuple[int, int], ...]

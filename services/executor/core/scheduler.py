@@ -52,7 +52,7 @@ from services.executor.core.plan import (
     ScheduledChunk,
     SchedulePlan,
     granted_grows,
-    step_moves,
+    step_batch,
 )
 from services.executor.core.sequence import FinishReason, SeqStatus, Sequence
 from services.executor.core.swapping import Swapping, check_swaps
@@ -237,7 +237,7 @@ class Scheduler:
             )
             for s, k in itertools.chain(grows, self.held_back.take(plan), new_prefills)
         ]
-        return ScheduledBatch(self.held_back.hold_back(chunks, result), copies, *step_moves(result))
+        return step_batch(self.held_back.hold_back(chunks, result), copies, result, self.config)
 
     def _apply_admissions(
         self, plan: SchedulePlan, admitted: list[AdmitResult]
@@ -357,7 +357,7 @@ class Scheduler:
             plan.grows, failed, self.held_back.take(plan), self._apply_admissions(plan, admitted)
         )
         self.num_free_blocks = result.counters.num_free_blocks
-        return ScheduledBatch(self.held_back.hold_back(chunks, result), [], *step_moves(result))
+        return step_batch(self.held_back.hold_back(chunks, result), [], result, self.config)
 
     # ---- after the forward ----------------------------------------------------------------
 

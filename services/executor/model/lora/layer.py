@@ -34,15 +34,19 @@ class LoRAGroup:
 
 @dataclass(frozen=True)
 class LoRABatched:
-    """The rows of interleaved adapters as one batched matmul (CPU): the ``G`` slots of
-    ``slots`` each get ``M`` rows (their own, then fillers), gathered by ``gather`` ``[G*M]``;
-    the results at ``valid`` (the real rows' positions) are added to token rows ``dest``."""
+    """The rows of several adapters as one batched matmul (CPU): the ``G`` slots of ``slots``
+    each get ``M`` rows. Either rows ``[start, start + G*M)`` are exactly those, each slot's
+    ``M`` in turn (``gather`` None: no index op at all; the scheduler groups a batch's rows
+    by adapter), or ``gather`` ``[G*M]`` picks them (fillers repeat row 0), and the results
+    at ``valid`` (the real rows' positions; None: all) are added to token rows ``dest``."""
 
-    slots: Tensor | None  # [G] the slots in use; None: every slot, in order
+    slots: Tensor | None  # [G] the slots in use, in row order; None: every slot, in order
+    num_groups: int  # G
     num_rows: int  # M
-    gather: Tensor  # [G * M] int64
-    valid: Tensor  # [N] int64
-    dest: Tensor  # [N] int64
+    start: int = 0
+    gather: Tensor | None = None  # [G * M] int64
+    valid: Tensor | None = None  # [N] int64
+    dest: Tensor | None = None  # [N] int64
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,7 @@ class LoRAMapping:
     @property
     def num_adapters(self) -> int:
         """The adapters (slots) its rows use."""
-        b = self.batched
-        return len(self.groups) if b is None else len(b.gather) // b.num_rows
+        return len(self.groups) if self.batched is None else self.batched.num_groups
 
 
 @dataclass
@@ -109,14 +112,22 @@ class LoRAProjection:
         if batched is None:
             for group in mapping.groups:
                 a, b, rows = self.a[group.slot], self.b[group.slot], group.rows
-                y[rows] += (x[rows] @ a.T) @ b.T
+                y[rows] += ops.linear(ops.linear(x[rows], a), b)
             return
         a, b = self.a, self.b
         if batched.slots is not None:
             a, b = a.index_select(0, batched.slots), b.index_select(0, batched.slots)
-        xs = x.index_select(0, batched.gather).view(a.shape[0], batched.num_rows, -1)
-        ys = torch.bmm(torch.bmm(xs, a.mT), b.mT).view(-1, y.shape[1])  # [G * M, out]
-        y.index_add_(0, batched.dest, ys.index_select(0, batched.valid))
+        g, m, gather = a.shape[0], batched.num_rows, batched.gather
+        if gather is None:
+            rows = slice(batched.start, batched.start + g * m)
+            y[rows] += torch.bmm(torch.bmm(x[rows].view(g, m, -1), a.mT), b.mT).view(g * m, -1)
+            return
+        xs = x.index_select(0, gather).view(g, m, -1)
+        ys = torch.bmm(torch.bmm(xs, a.mT), b.mT).view(g * m, -1)  # [G * M, out]
+        if batched.valid is not None:
+            ys = ys.index_select(0, batched.valid)
+        assert batched.dest is not None
+        y.index_add_(0, batched.dest, ys)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()

@@ -142,7 +142,7 @@ class LoRASlots:
         if adapter is None:
             raise KeyError(f"adapter {adapter_id} is not registered")
         if self._free:
-            slot = self._free.pop()
+            slot = self._free.pop(0)  # lowest first: ids loaded in order get slots in order
         else:
             victim = next(i for i in self._slots if i not in keep)
             slot = self._slots.pop(victim)
@@ -152,9 +152,7 @@ class LoRASlots:
                 self._place(projection, slot, key[1], module)
         self._slots[adapter_id] = slot
 
-    def _place(
-        self, projection: LoRAProjection, slot: int, name: str, module: LoRAModule
-    ) -> None:
+    def _place(self, projection: LoRAProjection, slot: int, name: str, module: LoRAModule) -> None:
         """Copy this rank's shard of ``module`` into ``slot``: ``A`` whole and the rows of
         ``B`` this rank's output holds (column-parallel q/k/v, gate/up), or the columns of
         ``A`` of this rank's input and ``B`` whole (row-parallel o, down; their partial
@@ -191,31 +189,39 @@ class LoRASlots:
         token_slots = None
         if self.device.type == "cuda":
             token_slots = torch.from_numpy(slots).to(self.device, non_blocking=True)
-        if all(int(r[-1]) - int(r[0]) + 1 == len(r) for r in rows_of):  # each contiguous
-            groups = [
-                LoRAGroup(self._slots[i], slice(int(r[0]), int(r[-1]) + 1))
-                for i, r in zip(wanted, rows_of, strict=True)
-            ]
-            return LoRAMapping(tuple(groups), None, token_slots)
-        # Interleaved: one batched matmul, M rows per slot in use (fillers repeat row 0).
-        used = [self._slots[i] for i in wanted]
-        order = sorted(range(len(used)), key=used.__getitem__)
+        # One adapter on one slice: two matmuls. Else one batched pair over the slots in use.
+        if len(wanted) == 1 and int(rows_of[0][-1]) - int(rows_of[0][0]) + 1 == len(rows_of[0]):
+            r = rows_of[0]
+            group = LoRAGroup(self._slots[wanted[0]], slice(int(r[0]), int(r[-1]) + 1))
+            return LoRAMapping((group,), None, token_slots)
+        order = sorted(range(len(wanted)), key=lambda k: int(rows_of[k][0]))  # row order
+        rows_of = [rows_of[k] for k in order]
+        used = [self._slots[wanted[k]] for k in order]
         m = max(len(r) for r in rows_of)
-        gather = np.zeros((len(used), m), dtype=np.int64)
-        valid, dest = [], []
-        for g, k in enumerate(order):
-            rows = rows_of[k]
-            gather[g, : len(rows)] = rows
-            valid.append(g * m + np.arange(len(rows)))
-            dest.append(rows)
-        every = [used[k] for k in order] == list(range(self.num_slots))
         device = self.device
+        slots_t = None if used == list(range(self.num_slots)) else torch.tensor(used, device=device)
+        flat = np.concatenate(rows_of)
+        equal = all(len(r) == m for r in rows_of)
+        if (
+            equal
+            and int(flat[-1]) - int(flat[0]) + 1 == len(flat)
+            and bool(np.all(np.diff(flat) == 1))
+        ):
+            batched = LoRABatched(slots_t, len(used), m, start=int(flat[0]))
+            return LoRAMapping((), batched, token_slots)
+        gather = np.zeros((len(used), m), dtype=np.int64)
+        for g, rows in enumerate(rows_of):
+            gather[g, : len(rows)] = rows
+        valid = None
+        if not equal:
+            valid = np.concatenate([g * m + np.arange(len(r)) for g, r in enumerate(rows_of)])
         batched = LoRABatched(
-            None if every else torch.tensor([used[k] for k in order], device=device),
+            slots_t,
+            len(used),
             m,
-            torch.from_numpy(gather.reshape(-1)).to(device),
-            torch.from_numpy(np.concatenate(valid)).to(device),
-            torch.from_numpy(np.concatenate(dest)).to(device),
+            gather=torch.from_numpy(gather.reshape(-1)).to(device),
+            valid=None if valid is None else torch.from_numpy(valid).to(device),
+            dest=torch.from_numpy(flat).to(device),
         )
         return LoRAMapping((), batched, token_slots)
 
