@@ -359,3 +359,33 @@ def test_serve_with_lora_answers_the_openai_client_per_adapter_and_loads_at_runt
             client.completions.create(model="second", prompt="The train", max_tokens=2)
     finally:
         stack.stop()
+
+
+def test_serve_keeps_a_session_pinned_prefix_through_a_flood_of_one_off_prompts(tmp_path):
+    """``kv_pin_ttl_s`` through the stack: a prompt pinned for 10 minutes is still cached
+    after one-off prompts turned the small KV cache over; the same prompt unpinned is not."""
+    model = write_tiny_model(tmp_path / "model")
+    stack = ServeStack(
+        model,
+        executor_args=("--num-kv-blocks", "48", "--max-model-len", "256", "--block-size", "16"),
+    )
+
+    def complete(root: str, prompt: list[int], **extra: object) -> int:
+        body = {"model": "model", "prompt": prompt, "max_tokens": 1, **extra}
+        r = httpx.post(f"{root}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    try:
+        assert stack.wait_generate("generate", "Hi", "--max-tokens", "1").returncode == 0
+        port = next(r["http_port"] for r in stack.lines if r.get("event") == "http_listening")
+        root = f"http://127.0.0.1:{port}"
+        pinned, plain = [1, *range(10, 73)], [1, *range(100, 163)]  # 4 blocks each
+        complete(root, pinned, kv_pin_ttl_s=600)
+        complete(root, plain)
+        for j in range(12):  # one-off prompts of 12 blocks: the 47 blocks turn over thrice
+            complete(root, [1, *(200 + (13 * j + i) % 400 for i in range(191))])
+        assert complete(root, pinned) == 48  # (never the block of the last prompt token)
+        assert complete(root, plain) == 0
+    finally:
+        stack.stop()

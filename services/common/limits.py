@@ -15,6 +15,7 @@ MAX_REQUEST_ID_LEN = 256
 MAX_LOGPROBS = 20  # top-k alternatives returned with each chosen token
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_KV_RETENTION_PRIORITY = 3  # the highest retention priority a request may give its prefix
+MAX_KV_PIN_TTL_S = 86_400.0  # the longest session pin a request may ask (a day)
 MAX_N = 256  # parallel samples one executor accepts per request (a gateway may cap lower)
 MAX_STOP_STRINGS = 16
 MAX_CACHE_SALT_LEN = 256

@@ -18,6 +18,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from services.common.limits import (
+    MAX_KV_PIN_TTL_S,
     MAX_KV_RETENTION_PRIORITY,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -57,6 +58,9 @@ class SamplingParams:
     early_stopping: str = "false"  # "false" (transformers' heuristic), "true" or "never"
     # A hint to keep the prefix cached longer: the block manager's retention priority 0..3.
     kv_retention_priority: int = 0
+    # A session pin: seconds the request's blocks are kept once it ends (the next turn of an
+    # agent session hits them), within the pool's pin budget; 0: none.
+    kv_pin_ttl_s: float = 0.0
     # (token id, bias) pairs, by token id: the bias is added to that token's logit before
     # sampling (OpenAI's logit_bias); log-probabilities are returned without it.
     logit_bias: tuple[tuple[int, float], ...] = field(default=(), metadata={"map": True})
@@ -143,6 +147,11 @@ class SamplingParams:
             raise FieldError(
                 "kv_retention_priority",
                 f"must be in [0, {MAX_KV_RETENTION_PRIORITY}], got {self.kv_retention_priority}",
+            )
+        if not 0 <= self.kv_pin_ttl_s <= MAX_KV_PIN_TTL_S:  # (NaN is refused too)
+            raise FieldError(
+                "kv_pin_ttl_s",
+                f"must be in [0, {MAX_KV_PIN_TTL_S:g}] seconds, got {self.kv_pin_ttl_s}",
             )
         self._check_logit_bias(vocab_size)
         if self.use_beam_search:

@@ -25,7 +25,7 @@ from services.blockmgr.trace.record import _op_from_json, _op_json
 
 H1, H2 = bytes(range(32)), bytes(range(1, 33))
 EXAMPLES: list[Operation] = [
-    Admit(7, 40, 9, (H1, H2), 2, 3),
+    Admit(7, 40, 9, (H1, H2), 2, 3, 30.5),
     Grow((1, 2), (4, 0), (3, 0)),
     Fork(1, 9),
     Free((3, 4)),

@@ -52,6 +52,7 @@ class PoolMachine(RuleBasedStateMachine):
     num_blocks = NUM_BLOCKS
     tier_policy = "lru"  # the host and disk tiers' eviction policy
     hit_margin = 0  # > 0: an admission's hit stops that many blocks short of the run (EAGLE)
+    pin_budget = 5  # free blocks session pins may keep (their clock: self.now, in seconds)
 
     def __init__(self) -> None:
         super().__init__()
@@ -59,6 +60,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}  # our model of each live sequence's tokens
         self.lookahead: dict[int, int] = {}  # slots a sequence holds beyond its tokens
         self.next_id = 0
+
+    now = 0.0
 
     def _manager(self) -> KVBlockManager:
         groups = [
@@ -75,8 +78,10 @@ class PoolMachine(RuleBasedStateMachine):
                 disk_blocks=self.disk_blocks,
                 tier_eviction_policy=self.tier_policy,
                 prefix_hit_margin=self.hit_margin,
+                pin_budget_blocks=self.pin_budget,
             ),
             retention_steps=self.retention_steps,
+            clock=lambda: self.now,
         )
 
     def _tables(self, m: KVBlockManager | None = None) -> Tables:
@@ -90,10 +95,16 @@ class PoolMachine(RuleBasedStateMachine):
         self.next_id += 1
         return self.next_id
 
-    @rule(tokens=prompts, budget=st.integers(1, 48), priority=st.integers(0, 3))
-    def admit(self, tokens: list[int], budget: int, priority: int) -> None:
+    @rule(
+        tokens=prompts,
+        budget=st.integers(1, 48),
+        priority=st.integers(0, 3),
+        pin=st.sampled_from([0.0, 0.0, 1.0, 5.0]),
+    )
+    def admit(self, tokens: list[int], budget: int, priority: int, pin: float) -> None:
         seq_id = self._new_id()
-        (r,) = self.m.step([Admit(seq_id, len(tokens), budget, hashes(tokens, BS), 0, priority)])
+        op = Admit(seq_id, len(tokens), budget, hashes(tokens, BS), 0, priority, pin)
+        (r,) = self.m.step([op])
         if r.status is OpStatus.OK:
             assert r.num_cached_tokens < len(tokens)
             assert r.num_cached_tokens % BS == 0
@@ -218,6 +229,18 @@ class PoolMachine(RuleBasedStateMachine):
                 assert live <= bound
                 if not w:
                     assert live == 0
+
+    @rule(seconds=st.sampled_from([0.5, 2.0, 10.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+
+    @invariant()
+    def pins_keep_free_cached_blocks_within_the_budget(self) -> None:
+        pool = self.m.pool
+        pinned = pool.pins.pinned
+        assert len(pinned) <= self.pin_budget
+        for b in pinned:
+            assert pool.refcount[b] == 0 and pool.block_hash[b] is not None
 
     @invariant()
     def refcount_equals_number_of_tables_holding_the_block(self) -> None:
@@ -620,7 +643,7 @@ class HybridTierPoolMachine(DiskTierPoolMachine):
         """Its sliding tables' released entries have no slot and come back null (the
         rules check the content of every block that comes back)."""
         tokens = data.draw(st.lists(st.integers(0, 2), min_size=length, max_size=length))
-        self.admit(tokens, 64, 0)
+        self.admit(tokens, 64, 0, 0.0)
         seq_id = self.next_id
         if seq_id not in self.tokens:
             return

@@ -214,3 +214,61 @@ def test_a_host_tier_under_a_small_device_cache_gets_back_what_it_evicted(tmp_pa
     assert (alone.host_capacity_tokens, tiered.host_capacity_tokens) == (0, 10_000_000)
     assert alone.host_hit_tokens == 0 < tiered.host_hit_tokens
     assert alone.hit_ratio < tiered.hit_ratio == pytest.approx(tiered.max_hit_ratio)
+
+
+def test_a_session_pinned_between_its_turns_outlives_the_one_off_prompts_between_them(tmp_path):
+    """Replay ``--pin-sessions``: a session's second turn, an hour after its first with one-off
+    prompts from 700 s on, hits its first turn's blocks when the first turn was pinned for two
+    hours, not for ten minutes nor unpinned; a request no later turn continues is never
+    pinned."""
+    block = 512
+    first = {
+        "timestamp": 0,
+        "input_length": 4 * block,
+        "output_length": 1,
+        "hash_ids": [0, 1, 2, 3],
+    }
+    floods = [
+        {
+            "timestamp": 700_000 + 1000 * i,  # (ms) from 700 s on
+            "input_length": 8 * block,
+            "output_length": 1,
+            "hash_ids": list(range(100 + 8 * i, 108 + 8 * i)),
+        }
+        for i in range(30)
+    ]
+    second = {
+        "timestamp": 3_600_000,
+        "input_length": 6 * block,
+        "output_length": 1,
+        "hash_ids": [0, 1, 2, 3, 4, 5],
+    }
+    trace = read_public_trace(_write(tmp_path / "t.jsonl", [first, *floods, second]), "mooncake")
+    assert trace.followed() == [True, *[False] * 30, False]
+    capacity = 40 * block  # the floods turn it over; a 10 % pin budget keeps 4 blocks
+    plain = replay_sequential(trace, capacity, "lru")
+    short = replay_sequential(trace, capacity, "lru", pin_ttl_s=600)
+    long = replay_sequential(trace, capacity, "lru", pin_ttl_s=7200)
+    assert plain.hit_tokens == short.hit_tokens == 0  # expired before the second turn
+    assert long.hit_tokens == 4 * block and long.pin_ttl_s == 7200
+
+
+def test_bailian_sessions_are_followed_by_their_children(tmp_path):
+    rows = [
+        {"chat_id": 1, "parent_chat_id": -1, "turn": 1},
+        {"chat_id": 2, "parent_chat_id": -1, "turn": 1},
+        {"chat_id": 3, "parent_chat_id": 1, "turn": 2},
+    ]
+    lines = [
+        {
+            **row,
+            "timestamp": float(i),
+            "input_length": 32,
+            "output_length": 4,
+            "type": "text",
+            "hash_ids": [10 * i, 10 * i + 1],
+        }
+        for i, row in enumerate(rows)
+    ]
+    trace = read_public_trace(_write(tmp_path / "b.jsonl", lines), "bailian")
+    assert trace.followed() == [True, False, False]

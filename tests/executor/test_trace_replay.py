@@ -142,6 +142,6 @@ def test_a_requests_kv_retention_priority_reaches_its_cached_blocks(tiny_checkpo
         engine.add_request(RequestKey(0, f"r{i}"), [1, i + 1, *prompt], params)
         while engine.has_work:
             engine.step()
-    levels = core.manager(engine.link.pool_id).pool._policy
+    levels = core.manager(engine.link.pool_id).pool.pins.levels
     assert sorted(set(levels.priority.values())) == [2] and len(levels.priority) == 5
     assert len(levels.levels[2]) == 5  # free and cached, evicted after priority 0

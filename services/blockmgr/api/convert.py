@@ -140,7 +140,7 @@ def ops_from_pb(ops: Sequence[pb.Operation]) -> list[Operation]:
 
 def _from_pb_value(value: Any) -> Any:
     """A scalar as is; a repeated field as a tuple."""
-    return value if isinstance(value, int | bytes | str) else tuple(value)
+    return value if isinstance(value, int | float | bytes | str) else tuple(value)
 
 
 def restored_to_pb(seqs: Sequence[RestoredSequence]) -> list[pb.RestoredSequence]:
@@ -202,6 +202,7 @@ def register_to_pb(pool_id: str, spec: PoolSpec, owner_token: str) -> pb.Registe
         disk_blocks=spec.disk_blocks,
         tier_eviction_policy=tier_policy,
         prefix_hit_margin=spec.prefix_hit_margin,
+        pin_budget_blocks=spec.pin_budget_blocks,
     )
 
 
@@ -216,6 +217,7 @@ def spec_from_pb(r: pb.RegisterPoolRequest) -> PoolSpec:
         r.disk_blocks,
         policy_from_pb(r.tier_eviction_policy, "tier_eviction_policy"),
         r.prefix_hit_margin,
+        r.pin_budget_blocks,
     )
 
 
@@ -233,6 +235,7 @@ def pool_info_to_pb(p: PoolInfo) -> pb.PoolInfo:
         disk_blocks=p.disk_blocks,
         tier_eviction_policy=POLICY_TO_PB[EvictionPolicyName(p.tier_eviction_policy)],
         prefix_hit_margin=p.prefix_hit_margin,
+        pin_budget_blocks=p.pin_budget_blocks,
     )
 
 
@@ -247,6 +250,7 @@ def pool_info_from_pb(p: pb.PoolInfo) -> PoolInfo:
         p.disk_blocks,
         policy_from_pb(p.tier_eviction_policy, "tier_eviction_policy"),
         p.prefix_hit_margin,
+        p.pin_budget_blocks,
     )
     return PoolInfo.of(p.pool_id, p.epoch, spec)
 

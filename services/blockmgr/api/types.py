@@ -84,7 +84,9 @@ class Admit:
     (never covering the last prompt token), then allocate slots for up to ``max_new_tokens``
     more prompt tokens. All or nothing; fails unless ``reserve_blocks`` stay free afterwards.
     ``retention_priority``: the blocks it hits or commits are evicted after lower-priority
-    ones once free, for a bounded time (:mod:`services.blockmgr.eviction.retention`)."""
+    ones once free, for a bounded time (:mod:`services.blockmgr.eviction.retention`).
+    ``pin_ttl_s``: once free, they are pinned that many seconds, within the pool's pin budget
+    (a session pin, :mod:`services.blockmgr.eviction.pins`; 0: none)."""
 
     seq_id: int
     num_prompt_tokens: int
@@ -92,6 +94,7 @@ class Admit:
     block_hashes: tuple[bytes, ...] = ()
     reserve_blocks: int = 0
     retention_priority: int = 0
+    pin_ttl_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,7 +356,9 @@ class PoolSpec:
     refuses an unknown one (INVALID_ARGUMENT). ``prefix_hit_margin``: blocks (>= 0) an
     admission's prefix hit stops short of the matched run (EAGLE speculative decoding: a
     draft head's KV at a block's last position depends on the next token, so the last
-    matched block is recomputed); a run of n blocks hits ``max(0, n - margin)`` at most."""
+    matched block is recomputed); a run of n blocks hits ``max(0, n - margin)`` at most.
+    ``pin_budget_blocks``: free blocks session pins may keep at once (0: pins are off; at most
+    the usable blocks)."""
 
     num_blocks: int
     block_size: int
@@ -364,6 +369,7 @@ class PoolSpec:
     disk_blocks: int = 0
     tier_eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU
     prefix_hit_margin: int = 0
+    pin_budget_blocks: int = 0
 
     @property
     def num_usable_blocks(self) -> int:

@@ -12,9 +12,12 @@ tables.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 
 from services.blockmgr.api.types import EvictionPolicyName, KVEventKind, PendingEvent, Uncache
+from services.blockmgr.eviction.pins import SessionPins
 from services.blockmgr.eviction.retention import DEFAULT_RETENTION_STEPS, RetentionLevels
 from services.blockmgr.tiers.host_tier import HostTier
 from services.blockmgr.tiers.moves import TierRun
@@ -30,16 +33,20 @@ class BlockPool:
         host_blocks: int = 0,
         disk_blocks: int = 0,
         tier_policy: EvictionPolicyName = EvictionPolicyName.LRU,
+        pin_budget: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.num_blocks = num_blocks
         self.refcount = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.hash_to_block: dict[bytes, int] = {}
         self._uncached: deque[int] = deque(range(1, num_blocks))
-        # The eviction order of cached free blocks: the policy, per retention priority.
-        self._policy = RetentionLevels(
+        # The eviction order of cached free blocks: the policy, per retention priority, then
+        # the blocks session pins keep (eviction/pins.py).
+        levels = RetentionLevels(
             eviction_policy, num_blocks - 1, self.block_hash.__getitem__, retention_steps
         )
+        self._policy = SessionPins(levels, pin_budget, clock)
         self.eviction_policy = eviction_policy
         self.num_evicted = 0
         self.events: list[PendingEvent] = []
@@ -165,8 +172,18 @@ class BlockPool:
         if priority:
             self._policy.retain(block_id, priority)
 
+    def pin(self, block_id: int, ttl_s: float) -> None:
+        """An in-use block is to be kept ``ttl_s`` seconds once freed (a session pin)."""
+        if ttl_s:
+            self._policy.pin(block_id, ttl_s)
+
+    @property
+    def pins(self) -> SessionPins:
+        return self._policy
+
     def tick(self) -> None:
-        """One Step of the pool went by (retention priorities expire in Steps)."""
+        """One Step of the pool went by (retention priorities expire in Steps, pins in
+        seconds)."""
         self._policy.tick()
 
     @property
@@ -248,7 +265,9 @@ class BlockPool:
         """All free block ids (for invariant checks and tests; O(n))."""
         return list(self._uncached) + [b for b in range(1, self.num_blocks) if b in self._policy]
 
-    def fill_from_tiers(self, run: TierRun, priority: int) -> tuple[list[int], int]:
+    def fill_from_tiers(
+        self, run: TierRun, priority: int, pin_ttl_s: float = 0.0
+    ) -> tuple[list[int], int]:
         """New device blocks for ``run``, to be filled from their tiers: matchable on the device
         at once (the executor fills them before any forward). Returns them and how many came
         from the disk."""
@@ -264,5 +283,6 @@ class BlockPool:
             self.note_hit(block_id)  # a prefix hit, from a tier
             if priority:
                 self.retain(block_id, priority)
+            self.pin(block_id, pin_ttl_s)
             blocks.append(block_id)
         return blocks, from_disk

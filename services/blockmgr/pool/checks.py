@@ -19,6 +19,7 @@ from services.blockmgr.api.types import (
     SwapOut,
     Uncache,
 )
+from services.blockmgr.eviction.pins import MAX_PIN_TTL_S
 from services.blockmgr.eviction.retention import MAX_RETENTION_PRIORITY
 from services.common.blocks import NULL_BLOCK, full_blocks
 
@@ -129,6 +130,11 @@ def validate_step(
                 raise invalid(f"{where}.admit.max_new_tokens must be >= 1")
             if op.reserve_blocks < 0:
                 raise invalid(f"{where}.admit.reserve_blocks must be >= 0")
+            if not 0 <= op.pin_ttl_s <= MAX_PIN_TTL_S:  # (NaN is refused too)
+                raise invalid(
+                    f"{where}.admit.pin_ttl_s must be in [0, {MAX_PIN_TTL_S:g}] seconds, "
+                    f"got {op.pin_ttl_s}"
+                )
             if not 0 <= op.retention_priority <= MAX_RETENTION_PRIORITY:
                 raise invalid(
                     f"{where}.admit.retention_priority must be in [0, "

@@ -15,7 +15,8 @@ per entry at apply time: an admission or a grow entry that does not fit gets
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from services.blockmgr.api.errors import BlockManagerError, ErrorCode, invalid, not_found
 from services.blockmgr.api.types import (
@@ -77,9 +78,16 @@ class KVBlockManager:
 
     ``spec.groups``: the pool's KV-cache groups, validated (none: one full group).
     ``retention_steps``: how long a freed block keeps its retention priority
-    (:mod:`services.blockmgr.eviction.retention`)."""
+    (:mod:`services.blockmgr.eviction.retention`); ``clock``: the seconds session pins count
+    (:mod:`services.blockmgr.eviction.pins`)."""
 
-    def __init__(self, spec: PoolSpec, *, retention_steps: int = DEFAULT_RETENTION_STEPS) -> None:
+    def __init__(
+        self,
+        spec: PoolSpec,
+        *,
+        retention_steps: int = DEFAULT_RETENTION_STEPS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """``spec`` as the core checked it (:meth:`BlockManagerCore.register`)."""
         groups = spec.groups
         if not groups:
@@ -97,6 +105,8 @@ class KVBlockManager:
             spec.host_blocks,
             spec.disk_blocks,
             EvictionPolicyName.parse(spec.tier_eviction_policy),
+            pin_budget=spec.pin_budget_blocks,
+            clock=clock,
         )
         self.tables = TableState(
             self.pool, spec.block_size, windows_of(groups), spec.enable_prefix_caching
@@ -218,7 +228,7 @@ class KVBlockManager:
         if cost + op.reserve_blocks > pool.num_free - revived:
             failed.add(op.seq_id)
             return AdmitResult(OpStatus.RESOURCE_EXHAUSTED)
-        priority = op.retention_priority
+        priority, pin = op.retention_priority, op.pin_ttl_s
         # Every group's device hits are taken before any block is allocated: an allocation
         # may evict a cached free block, and that must not be a hit of a later group.
         for group_hits in hits:
@@ -228,14 +238,15 @@ class KVBlockManager:
                     pool.incref(block_id)
                     if priority:
                         pool.retain(block_id, priority)
-        filled = iter(self._onboard(run, priority) if run else ())
+                    pool.pin(block_id, pin)
+        filled = iter(self._onboard(run, priority, pin) if run else ())
         tables: list[list[int]] = []
         for live, group_hits in zip(lives, hits, strict=True):
             table = [NULL_BLOCK] * live
             table.extend(next(filled) if b == IN_TIER else b for b in group_hits)
             table.extend(pool.allocate() for _ in range(need))
             tables.append(table)
-        self.tables.adopt(op.seq_id, tables, num_tokens, lives, priority)
+        self.tables.adopt(op.seq_id, tables, num_tokens, lives, priority, pin_ttl=pin)
         if self.enable_prefix_caching:  # counted once per admission, not per refused attempt
             self.prefix_queries_tokens += op.num_prompt_tokens
             self.prefix_hits_tokens += num_cached
@@ -276,8 +287,8 @@ class KVBlockManager:
                     run.append((key, *below[key]))
         return num_hit, lives, hits, run
 
-    def _onboard(self, run: TierRun, priority: int) -> list[int]:
-        blocks, from_disk = self.pool.fill_from_tiers(run, priority)
+    def _onboard(self, run: TierRun, priority: int, pin_ttl_s: float = 0.0) -> list[int]:
+        blocks, from_disk = self.pool.fill_from_tiers(run, priority, pin_ttl_s)
         self.host_hits_tokens += (len(run) - from_disk) * self.block_size
         self.disk_hits_tokens += from_disk * self.block_size
         return blocks
@@ -350,6 +361,7 @@ class KVBlockManager:
             parent.num_tokens,
             list(parent.first_lives),
             parent.priority,
+            pin_ttl=parent.pin_ttl,
         )
         return ForkResult(OpStatus.OK, shared)
 
@@ -379,6 +391,7 @@ class KVBlockManager:
                     stored += pool.store(table[i], group_key(block_hash, group))
                     if state.priority:
                         pool.retain(table[i], state.priority)
+                    pool.pin(table[i], state.pin_ttl)
         return CommitResult(OpStatus.OK, stored)
 
     # ---- recovery -------------------------------------------------------------------------

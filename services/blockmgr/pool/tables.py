@@ -26,7 +26,7 @@ class SeqState:
     """A live sequence's tables, per group, and per group ``first_lives``: the entries before
     it are :data:`NULL_BLOCK` (always 0 in a full group)."""
 
-    __slots__ = ("first_lives", "num_slots", "num_tokens", "priority", "tables")
+    __slots__ = ("first_lives", "num_slots", "num_tokens", "pin_ttl", "priority", "tables")
 
     def __init__(
         self,
@@ -35,12 +35,14 @@ class SeqState:
         first_lives: list[int],
         priority: int = 0,
         num_slots: int | None = None,
+        pin_ttl: float = 0.0,
     ) -> None:
         self.tables = tables
         self.num_tokens = num_tokens
         self.num_slots = num_tokens if num_slots is None else num_slots  # >= num_tokens
         self.first_lives = first_lives
         self.priority = priority  # retention priority its hits and commits give their blocks
+        self.pin_ttl = pin_ttl  # seconds its hits and commits pin their blocks once free
 
     @property
     def block_table(self) -> list[int]:
@@ -122,10 +124,11 @@ class TableState:
         first_lives: list[int],
         priority: int = 0,
         num_slots: int | None = None,
+        pin_ttl: float = 0.0,
     ) -> None:
         """``seq_id`` (admitted, forked, swapped back in or restored) holds ``tables`` from now
         on (their references already taken)."""
-        self.seqs[seq_id] = SeqState(tables, num_tokens, first_lives, priority, num_slots)
+        self.seqs[seq_id] = SeqState(tables, num_tokens, first_lives, priority, num_slots, pin_ttl)
         self.recently_freed.pop(seq_id, None)
 
     def release(self, seq_ids: Sequence[int]) -> int:

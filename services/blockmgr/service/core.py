@@ -164,7 +164,7 @@ class BlockManagerCore:
                 # one from a secret, so that it can take its pool back after a restart), or a
                 # fresh random one.
                 token = owner_token or secrets.token_hex(16)
-            manager = KVBlockManager(spec, retention_steps=self.retention_steps)
+            manager = KVBlockManager(spec, retention_steps=self.retention_steps, clock=self._clock)
             # Epochs are unique across restarts of this process too (time-based floor), so an
             # executor holding an epoch from before a restart can never be mistaken for current.
             epoch = max(next(self._epoch_counter), time.time_ns() // 1000)
@@ -198,6 +198,10 @@ class BlockManagerCore:
                 )
         if spec.prefix_hit_margin < 0:
             raise invalid(f"prefix_hit_margin must be >= 0, got {spec.prefix_hit_margin}")
+        if not 0 <= spec.pin_budget_blocks <= max(spec.num_blocks - 1, 0):
+            raise invalid(
+                f"pin_budget_blocks must be in [0, num_blocks - 1], got {spec.pin_budget_blocks}"
+            )
         try:
             return dataclasses.replace(
                 spec,

@@ -58,6 +58,20 @@ class PublicTrace:
     requests: list[PublicRequest] = field(default_factory=list)
     bad_lines: list[BadLine] = field(default_factory=list)
 
+    def followed(self) -> list[bool]:
+        """Per request, whether a later request continues its session: one whose
+        ``parent_chat_id`` is its ``chat_id`` (Bailian), or, without chat ids (Mooncake),
+        one whose prompt holds its whole prompt (its last hash id: ids name prefixes)."""
+        if any(r.chat_id is not None for r in self.requests):
+            parents = {r.parent_chat_id for r in self.requests if r.parent_chat_id is not None}
+            return [r.chat_id is not None and r.chat_id in parents for r in self.requests]
+        later: set[int] = set()
+        out = []
+        for r in reversed(self.requests):
+            out.append(bool(r.hash_ids) and r.hash_ids[-1] in later)
+            later.update(r.hash_ids)
+        return out[::-1]
+
     @property
     def max_hit_tokens(self) -> int:
         """The hit tokens of an unbounded cache: per request, its leading blocks whose ids an

@@ -9,7 +9,7 @@ written. Lines are written whole (line-buffered). Hashes are base64. A line::
      "policy": "lru", "groups": [["sliding", 64, [0, 1]], ["full", 0, [2]]],
      "retention_steps": 4096}
     {"t": "step", "pool": "p", "ops": [{"admit": [seq, prompt, max_new, [hash...], reserve,
-     retention_priority]},
+     retention_priority, pin_ttl_s]},
      {"grow": [[seq...], [n...]]}, {"fork": [parent, child]}, {"free": [seq...]},
      {"commit": [seq, start, [hash...]]}, {"swap_out": [seq...]}, {"swap_in": [seq...]}]}
     {"t": "restore", "pool": "p",
@@ -153,6 +153,7 @@ class TraceWriter:
                 "disk_blocks": spec.disk_blocks,
                 "tier_policy": EvictionPolicyName(spec.tier_eviction_policy).value,
                 "prefix_hit_margin": spec.prefix_hit_margin,
+                "pin_budget_blocks": spec.pin_budget_blocks,
             }
         )
 
@@ -216,6 +217,7 @@ def _record(d: dict[str, Any]) -> TraceRecord:
             int(d.get("disk_blocks", 0)),
             EvictionPolicyName.parse(d.get("tier_policy", "lru")),
             int(d.get("prefix_hit_margin", 0)),
+            int(d.get("pin_budget_blocks", 0)),
         )
         return RegisterRecord(pool_id, spec, int(d.get("retention_steps", DEFAULT_RETENTION_STEPS)))
     if kind == "restore":

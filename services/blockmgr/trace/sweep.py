@@ -45,6 +45,7 @@ from services.blockmgr.trace.trace_pool import Point, TracePool, finish
 
 __all__ = ["main", "parse_capacity", "replay_sequential", "sweep"]
 
+PIN_BUDGET = 0.1  # of the blocks, as the executor's --session-pin-budget default
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)([kKmMgG]?)(b?)")
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 
@@ -71,17 +72,24 @@ def replay_sequential(
     block_size: int | None = None,
     engine_rules: bool = False,
     host_tokens: int = 0,
+    pin_ttl_s: float = 0.0,
+    pin_budget: float = PIN_BUDGET,
 ) -> Point:
     """Replay ``trace`` one request after another (see the module docstring; with
     ``engine_rules``, a live engine's hit rules; over a host tier of ``host_tokens``:
-    :class:`TracePool`)."""
+    :class:`TracePool`). ``pin_ttl_s``: every request a later turn continues
+    (:meth:`PublicTrace.followed`) is pinned that long on the trace's clock, within
+    ``pin_budget`` of the blocks."""
     start = time.perf_counter()
-    pool = TracePool(trace, capacity_tokens, policy, block_size, engine_rules, host_tokens)
+    budget = pin_budget if pin_ttl_s else 0.0
+    pool = TracePool(trace, capacity_tokens, policy, block_size, engine_rules, host_tokens, budget)
     point = Point(policy, capacity_tokens, num_requests=len(trace.requests))
-    point.host_capacity_tokens = host_tokens
+    point.host_capacity_tokens, point.pin_ttl_s = host_tokens, pin_ttl_s
+    followed = trace.followed() if pin_ttl_s else [False] * len(trace.requests)
     for seq, r in enumerate(trace.requests):
         point.prompt_tokens += r.input_length
-        hit = pool.admit(seq, r)
+        pool.now = r.timestamp_s
+        hit = pool.admit(seq, r, pin_ttl_s if followed[seq] else 0.0)
         if hit is None:  # larger than the whole pool (nothing else holds blocks)
             point.num_refused += 1
             continue
@@ -93,12 +101,14 @@ def replay_sequential(
 _TRACE: PublicTrace | None = None  # a worker's copy (forked)
 
 
-def _run(job: tuple[int | None, int, str, int | None, ServiceModel | None]) -> Point:
+def _run(job: tuple[int | None, int, str, int | None, ServiceModel | None, float]) -> Point:
     assert _TRACE is not None
-    capacity, host, policy, block_size, model = job
+    capacity, host, policy, block_size, model, pin_ttl_s = job
     if model is not None:
         return replay_timed(_TRACE, capacity, policy, block_size, model, host)
-    return replay_sequential(_TRACE, capacity, policy, block_size, host_tokens=host)
+    return replay_sequential(
+        _TRACE, capacity, policy, block_size, host_tokens=host, pin_ttl_s=pin_ttl_s
+    )
 
 
 def sweep(
@@ -110,13 +120,18 @@ def sweep(
     model: ServiceModel | None = None,
     progress: bool = False,
     host_capacities: Sequence[int] = (0,),
+    pin_ttls: Sequence[float] = (0.0,),
 ) -> list[Point]:
-    """Every (capacity, host tier, policy) point, in that order, on ``workers`` processes;
-    timed under ``model`` if given, else sequential; a progress bar on stderr if
+    """Every (capacity, host tier, policy, session pin) point, in that order, on ``workers``
+    processes; timed under ``model`` if given, else sequential; a progress bar on stderr if
     ``progress``."""
     global _TRACE
     jobs = [
-        (c, h, p, block_size, model) for c in capacities for h in host_capacities for p in policies
+        (c, h, p, block_size, model, ttl)
+        for c in capacities
+        for h in host_capacities
+        for p in policies
+        for ttl in pin_ttls
     ]
     _TRACE = trace
     bar = tqdm(total=len(jobs), unit="point", disable=not progress, file=sys.stderr)
@@ -144,13 +159,15 @@ def plot(points: Sequence[Point], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for policy, host in dict.fromkeys((p.policy, p.host_capacity_tokens) for p in points):
+    for key in dict.fromkeys((p.policy, p.host_capacity_tokens, p.pin_ttl_s) for p in points):
+        policy, host, pin = key
         pts = sorted(
             (p.capacity_tokens, p.hit_ratio)
             for p in points
-            if (p.policy, p.host_capacity_tokens) == (policy, host) and p.capacity_tokens
+            if (p.policy, p.host_capacity_tokens, p.pin_ttl_s) == key and p.capacity_tokens
         )
         label = f"{policy} + host {host:,}" if host else policy
+        label += f", sessions pinned {pin:g} s" if pin else ""
         ax.plot([c for c, _ in pts], [h for _, h in pts], marker="o", label=label)
     ax.axhline(points[0].max_hit_ratio, color="grey", linestyle="--", label="trace maximum")
     ax.set_xscale("log")
@@ -204,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--block-size", type=int, default=None, help="tokens per block (default: the format's)"
     )
+    p.add_argument(
+        "--pin-sessions",
+        default="0",
+        metavar="TTL[,TTL...]",
+        help="pin every request a later turn continues for TTL seconds of the trace's clock "
+        f"(sequential mode; within {PIN_BUDGET:.0%} of the blocks); a list compares them, 0: none",
+    )
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", type=Path, default=None, help="write every point to this file")
@@ -220,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
             for x in args.host_capacity.split(",")
             if x.strip()
         ]
+        pin_ttls = [float(x) for x in args.pin_sessions.split(",") if x.strip()]
+        if any(not 0 <= t <= 86_400 for t in pin_ttls) or (args.timed and any(pin_ttls)):
+            raise ValueError("--pin-sessions: seconds in [0, 86400], sequential mode only")
         if any(h and h < bs for h in hosts):
             raise ValueError("--host-capacity holds no block")
         if FORMATS[args.format] % bs:
@@ -255,15 +282,19 @@ def main(argv: list[str] | None = None) -> int:
         model,
         not args.no_progress,
         hosts,
+        pin_ttls,
     )
     timed = " mean wait s | longest queue |" if args.timed else ""
     tiers = any(hosts)
     tier = " host tier (tokens) | host hit tokens |" if tiers else ""
+    pins = any(pin_ttls)
     print(
         "| policy | capacity (tokens) | hit ratio | of the maximum | refused | evicted blocks "
-        f"| replay s |{timed}{tier}"
+        f"| replay s |{timed}{tier}{' session pins (s) |' if pins else ''}"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * (args.timed + tiers))
+    print(
+        "|---|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * (args.timed + tiers) + "---:|" * pins
+    )
     for pt in points:
         cap = "unbounded" if pt.capacity_tokens is None else f"{pt.capacity_tokens:,}"
         share = pt.hit_ratio / pt.max_hit_ratio if pt.max_hit_ratio else 0.0
@@ -274,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {pt.policy} | {cap} | {pt.hit_ratio:.1%} | {share:.0%} | {pt.num_refused:,} "
             f"| {pt.num_evicted_blocks:,} | {pt.seconds:.1f} |{waits}{host}"
+            + (f" {pt.pin_ttl_s:g} |" if pins else "")
         )
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(pt) for pt in points], indent=1) + "\n")

@@ -46,6 +46,7 @@ class TracePool:
         block_size: int | None = None,
         engine_rules: bool = False,
         host_tokens: int = 0,
+        pin_budget: float = 0.0,
     ) -> None:
         bs = self.block_size = block_size or trace.block_tokens
         # A live engine's own rules instead of the papers': only a prompt's full blocks are
@@ -67,8 +68,11 @@ class TracePool:
             bs,
             eviction_policy=EvictionPolicyName.parse(policy),
             host_blocks=host_tokens // bs,
+            pin_budget_blocks=int(pin_budget * (num_blocks - 1)),
         )
-        self.manager = KVBlockManager(spec)
+        #: The trace's clock (seconds), which session pins count: the caller sets it.
+        self.now = 0.0
+        self.manager = KVBlockManager(spec, clock=lambda: self.now)
         self._keys: dict[int, list[bytes]] = {}
 
     def blocks(self, r: PublicRequest) -> int:
@@ -76,9 +80,10 @@ class TracePool:
         bs = self.block_size
         return -(-(len(r.hash_ids) * self.sub * bs + max(1, r.output_length)) // bs)
 
-    def admit(self, seq: int, r: PublicRequest) -> int | None:
-        """Admit request ``r`` as sequence ``seq``: its hit tokens (capped), or None if the
-        pool cannot hold it now (nothing changed)."""
+    def admit(self, seq: int, r: PublicRequest, pin_ttl_s: float = 0.0) -> int | None:
+        """Admit request ``r`` as sequence ``seq`` (its blocks pinned ``pin_ttl_s`` once
+        free): its hit tokens (capped), or None if the pool cannot hold it now (nothing
+        changed)."""
         bs = self.block_size
         hashes = [k for h in r.hash_ids for k in self._hashes(h)]
         # Its whole blocks and the first output token, so that every block can hit (a hit
@@ -88,7 +93,8 @@ class TracePool:
             hashes, prompt = hashes[: r.input_length // bs], r.input_length + 1
         later = self.blocks(r) - -(-prompt // bs)
         step = self.manager.step
-        (admitted,) = step([Admit(seq, prompt, prompt, tuple(hashes), reserve_blocks=later)])
+        admit = Admit(seq, prompt, prompt, tuple(hashes), later, pin_ttl_s=pin_ttl_s)
+        (admitted,) = step([admit])
         assert isinstance(admitted, AdmitResult)
         if admitted.status is not OpStatus.OK:
             return None
@@ -132,6 +138,7 @@ class Point:
     seconds: float = 0.0
     host_capacity_tokens: int = 0  # the host tier's (0: none)
     host_hit_tokens: int = 0  # of the hits, onboarded from the host tier
+    pin_ttl_s: float = 0.0  # session pins: requests a later turn continues, pinned so long
 
 
 def finish(point: Point, trace: PublicTrace, pool: TracePool, start: float) -> Point:

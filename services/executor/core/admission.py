@@ -82,7 +82,8 @@ def plan_admissions(
                 break
             speculative = True
         priority = min(seq.params.kv_retention_priority, cfg.max_retention_priority)
-        admits.append((seq, Admit(seq.seq_id, total, k_max, hashes, reserve, priority)))
+        pin = seq.params.kv_pin_ttl_s
+        admits.append((seq, Admit(seq.seq_id, total, k_max, hashes, reserve, priority, pin)))
         computing.update(hashes)
         free -= min(upper, free)
         budget -= first
@@ -133,6 +134,7 @@ def _admit_group(
             hashes,
             res,
             min(seq.params.kv_retention_priority, cfg.max_retention_priority),
+            seq.params.kv_pin_ttl_s,
         )
         plan.admits.append((seq, admit))
     return uppers, sum(firsts)

@@ -83,6 +83,8 @@ class ExecutorConfig:
     blockmgr_address: str | None = None
     pool_id: str | None = None  # default: derived from host and port
     watermark: float = 0.01  # share of blocks admissions keep free
+    # Share of the KV blocks session pins (a request's kv_pin_ttl_s) may keep once free.
+    session_pin_budget: float = 0.1
     seed: int = 0
     host: str = "127.0.0.1"
     port: int = 50061
@@ -199,6 +201,13 @@ class ExecutorConfig:
         )
         a("--pool-id", default=None)
         a("--watermark", type=float, default=cls.watermark)
+        a(
+            "--session-pin-budget",
+            type=float,
+            default=cls.session_pin_budget,
+            help="share of the KV blocks that session pins (a request's kv_pin_ttl_s) may keep "
+            "once free, evicted after every unpinned block until their time (0: pins off)",
+        )
         a("--seed", type=int, default=cls.seed)
         a(
             "--enforce-eager",
@@ -356,6 +365,8 @@ class ExecutorConfig:
             raise ValueError("--distributed-timeout must be positive")
         if not 0 <= self.watermark < 1:
             raise ValueError("--watermark must be in [0, 1)")
+        if not 0 <= self.session_pin_budget < 1:
+            raise ValueError("--session-pin-budget must be in [0, 1)")
         if not 0 <= self.port <= 65535:
             raise ValueError("--port must be in [0, 65535]")
         if self.max_seqs_per_session < 1:

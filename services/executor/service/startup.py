@@ -136,6 +136,7 @@ def _build_engine(
         # An EAGLE head's KV at a block's last position depends on the token after it: a
         # prefix hit's last block is computed again (core.spec.eagle).
         prefix_hit_margin=1 if getattr(runner, "eagle", None) is not None else 0,
+        pin_budget_blocks=int(config.session_pin_budget * usable),
     )
     client = blockmgr or connect_blockmgr(config)
     try:

@@ -78,6 +78,7 @@ class _Sampling(BaseModel):
     length_penalty: float | None = None
     early_stopping: bool | str | None = None
     kv_retention_priority: int | None = None  # ours: keep this prefix cached longer (0..3)
+    kv_pin_ttl_s: float | None = None  # ours: a session pin, seconds its blocks are kept
     # The request's name of a field the gateway translated into another (errors name it).
     _field_names: dict[str, str] = PrivateAttr(default_factory=dict)
 
@@ -110,6 +111,7 @@ class _Sampling(BaseModel):
             "use_beam_search",
             "length_penalty",
             "kv_retention_priority",
+            "kv_pin_ttl_s",
         ):
             value = getattr(self, name)
             if value is not None:
