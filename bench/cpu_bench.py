@@ -96,6 +96,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["float32", "bfloat16"],
         help="weights, activations and KV cache of every system",
     )
+    a(
+        "--quantization",
+        choices=["int8"],
+        default=None,
+        help="also run ours with the executor's --quantization (a system of its own)",
+    )
     args = p.parse_args(argv)
     unknown = set(args.workloads.split(",")) - WORKLOADS.keys()
     if unknown:
@@ -290,6 +296,18 @@ def main(argv: list[str] | None = None) -> int:
         ours = our_system(
             model_dir, max_len, 4096, 256, None, dtype=args.dtype, cpu_threads=args.threads
         )
+        quantized = None
+        if args.quantization:
+            quantized = our_system(
+                model_dir,
+                max_len,
+                4096,
+                256,
+                None,
+                dtype=args.dtype,
+                cpu_threads=args.threads,
+                quantization=args.quantization,
+            )
         torch.set_num_threads(args.threads)
         print(
             f"# CPU bench: {describe_model(args, hf)}, {n_params / 1e6:.2f} M parameters, "
@@ -306,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
                 "ours": lambda reqs=reqs: run_ours(ours, [reqs], pad_to_batch_max=False).outputs,
                 "hf-static": lambda reqs=reqs: run_hf_static(hf, reqs, pad_id),
             }
+            if quantized is not None:
+                systems[f"ours-{args.quantization}"] = lambda reqs=reqs: (
+                    run_ours(quantized, [reqs], pad_to_batch_max=False).outputs
+                )
 
             for name, (variable, value) in ABLATIONS.items():
 

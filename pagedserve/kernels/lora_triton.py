@@ -141,6 +141,23 @@ def lora_token_groups(token_slots: Tensor, num_slots: int) -> LoRATokenGroups:
 
 
 @triton.jit
+def _tile(pid, N, BLOCK_N: tl.constexpr):
+    """A program's (row tile, column tile) of its slot's run."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    return pid // num_pid_n, pid % num_pid_n
+
+
+@triton.jit
+def _slot_rows(sorted_ids_ptr, starts_ptr, slot, count, pid_m, BLOCK_M: tl.constexpr):
+    """The token rows of row tile ``pid_m`` of ``slot``'s run, and which of them exist."""
+    start = tl.load(starts_ptr + slot)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = offs_m < count
+    rows = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
+    return rows, row_mask
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [S, R, K]
@@ -163,19 +180,13 @@ def _lora_shrink_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     slot = tl.program_id(2)
-    num_pid_n = tl.cdiv(R, BLOCK_N)
-    pid_m = pid // num_pid_n
-    pid_n = pid % num_pid_n
+    pid_m, pid_n = _tile(tl.program_id(0), R, BLOCK_N)
     count = tl.load(counts_ptr + slot)
     if pid_m * BLOCK_M >= count:
         return
-    start = tl.load(starts_ptr + slot)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = offs_m < count
-    rows = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
+    rows, row_mask = _slot_rows(sorted_ids_ptr, starts_ptr, slot, count, pid_m, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < R
     offs_k = tl.arange(0, BLOCK_K)
@@ -225,18 +236,12 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     slot = tl.program_id(1)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_pid_n
-    pid_n = pid % num_pid_n
+    pid_m, pid_n = _tile(tl.program_id(0), N, BLOCK_N)
     count = tl.load(counts_ptr + slot)
     if pid_m * BLOCK_M >= count:
         return
-    start = tl.load(starts_ptr + slot)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = offs_m < count
-    rows = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
+    rows, row_mask = _slot_rows(sorted_ids_ptr, starts_ptr, slot, count, pid_m, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)

@@ -38,6 +38,7 @@ from services.executor.model.loader import load_model, read_model_config, resolv
 from services.executor.model.lora.slots import LoRASlots
 from services.executor.model.models import DecoderLM
 from services.executor.model.parallel import Comm, DistComm, ShardPlan, SingleComm
+from services.executor.model.quantization import quantize_model
 from services.executor.model.runner import ModelRunner
 from services.executor.model.runner_config import RunnerConfig
 from services.executor.model.workers import StepChannel, WorkerGroup, init_distributed, rank_device
@@ -115,6 +116,8 @@ def _build(
         comm=comm,
     )
     model.use_kv_layout(plan_kv_layout(model.local_config, hybrid=config.cache.hybrid_kv_cache))
+    if config.quantization is not None:  # before the slots and the cache take their memory
+        quantize_model(model, config.quantization)
     graph_sizes = config.graph_sizes if graph_backend is not None or device.type == "cuda" else ()
     if model.config.moe is not None and graph_sizes:
         # The fused MoE kernel reads nothing back on the host, but its capture has not yet

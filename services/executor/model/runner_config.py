@@ -7,7 +7,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["CacheConfig", "RunnerConfig", "available_cores"]
+__all__ = ["QUANTIZATION_METHODS", "CacheConfig", "RunnerConfig", "available_cores"]
+
+#: ``--quantization`` values (model/quantization.py).
+QUANTIZATION_METHODS = ("int8",)
 
 
 def available_cores() -> int:
@@ -62,6 +65,7 @@ class RunnerConfig:
     # 0: none). Sized before the KV cache; no CUDA graphs then.
     max_loras: int = 0
     max_lora_rank: int = 0
+    quantization: str | None = None  # "int8": the decoder's projections in int8 (CPU)
 
     @property
     def block_size(self) -> int:

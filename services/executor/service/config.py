@@ -12,7 +12,11 @@ from typing import TypeVar
 from services.blockmgr.api.types import EvictionPolicyName
 from services.common.auth import InternalSecurity
 from services.executor.core.spec.config import SpeculativeConfig
-from services.executor.model.runner_config import CacheConfig, RunnerConfig
+from services.executor.model.runner_config import (
+    QUANTIZATION_METHODS,
+    CacheConfig,
+    RunnerConfig,
+)
 from services.executor.service.lora_config import LoRAConfig
 
 
@@ -85,6 +89,7 @@ class ExecutorConfig:
     watermark: float = 0.01  # share of blocks admissions keep free
     # Share of the KV blocks session pins (a request's kv_pin_ttl_s) may keep once free.
     session_pin_budget: float = 0.1
+    quantization: str | None = None  # "int8": the decoder's projections in int8 (CPU, fp32)
     seed: int = 0
     host: str = "127.0.0.1"
     port: int = 50061
@@ -201,6 +206,14 @@ class ExecutorConfig:
         )
         a("--pool-id", default=None)
         a("--watermark", type=float, default=cls.watermark)
+        a(
+            "--quantization",
+            "-q",
+            choices=QUANTIZATION_METHODS,
+            default=None,
+            help="int8: the decoder's projections in int8 on the CPU (weights per row, "
+            "activations per batch, oneDNN; the LM head and embeddings stay fp32)",
+        )
         a(
             "--session-pin-budget",
             type=float,
@@ -419,4 +432,5 @@ class ExecutorConfig:
             eagle3_head=spec.model if spec is not None and spec.uses_eagle else None,
             max_loras=self.lora.max_loras if self.lora.enable_lora else 0,
             max_lora_rank=self.lora.max_lora_rank if self.lora.enable_lora else 0,
+            quantization=self.quantization,
         )

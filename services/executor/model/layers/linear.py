@@ -18,14 +18,17 @@ __all__ = ["Linear", "Placement", "VocabParallelEmbedding", "tensor_shape"]
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same checkpoint names) computed by
-    :func:`pagedserve.kernels.ops.linear`: oneDNN for fp32 on the CPU. With multi-LoRA
+    :func:`pagedserve.kernels.ops.linear`: oneDNN for fp32 on the CPU, or with
+    ``--quantization int8`` its ``quantized`` int8 weight. With multi-LoRA
     serving, ``lora`` (a :class:`~services.executor.model.lora.layer.LoRAProjection`) adds
     each row's adapter to the output, before any all-reduce."""
 
     lora: Any = None
+    quantized: Any = None  # an int8 weight and its matmul (model/quantization.py), if any
 
     def forward(self, x: Tensor) -> Tensor:
-        y = ops.linear(x, self.weight, self.bias)
+        q = self.quantized
+        y = ops.linear(x, self.weight, self.bias) if q is None else q(x)
         if self.lora is not None:
             self.lora.add_to(x, y)
         return y
