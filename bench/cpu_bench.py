@@ -102,6 +102,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="also run ours with the executor's --quantization (a system of its own)",
     )
+    a(
+        "--kv-cache-dtype",
+        choices=["fp8", "fp8_e5m2"],
+        default=None,
+        help="also run ours with the executor's --kv-cache-dtype (a system of its own)",
+    )
     args = p.parse_args(argv)
     unknown = set(args.workloads.split(",")) - WORKLOADS.keys()
     if unknown:
@@ -296,18 +302,22 @@ def main(argv: list[str] | None = None) -> int:
         ours = our_system(
             model_dir, max_len, 4096, 256, None, dtype=args.dtype, cpu_threads=args.threads
         )
-        quantized = None
-        if args.quantization:
-            quantized = our_system(
-                model_dir,
-                max_len,
-                4096,
-                256,
-                None,
-                dtype=args.dtype,
-                cpu_threads=args.threads,
-                quantization=args.quantization,
-            )
+        variants = {}  # name -> our engine with one more executor flag
+        for name, flags in (
+            (f"ours-{args.quantization}", {"quantization": args.quantization}),
+            (f"ours-kv-{args.kv_cache_dtype}", {"kv_cache_dtype": args.kv_cache_dtype}),
+        ):
+            if all(flags.values()):
+                variants[name] = our_system(
+                    model_dir,
+                    max_len,
+                    4096,
+                    256,
+                    None,
+                    dtype=args.dtype,
+                    cpu_threads=args.threads,
+                    **flags,
+                )
         torch.set_num_threads(args.threads)
         print(
             f"# CPU bench: {describe_model(args, hf)}, {n_params / 1e6:.2f} M parameters, "
@@ -324,9 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                 "ours": lambda reqs=reqs: run_ours(ours, [reqs], pad_to_batch_max=False).outputs,
                 "hf-static": lambda reqs=reqs: run_hf_static(hf, reqs, pad_id),
             }
-            if quantized is not None:
-                systems[f"ours-{args.quantization}"] = lambda reqs=reqs: (
-                    run_ours(quantized, [reqs], pad_to_batch_max=False).outputs
+            for variant, system in variants.items():
+                systems[variant] = lambda reqs=reqs, system=system: (
+                    run_ours(system, [reqs], pad_to_batch_max=False).outputs
                 )
 
             for name, (variable, value) in ABLATIONS.items():

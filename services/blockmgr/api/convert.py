@@ -203,6 +203,8 @@ def register_to_pb(pool_id: str, spec: PoolSpec, owner_token: str) -> pb.Registe
         tier_eviction_policy=tier_policy,
         prefix_hit_margin=spec.prefix_hit_margin,
         pin_budget_blocks=spec.pin_budget_blocks,
+        kv_cache_dtype=spec.kv_cache_dtype,
+        kv_scales=spec.kv_scales,
     )
 
 
@@ -218,6 +220,8 @@ def spec_from_pb(r: pb.RegisterPoolRequest) -> PoolSpec:
         policy_from_pb(r.tier_eviction_policy, "tier_eviction_policy"),
         r.prefix_hit_margin,
         r.pin_budget_blocks,
+        r.kv_cache_dtype,
+        r.kv_scales,
     )
 
 
@@ -236,6 +240,8 @@ def pool_info_to_pb(p: PoolInfo) -> pb.PoolInfo:
         tier_eviction_policy=POLICY_TO_PB[EvictionPolicyName(p.tier_eviction_policy)],
         prefix_hit_margin=p.prefix_hit_margin,
         pin_budget_blocks=p.pin_budget_blocks,
+        kv_cache_dtype=p.kv_cache_dtype,
+        kv_scales=p.kv_scales,
     )
 
 
@@ -251,6 +257,8 @@ def pool_info_from_pb(p: pb.PoolInfo) -> PoolInfo:
         policy_from_pb(p.tier_eviction_policy, "tier_eviction_policy"),
         p.prefix_hit_margin,
         p.pin_budget_blocks,
+        p.kv_cache_dtype,
+        p.kv_scales,
     )
     return PoolInfo.of(p.pool_id, p.epoch, spec)
 

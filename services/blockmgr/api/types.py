@@ -358,7 +358,10 @@ class PoolSpec:
     draft head's KV at a block's last position depends on the next token, so the last
     matched block is recomputed); a run of n blocks hits ``max(0, n - margin)`` at most.
     ``pin_budget_blocks``: free blocks session pins may keep at once (0: pins are off; at most
-    the usable blocks)."""
+    the usable blocks). ``kv_cache_dtype`` and ``kv_scales``: what the blocks' K/V are stored
+    in (e.g. ``float8_e4m3fn``) and a digest of the per-layer scales they are stored under
+    (both empty: unstated), recorded as the pool's identity (a re-registration is a new epoch
+    whatever changed, so no block of one is ever served as the other's)."""
 
     num_blocks: int
     block_size: int
@@ -370,6 +373,8 @@ class PoolSpec:
     tier_eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU
     prefix_hit_margin: int = 0
     pin_budget_blocks: int = 0
+    kv_cache_dtype: str = ""
+    kv_scales: str = ""
 
     @property
     def num_usable_blocks(self) -> int:

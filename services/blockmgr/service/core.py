@@ -198,6 +198,9 @@ class BlockManagerCore:
                 )
         if spec.prefix_hit_margin < 0:
             raise invalid(f"prefix_hit_margin must be >= 0, got {spec.prefix_hit_margin}")
+        for name in ("kv_cache_dtype", "kv_scales"):
+            if len(getattr(spec, name)) > 64:
+                raise invalid(f"{name} must be at most 64 characters")
         if not 0 <= spec.pin_budget_blocks <= max(spec.num_blocks - 1, 0):
             raise invalid(
                 f"pin_budget_blocks must be in [0, num_blocks - 1], got {spec.pin_budget_blocks}"

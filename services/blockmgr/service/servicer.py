@@ -77,6 +77,7 @@ class BlockManagerServicer(pb_grpc.BlockManagerServicer):
             tier_eviction_policy=info.tier_eviction_policy,
             prefix_hit_margin=info.prefix_hit_margin,
             pin_budget_blocks=info.pin_budget_blocks,
+            kv_cache_dtype=info.kv_cache_dtype or None,
         )
         return pb.RegisterPoolResponse(
             pool=convert.pool_info_to_pb(info), owner_token=info.owner_token, lease_s=info.lease_s

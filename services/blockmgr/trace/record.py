@@ -154,6 +154,8 @@ class TraceWriter:
                 "tier_policy": EvictionPolicyName(spec.tier_eviction_policy).value,
                 "prefix_hit_margin": spec.prefix_hit_margin,
                 "pin_budget_blocks": spec.pin_budget_blocks,
+                "kv_cache_dtype": spec.kv_cache_dtype,
+                "kv_scales": spec.kv_scales,
             }
         )
 
@@ -218,6 +220,8 @@ def _record(d: dict[str, Any]) -> TraceRecord:
             EvictionPolicyName.parse(d.get("tier_policy", "lru")),
             int(d.get("prefix_hit_margin", 0)),
             int(d.get("pin_budget_blocks", 0)),
+            str(d.get("kv_cache_dtype", "")),
+            str(d.get("kv_scales", "")),
         )
         return RegisterRecord(pool_id, spec, int(d.get("retention_steps", DEFAULT_RETENTION_STEPS)))
     if kind == "restore":

@@ -17,6 +17,7 @@ import torch
 
 from services.common.blocks import MIN_NUM_BLOCKS, usable_blocks
 from services.executor.model.config import ModelConfig
+from services.executor.model.errors import ModelLoadError
 from services.executor.model.forward_batch import SeqChunk, build_forward_batch
 from services.executor.model.models import DecoderLM
 from services.executor.model.runner_config import CacheConfig
@@ -119,12 +120,12 @@ def size_kv_cache(
     elif config.kv_cache_memory is not None or device.type != "cuda":
         budget = config.kv_cache_memory or CPU_DEFAULT_KV_BYTES
         num_blocks = num_blocks_for_budget(
-            mc, bs, model.dtype, budget, slots, extra_bytes_per_block
+            mc, bs, model.kv_cache_dtype, budget, slots, extra_bytes_per_block
         )
     else:
         budget = _profile_budget(model, config, max_num_batched_tokens, graph_sizes)
         num_blocks = num_blocks_for_budget(
-            mc, bs, model.dtype, budget, slots, extra_bytes_per_block
+            mc, bs, model.kv_cache_dtype, budget, slots, extra_bytes_per_block
         )
     num_blocks = model.comm.min_int(num_blocks)
     usable = usable_blocks(num_blocks)
@@ -133,7 +134,8 @@ def size_kv_cache(
         num_blocks=num_blocks,
         num_usable_blocks=usable,
         num_kv_cache_groups=layout.num_groups,
-        bytes=num_blocks * (bytes_per_block(mc, bs, model.dtype, slots) + extra_bytes_per_block),
+        bytes=num_blocks
+        * (bytes_per_block(mc, bs, model.kv_cache_dtype, slots) + extra_bytes_per_block),
         max_model_len=mc.max_model_len,
         # vLLM's "Maximum concurrency for N tokens per request", with the groups counted:
         # a sliding group holds only its window's blocks.
@@ -163,7 +165,7 @@ def _profile_budget(
     torch.cuda.reset_peak_memory_stats(device)
     num_tokens = min(max_num_batched_tokens, mc.max_model_len)
     probe_blocks = math.ceil(num_tokens / bs) + 1
-    probe = allocate_kv_cache(mc, probe_blocks, bs, model.dtype, device)
+    probe = allocate_kv_cache(mc, probe_blocks, bs, model.kv_cache_dtype, device)
     chunk = SeqChunk([0] * num_tokens, 0, list(range(1, probe_blocks)), True)
     batch = build_forward_batch(
         [chunk],
@@ -213,3 +215,26 @@ def _profile_budget(
             f"{config.gpu_memory_utilization} of {total}; raise --gpu-memory-utilization"
         )
     return budget
+
+
+#: ``--kv-cache-dtype`` values other than ``auto`` (the model's dtype), vLLM's names.
+KV_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def kv_cache_torch_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The cache dtype ``--kv-cache-dtype NAME`` stores K/V in; :class:`ModelLoadError`
+    naming the flag for one this executor cannot serve."""
+    if name not in KV_CACHE_DTYPES:
+        raise ModelLoadError(
+            f"--kv-cache-dtype {name!r}: choose auto or one of {sorted(KV_CACHE_DTYPES)}"
+        )
+    if device.type != "cpu":
+        raise ModelLoadError(
+            f"--kv-cache-dtype {name}: an fp8 cache is read by the CPU path only; the Triton "
+            "kernels have not been given fp8 loads yet (drop the flag on CUDA)"
+        )
+    return KV_CACHE_DTYPES[name]

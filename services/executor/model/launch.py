@@ -32,7 +32,11 @@ from services.executor.model.draft import draft_bytes_per_block, draft_runner, l
 from services.executor.model.eagle import Eagle3Runner, eagle3_bytes_per_block, load_eagle3
 from services.executor.model.errors import ModelLoadError
 from services.executor.model.host_kv import HostKVCache
-from services.executor.model.kv_cache import allocate_kv_cache, size_kv_cache
+from services.executor.model.kv_cache import (
+    allocate_kv_cache,
+    kv_cache_torch_dtype,
+    size_kv_cache,
+)
 from services.executor.model.kv_layout import plan_kv_layout
 from services.executor.model.loader import load_model, read_model_config, resolve_device
 from services.executor.model.lora.slots import LoRASlots
@@ -118,6 +122,8 @@ def _build(
     model.use_kv_layout(plan_kv_layout(model.local_config, hybrid=config.cache.hybrid_kv_cache))
     if config.quantization is not None:  # before the slots and the cache take their memory
         quantize_model(model, config.quantization)
+    if config.kv_cache_dtype != "auto":
+        model.use_kv_cache_dtype(kv_cache_torch_dtype(config.kv_cache_dtype, device))
     graph_sizes = config.graph_sizes if graph_backend is not None or device.type == "cuda" else ()
     if model.config.moe is not None and graph_sizes:
         # The fused MoE kernel reads nothing back on the host, but its capture has not yet
@@ -157,7 +163,7 @@ def _build(
         model.local_config,
         num_blocks,
         config.block_size,
-        model.dtype,
+        model.kv_cache_dtype,
         device,
         model.kv_layout.num_slots,
     )

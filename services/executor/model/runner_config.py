@@ -66,6 +66,7 @@ class RunnerConfig:
     max_loras: int = 0
     max_lora_rank: int = 0
     quantization: str | None = None  # "int8": the decoder's projections in int8 (CPU)
+    kv_cache_dtype: str = "auto"  # "fp8", "fp8_e4m3", "fp8_e5m2": K/V stored in fp8 (CPU)
 
     @property
     def block_size(self) -> int:

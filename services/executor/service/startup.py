@@ -32,6 +32,7 @@ from services.executor.model.errors import ModelLoadError
 from services.executor.model.kv_layout import KVCacheLayout
 from services.executor.model.launch import build_runner
 from services.executor.model.loader import load_tokenizer
+from services.executor.model.models import DecoderLM
 from services.executor.model.runner import ModelRunner
 from services.executor.service.config import BlockManagerMode, ExecutorConfig
 
@@ -137,6 +138,8 @@ def _build_engine(
         # prefix hit's last block is computed again (core.spec.eagle).
         prefix_hit_margin=1 if getattr(runner, "eagle", None) is not None else 0,
         pin_budget_blocks=int(config.session_pin_budget * usable),
+        kv_cache_dtype=str(runner.kv_cache.dtype).removeprefix("torch."),
+        kv_scales=kv_scales_digest(runner.model),
     )
     client = blockmgr or connect_blockmgr(config)
     try:
@@ -229,6 +232,17 @@ def _build_engine(
         tensor_parallel_size=runner.model.shard.size,
     )
     return engine, served
+
+
+def kv_scales_digest(model: DecoderLM) -> str:
+    """A digest of the per-layer scales an fp8 cache stores K/V under ('' for none)."""
+    if model.kv_cache_dtype == model.dtype:
+        return ""
+    scales = [
+        (getattr(layer.self_attn, "k_scale", 1.0), getattr(layer.self_attn, "v_scale", 1.0))
+        for layer in model.layers
+    ]
+    return hashlib.sha256(json.dumps(scales).encode()).hexdigest()[:16]
 
 
 def lora_registry(config: ExecutorConfig, runner: ModelRunner) -> LoRARegistry | None:

@@ -36,6 +36,9 @@ class Attention(nn.Module):
             0  # the KV-cache group whose block tables it reads (DecoderLM.use_kv_layout)
         )
         self.logits_soft_cap = config.attn_logit_softcap
+        # An fp8 KV cache (quantize_kv): K/V divided by these on write, multiplied back after.
+        self.kv_limit = 0.0  # the cache dtype's largest value; 0: K/V stored as they are
+        self.k_scale = self.v_scale = 1.0
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype
         )
@@ -66,6 +69,12 @@ class Attention(nn.Module):
 
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [NB, BS, Hkv, D] each
         block_tables, slot_mapping = batch.tables_of(self.kv_group)
+        scale = self.scale
+        if self.kv_limit:  # fp8: scaled into the dtype's range (saturating), and back below
+            lim = self.kv_limit
+            k = (k * (1.0 / self.k_scale)).clamp_(-lim, lim)
+            v = (v * (1.0 / self.v_scale)).clamp_(-lim, lim)
+            scale *= self.k_scale
         ops.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
         out = ops.paged_attention(
             q,
@@ -74,10 +83,19 @@ class Attention(nn.Module):
             block_tables,
             batch.query_start_loc,
             batch.seq_lens,
-            self.scale,
+            scale,
             max_query_len=batch.max_query_len,
             max_seq_len=batch.max_seq_len,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
         )  # [T, Hq, D]
-        return self.comm.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
+        if self.kv_limit and self.v_scale != 1.0:
+            out = out * self.v_scale
+        return self.comm.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+
+    def quantize_kv(self, dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
+        """Store K/V in ``dtype`` (fp8), divided by the layer's scales first."""
+        if not (k_scale > 0 and v_scale > 0):
+            raise ValueError(f"KV scales must be positive, got {k_scale}, {v_scale}")
+        self.kv_limit = float(torch.finfo(dtype).max)
+        self.k_scale, self.v_scale = k_scale, v_scale

@@ -96,6 +96,8 @@ _FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+# An fp8 checkpoint's per-layer KV scales (llm-compressor's names).
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale")
 # Our mixture-of-experts parameters: layers.{i}.mlp.{gate.weight | w13 | w2}.
 _MOE_PARAM = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate\.weight|w13|w2)")
 # Row-parallel projections: each rank holds a slice of the input columns; the bias is added
@@ -151,6 +153,10 @@ class DecoderLM(nn.Module):
         #: (none: not kept).
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: Tensor | None = None
+        #: The dtype its KV cache stores K/V in (``--kv-cache-dtype``; default: its own).
+        self.kv_cache_dtype: torch.dtype = dtype
+        # Per layer, the checkpoint's fp8 KV scales (llm-compressor's k_scale / v_scale).
+        self.kv_scales: dict[tuple[int, str], float] = {}
         self._tie_weights()
 
     def use_kv_layout(self, layout: KVCacheLayout) -> None:
@@ -163,6 +169,18 @@ class DecoderLM(nn.Module):
             attention = layer.self_attn
             assert isinstance(attention, Attention)
             attention.kv_group = group
+
+    def use_kv_cache_dtype(self, dtype: torch.dtype) -> None:
+        """Store K/V in ``dtype`` (fp8): each layer divides them by its scales (the
+        checkpoint's ``k_scale`` / ``v_scale``, else 1.0) on write, and its attention
+        multiplies them back (the scores' scale by ``k_scale``, the output by ``v_scale``)."""
+        self.kv_cache_dtype = dtype
+        for i, layer in enumerate(self.layers):
+            attention = layer.self_attn
+            assert isinstance(attention, Attention)
+            attention.quantize_kv(
+                dtype, self.kv_scales.get((i, "k"), 1.0), self.kv_scales.get((i, "v"), 1.0)
+            )
 
     @classmethod
     def empty(
@@ -263,6 +281,11 @@ class DecoderLM(nn.Module):
         for hf_name, weight in self._unfused((n, w) for n, w in renamed if n is not None):
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # some old checkpoints store the (recomputed) RoPE frequencies
+            scale = _KV_SCALE.fullmatch(hf_name)
+            if scale is not None:  # an fp8 checkpoint's KV scales (used with an fp8 cache)
+                layer, which = int(scale.group(1)), scale.group(2)
+                self.kv_scales[(layer, which)] = float(torch.as_tensor(weight[...]).float().max())
+                continue
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the LM head
             place = self._place(params, hf_name)
