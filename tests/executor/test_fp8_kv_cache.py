@@ -1,7 +1,8 @@
-"""``--kv-cache-dtype fp8`` (e4m3, e5m2) on the CPU: K/V are stored in fp8, scaled by each
-layer's ``k_scale`` / ``v_scale`` (an fp8 checkpoint's, else 1.0) and scaled back when read;
-the same memory holds four times the blocks of an fp32 cache; logits read back from the
-cache (a prefill in two chunks) stay close to fp32's."""
+"""``--kv-cache-dtype fp8`` (e4m3, e5m2) and ``bfloat16`` on the CPU: K/V are stored in fp8,
+scaled by each layer's ``k_scale`` / ``v_scale`` (an fp8 checkpoint's, else 1.0) and scaled
+back when read (bf16: rounded, no scales); the same memory holds four (two) times the blocks
+of an fp32 cache; logits read back from the cache (a prefill in two chunks) stay close to
+fp32's."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def test_an_fp8_cache_keeps_the_logits_close_to_fp32(
     base = load_runner(tiny_checkpoint(name), dtype="float32", num_kv_blocks=16)
     expected = _two_chunks(base)
     spread = (expected.max() - expected.min()).item()
-    for kv_dtype, tol, agree in (("fp8_e4m3", 0.02, 0.8), ("fp8_e5m2", 0.04, 0.5)):
+    cases = (("bfloat16", 0.005, 0.95), ("fp8_e4m3", 0.02, 0.8), ("fp8_e5m2", 0.04, 0.5))
+    for kv_dtype, tol, agree in cases:
         runner = load_runner(
             tiny_checkpoint(name), dtype="float32", num_kv_blocks=16, kv_cache_dtype=kv_dtype
         )
@@ -47,11 +49,11 @@ def test_an_fp8_cache_keeps_the_logits_close_to_fp32(
         assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() >= agree
 
 
-def test_the_same_memory_holds_four_times_the_blocks_of_fp32(
+def test_the_same_memory_holds_four_times_the_blocks_of_fp32_and_bf16_twice(
     tiny_checkpoint: CheckpointFactory,
 ) -> None:
     sizes = {}
-    for kv_dtype in ("auto", "fp8"):
+    for kv_dtype in ("auto", "bfloat16", "fp8"):
         runner = load_runner(
             tiny_checkpoint("llama"),
             dtype="float32",
@@ -62,6 +64,7 @@ def test_the_same_memory_holds_four_times_the_blocks_of_fp32(
         )
         sizes[kv_dtype] = runner.num_blocks
     assert sizes["fp8"] == pytest.approx(4 * sizes["auto"], abs=4)
+    assert sizes["bfloat16"] == pytest.approx(2 * sizes["auto"], abs=2)
 
 
 def test_an_fp8_checkpoints_kv_scales_scale_what_the_cache_stores(

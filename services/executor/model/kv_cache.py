@@ -219,6 +219,7 @@ def _profile_budget(
 
 #: ``--kv-cache-dtype`` values other than ``auto`` (the model's dtype), vLLM's names.
 KV_CACHE_DTYPES = {
+    "bfloat16": torch.bfloat16,
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
@@ -234,7 +235,8 @@ def kv_cache_torch_dtype(name: str, device: torch.device) -> torch.dtype:
         )
     if device.type != "cpu":
         raise ModelLoadError(
-            f"--kv-cache-dtype {name}: an fp8 cache is read by the CPU path only; the Triton "
-            "kernels have not been given fp8 loads yet (drop the flag on CUDA)"
+            f"--kv-cache-dtype {name}: a cache in another dtype than the model's is read by "
+            "the CPU path only; the Triton kernels have not been given such loads yet (drop "
+            "the flag on CUDA)"
         )
     return KV_CACHE_DTYPES[name]

@@ -90,7 +90,7 @@ class ExecutorConfig:
     # Share of the KV blocks session pins (a request's kv_pin_ttl_s) may keep once free.
     session_pin_budget: float = 0.1
     quantization: str | None = None  # "int8": the decoder's projections in int8 (CPU, fp32)
-    kv_cache_dtype: str = "auto"  # vLLM's: auto (the model's dtype), fp8, fp8_e4m3, fp8_e5m2
+    kv_cache_dtype: str = "auto"  # vLLM's: auto (the model's), bfloat16, fp8, fp8_e4m3, fp8_e5m2
     seed: int = 0
     host: str = "127.0.0.1"
     port: int = 50061
@@ -217,11 +217,11 @@ class ExecutorConfig:
         )
         a(
             "--kv-cache-dtype",
-            choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+            choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"),
             default=cls.kv_cache_dtype,
-            help="the KV cache's dtype: auto (the model's) or fp8 (e4m3; e5m2), K/V scaled by "
-            "the checkpoint's per-layer k_scale / v_scale (else 1.0): 2-4x the blocks in "
-            "the same memory (CPU path only for now)",
+            help="the KV cache's dtype: auto (the model's), bfloat16 (for an fp32 model), or "
+            "fp8 (e4m3; e5m2), K/V scaled by the checkpoint's per-layer k_scale / v_scale "
+            "(else 1.0): 2-4x the blocks in the same memory (CPU path only for now)",
         )
         a(
             "--session-pin-budget",
