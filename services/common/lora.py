@@ -11,8 +11,8 @@ __all__ = ["LORA_SALT_PREFIX", "MAX_LORA_NAME_LEN", "check_lora_name", "lora_sal
 
 MAX_LORA_NAME_LEN = 128
 _NAME = re.compile(r"[\w.:/@+-]+")
-#: Starts every adapter request's salt; a client's cache_salt may hold no NUL, so none can
-#: be taken for one (services.common.limits.check_cache_salt).
+#: Starts every adapter request's salt; a client's cache_salt may hold no NUL (refused by the
+#: gateway's validation and the executor's ``LoRARegistry.bind``), so none can be taken for one.
 LORA_SALT_PREFIX = b"\0lora\0"
 
 

@@ -43,9 +43,6 @@ class SessionPins:
         self.until: dict[int, float] = {}  # block -> when its pin ends (free or hit since)
         self.pinned: OrderedDict[int, float] = OrderedDict()  # free block -> until, pin order
         self._ends: list[tuple[float, int]] = []  # heap of (until, block); stale entries skipped
-        self.num_pins_expired = 0
-        self.num_pins_over_budget = 0  # pins ended early: more than the budget pinned
-        self.num_pins_evicted = 0  # pinned blocks handed out: the pool had nothing else
 
     # ---- what the pool asks ---------------------------------------------------------------
 
@@ -53,10 +50,6 @@ class SessionPins:
         """An in-use block is to be kept ``ttl_s`` seconds once freed (the longest asked)."""
         if ttl_s > self.ttl.get(block_id, 0.0) and self.budget:
             self.ttl[block_id] = ttl_s
-
-    @property
-    def num_pinned(self) -> int:
-        return len(self.pinned)
 
     def push(self, block_id: int) -> None:
         ttl = self.ttl.pop(block_id, 0.0) if self.ttl else 0.0
@@ -77,7 +70,6 @@ class SessionPins:
             oldest, _ = self.pinned.popitem(last=False)
             del self.until[oldest]
             self.levels.push(oldest)
-            self.num_pins_over_budget += 1
 
     def remove(self, block_id: int) -> None:
         if self.pinned.pop(block_id, None) is None:
@@ -92,7 +84,6 @@ class SessionPins:
             return self.levels.pop()
         block_id, _ = self.pinned.popitem(last=False)
         del self.until[block_id]
-        self.num_pins_evicted += 1
         return block_id
 
     def clear(self, block_id: int) -> None:
@@ -116,7 +107,6 @@ class SessionPins:
             del self.until[block_id]
             if self.pinned.pop(block_id, None) is not None:  # (a block in use stays so)
                 self.levels.push(block_id)
-                self.num_pins_expired += 1
         if len(ends) > 4 * max(len(self.until), 64):  # mostly stale: rebuild
             self._ends = [(until, b) for b, until in self.until.items()]
             heapq.heapify(self._ends)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.limits import FieldError
@@ -54,19 +53,16 @@ class AdapterVersion:
     retired: bool = False  # replaced or unloaded: no new requests; forgotten once idle
 
 
-class LoRARegistry:
-    """The executor's adapters (see the module docstring). ``read`` reads and checks an
-    adapter directory for this model (raising :class:`ModelLoadError`); ``slots`` is the
-    runner's slot table, where the versions' host copies are registered. Without them
-    (:data:`NO_ADAPTERS`) the executor serves the base model only."""
+_DISABLED = "lora_name: this executor serves no adapters (start it with --enable-lora)"
 
-    def __init__(
-        self,
-        read: Callable[[str], LoRAAdapter] | None = None,
-        slots: LoRASlots | None = None,
-        max_cpu_loras: int = 0,
-    ) -> None:
-        self._read, self.slots, self.max_cpu_loras = read, slots, max_cpu_loras
+
+class LoRARegistry:
+    """The executor's adapters (see the module docstring). ``slots`` is the runner's slot
+    table, which reads and checks adapters for its model and holds the versions' host
+    copies. Without it (:data:`NO_ADAPTERS`) the executor serves the base model only."""
+
+    def __init__(self, slots: LoRASlots | None = None, max_cpu_loras: int = 0) -> None:
+        self.slots, self.max_cpu_loras = slots, max_cpu_loras
         if slots is not None:
             slots.reset()  # ids start over: no version of an earlier registry may linger
         self.names: dict[str, AdapterVersion] = {}
@@ -95,10 +91,7 @@ class LoRARegistry:
         INVALID_ARGUMENT naming the field if it cannot serve."""
         check_lora_name(name)
         if self.slots is None:
-            raise EngineError(
-                RequestErrorCode.FAILED_PRECONDITION,
-                "lora_name: this executor serves no adapters (start it with --enable-lora)",
-            )
+            raise EngineError(RequestErrorCode.FAILED_PRECONDITION, _DISABLED)
         if name in self.names and not replace:
             raise EngineError(
                 RequestErrorCode.ALREADY_EXISTS,
@@ -167,14 +160,6 @@ class LoRARegistry:
             self._idle[version.id] = None
             self._trim()
 
-    def running(self) -> dict[str, int]:
-        """Live requests per adapter name (versions of one name together)."""
-        counts: dict[str, int] = {}
-        for version in self.versions.values():
-            if version.num_requests:
-                counts[version.name] = counts.get(version.name, 0) + version.num_requests
-        return counts
-
     def _named(self, name: str) -> AdapterVersion:
         version = self.names.get(name)
         if version is None:
@@ -187,13 +172,10 @@ class LoRARegistry:
     def read_checked(self, path: str) -> LoRAAdapter:
         """The adapter at ``path``, read and checked for this model (any thread);
         INVALID_ARGUMENT naming the field if it cannot serve."""
-        if self._read is None:
-            raise EngineError(
-                RequestErrorCode.FAILED_PRECONDITION,
-                "lora_name: this executor serves no adapters (start it with --enable-lora)",
-            )
+        if self.slots is None:
+            raise EngineError(RequestErrorCode.FAILED_PRECONDITION, _DISABLED)
         try:
-            return self._read(path)
+            return self.slots.read(path)
         except (ModelLoadError, OSError) as exc:
             raise EngineError(RequestErrorCode.INVALID_ARGUMENT, str(exc)) from None
 

@@ -170,10 +170,12 @@ class ModelRunner:
     def prepare(self, chunks: Sequence[SeqChunk]) -> PreparedForward:
         """The host half of :meth:`execute`: the batch built on the host, nothing on the
         device (so it can run while the device computes the step before)."""
-        if self.lora is not None:
+        if self.lora is not None:  # (no graphs: the rows' slots change every step)
             prepared = self.builder.prepare(chunks)
-            lens = [len(c.token_ids) for c in chunks]
-            rows = np.repeat(np.array([c.lora_id for c in chunks], dtype=np.int64), lens)
+            ids = [c.lora_id for c in chunks]
+            if not any(ids):
+                return prepared  # the base model's rows only
+            rows = np.repeat(np.array(ids, dtype=np.int64), [len(c.token_ids) for c in chunks])
             return dataclasses.replace(prepared, lora_rows=rows)
         graphs = self.graphs
         size = graphs.bucket(chunks) if graphs is not None else None
@@ -216,11 +218,9 @@ class ModelRunner:
     def _map_lora_rows(self, prepared: PreparedForward) -> None:
         """Map the forward's rows to their adapters' slots, on every rank alike (each runs
         the same LRU over the same calls)."""
-        if self.lora is None:
-            return
-        rows = prepared.lora_rows
-        if rows is not None and not rows.any():
-            rows = None
+        rows = prepared.lora_rows  # (None: no row uses an adapter)
+        if self.lora is None or (rows is None and self.lora.context.mapping.empty):
+            return  # (nothing to map, nor to clear on any rank)
         if self.workers is not None:
             n = 0 if rows is None else len(rows)
             ids = () if rows is None else (torch.from_numpy(rows).to(self.device),)

@@ -61,13 +61,10 @@ class AdapterRpcs:
         self, request: executor_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
     ) -> executor_pb2.AdapterInfo:
         registry = self._registry()
-        if registry is None or not registry.enabled:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "lora_name: this executor serves no adapters (start it with --enable-lora)",
-            )
+        if registry is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not running")
         assert registry is not None
-        try:
+        try:  # (FAILED_PRECONDITION from read_checked without --enable-lora)
             check_lora_name(request.name, "name")
             if not request.path:
                 raise EngineError(RequestErrorCode.INVALID_ARGUMENT, "path: is required")

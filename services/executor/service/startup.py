@@ -254,7 +254,7 @@ def lora_registry(config: ExecutorConfig, runner: ModelRunner) -> LoRARegistry |
     if not lora.enable_lora:
         return None
     slots = runner.lora or runner.attach_lora(lora.max_loras, lora.max_lora_rank)
-    registry = LoRARegistry(slots.read, slots, lora.cpu_loras)
+    registry = LoRARegistry(slots, lora.cpu_loras)
     for module in lora.lora_modules:
         try:
             version = registry.load(module.name, module.path)

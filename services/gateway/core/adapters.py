@@ -37,10 +37,8 @@ class AdapterService:
 
     def parent_of(self, name: str) -> str | None:
         """The path an adapter was loaded from, on the first executor serving it."""
-        for conn in self.pool.ready:
-            if name in conn.adapters:
-                return conn.adapters[name].path
-        return None
+        serving = self.fleet.serving(name)
+        return serving[0].adapters[name].path if serving else None
 
     async def load(self, name: str, path: str, replace: bool = False) -> AdapterSummary:
         self._check_updates()
@@ -54,8 +52,7 @@ class AdapterService:
             infos = await self.fleet.load(name, path, replace)
         except AdapterCallError as exc:
             raise _error(exc) from None
-        first = infos[0]
-        return AdapterSummary(name, first.path, first.rank, first.digest.hex(), len(infos), 0)
+        return AdapterSummary.of(name, infos)
 
     async def unload(self, name: str) -> None:
         self._check_updates()

@@ -1,6 +1,6 @@
 """The LoRA adapters across the executors: which ready executor serves which adapter (each
-connection's ``adapters``, read when it connects), loading and unloading on all of them, and
-the prefix-cache salt of an adapter's request on one of them."""
+connection's ``adapters``, read when it connects), and loading and unloading on all of them.
+(Routing reads the connections' adapters itself: ``ExecutorPool.pick``.)"""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import TypeVar
 import grpc
 
 from pagedserve.v1 import executor_pb2
-from services.common.lora import lora_salt
 from services.gateway.fleet.executor_client import ExecutorConnection, ExecutorPool
 
 __all__ = ["AdapterCallError", "AdapterFleet", "AdapterSummary"]
@@ -39,27 +38,21 @@ class AdapterSummary:
     num_executors: int
     num_running: int
 
+    @classmethod
+    def of(cls, name: str, infos: list[executor_pb2.AdapterInfo]) -> AdapterSummary:
+        """``name`` as the executors (``infos``, one each, non-empty) describe it."""
+        first = infos[0]
+        running = sum(i.num_running for i in infos)
+        return cls(name, first.path, first.rank, first.digest.hex(), len(infos), running)
+
 
 class AdapterFleet:
     def __init__(self, pool: ExecutorPool, timeout_s: float = 60.0) -> None:
         self.pool = pool
         self.timeout_s = timeout_s
 
-    def accept(self, name: str) -> Callable[[ExecutorConnection], bool] | None:
-        """Which executors may run a request of adapter ``name`` (None: the base model, any)."""
-        if not name:
-            return None
-        return lambda conn: name in conn.adapters
-
     def serving(self, name: str) -> list[ExecutorConnection]:
         return [c for c in self.pool.ready if name in c.adapters]
-
-    @staticmethod
-    def salt(conn: ExecutorConnection, name: str, cache_salt: bytes) -> bytes:
-        """The salt ``conn`` hashes a request of adapter ``name`` with (the base model's:
-        ``cache_salt``)."""
-        info = conn.adapters.get(name) if name else None
-        return cache_salt if info is None else lora_salt(cache_salt, info.digest)
 
     async def load(self, name: str, path: str, replace: bool) -> list[executor_pb2.AdapterInfo]:
         """Load on every ready executor, together; the first refusal is raised once all have
@@ -107,17 +100,7 @@ class AdapterFleet:
         for adapters in await _all(conns, one):
             for name, info in adapters.items():
                 by_name.setdefault(name, []).append(info)
-        return [
-            AdapterSummary(
-                name,
-                infos[0].path,
-                infos[0].rank,
-                infos[0].digest.hex(),
-                len(infos),
-                sum(i.num_running for i in infos),
-            )
-            for name, infos in sorted(by_name.items())
-        ]
+        return [AdapterSummary.of(name, infos) for name, infos in sorted(by_name.items())]
 
 
 async def _all(

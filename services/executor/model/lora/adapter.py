@@ -88,15 +88,6 @@ class LoRAAdapter:
     rank: int  # the largest of its modules' ranks
     #: (layer, our projection) -> the modules on it (one per part it adapts)
     modules: dict[tuple[int, str], list[LoRAModule]] = field(repr=False)
-    target_modules: tuple[str, ...] = ()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(
-            m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size()
-            for mods in self.modules.values()
-            for m in mods
-        )
 
 
 def adapter_files(path: str | Path) -> tuple[Path, Path]:
@@ -179,14 +170,7 @@ def read_adapter(
         modules.setdefault((layer, projection), []).append(module)
     if not modules:
         raise ModelLoadError(f"lora_path: {weight_file} holds no LoRA weights for this model")
-    targets = peft.get("target_modules") or ()
-    return LoRAAdapter(
-        path=str(path),
-        digest=digest,
-        rank=rank,
-        modules=modules,
-        target_modules=(targets,) if isinstance(targets, str) else tuple(targets),
-    )
+    return LoRAAdapter(path=str(path), digest=digest, rank=rank, modules=modules)
 
 
 def _check_peft_config(peft: dict[str, Any]) -> None:
@@ -259,9 +243,7 @@ def part_sizes(projection: str, config: ModelConfig) -> tuple[int, ...]:
         return (config.q_size, config.kv_size, config.kv_size)
     if projection == "mlp.gate_up_proj":
         return (config.intermediate_size, config.intermediate_size)
-    if projection == "self_attn.o_proj":
-        return (config.hidden_size,)
-    return (config.hidden_size,)
+    return (config.hidden_size,)  # o_proj, down_proj
 
 
 def in_features(projection: str, config: ModelConfig) -> int:

@@ -25,8 +25,7 @@ __all__ = ["LoRABatched", "LoRAContext", "LoRAGroup", "LoRAMapping", "LoRAProjec
 
 @dataclass(frozen=True)
 class LoRAGroup:
-    """The rows of one adapter slot in a forward: a slice of the token axis, or of
-    :attr:`LoRAMapping.perm` when the adapters' rows are interleaved."""
+    """The rows of the one adapter of a forward: a slice of the token axis, in ``slot``."""
 
     slot: int
     rows: slice
@@ -35,12 +34,13 @@ class LoRAGroup:
 @dataclass(frozen=True)
 class LoRABatched:
     """The rows of several adapters as one batched matmul (CPU): the ``G`` slots of ``slots``
-    each get ``M`` rows. Either rows ``[start, start + G*M)`` are exactly those, each slot's
-    ``M`` in turn (``gather`` None: no index op at all; the scheduler groups a batch's rows
-    by adapter), or ``gather`` ``[G*M]`` picks them (fillers repeat row 0), and the results
-    at ``valid`` (the real rows' positions; None: all) are added to token rows ``dest``."""
+    (a slice of the slot table when they are consecutive, else their indices) each get ``M``
+    rows. Either rows ``[start, start + G*M)`` are exactly those, each slot's ``M`` in turn
+    (``gather`` None: no index op at all; the scheduler groups a batch's rows by adapter), or
+    ``gather`` ``[G*M]`` picks them (fillers repeat row 0), and the results at ``valid`` (the
+    real rows' positions; None: all) are added to token rows ``dest``."""
 
-    slots: Tensor | None  # [G] the slots in use, in row order; None: every slot, in order
+    slots: slice | Tensor  # [G] the slots in use, in row order
     num_groups: int  # G
     num_rows: int  # M
     start: int = 0
@@ -51,23 +51,20 @@ class LoRABatched:
 
 @dataclass(frozen=True)
 class LoRAMapping:
-    """Which token rows of a forward use which slot (rows of the base model in none): as
-    contiguous slices of the token axis (``groups``), or when some adapter's rows are
-    interleaved with others', as one batched matmul over the slots (``batched``): a few ops
-    per projection whatever the number of adapters."""
+    """Which token rows of a forward use which slot (rows of the base model in none): on CUDA
+    a slot per row (``token_slots``, the kernels' input); on the CPU one adapter's contiguous
+    rows (``group``), or several adapters' rows as one batched matmul over their slots
+    (``batched``): a few ops per projection whatever the number of adapters. None of them: no
+    row uses an adapter."""
 
-    groups: tuple[LoRAGroup, ...]
+    group: LoRAGroup | None = None
     batched: LoRABatched | None = None
-    token_slots: Tensor | None = None  # [T] int32, -1 for base rows (the CUDA kernels)
+    token_slots: Tensor | None = None  # [T] int32, -1 for base rows
+    num_adapters: int = 0  # the adapters (slots) its rows use
 
     @property
     def empty(self) -> bool:
-        return not self.groups and self.batched is None
-
-    @property
-    def num_adapters(self) -> int:
-        """The adapters (slots) its rows use."""
-        return len(self.groups) if self.batched is None else self.batched.num_groups
+        return self.num_adapters == 0
 
 
 @dataclass
@@ -75,7 +72,7 @@ class LoRAContext:
     """Shared by every projection with LoRA: the mapping of the forward running now (set by
     the runner before it, empty when no row uses an adapter)."""
 
-    mapping: LoRAMapping = field(default_factory=lambda: LoRAMapping(()))
+    mapping: LoRAMapping = field(default_factory=LoRAMapping)
 
 
 class LoRAProjection:
@@ -102,22 +99,23 @@ class LoRAProjection:
     def add_to(self, x: Tensor, y: Tensor) -> None:
         """``y[rows of slot s] += x[rows] @ a[s].T @ b[s].T`` for each slot of the mapping."""
         mapping = self.context.mapping
-        if mapping.empty:
-            return
-        if mapping.token_slots is not None and x.device.type == "cuda":
+        if mapping.token_slots is not None:
             shrunk = ops.lora_shrink(x, self.a, mapping.token_slots)
             ops.lora_expand(shrunk, self.b, mapping.token_slots, y)
             return
-        batched = mapping.batched
-        if batched is None:
-            for group in mapping.groups:
-                a, b, rows = self.a[group.slot], self.b[group.slot], group.rows
-                y[rows] += ops.linear(ops.linear(x[rows], a), b)
+        group, batched = mapping.group, mapping.batched
+        if group is not None:
+            rows = group.rows
+            y[rows] += ops.linear(ops.linear(x[rows], self.a[group.slot]), self.b[group.slot])
             return
-        a, b = self.a, self.b
-        if batched.slots is not None:
-            a, b = a.index_select(0, batched.slots), b.index_select(0, batched.slots)
-        g, m, gather = a.shape[0], batched.num_rows, batched.gather
+        if batched is None:
+            return
+        slots = batched.slots
+        if isinstance(slots, slice):  # a view of the slot table
+            a, b = self.a[slots], self.b[slots]
+        else:
+            a, b = self.a.index_select(0, slots), self.b.index_select(0, slots)
+        g, m, gather = batched.num_groups, batched.num_rows, batched.gather
         if gather is None:
             rows = slice(batched.start, batched.start + g * m)
             y[rows] += torch.bmm(torch.bmm(x[rows].view(g, m, -1), a.mT), b.mT).view(g * m, -1)

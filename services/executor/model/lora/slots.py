@@ -50,7 +50,7 @@ class LoRASlots:
         self.projections: dict[tuple[int, str], LoRAProjection] = {}
         for i, layer in enumerate(model.layers):
             for name, num_parts in NUM_PARTS.items():
-                module = layer.get_submodule(name) if _has(layer, name) else None
+                module = _submodule(layer, name)
                 if not isinstance(module, Linear):
                     continue  # a mixture of experts has no dense MLP projections
                 projection = LoRAProjection(
@@ -77,11 +77,6 @@ class LoRASlots:
         :class:`~services.executor.model.errors.ModelLoadError` naming what does not fit."""
         m = self.model
         return read_adapter(path, m.config, m.dtype, self.max_rank, m.checkpoint_name)
-
-    @property
-    def loaded(self) -> tuple[int, ...]:
-        """The adapter ids in device slots."""
-        return tuple(self._slots)
 
     def register(self, adapter_id: int, adapter: LoRAAdapter) -> None:
         """Make ``adapter`` loadable under ``adapter_id`` (> 0, never reused for other
@@ -112,7 +107,6 @@ class LoRASlots:
         """Forget every adapter (a new registry starts over on a model already loaded)."""
         for adapter_id in [*self.adapters, *self._slots]:
             self.forget(adapter_id)
-        self.clear_mapping()
 
     def activate(self, row_adapters: np.ndarray) -> LoRAMapping:
         """Put the adapters of ``row_adapters`` (``[T]``, an adapter id per token row, 0 for
@@ -135,7 +129,7 @@ class LoRASlots:
         return mapping
 
     def clear_mapping(self) -> None:
-        self.context.mapping = LoRAMapping(())
+        self.context.mapping = LoRAMapping()
 
     def _load(self, adapter_id: int, keep: Sequence[int]) -> None:
         adapter = self.adapters.get(adapter_id)
@@ -179,56 +173,53 @@ class LoRASlots:
 
     def _mapping(self, row_adapters: np.ndarray, wanted: list[int]) -> LoRAMapping:
         if not wanted:
-            return LoRAMapping(())
-        slots = np.full(len(row_adapters), -1, dtype=np.int32)
-        rows_of = []
-        for adapter_id in wanted:
-            rows = np.flatnonzero(row_adapters == adapter_id)
-            slots[rows] = self._slots[adapter_id]
-            rows_of.append(rows)
-        token_slots = None
-        if self.device.type == "cuda":
-            token_slots = torch.from_numpy(slots).to(self.device, non_blocking=True)
-        # One adapter on one slice: two matmuls. Else one batched pair over the slots in use.
-        if len(wanted) == 1 and int(rows_of[0][-1]) - int(rows_of[0][0]) + 1 == len(rows_of[0]):
-            r = rows_of[0]
-            group = LoRAGroup(self._slots[wanted[0]], slice(int(r[0]), int(r[-1]) + 1))
-            return LoRAMapping((group,), None, token_slots)
-        order = sorted(range(len(wanted)), key=lambda k: int(rows_of[k][0]))  # row order
-        rows_of = [rows_of[k] for k in order]
-        used = [self._slots[wanted[k]] for k in order]
-        m = max(len(r) for r in rows_of)
-        device = self.device
-        slots_t = None if used == list(range(self.num_slots)) else torch.tensor(used, device=device)
+            return LoRAMapping()
+        device, num = self.device, len(wanted)
+        if device.type == "cuda":  # the kernels group the rows themselves
+            slots = np.full(len(row_adapters), -1, dtype=np.int32)
+            for adapter_id in wanted:
+                slots[row_adapters == adapter_id] = self._slots[adapter_id]
+            token_slots = torch.from_numpy(slots).to(device, non_blocking=True)
+            return LoRAMapping(token_slots=token_slots, num_adapters=num)
+        # In row order (the scheduler groups each adapter's rows).
+        rows_of = sorted((np.flatnonzero(row_adapters == i) for i in wanted), key=lambda r: r[0])
+        used = [self._slots[int(row_adapters[r[0]])] for r in rows_of]
         flat = np.concatenate(rows_of)
+        contiguous = int(flat[-1]) - int(flat[0]) + 1 == len(flat) and bool(
+            np.all(np.diff(flat) == 1)
+        )
+        if num == 1 and contiguous:  # one adapter on one slice: two matmuls
+            group = LoRAGroup(used[0], slice(int(flat[0]), int(flat[-1]) + 1))
+            return LoRAMapping(group=group, num_adapters=1)
+        # Else one batched pair over the slots in use.
+        m = max(len(r) for r in rows_of)
+        if used == list(range(used[0], used[0] + num)):
+            slots_of: slice | torch.Tensor = slice(used[0], used[0] + num)
+        else:
+            slots_of = torch.tensor(used, device=device)
         equal = all(len(r) == m for r in rows_of)
-        if (
-            equal
-            and int(flat[-1]) - int(flat[0]) + 1 == len(flat)
-            and bool(np.all(np.diff(flat) == 1))
-        ):
-            batched = LoRABatched(slots_t, len(used), m, start=int(flat[0]))
-            return LoRAMapping((), batched, token_slots)
-        gather = np.zeros((len(used), m), dtype=np.int64)
+        if equal and contiguous:
+            batched = LoRABatched(slots_of, num, m, start=int(flat[0]))
+            return LoRAMapping(batched=batched, num_adapters=num)
+        gather = np.zeros((num, m), dtype=np.int64)
         for g, rows in enumerate(rows_of):
             gather[g, : len(rows)] = rows
         valid = None
         if not equal:
             valid = np.concatenate([g * m + np.arange(len(r)) for g, r in enumerate(rows_of)])
         batched = LoRABatched(
-            slots_t,
-            len(used),
+            slots_of,
+            num,
             m,
             gather=torch.from_numpy(gather.reshape(-1)).to(device),
             valid=None if valid is None else torch.from_numpy(valid).to(device),
             dest=torch.from_numpy(flat).to(device),
         )
-        return LoRAMapping((), batched, token_slots)
+        return LoRAMapping(batched=batched, num_adapters=num)
 
 
-def _has(layer: torch.nn.Module, name: str) -> bool:
+def _submodule(layer: torch.nn.Module, name: str) -> torch.nn.Module | None:
     try:
-        layer.get_submodule(name)
+        return layer.get_submodule(name)
     except AttributeError:
-        return False
-    return True
+        return None
