@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     a(
         "--kv-cache-dtype",
-        choices=["fp8", "fp8_e5m2"],
+        choices=["fp8", "fp8_e5m2", "int8"],
         default=None,
         help="also run ours with the executor's --kv-cache-dtype (a system of its own)",
     )

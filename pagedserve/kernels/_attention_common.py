@@ -28,6 +28,11 @@ are never read; inside, scores are also masked to ``pos > row position - W`` and
 below the tile's first window position are masked off. With a cap ``c`` the scores
 become ``c * tanh(score / c)`` before the mask (:func:`soft_cap_log2`).
 
+A cache in another dtype than the query's (:mod:`.kv_quant`): a narrower float (bf16, fp8)
+is loaded and cast to the query's dtype; int8 records (``KV_INT8``) are loaded as codes, and
+each position's fp32 scale multiplies its scores (K) and its probabilities (V), so the dots
+run on the codes themselves (exact in any float dtype).
+
 Head dims: any ``head_dim`` works; tiles are padded to the next power of two (>= 16, the
 minimum ``tl.dot`` size) and the padding lanes are masked, so 64/128/256 run unpadded and
 e.g. 80 or 96 run with masked lanes.
@@ -43,9 +48,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pagedserve.kernels.kv_quant import cache_head_dim
+
 LOG2E = math.log2(math.e)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+#: Cache dtypes other than the query's that the kernels read (:mod:`.kv_quant`).
+QUANTIZED_CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 MAX_HEAD_DIM = 256
 
 
@@ -106,18 +115,19 @@ def check_attention_inputs(
     if value_cache.shape != key_cache.shape:
         _fail(f"value_cache shape {tuple(value_cache.shape)} != key_cache {tuple(key_cache.shape)}")
     num_tokens, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if cache_head_dim != head_dim:
-        _fail(f"head_dim mismatch: query {head_dim}, cache {cache_head_dim}")
+    _, block_size, num_kv_heads, width = key_cache.shape
+    if key_cache.dtype != query.dtype and key_cache.dtype not in QUANTIZED_CACHE_DTYPES:
+        _fail(f"key_cache dtype {key_cache.dtype} is neither the query's nor a quantized one")
+    if value_cache.dtype != key_cache.dtype:
+        _fail(f"value_cache dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}")
+    if width != cache_head_dim(head_dim, key_cache.dtype):
+        _fail(f"head_dim mismatch: query {head_dim}, cache {width} ({key_cache.dtype})")
     if head_dim > MAX_HEAD_DIM:
         _fail(f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
     if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
         _fail(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     if query.dtype not in SUPPORTED_DTYPES:
         _fail(f"query dtype {query.dtype} not in {SUPPORTED_DTYPES}")
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dtype != query.dtype:
-            _fail(f"{name} dtype {t.dtype} != query dtype {query.dtype}")
     if block_tables.dim() != 2 or block_tables.dtype not in INDEX_DTYPES:
         _fail(
             f"block_tables must be [B, max_blocks] int32, got {block_tables.dtype} "
@@ -267,6 +277,7 @@ def attend_range(
     DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,  # 0: full causal attention
     SOFT_CAP: tl.constexpr,  # 0.0: no capping
+    KV_INT8: tl.constexpr,  # the cache holds int8 records (codes, then an fp32 scale)
 ):
     """Online-softmax attention of a query tile over context positions [kv_start, kv_end).
 
@@ -296,7 +307,12 @@ def attend_range(
             v_mask = n_mask[:, None] & d_mask[None, :]
         # K loaded transposed: [HEAD_DIM_PAD, TILE_N].
         k_t = tl.load(key_cache_ptr + k_off[None, :] + offs_d[:, None], mask=kt_mask, other=0.0)
-        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N] fp32
+        s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
+        if KV_INT8:
+            k_scale = tl.load(_scales(key_cache_ptr + k_off, HEAD_DIM), mask=n_mask, other=0.0)
+            s = s * (k_scale * qk_scale)[None, :]
+        else:
+            s = s * qk_scale
         if SOFT_CAP > 0:
             s = soft_cap_log2(s, SOFT_CAP)
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -310,9 +326,20 @@ def attend_range(
         alpha = tl.math.exp2(m_i - m_safe)  # [BLOCK_M]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(value_cache_ptr + v_off[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if KV_INT8:
+            v_scale = tl.load(_scales(value_cache_ptr + v_off, HEAD_DIM), mask=n_mask, other=0.0)
+            pv = (p * v_scale[None, :]).to(q.dtype)
+        else:
+            pv = p.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _scales(record_ptrs, HEAD_DIM: tl.constexpr):
+    """Pointers to the fp32 scales closing int8 records (byte pointers to their starts)."""
+    return (record_ptrs + HEAD_DIM).to(tl.pointer_type(tl.float32))
 
 
 @triton.jit

@@ -14,17 +14,17 @@ length:
   first one in the chunk's windows; SDPA, or explicit scores when soft-capping (SDPA
   cannot cap); a step holds few of them (the token budget bounds them).
 
-Math is in fp32, as in the reference; the result is cast to the query's dtype.
+Math is in fp32, as in the reference; the result is cast to the query's dtype. A cache in
+another dtype (bf16, fp8, int8 records) is widened as it is gathered (:mod:`.kv_quant`).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedserve.kernels.kv_quant import dequantize
 from pagedserve.kernels.reference import check_window_and_soft_cap
 
 __all__ = ["paged_attention_cpu"]
@@ -201,8 +201,8 @@ def _decode(
     ids = block_tables.long().gather(1, cols).view(-1)  # [n * nb]
     ctx = num_blocks * block_size  # L: gathered positions per row
     # One gather of every row's blocks, token-major as in the cache: [n, L, Hkv, D].
-    k = _fp32(key_cache.index_select(0, ids)).view(n, ctx, num_kv_heads, head_dim)
-    v = _fp32(value_cache.index_select(0, ids)).view(n, ctx, num_kv_heads, head_dim)
+    k = dequantize(key_cache.index_select(0, ids)).view(n, ctx, num_kv_heads, head_dim)
+    v = dequantize(value_cache.index_select(0, ids)).view(n, ctx, num_kv_heads, head_dim)
     q = query.float().view(n, num_kv_heads, group, head_dim)  # [n, Hkv, G, D]
     pos = (first_block * block_size)[:, None] + torch.arange(ctx)  # [n, L] positions
     hidden = pos >= seq_lens[:, None]  # [n, L]: past the row's context ...
@@ -245,9 +245,9 @@ def _prefill(
     kv_start = first_block * block_size
     num_blocks = -(-seq_len // block_size)
     ids = block_table[first_block:num_blocks].long()
-    k = key_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[: seq_len - kv_start]
-    v = value_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[: seq_len - kv_start]
-    k, v = _fp32(k).transpose(0, 1), _fp32(v).transpose(0, 1)  # [Hkv, S', D]
+    k = dequantize(key_cache.index_select(0, ids)).view(-1, num_kv_heads, head_dim)
+    v = dequantize(value_cache.index_select(0, ids)).view(-1, num_kv_heads, head_dim)
+    k, v = k[: seq_len - kv_start].transpose(0, 1), v[: seq_len - kv_start].transpose(0, 1)
     q = query.transpose(0, 1).float()  # [Hq, q_len, D]
     q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]  # [q_len, 1]
     k_pos = torch.arange(kv_start, seq_len)[None, :]  # [1, S']
@@ -268,21 +268,3 @@ def _prefill(
     probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * q_len, -1)
     o = torch.bmm(probs, v).view(num_q_heads, q_len, head_dim)
     return o.transpose(0, 1)
-
-
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-@functools.cache
-def _fp8_table(dtype: torch.dtype) -> Tensor:
-    """Every value of an 8-bit float dtype, as fp32, by bit pattern."""
-    return torch.arange(256, dtype=torch.uint8).view(dtype).float()
-
-
-def _fp32(t: Tensor) -> Tensor:
-    """``t`` in fp32 (a new tensor); an fp8 cache's gathered K/V through a 256-entry table,
-    3x torch's own fp8 conversion on the CPU measured."""
-    if t.dtype in _FP8:
-        codes = t.reshape(-1).view(torch.uint8).int()
-        return _fp8_table(t.dtype).index_select(0, codes).view(t.shape)
-    return t.float()

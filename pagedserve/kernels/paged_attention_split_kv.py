@@ -35,6 +35,7 @@ from pagedserve.kernels._attention_common import (
     tile_config,
     window_kv_start,
 )
+from pagedserve.kernels.kv_quant import is_int8_records
 from pagedserve.kernels.reference import check_window_and_soft_cap
 
 __all__ = ["paged_attention_split_kv_triton"]
@@ -80,6 +81,7 @@ def _split_kv_kernel(
     DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,  # 0: full causal attention
     SOFT_CAP: tl.constexpr,  # 0.0: no capping
+    KV_INT8: tl.constexpr,  # int8 records (kv_quant)
 ):
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -142,6 +144,7 @@ def _split_kv_kernel(
         DOT_PRECISION,
         SLIDING_WINDOW,
         SOFT_CAP,
+        KV_INT8,
     )
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -305,6 +308,7 @@ def paged_attention_split_kv_triton(
         DOT_PRECISION=dot_precision(query.dtype),
         SLIDING_WINDOW=window,
         SOFT_CAP=soft_cap,
+        KV_INT8=is_int8_records(key_cache),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

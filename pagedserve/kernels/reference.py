@@ -12,8 +12,9 @@ Cache layout (one allocation per executor, made elsewhere)::
     key_cache:   kv_cache[l, 0] -> [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: kv_cache[l, 1] -> same shape
 
-A slot is ``block_id * block_size + offset``. Block 0 is reserved by the block manager
-and may appear in block tables as padding.
+A cache in another dtype than the query's (bf16, fp8, int8 records: :mod:`.kv_quant`) is
+encoded on write and widened on read. A slot is ``block_id * block_size + offset``. Block 0
+is reserved by the block manager and may appear in block tables as padding.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from pagedserve.kernels.kv_quant import dequantize, encode
 
 __all__ = [
     "check_window_and_soft_cap",
@@ -53,8 +56,8 @@ def reshape_and_cache(
     slots = slot_mapping[valid].long()  # [T_valid]
     block_ids = slots // block_size
     offsets = slots % block_size
-    key_cache[block_ids, offsets] = key[valid].to(key_cache.dtype)
-    value_cache[block_ids, offsets] = value[valid].to(value_cache.dtype)
+    key_cache[block_ids, offsets] = encode(key[valid], key_cache.dtype)
+    value_cache[block_ids, offsets] = encode(value[valid], value_cache.dtype)
 
 
 def paged_attention(
@@ -112,8 +115,8 @@ def paged_attention(
         num_blocks = -(-seq_len // block_size)
         block_ids = block_tables[b, :num_blocks].long()  # [nb]
         # Gather the context, token-major: [nb, BS, Hkv, D] -> [S, Hkv, D].
-        k = key_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        v = value_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k = dequantize(key_cache[block_ids]).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = dequantize(value_cache[block_ids]).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         # Heads first, fp32; expand KV heads to their query-head groups.
         q = query[q_start:q_end].transpose(0, 1).float()  # [Hq, q_len, D]
         k = k.transpose(0, 1).float().repeat_interleave(group, dim=0)  # [Hq, S, D]

@@ -5,6 +5,9 @@ token's key and value to ``slot = slot_mapping[t]``, i.e. block ``slot // BS`` a
 ``slot % BS``. A negative slot marks a padding token: the program returns without
 touching the cache. Slot arithmetic is int64 (``block_id * block_stride`` overflows
 int32 in caches over 2^31 elements).
+
+A cache in a narrower float (bf16, fp8) gets K/V cast on the store; an int8 cache gets each
+head's record (:mod:`.kv_quant`): the codes rounded half away from zero, then the fp32 scale.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from pagedserve.kernels.kv_quant import cache_head_dim, is_int8_records
 
 __all__ = ["reshape_and_cache_triton"]
 
@@ -41,6 +46,7 @@ def _reshape_and_cache_kernel(
     HEAD_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    INT8_RECORDS: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -52,13 +58,37 @@ def _reshape_and_cache_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask = (heads < num_kv_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
     src = heads[:, None] * stride_k_head + offs_d[None, :]
-    k = tl.load(key_ptr + tok * stride_k_tok + src, mask=mask)
+    k = tl.load(key_ptr + tok * stride_k_tok + src, mask=mask, other=0.0)
     dst = block * stride_kc_blk + offset * stride_kc_tok + heads[:, None] * stride_kc_head
-    tl.store(key_cache_ptr + dst + offs_d[None, :], k, mask=mask)
+    _store_heads(key_cache_ptr + dst, k, offs_d, mask, heads < num_kv_heads, HEAD_DIM, INT8_RECORDS)
     src = heads[:, None] * stride_v_head + offs_d[None, :]
-    v = tl.load(value_ptr + tok * stride_v_tok + src, mask=mask)
+    v = tl.load(value_ptr + tok * stride_v_tok + src, mask=mask, other=0.0)
     dst = block * stride_vc_blk + offset * stride_vc_tok + heads[:, None] * stride_vc_head
-    tl.store(value_cache_ptr + dst + offs_d[None, :], v, mask=mask)
+    _store_heads(
+        value_cache_ptr + dst, v, offs_d, mask, heads < num_kv_heads, HEAD_DIM, INT8_RECORDS
+    )
+
+
+@triton.jit
+def _store_heads(
+    ptrs,  # [HEAD_BLOCK, 1]: each head's first element in the cache
+    x,  # [HEAD_BLOCK, HEAD_DIM_PAD], zero past HEAD_DIM
+    offs_d,
+    mask,
+    head_mask,  # [HEAD_BLOCK]
+    HEAD_DIM: tl.constexpr,
+    INT8_RECORDS: tl.constexpr,
+):
+    if INT8_RECORDS:
+        xf = x.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12) / 127.0  # [HEAD_BLOCK]
+        codes = tl.minimum(tl.floor(tl.abs(xf / scale[:, None]) + 0.5), 127.0)
+        codes = tl.where(xf < 0, -codes, codes)
+        tl.store(ptrs + offs_d[None, :], codes.to(tl.int8), mask=mask)
+        scale_ptrs = (ptrs + HEAD_DIM).to(tl.pointer_type(tl.float32))
+        tl.store(scale_ptrs, scale[:, None], mask=head_mask[:, None])
+    else:
+        tl.store(ptrs + offs_d[None, :], x.to(ptrs.dtype.element_ty), mask=mask)
 
 
 def _check(
@@ -74,8 +104,13 @@ def _check(
             f"key_cache/value_cache must both be [NB, BS, Hkv, D], got "
             f"{tuple(key_cache.shape)} / {tuple(value_cache.shape)}"
         )
-    if key_cache.shape[2:] != key.shape[1:]:
-        fail(f"cache heads/head_dim {tuple(key_cache.shape[2:])} != key {tuple(key.shape[1:])}")
+    heads, head_dim = key.shape[1:]
+    width = cache_head_dim(head_dim, key_cache.dtype)
+    if tuple(key_cache.shape[2:]) != (heads, width):
+        fail(
+            f"cache heads/head_dim {tuple(key_cache.shape[2:])} != key {tuple(key.shape[1:])}"
+            + (f" as int8 records ({width} bytes)" if width != head_dim else "")
+        )
     if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype not in (
         torch.int64,
         torch.int32,
@@ -86,9 +121,10 @@ def _check(
         )
     if not slot_mapping.is_contiguous():
         fail("slot_mapping must be contiguous")
-    for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dtype != key.dtype:
-            fail(f"{name} dtype {t.dtype} != key dtype {key.dtype} (no cache quantisation)")
+    if value.dtype != key.dtype:
+        fail(f"value dtype {value.dtype} != key dtype {key.dtype}")
+    if value_cache.dtype != key_cache.dtype:
+        fail(f"value_cache dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}")
     tensors = {
         "key": key,
         "value": value,
@@ -149,5 +185,6 @@ def reshape_and_cache_triton(
         HEAD_BLOCK=head_block,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
+        INT8_RECORDS=is_int8_records(key_cache),
         num_warps=4,
     )

@@ -1,6 +1,7 @@
-"""``--kv-cache-dtype fp8`` (e4m3, e5m2) and ``bfloat16`` on the CPU: K/V are stored in fp8,
-scaled by each layer's ``k_scale`` / ``v_scale`` (an fp8 checkpoint's, else 1.0) and scaled
-back when read (bf16: rounded, no scales); the same memory holds four (two) times the blocks
+"""``--kv-cache-dtype fp8`` (e4m3, e5m2), ``int8`` and ``bfloat16`` on the CPU: K/V are stored
+in fp8, scaled by each layer's ``k_scale`` / ``v_scale`` (an fp8 checkpoint's, computed at
+start-up, else 1.0) and scaled back when read; int8 as records each with its own scale; bf16
+rounded. The same memory holds four (fp8; int8 a little less) or two (bf16) times the blocks
 of an fp32 cache; logits read back from the cache (a prefill in two chunks) stay close to
 fp32's."""
 
@@ -13,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.executor.model.errors import ModelLoadError
 from services.executor.model.forward_batch import SeqChunk
-from services.executor.model.kv_cache import kv_cache_torch_dtype
+from services.executor.model.kv_cache import KV_CACHE_DTYPES
+from services.executor.model.runner_config import KV_CACHE_DTYPE_NAMES
 
 from .conftest import CheckpointFactory, load_runner
 
@@ -38,22 +39,27 @@ def test_an_fp8_cache_keeps_the_logits_close_to_fp32(
     base = load_runner(tiny_checkpoint(name), dtype="float32", num_kv_blocks=16)
     expected = _two_chunks(base)
     spread = (expected.max() - expected.min()).item()
-    cases = (("bfloat16", 0.005, 0.95), ("fp8_e4m3", 0.02, 0.8), ("fp8_e5m2", 0.04, 0.5))
+    cases = (
+        ("bfloat16", 0.005, 0.95),
+        ("fp8_e4m3", 0.02, 0.8),
+        ("fp8_e5m2", 0.04, 0.5),
+        ("int8", 0.01, 0.9),
+    )
     for kv_dtype, tol, agree in cases:
         runner = load_runner(
             tiny_checkpoint(name), dtype="float32", num_kv_blocks=16, kv_cache_dtype=kv_dtype
         )
-        assert runner.kv_cache.dtype == kv_cache_torch_dtype(kv_dtype, torch.device("cpu"))
+        assert runner.kv_cache.dtype == KV_CACHE_DTYPES[kv_dtype]
         got = _two_chunks(runner)
         assert (got - expected).abs().mean().item() < tol * spread, kv_dtype
         assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() >= agree
 
 
-def test_the_same_memory_holds_four_times_the_blocks_of_fp32_and_bf16_twice(
+def test_the_same_memory_holds_four_times_the_blocks_of_fp32_in_fp8_and_bf16_twice(
     tiny_checkpoint: CheckpointFactory,
 ) -> None:
     sizes = {}
-    for kv_dtype in ("auto", "bfloat16", "fp8"):
+    for kv_dtype in ("auto", "bfloat16", "fp8", "int8"):
         runner = load_runner(
             tiny_checkpoint("llama"),
             dtype="float32",
@@ -65,6 +71,8 @@ def test_the_same_memory_holds_four_times_the_blocks_of_fp32_and_bf16_twice(
         sizes[kv_dtype] = runner.num_blocks
     assert sizes["fp8"] == pytest.approx(4 * sizes["auto"], abs=4)
     assert sizes["bfloat16"] == pytest.approx(2 * sizes["auto"], abs=2)
+    # int8 records: head_dim codes + a 4-byte scale per token and head (head_dim 16 here).
+    assert sizes["int8"] == pytest.approx(4 * 16 / 20 * sizes["auto"], abs=4)
 
 
 def test_an_fp8_checkpoints_kv_scales_scale_what_the_cache_stores(
@@ -92,6 +100,5 @@ def test_an_fp8_checkpoints_kv_scales_scale_what_the_cache_stores(
     assert unquantized.kv_cache.dtype == torch.float32
 
 
-def test_an_fp8_cache_off_the_cpu_is_refused_naming_the_flag() -> None:
-    with pytest.raises(ModelLoadError, match="--kv-cache-dtype fp8"):
-        kv_cache_torch_dtype("fp8", torch.device("cuda"))
+def test_the_cli_offers_every_cache_dtype_the_model_side_knows() -> None:
+    assert tuple(KV_CACHE_DTYPES) == KV_CACHE_DTYPE_NAMES

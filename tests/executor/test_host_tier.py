@@ -315,20 +315,26 @@ def test_cuda_fills_on_their_stream_give_the_tokens_of_fills_in_line(
     assert answers[0] == answers[1]
 
 
-def test_an_fp8_cache_moves_to_the_host_tier_and_back_as_raw_bytes(tiny_checkpoint) -> None:
-    """``--kv-cache-dtype fp8`` with a host tier: the conversations' blocks go to the host
-    and come back byte for byte: the answers are those of the same fp8 cache without a tier
-    (which computes the evicted history again), and the pool records the cache's dtype."""
+@pytest.mark.parametrize(
+    ("kv_dtype", "stored", "scaled"), [("fp8", "float8_e4m3fn", True), ("int8", "int8", False)]
+)
+def test_a_quantized_cache_moves_to_the_host_tier_and_back_as_raw_bytes(
+    tiny_checkpoint, kv_dtype: str, stored: str, scaled: bool
+) -> None:
+    """``--kv-cache-dtype fp8`` / ``int8`` with a host tier: the conversations' blocks go to
+    the host and come back byte for byte (int8: each record with its scale): the answers are
+    those of the same cache without a tier (which computes the evicted history again), and
+    the pool records the cache's dtype (and an fp8 cache's scales)."""
     answers = []
     for size in (64 * 2**20 / 2**30, 0.0):
-        config = _config(tiny_checkpoint, kv_cache_dtype="fp8", kv_offloading_size=size)
+        config = _config(tiny_checkpoint, kv_cache_dtype=kv_dtype, kv_offloading_size=size)
         engine = _engine(config, fills_async=False)
         try:
             answers.append(_converse(engine, None, seed=3))
         finally:
             engine.runner.close()
         stats = engine.link.client.stats(engine.link.pool_id)
-        assert stats.pool.kv_cache_dtype == "float8_e4m3fn" and stats.pool.kv_scales
+        assert stats.pool.kv_cache_dtype == stored and bool(stats.pool.kv_scales) == scaled
         if size:
             assert stats.num_onboarded_blocks > 0 and stats.host_hits_tokens > 0
     assert answers[0] == answers[1]

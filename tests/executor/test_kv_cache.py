@@ -41,7 +41,7 @@ def test_allocate_gives_one_zeroed_tensor_in_the_agreed_layout() -> None:
     cache = allocate_kv_cache(
         config, num_blocks=5, block_size=4, dtype=torch.bfloat16, device="cpu"
     )
-    assert cache.shape == kv_cache_shape(config, 5, 4) == (3, 2, 5, 4, 4, 8)
+    assert cache.shape == kv_cache_shape(config, 5, 4, torch.float32) == (3, 2, 5, 4, 4, 8)
     assert cache.dtype == torch.bfloat16 and cache.is_contiguous()
     assert not cache.any()
     assert cache.numel() * cache.element_size() == 5 * bytes_per_block(config, 4, torch.bfloat16)

@@ -5,7 +5,8 @@ layer (``num_slots`` = the number of layers), or in a hybrid model a slice per l
 KV-cache group, shared by the groups (:mod:`.kv_layout`). Layer ``l`` reads and writes
 ``kv_cache[slot, 0]`` (K) and ``kv_cache[slot, 1]`` (V) of its slot. Block 0 is reserved by
 the block manager and serves as padding in block tables, so a pool of ``num_blocks`` blocks
-holds ``num_blocks - 1`` usable ones.
+holds ``num_blocks - 1`` usable ones. An int8 cache's last dimension is a record of
+``head_dim + 4`` bytes (the codes, then their fp32 scale: :mod:`pagedserve.kernels.kv_quant`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 import structlog
 import torch
 
+from pagedserve.kernels.kv_quant import cache_head_dim
 from services.common.blocks import MIN_NUM_BLOCKS, usable_blocks
 from services.executor.model.config import ModelConfig
 from services.executor.model.errors import ModelLoadError
@@ -36,21 +38,24 @@ CPU_DEFAULT_KV_BYTES = 256 * 2**20
 
 
 def kv_cache_shape(
-    config: ModelConfig, num_blocks: int, block_size: int, num_slots: int | None = None
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    num_slots: int | None = None,
 ) -> tuple[int, int, int, int, int, int]:
-    """Shape of the cache tensor: ``[num_slots, 2, num_blocks, block_size, Hkv, D]``
-    (``num_slots``: by default one per layer)."""
+    """Shape of the cache tensor in ``dtype``: ``[num_slots, 2, num_blocks, block_size, Hkv,
+    D]`` (``num_slots``: by default one per layer; ``D`` a record's bytes for int8)."""
     slots = config.num_layers if num_slots is None else num_slots
-    return (slots, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    width = cache_head_dim(config.head_dim, dtype)
+    return (slots, 2, num_blocks, block_size, config.num_kv_heads, width)
 
 
 def bytes_per_block(
     config: ModelConfig, block_size: int, dtype: torch.dtype, num_slots: int | None = None
 ) -> int:
     """Bytes one block occupies across the cache's slots (by default every layer), K and V."""
-    elem_size = torch.empty((), dtype=dtype).element_size()
-    slots = config.num_layers if num_slots is None else num_slots
-    return 2 * slots * block_size * config.num_kv_heads * config.head_dim * elem_size
+    return math.prod(kv_cache_shape(config, 1, block_size, dtype, num_slots)) * dtype.itemsize
 
 
 def num_blocks_for_budget(
@@ -91,7 +96,7 @@ def allocate_kv_cache(
         )
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    shape = kv_cache_shape(config, num_blocks, block_size, num_slots)
+    shape = kv_cache_shape(config, num_blocks, block_size, dtype, num_slots)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
@@ -217,26 +222,28 @@ def _profile_budget(
     return budget
 
 
-#: ``--kv-cache-dtype`` values other than ``auto`` (the model's dtype), vLLM's names.
-KV_CACHE_DTYPES = {
+#: ``--kv-cache-dtype`` values other than ``auto`` (the model's dtype), vLLM's names
+#: (``runner_config.KV_CACHE_DTYPE_NAMES``, which the CLI offers without importing torch).
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "int8_per_token_head": torch.int8,
 }
 
 
-def kv_cache_torch_dtype(name: str, device: torch.device) -> torch.dtype:
+def kv_cache_torch_dtype(name: str, config: ModelConfig) -> torch.dtype:
     """The cache dtype ``--kv-cache-dtype NAME`` stores K/V in; :class:`ModelLoadError`
-    naming the flag for one this executor cannot serve."""
+    naming the flag for one this model cannot be served with."""
     if name not in KV_CACHE_DTYPES:
         raise ModelLoadError(
             f"--kv-cache-dtype {name!r}: choose auto or one of {sorted(KV_CACHE_DTYPES)}"
         )
-    if device.type != "cpu":
-        raise ModelLoadError(
-            f"--kv-cache-dtype {name}: a cache in another dtype than the model's is read by "
-            "the CPU path only; the Triton kernels have not been given such loads yet (drop "
-            "the flag on CUDA)"
-        )
-    return KV_CACHE_DTYPES[name]
+    dtype = KV_CACHE_DTYPES[name]
+    try:  # an int8 record keeps its fp32 scale 4-byte aligned
+        cache_head_dim(config.head_dim, dtype)
+    except ValueError as e:
+        raise ModelLoadError(f"--kv-cache-dtype {name}: {e}") from None
+    return dtype

@@ -37,6 +37,11 @@ from services.executor.model.kv_cache import (
     kv_cache_torch_dtype,
     size_kv_cache,
 )
+from services.executor.model.kv_calibration import (
+    CALIBRATION_TOKENS,
+    calculate_kv_scales,
+    calibration_tokens,
+)
 from services.executor.model.kv_layout import plan_kv_layout
 from services.executor.model.loader import load_model, read_model_config, resolve_device
 from services.executor.model.lora.slots import LoRASlots
@@ -119,11 +124,18 @@ def _build(
         shard=lambda mc: ShardPlan.of(mc, comm.rank, comm.size),
         comm=comm,
     )
-    model.use_kv_layout(plan_kv_layout(model.local_config, hybrid=config.cache.hybrid_kv_cache))
     if config.quantization is not None:  # before the slots and the cache take their memory
         quantize_model(model, config.quantization)
+    if config.calculate_kv_scales:  # over the load's own layout: every layer its own slot
+        tokens = calibration_tokens(
+            config.model,
+            model.config.vocab_size,
+            min(CALIBRATION_TOKENS, model.config.max_model_len),
+        )
+        model.kv_scales = calculate_kv_scales(model, tokens, config.block_size)
+    model.use_kv_layout(plan_kv_layout(model.local_config, hybrid=config.cache.hybrid_kv_cache))
     if config.kv_cache_dtype != "auto":
-        model.use_kv_cache_dtype(kv_cache_torch_dtype(config.kv_cache_dtype, device))
+        model.use_kv_cache_dtype(kv_cache_torch_dtype(config.kv_cache_dtype, model.config))
     graph_sizes = config.graph_sizes if graph_backend is not None or device.type == "cuda" else ()
     if model.config.moe is not None and graph_sizes:
         # The fused MoE kernel reads nothing back on the host, but its capture has not yet

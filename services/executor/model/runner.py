@@ -31,6 +31,7 @@ from services.executor.model.forward_batch import (
     SeqChunk,
 )
 from services.executor.model.host_kv import HostKVCache, MoveFailures
+from services.executor.model.kv_cache import kv_cache_shape
 from services.executor.model.lora.slots import LoRASlots
 from services.executor.model.models import DecoderLM
 from services.executor.model.workers import (
@@ -66,7 +67,7 @@ class ModelRunner:
     ) -> None:
         lc = model.local_config  # this rank's KV heads
         slots = model.kv_layout.num_slots
-        expected = (slots, 2, kv_cache.shape[2], block_size, lc.num_kv_heads, lc.head_dim)
+        expected = kv_cache_shape(lc, kv_cache.shape[2], block_size, kv_cache.dtype, slots)
         if tuple(kv_cache.shape) != expected:
             raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} != expected {expected}")
         self.model = model

@@ -7,10 +7,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["QUANTIZATION_METHODS", "CacheConfig", "RunnerConfig", "available_cores"]
+__all__ = [
+    "KV_CACHE_DTYPE_NAMES",
+    "QUANTIZATION_METHODS",
+    "CacheConfig",
+    "RunnerConfig",
+    "available_cores",
+]
 
 #: ``--quantization`` values (model/quantization.py).
 QUANTIZATION_METHODS = ("int8",)
+#: ``--kv-cache-dtype`` values other than ``auto``, vLLM's names (model/kv_cache.py).
+KV_CACHE_DTYPE_NAMES = ("bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int8_per_token_head")
 
 
 def available_cores() -> int:
@@ -66,7 +74,8 @@ class RunnerConfig:
     max_loras: int = 0
     max_lora_rank: int = 0
     quantization: str | None = None  # "int8": the decoder's projections in int8 (CPU)
-    kv_cache_dtype: str = "auto"  # "fp8", "fp8_e4m3", "fp8_e5m2": K/V stored in fp8 (CPU)
+    kv_cache_dtype: str = "auto"  # or one of KV_CACHE_DTYPE_NAMES
+    calculate_kv_scales: bool = False  # an fp8 cache's scales from a calibration prefill
 
     @property
     def block_size(self) -> int:

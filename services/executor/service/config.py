@@ -13,6 +13,7 @@ from services.blockmgr.api.types import EvictionPolicyName
 from services.common.auth import InternalSecurity
 from services.executor.core.spec.config import SpeculativeConfig
 from services.executor.model.runner_config import (
+    KV_CACHE_DTYPE_NAMES,
     QUANTIZATION_METHODS,
     CacheConfig,
     RunnerConfig,
@@ -90,7 +91,8 @@ class ExecutorConfig:
     # Share of the KV blocks session pins (a request's kv_pin_ttl_s) may keep once free.
     session_pin_budget: float = 0.1
     quantization: str | None = None  # "int8": the decoder's projections in int8 (CPU, fp32)
-    kv_cache_dtype: str = "auto"  # vLLM's: auto (the model's), bfloat16, fp8, fp8_e4m3, fp8_e5m2
+    kv_cache_dtype: str = "auto"  # vLLM's: auto (the model's), bfloat16, fp8*, int8*
+    calculate_kv_scales: bool = False  # an fp8 cache's scales from a calibration prefill
     seed: int = 0
     host: str = "127.0.0.1"
     port: int = 50061
@@ -217,11 +219,19 @@ class ExecutorConfig:
         )
         a(
             "--kv-cache-dtype",
-            choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"),
+            choices=("auto", *KV_CACHE_DTYPE_NAMES),
             default=cls.kv_cache_dtype,
-            help="the KV cache's dtype: auto (the model's), bfloat16 (for an fp32 model), or "
-            "fp8 (e4m3; e5m2), K/V scaled by the checkpoint's per-layer k_scale / v_scale "
-            "(else 1.0): 2-4x the blocks in the same memory (CPU path only for now)",
+            help="the KV cache's dtype: auto (the model's), bfloat16 (for an fp32 model), "
+            "fp8 (e4m3; e5m2), K/V scaled by per-layer k_scale / v_scale (the checkpoint's, "
+            "or --calculate-kv-scales, else 1.0), or int8 (int8_per_token_head: a scale per "
+            "token and head, kept in the block): 2-4x the blocks in the same memory",
+        )
+        a(
+            "--calculate-kv-scales",
+            action="store_true",
+            help="an fp8 KV cache's per-layer k_scale / v_scale computed at start-up from a "
+            "calibration prefill (max |K| / 200, max |V| / 100, vLLM's constants), instead of "
+            "the checkpoint's or 1.0; fixed for the process's life",
         )
         a(
             "--session-pin-budget",
@@ -365,6 +375,11 @@ class ExecutorConfig:
                 "--preemption-mode swap needs --kv-offloading-size > 0: swapped-out blocks "
                 "go to the host tier"
             )
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError(
+                "--calculate-kv-scales computes an fp8 cache's scales: give --kv-cache-dtype "
+                f"fp8 (or fp8_e4m3, fp8_e5m2), not {self.kv_cache_dtype}"
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -443,4 +458,5 @@ class ExecutorConfig:
             max_lora_rank=self.lora.max_lora_rank if self.lora.enable_lora else 0,
             quantization=self.quantization,
             kv_cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
         )

@@ -235,8 +235,9 @@ def _build_engine(
 
 
 def kv_scales_digest(model: DecoderLM) -> str:
-    """A digest of the per-layer scales an fp8 cache stores K/V under ('' for none)."""
-    if model.kv_cache_dtype == model.dtype:
+    """A digest of the per-layer scales an fp8 cache stores K/V under ('' for none: an int8
+    cache's scales are in its records)."""
+    if model.kv_cache_dtype == model.dtype or not model.kv_cache_dtype.is_floating_point:
         return ""
     scales = [
         (getattr(layer.self_attn, "k_scale", 1.0), getattr(layer.self_attn, "v_scale", 1.0))

@@ -39,6 +39,8 @@ class Attention(nn.Module):
         # An fp8 KV cache (quantize_kv): K/V divided by these on write, multiplied back after.
         self.kv_limit = 0.0  # the cache dtype's largest value; 0: K/V stored as they are
         self.k_scale = self.v_scale = 1.0
+        # While --calculate-kv-scales calibrates: the largest |K| and |V| seen, [2] fp32.
+        self.kv_amax: Tensor | None = None
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype
         )
@@ -67,6 +69,10 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         rotary_emb(batch.positions, q, k)
 
+        if self.kv_amax is not None:
+            self.kv_amax = torch.maximum(
+                self.kv_amax, torch.stack([k.abs().amax(), v.abs().amax()]).float()
+            )
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [NB, BS, Hkv, D] each
         block_tables, slot_mapping = batch.tables_of(self.kv_group)
         scale = self.scale

@@ -173,10 +173,12 @@ class DecoderLM(nn.Module):
     def use_kv_cache_dtype(self, dtype: torch.dtype) -> None:
         """Store K/V in ``dtype``. An fp8 one: each layer divides them by its scales (the
         checkpoint's ``k_scale`` / ``v_scale``, else 1.0) on write, and its attention
-        multiplies them back (the scores' scale by ``k_scale``, the output by ``v_scale``)."""
+        multiplies them back (the scores' scale by ``k_scale``, the output by ``v_scale``).
+        bf16 (for an fp32 model) stores them rounded, int8 as records each carrying its own
+        scale (:mod:`pagedserve.kernels.kv_quant`): no per-layer scales."""
         self.kv_cache_dtype = dtype
-        if dtype.itemsize != 1:
-            return  # (bf16 for an fp32 model: stored as it is, rounded)
+        if not dtype.is_floating_point or dtype.itemsize != 1:
+            return
         for i, layer in enumerate(self.layers):
             attention = layer.self_attn
             assert isinstance(attention, Attention)
