@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# Everything to check on a GPU host, in one call:
-#   1. the kernel checks and bandwidth tables (bench.internals.gpu_check), and the newer
-#      families' kernels (sliding window, soft-cap, fused MoE: bench.internals.gpu_check_families),
+# Everything to check on a GPU host, in one call, most important first:
+#   1. the kernel checks and bandwidth tables (bench.internals.gpu_check),
 #   2. every `gpu` test (fused kernels in bf16, CUDA graphs vs eager, no recapture, speculative
 #      decoding's verification, n-gram and draft model, against graphed decoding, the
 #      multi-LoRA shrink / expand kernels in bf16 and under graph capture, and LoRA rows on
-#      CUDA against PEFT: that one needs the peft wheel, else it skips),
-#   3. the engine benchmark with and without CUDA graphs (bench.internals.gpu_engine), and
-#      EAGLE-3 speculation at batch 1 and 64 against graphed decoding (bench.spec_bench), when
+#      CUDA against PEFT: that one needs the peft wheel, else it skips; the fp8 / int8 cache
+#      writes rounding as torch does), on 4 xdist workers when pytest-xdist is installed,
+#   3. the engine benchmark with CUDA graphs, graphs + async scheduling, eager, and HF static
+#      batches (bench.internals.gpu_engine),
+#   4. the newer families' kernels (sliding window, soft-cap, fused MoE:
+#      bench.internals.gpu_check_families), and attention over bf16 / fp8 / int8 KV caches at
+#      a batch-1 decode of 8k and 32k tokens (bench.internals.gpu_kv_quant),
+#   5. EAGLE-3 speculation at batch 1 and 64 against graphed decoding (bench.spec_bench), when
 #      the speculative fixture and its heads were carried in models/spec-fixture (write them
 #      on the CPU first: `python -m bench.spec_bench --eagle3 4 --eagle3-ceiling --batches 1`),
-#   4. on a host with several GPUs, tensor parallelism over NCCL (bench.internals.tp_bench).
-# Usage: `bash bench/gpu_session.sh` from anywhere; logs go to $OUT when set, else /tmp.
+#   6. on a host with several GPUs, tensor parallelism over NCCL (bench.internals.tp_bench).
+# Usage: `bash bench/gpu_session.sh` from anywhere; logs go to $OUT when set, else /tmp. A rerun
+# can take some parts only: GPU_SESSION_PARTS="tests engine" (of: check tests engine families
+# kv_quant spec tp).
 # A GPU host without network access gets the Python packages it lacks as wheel files: put
 # them in $WHEELS_DIR (default .whl; a relative path is taken from the repository root) and
 # they are installed into .site, put first on PYTHONPATH, before anything runs. Without that
@@ -30,20 +36,28 @@ if [ -d "$wheels" ]; then
 fi
 python3 -m pagedserve._protogen || exit 1
 status=0
-timeout 150 python3 -m bench.internals.gpu_check 2>&1 | tee "$out/gpu_check.log" || status=1
-timeout 90 python3 -m bench.internals.gpu_check_families 2>&1 | tee "$out/gpu_check_families.log" \
-  || status=1
-timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" \
-  || status=1
-timeout 270 python3 -m bench.internals.gpu_engine "$@" 2>&1 | grep -v '"event"' \
-  | tee "$out/gpu_engine.log" || status=1
-if [ -f models/spec-fixture/eagle3-workload/eagle3_fixture.json ]; then
-  timeout 120 python3 -m bench.spec_bench --device cuda --eagle3 4 --eagle3-ceiling \
+parts=" ${GPU_SESSION_PARTS:-check tests engine families kv_quant spec tp} "
+want() { [[ "$parts" == *" $1 "* ]]; }
+# In order of what matters most, so that a call cut at its limit loses the least.
+want check && { timeout 120 python3 -m bench.internals.gpu_check 2>&1 | tee "$out/gpu_check.log" \
+  || status=1; }
+workers=()  # the tests JIT-compile on the host's cores: spread them when xdist is there
+python3 -c "import xdist" 2>/dev/null && workers=(-n 4 --dist loadfile)
+want tests && { timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider "${workers[@]}" tests \
+  2>&1 | tee "$out/gpu_tests.log" || status=1; }
+want engine && { timeout 240 python3 -m bench.internals.gpu_engine "$@" 2>&1 | grep -v '"event"' \
+  | tee "$out/gpu_engine.log" || status=1; }
+want families && { timeout 60 python3 -m bench.internals.gpu_check_families 2>&1 \
+  | tee "$out/gpu_check_families.log" || status=1; }
+want kv_quant && { timeout 45 python3 -m bench.internals.gpu_kv_quant 2>&1 \
+  | tee "$out/gpu_kv_quant.log" || status=1; }
+if want spec && [ -f models/spec-fixture/eagle3-workload/eagle3_fixture.json ]; then
+  timeout 90 python3 -m bench.spec_bench --device cuda --eagle3 4 --eagle3-ceiling \
     --batches 1,64 --repeats 2 2>&1 | grep -v '"event"' | tee "$out/spec_bench_eagle3.log" \
     || status=1
 fi
 num_gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-if [ "$num_gpus" -ge 2 ]; then
+if want tp && [ "$num_gpus" -ge 2 ]; then
   sizes=1,2
   [ "$num_gpus" -ge 4 ] && sizes=1,2,4
   timeout 300 python3 -m bench.internals.tp_bench --device cuda --sizes "$sizes" --hidden-size 4096 \

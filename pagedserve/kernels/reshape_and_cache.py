@@ -81,8 +81,9 @@ def _store_heads(
 ):
     if INT8_RECORDS:
         xf = x.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12) / 127.0  # [HEAD_BLOCK]
-        codes = tl.minimum(tl.floor(tl.abs(xf / scale[:, None]) + 0.5), 127.0)
+        # div_rn: IEEE division, as torch's (a plain fp32 `/` is approximate on CUDA)
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12), 127.0)  # [HEAD_BLOCK]
+        codes = tl.minimum(tl.floor(tl.abs(tl.div_rn(xf, scale[:, None])) + 0.5), 127.0)
         codes = tl.where(xf < 0, -codes, codes)
         tl.store(ptrs + offs_d[None, :], codes.to(tl.int8), mask=mask)
         scale_ptrs = (ptrs + HEAD_DIM).to(tl.pointer_type(tl.float32))

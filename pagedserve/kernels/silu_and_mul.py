@@ -16,7 +16,7 @@ from torch import Tensor
 __all__ = ["gelu_tanh_and_mul_triton", "silu_and_mul_triton"]
 
 _BLOCK = 1024
-_SQRT_2_OVER_PI = 0.7978845608028654
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # a jit global must be a constexpr
 
 
 @triton.jit

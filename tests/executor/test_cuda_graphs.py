@@ -199,11 +199,10 @@ def test_cuda_graphs_and_eager_give_identical_greedy_tokens_in_fp32(tiny_checkpo
         assert engine.scheduler.config.num_kv_groups == (2 if name.startswith("gemma") else 1)
         rng = random.Random(0)
         got: dict[str, list[int]] = {}
-        for i in range(10):
+        for i in range(10):  # outputs of 4-40 tokens: the batch shrinks through the graphs' sizes
             prompt = [1] + [rng.randrange(3, 600) for _ in range(rng.randrange(3, 60))]
-            engine.add_request(
-                RequestKey(0, f"r{i}"), prompt, SamplingParams(temperature=0.0, max_tokens=24)
-            )
+            params = SamplingParams(temperature=0.0, max_tokens=4 + 4 * i)
+            engine.add_request(RequestKey(0, f"r{i}"), prompt, params)
         while engine.has_work:
             for o in engine.step():
                 got.setdefault(o.req_id.request_id, []).extend(o.token_ids)
