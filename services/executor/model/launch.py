@@ -137,12 +137,6 @@ def _build(
     if config.kv_cache_dtype != "auto":
         model.use_kv_cache_dtype(kv_cache_torch_dtype(config.kv_cache_dtype, model.config))
     graph_sizes = config.graph_sizes if graph_backend is not None or device.type == "cuda" else ()
-    if model.config.moe is not None and graph_sizes:
-        # The fused MoE kernel reads nothing back on the host, but its capture has not yet
-        # run on a GPU (tests/kernels/test_kernels_fused_moe.py, gpu): no graphs until it
-        # has, and no memory set aside for them when the cache is sized.
-        log.info("cuda_graphs_disabled", reason="mixture of experts")
-        graph_sizes = ()
     # A draft model (speculative decoding) runs on the first rank, its cache of the same
     # blocks sized with the target's.
     draft = load_draft(config.draft_model, model) if config.draft_model and comm.rank == 0 else None
