@@ -11,9 +11,10 @@
 #   4. the newer families' kernels (sliding window, soft-cap, fused MoE:
 #      bench.internals.gpu_check_families), and attention over bf16 / fp8 / int8 KV caches at
 #      a batch-1 decode of 8k and 32k tokens (bench.internals.gpu_kv_quant),
-#   5. EAGLE-3 speculation at batch 1 and 64 against graphed decoding (bench.spec_bench), when
-#      the speculative fixture and its heads were carried in models/spec-fixture (write them
-#      on the CPU first: `python -m bench.spec_bench --eagle3 4 --eagle3-ceiling --batches 1`),
+#   5. speculation at batch 1 and 64 against graphed decoding (bench.spec_bench): n-gram and
+#      draft-model drafts (verification graphs), then EAGLE-3, when the speculative fixture
+#      and its heads were carried in models/spec-fixture (write them on the CPU first:
+#      `python -m bench.spec_bench --eagle3 4 --eagle3-ceiling --batches 1`),
 #   6. on a host with several GPUs, tensor parallelism over NCCL (bench.internals.tp_bench).
 # Usage: `bash bench/gpu_session.sh` from anywhere; logs go to $OUT when set, else /tmp. A rerun
 # can take some parts only: GPU_SESSION_PARTS="tests engine" (of: check tests engine families
@@ -51,6 +52,14 @@ want families && { timeout 60 python3 -m bench.internals.gpu_check_families 2>&1
   | tee "$out/gpu_check_families.log" || status=1; }
 want kv_quant && { timeout 45 python3 -m bench.internals.gpu_kv_quant 2>&1 \
   | tee "$out/gpu_kv_quant.log" || status=1; }
+if want spec && [ -f models/spec-fixture/target/config.json ]; then
+  for method in ngram draft; do  # verification graphs against graphed plain decoding
+    extra=()
+    [ "$method" = draft ] && extra=(--draft-model 4)
+    timeout 60 python3 -m bench.spec_bench --device cuda --batches 1,64 --repeats 2 "${extra[@]}" \
+      2>&1 | grep -v '"event"' | tee "$out/spec_bench_$method.log" || status=1
+  done
+fi
 if want spec && [ -f models/spec-fixture/eagle3-workload/eagle3_fixture.json ]; then
   timeout 90 python3 -m bench.spec_bench --device cuda --eagle3 4 --eagle3-ceiling \
     --batches 1,64 --repeats 2 2>&1 | grep -v '"event"' | tee "$out/spec_bench_eagle3.log" \

@@ -15,7 +15,7 @@ from services.common.sampling_params import SamplingParams
 from services.executor.core.engine import Engine
 from services.executor.core.sequence import RequestKey
 from services.executor.model.cuda_graphs import CudaGraphBackend, EagerGraphBackend
-from services.executor.model.forward_batch import SeqChunk
+from services.executor.model.forward_batch import GraphKey, SeqChunk
 from services.executor.model.launch import build_runner
 from services.executor.model.runner import ModelRunner
 from services.executor.service.config import ExecutorConfig
@@ -97,8 +97,63 @@ def test_prefill_and_mixed_steps_stay_eager(make_runner: Callable[..., ModelRunn
     not_last = SeqChunk([9], 0, [62], need_logits=False)  # a one-token prefill chunk
     assert runner.graphs.bucket([*decode, prefill]) is None
     assert runner.graphs.bucket([not_last]) is None
-    assert runner.graphs.bucket(decode) == 2
+    assert runner.graphs.bucket(decode) == GraphKey(2)
     assert runner.graphs.bucket(decode * 5) is None  # 10 > the largest size
+
+
+def _verifying_chunks(runner: ModelRunner) -> list[SeqChunk]:
+    """Three prefilled sequences (on ``runner``, seeded alike for every runner), then a
+    verifying step: 1 + 3 drafts with every row, one plain decode token, 1 + 1 draft."""
+    rng = random.Random(5)
+    alloc = BlockAllocator(runner.num_blocks, 5)
+    chunks = []
+    for n, new, every in ((15, 4, True), (16, 1, False), (30, 2, True)):
+        prompt = [rng.randrange(3, 600) for _ in range(n)]
+        table = alloc.allocate(-(-(n + 4) // runner.block_size))
+        runner.execute([SeqChunk(prompt, 0, table, True)])
+        tokens = [rng.randrange(3, 600) for _ in range(new)]
+        chunks.append(SeqChunk(tokens, n, table, True, all_logits=every))
+    return chunks
+
+
+def test_verification_graphs_compute_what_eager_steps_do(
+    make_runner: Callable[..., ModelRunner],
+) -> None:
+    """A verifying step (1 + k tokens a sequence, fewer for some) replays the graph of
+    ``1 + k`` queries: the same logits rows as the eager forward, in the same order, and the
+    same cache afterwards (the padding queries after a sequence's own write nowhere)."""
+    graphed = make_runner("llama", block_size=8, num_blocks=64)
+    graphed.capture_decode_graphs((1, 2, 4, 8, 16), EagerGraphBackend(), verify_query_len=4)
+    graphs = graphed.graphs
+    assert graphs is not None and graphs.verify_sizes == (1, 2, 4)
+    assert graphs.num_captures == 5 + 3
+    eager = make_runner("llama", block_size=8, num_blocks=64)
+    chunks = _verifying_chunks(graphed)
+    assert graphs.bucket(chunks) == GraphKey(4, 4)
+    assert _verifying_chunks(eager) == chunks
+    expected = eager.execute(chunks)
+    got = graphed.execute(chunks)
+    assert graphs.num_verify_replays == 1
+    assert got.shape == expected.shape == (4 + 1 + 2, eager.config.vocab_size)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_steps_the_verification_graphs_cannot_take_run_eagerly(
+    make_runner: Callable[..., ModelRunner],
+) -> None:
+    runner = make_runner("llama", block_size=8, num_blocks=64)
+    runner.capture_decode_graphs((1, 2, 4, 8), EagerGraphBackend(), verify_query_len=3)
+    graphs = runner.graphs
+    assert graphs is not None and graphs.verify_sizes == (1, 2)
+    two = SeqChunk([5, 6], 10, [1, 2], True, all_logits=True)
+    assert graphs.bucket([two]) == GraphKey(1, 3)
+    assert graphs.bucket([two, two]) == GraphKey(2, 3)
+    assert graphs.bucket([two] * 3) is None  # over the largest verification size
+    assert graphs.bucket([SeqChunk([5, 6, 7, 8], 10, [1, 2], True)]) is None  # over 1 + k
+    near_end = SeqChunk([5], runner.config.max_model_len - 2, [1] * 32, True, all_logits=True)
+    assert graphs.bucket([near_end, two]) is None  # its padding would pass max_model_len
+    assert graphs.bucket([near_end]) == GraphKey(1)  # (a plain decode token)
 
 
 def _graphed_engine(model: str, sizes: tuple[int, ...] = SIZES, **kw: object) -> Engine:

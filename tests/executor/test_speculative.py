@@ -7,6 +7,7 @@ vacuously."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -30,6 +31,7 @@ def model_dir(tiny_checkpoint) -> str:
 
 
 def _engine(model_dir: str, **flags) -> Engine:
+    graph_backend = flags.pop("graph_backend", None)
     config = ExecutorConfig(
         model=model_dir,
         dtype="float32",
@@ -39,9 +41,8 @@ def _engine(model_dir: str, **flags) -> Engine:
         num_kv_blocks=flags.pop("num_kv_blocks", 256),
         **flags,
     )
-    engine, _ = build_engine(
-        config, runner=build_runner(config.runner_config()), blockmgr=InProcessClient()
-    )
+    runner = build_runner(config.runner_config(), graph_backend=graph_backend)
+    engine, _ = build_engine(config, runner=runner, blockmgr=InProcessClient())
     return engine
 
 
@@ -287,6 +288,36 @@ def test_a_blockmgr_restart_mid_speculation_restores_the_lookahead_slots(model_d
     assert _spec_counts(engine)[1] > 0
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "ngram_tp2"])
+def test_verifying_steps_replay_their_graphs_with_the_tokens_of_plain_decoding(
+    model_dir, method
+) -> None:
+    """Decode graphs (the eager stand-in replaying over the persistent buffers) serve the
+    verifying steps too, 1 + k queries a sequence: the tokens of the engine without
+    speculation, with drafts accepted; at TP = 2 every rank replays the same graph."""
+    draft = {"model": model_dir, "num_speculative_tokens": 3}
+    spec = json.dumps(draft) if method == "draft_model" else SPEC
+    requests = _requests(seed=1, num=6, max_tokens=60)
+    plain, _ = run_engine(_engine(model_dir), requests)
+    engine = _engine(
+        model_dir,
+        speculative_config=spec,
+        graph_backend="eager",
+        cuda_graph_sizes=(1, 2, 4, 8, 16, 24, 32, 40),
+        tensor_parallel_size=2 if method.endswith("tp2") else 1,
+    )
+    try:
+        got, _ = run_engine(engine, requests)
+    finally:
+        engine.runner.close()
+    assert got == plain
+    graphs = engine.runner.graphs  # type: ignore[attr-defined]
+    assert graphs.verify_query_len == (4 if method == "draft_model" else 5)
+    assert graphs.num_verify_replays > 0
+    drafted, accepted = _spec_counts(engine)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+
+
 def _key(rid: str) -> RequestKey:
     return RequestKey(0, rid)
 
@@ -294,9 +325,11 @@ def _key(rid: str) -> RequestKey:
 @pytest.mark.gpu
 def test_on_cuda_speculation_gives_the_tokens_of_graphed_decoding(model_dir):
     """On a GPU: the plain engine decodes through CUDA graphs, the speculating one verifies
-    its drafts eagerly (k + 1 queries per sequence); fp32 tokens are identical."""
+    its drafts through the verification graphs (k + 1 queries per sequence); fp32 tokens
+    are identical."""
     requests = _requests(seed=1, num=12)
     plain, _ = run_engine(_engine(model_dir, device="cuda"), requests)
     engine = _engine(model_dir, device="cuda", speculative_config=SPEC)
     assert run_engine(engine, requests)[0] == plain
     assert _spec_counts(engine)[1] > 0
+    assert engine.runner.graphs.num_verify_replays > 0  # type: ignore[attr-defined]

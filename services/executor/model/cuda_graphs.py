@@ -10,6 +10,12 @@ inside the graph is fixed per bucket: the query length (1), the block-table widt
 attention's context bound (``max_model_len``), so nothing read from the host differs between
 capture and replay.
 
+With speculative decoding (n-gram or draft-model drafts), verifying steps are captured too:
+``B`` sequences of ``1 + k`` query tokens each, a sequence's own tokens first and the rest
+padding that writes nowhere and whose rows are not returned (:meth:`BatchBuilder.build_host`'s
+``pad_query_to``), for the sizes whose ``B * (1 + k)`` tokens are no more than the largest
+decode size's. A graph is a :class:`GraphKey` (sequences, query length).
+
 Prefill and mixed steps, and decode batches above the largest size, run eagerly. The graph
 machinery is injected (:class:`GraphBackend`): CUDA graphs on a GPU, an eager stand-in that
 re-runs the captured function on replay for tests on the CPU, which then exercise the
@@ -30,6 +36,7 @@ from services.executor.model.forward_batch import (
     BatchBuilder,
     BatchLayout,
     ForwardBatch,
+    GraphKey,
     HostBatch,
     SeqChunk,
 )
@@ -90,7 +97,7 @@ class EagerGraphBackend:
 
 
 class DecodeGraphs:
-    """The captured decode forwards of one runner, by batch size."""
+    """The captured decode (and verification) forwards of one runner, by :class:`GraphKey`."""
 
     def __init__(
         self,
@@ -99,79 +106,107 @@ class DecodeGraphs:
         builder: BatchBuilder,
         sizes: Sequence[int],
         backend: GraphBackend,
+        verify_query_len: int = 1,
     ) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"cuda graph sizes must be positive, got {list(sizes)}")
+        if verify_query_len < 1:
+            raise ValueError(f"verify_query_len must be positive, got {verify_query_len}")
         self.model = model
         self.kv_cache = kv_cache
         self.builder = builder
         self.sizes = tuple(sorted(set(sizes)))
         self.max_size = self.sizes[-1]
+        q = verify_query_len
+        # Verification graphs: the sizes whose tokens fit the largest decode graph's count.
+        self.verify_query_len = q
+        self.verify_sizes = tuple(s for s in self.sizes if s * q <= self.max_size) if q > 1 else ()
+        self.keys = [GraphKey(s) for s in self.sizes]
+        self.keys += [GraphKey(s, q) for s in self.verify_sizes]
         mc = model.config
         self.max_model_len = mc.max_model_len
         self.table_width = blocks_for_tokens(mc.max_model_len, builder.block_size)
         device = kv_cache.device
-        largest = self._layout(self.max_size)
-        self.buf64 = torch.zeros(sum(largest.sizes64), dtype=torch.int64, device=device)
-        self.buf32 = torch.zeros(sum(largest.sizes32), dtype=torch.int32, device=device)
+        n64 = max(sum(self._layout(key).sizes64) for key in self.keys)
+        n32 = max(sum(self._layout(key).sizes32) for key in self.keys)
+        self.buf64 = torch.zeros(n64, dtype=torch.int64, device=device)
+        self.buf32 = torch.zeros(n32, dtype=torch.int32, device=device)
         self.backend = backend
-        self.graphs: dict[int, Replayable] = {}
+        self.graphs: dict[GraphKey, Replayable] = {}
         self.num_captures = 0
         self.num_replays = 0
+        self.num_verify_replays = 0
         self.capture_s = 0.0
 
-    def _layout(self, size: int) -> BatchLayout:
-        return BatchLayout(size, size, self.table_width, size, self.builder.num_groups)
+    def _layout(self, key: GraphKey) -> BatchLayout:
+        tokens = key.num_seqs * key.query_len
+        return BatchLayout(tokens, key.num_seqs, self.table_width, tokens, self.builder.num_groups)
 
-    def _batch(self, size: int) -> ForwardBatch:
-        """The views of the persistent buffers a graph of ``size`` sequences reads."""
-        return self._layout(size).views(self.buf64, self.buf32, 1, self.max_model_len)
+    def _batch(self, key: GraphKey) -> ForwardBatch:
+        """The views of the persistent buffers the graph of ``key`` reads."""
+        return self._layout(key).views(self.buf64, self.buf32, key.query_len, self.max_model_len)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, over an all-padding batch; Triton compiles on
+        """Capture every key, largest first, over an all-padding batch; Triton compiles on
         the warm-up run, before capture."""
         t0 = time.perf_counter()
-        for size in sorted(self.sizes, reverse=True):
-            self._fill_padding(size)
-            batch = self._batch(size)
+        order = sorted(self.keys, key=lambda k: (k.num_seqs * k.query_len, k.query_len))
+        for key in reversed(order):
+            self._fill_padding(key)
+            batch = self._batch(key)
 
             def forward(batch: ForwardBatch = batch) -> Tensor:
                 return self.model(batch, self.kv_cache)
 
             forward()  # warm-up: JIT compilation and lazy allocations happen outside capture
-            self.graphs[size] = self.backend.capture(forward)
+            self.graphs[key] = self.backend.capture(forward)
             self.num_captures += 1
         self.capture_s = time.perf_counter() - t0
 
-    def _fill_padding(self, size: int) -> None:
-        host = self.builder.build_host([], pad_to_seqs=size, table_width=self.table_width)
+    def _fill_padding(self, key: GraphKey) -> None:
+        host = self.builder.build_host(
+            [], pad_to_seqs=key.num_seqs, table_width=self.table_width, pad_query_to=key.query_len
+        )
         self.builder.upload(host, into=(self.buf64, self.buf32))
 
-    def bucket(self, chunks: Sequence[SeqChunk]) -> int | None:
-        """The captured size that serves ``chunks``, or None when they must run eagerly (a
-        prefill token among them, or more sequences than the largest graph)."""
+    def bucket(self, chunks: Sequence[SeqChunk]) -> GraphKey | None:
+        """The captured graph that serves ``chunks``, or None when they must run eagerly: a
+        decode graph when each chunk is one token whose logits are wanted; else a
+        verification graph when each has at most ``1 + k`` tokens and room for them all
+        within ``max_model_len``."""
         n = len(chunks)
-        if n > self.max_size or not all(len(c.token_ids) == 1 and c.need_logits for c in chunks):
+        if n > self.max_size:
             return None
-        for size in self.sizes:
-            if size >= n:
-                return size
-        return None  # unreachable: n <= max_size
+        if all(len(c.token_ids) == 1 and c.need_logits for c in chunks):
+            return GraphKey(next(s for s in self.sizes if s >= n))
+        q = self.verify_query_len
+        if not self.verify_sizes or n > self.verify_sizes[-1]:
+            return None
+        limit = self.max_model_len - q
+        if all(len(c.token_ids) <= q and c.num_computed_tokens <= limit for c in chunks):
+            return GraphKey(next(s for s in self.verify_sizes if s >= n), q)
+        return None
 
     @property
     def buffers(self) -> tuple[Tensor, Tensor]:
         """The persistent (int64, int32) input buffers every graph reads."""
         return self.buf64, self.buf32
 
-    def host_batch(self, chunks: Sequence[SeqChunk], size: int) -> HostBatch:
-        """``chunks`` padded to ``size`` sequences, in the layout the graph of ``size`` reads."""
-        return self.builder.build_host(chunks, pad_to_seqs=size, table_width=self.table_width)
+    def host_batch(self, chunks: Sequence[SeqChunk], key: GraphKey) -> HostBatch:
+        """``chunks`` padded to the graph of ``key``, in the layout it reads."""
+        return self.builder.build_host(
+            chunks,
+            pad_to_seqs=key.num_seqs,
+            table_width=self.table_width,
+            pad_query_to=key.query_len,
+        )
 
-    def replay(self, size: int) -> Tensor:
-        """Replay the graph of ``size`` over what the buffers hold; fp32 logits ``[size, V]``
-        (padding rows included)."""
-        graph = self.graphs[size]
+    def replay(self, key: GraphKey) -> Tensor:
+        """Replay the graph of ``key`` over what the buffers hold; fp32 logits, the chunks'
+        rows first (:attr:`HostBatch.num_rows`), then padding's."""
+        graph = self.graphs[key]
         graph.replay()
         self.num_replays += 1
+        self.num_verify_replays += key.query_len > 1
         return graph.output

@@ -24,6 +24,7 @@ __all__ = [
     "BatchBuilder",
     "BatchLayout",
     "ForwardBatch",
+    "GraphKey",
     "HostBatch",
     "PreparedForward",
     "SeqChunk",
@@ -147,6 +148,7 @@ class HostBatch:
     packed32: np.ndarray
     max_query_len: int
     max_seq_len: int
+    num_rows: int  # the logits rows of the chunks (padding's come after them)
 
     def _token_span(self, chunk: int) -> tuple[int, int]:
         qsl = self._qsl_offset
@@ -174,6 +176,14 @@ class HostBatch:
             self.packed64[slots + start : slots + end] = -1
 
 
+class GraphKey(NamedTuple):
+    """A captured forward: ``num_seqs`` sequences of ``query_len`` tokens each (1: decode;
+    1 + k: verifying k drafts)."""
+
+    num_seqs: int
+    query_len: int = 1
+
+
 @dataclass(frozen=True)
 class PreparedForward:
     """A forward whose host batch is built (``ModelRunner.prepare``) but not yet run: ``host``
@@ -181,7 +191,7 @@ class PreparedForward:
     before ``ModelRunner.launch``."""
 
     host: HostBatch
-    graph_size: int | None  # the captured graph that runs it, or None: eager
+    graph: GraphKey | None  # the captured graph that runs it, or None: eager
     num_chunks: int
     lora_rows: np.ndarray | None = None  # [T] the adapter of each token row (multi-LoRA)
 
@@ -263,15 +273,23 @@ class BatchBuilder:
         *,
         pad_to_seqs: int | None = None,
         table_width: int | None = None,
+        pad_query_to: int = 1,
     ) -> HostBatch:
         """The packed host buffers of ``chunks``. ``pad_to_seqs`` appends padding sequences of
         one token each (written nowhere, reading one slot of the reserved block 0) up to that
-        many sequences; ``table_width`` fixes the block-table width (for a captured graph)."""
+        many sequences; ``table_width`` fixes the block-table width (for a captured graph).
+        ``pad_query_to`` > 1 (a verification graph): every sequence, padding ones included,
+        gets that many query tokens, a chunk's own first; the tokens added after a chunk's
+        run at the next positions, write nowhere and have no logits row (a causal query never
+        reads a later position, so the chunk's rows are what they are without them). The
+        logits rows of the chunks come first, then the padding's, ``pad_to_seqs *
+        pad_query_to`` in all."""
         if not chunks and not pad_to_seqs:
             raise ValueError("empty batch: no chunks")
         bs = self.block_size
         num_real = len(chunks)
         num_seqs = max(num_real, pad_to_seqs or 0)
+        padded = pad_query_to > 1
 
         # One C-level transpose of the chunks into columns; no Python loop per chunk below.
         token_col, computed_col, table_col, need_col, all_col, group_col, _ = (
@@ -281,16 +299,22 @@ class BatchBuilder:
         if groups > 1 and any(len(t) != groups for t in group_col):
             b = next(i for i, t in enumerate(group_col) if len(t) != groups)
             raise ValueError(f"chunk {b}: {len(group_col[b])} group tables for {groups} groups")
-        q_lens = np.ones(num_seqs, np.int64)
-        q_lens[:num_real] = np.fromiter(map(len, token_col), np.int64, num_real)
+        q_real = np.zeros(num_seqs, np.int64)  # each sequence's own tokens (padding: none)
+        q_real[:num_real] = np.fromiter(map(len, token_col), np.int64, num_real)
         num_computed = np.zeros(num_seqs, np.int64)
         num_computed[:num_real] = computed_col
-        if (q_lens <= 0).any():
-            raise ValueError(f"chunk {int(np.argmax(q_lens <= 0))} has no tokens")
+        if (q_real[:num_real] <= 0).any():
+            raise ValueError(f"chunk {int(np.argmax(q_real[:num_real] <= 0))} has no tokens")
         if (num_computed < 0).any():
             raise ValueError(
                 f"chunk {int(np.argmax(num_computed < 0))}: negative num_computed_tokens"
             )
+        if padded and (q_real > pad_query_to).any():
+            b = int(np.argmax(q_real > pad_query_to))
+            raise ValueError(f"chunk {b}: {q_real[b]} tokens over pad_query_to={pad_query_to}")
+        q_lens = np.full(num_seqs, pad_query_to, np.int64)
+        if not padded:
+            q_lens[:num_real] = q_real[:num_real]
         seq_lens = num_computed + q_lens  # [B]
         if self.max_model_len is not None and (seq_lens > self.max_model_len).any():
             b = int(np.argmax(seq_lens > self.max_model_len))
@@ -300,10 +324,18 @@ class BatchBuilder:
         query_start_loc = np.zeros(num_seqs + 1, np.int64)
         np.cumsum(q_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        num_real_tokens = int(query_start_loc[num_real])
+        num_real_tokens = int(q_real.sum())
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)  # [T]
+        # The chunks' own tokens: a prefix of the batch, or (padded) each sequence's first.
+        own_mask = (
+            np.arange(num_tokens) - query_start_loc[seq_of_token] < q_real[seq_of_token]
+            if padded
+            else None
+        )
+        own = own_mask if own_mask is not None else slice(0, num_real_tokens)
 
         # Block tables, truncated to the blocks this step touches, padded with block 0.
-        blocks_needed = blocks_for_tokens(seq_lens, bs)  # [B]
+        blocks_needed = blocks_for_tokens(num_computed + q_real, bs)  # [B]
         blocks_needed[num_real:] = 0  # padding sequences read block 0 through an empty row
         table_lens = np.fromiter(map(len, table_col), np.int64, num_real)
         short = table_lens < blocks_needed[:num_real]
@@ -317,15 +349,21 @@ class BatchBuilder:
         width = max_blocks if table_width is None else table_width
         if width < max_blocks:
             raise ValueError(f"table_width={width} < {max_blocks} blocks needed")
-        need_logits = np.ones(num_seqs, np.bool_)
+        need_logits = np.full(num_seqs, not padded, np.bool_)  # (padding sequences' rows)
         need_logits[:num_real] = need_col
-        logits_indices = query_start_loc[1:][need_logits] - 1  # [K]
+        q_rows = q_real if padded else q_lens
+        logits_indices = query_start_loc[:-1][need_logits] + q_rows[need_logits] - 1  # [K]
         if any(all_col):  # every token's logits for these chunks, in token order
             want = np.zeros(num_tokens, np.bool_)
             want[logits_indices] = True
             for b in np.flatnonzero(np.fromiter(all_col, np.bool_, num_real)).tolist():
-                want[query_start_loc[b] : query_start_loc[b + 1]] = True
+                want[query_start_loc[b] : query_start_loc[b] + q_real[b]] = True
             logits_indices = np.flatnonzero(want)
+        num_rows = int(np.count_nonzero(logits_indices < query_start_loc[num_real]))
+        if padded:  # a fixed number of rows: the chunks', then row 0 repeated
+            rows = np.zeros(num_tokens, np.int64)
+            rows[:num_rows] = logits_indices[:num_rows]
+            logits_indices = rows
         layout = BatchLayout(num_tokens, num_seqs, width, int(logits_indices.size), groups)
 
         packed64 = np.empty(sum(layout.sizes64), np.int64)
@@ -333,10 +371,11 @@ class BatchBuilder:
         ids, pos, slots, logits_idx = _split(packed64, layout.sizes64)
         tables_flat, qsl, lens = _split(packed32, layout.sizes32)
 
-        ids[num_real_tokens:] = 0
-        ids[:num_real_tokens] = np.fromiter(
-            itertools.chain.from_iterable(token_col), np.int64, num_real_tokens
-        )
+        if padded:
+            ids[:] = 0
+        else:
+            ids[num_real_tokens:] = 0
+        ids[own] = np.fromiter(itertools.chain.from_iterable(token_col), np.int64, num_real_tokens)
         if self.vocab_size is not None:
             bad = (ids < 0) | (ids >= self.vocab_size)
             if bad.any():
@@ -346,7 +385,6 @@ class BatchBuilder:
 
         all_tables = tables_flat.reshape(groups, num_seqs, width)
         group_slots = slots.reshape(groups, num_tokens)
-        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)  # [T]
         pos[:] = np.arange(num_tokens) - query_start_loc[seq_of_token] + num_computed[seq_of_token]
         store = self._tables
         if num_real and groups > 1:  # every group's tables in one build of the row store
@@ -373,16 +411,24 @@ class BatchBuilder:
             # Per-token cache slots; padding tokens write nowhere (slot -1).
             group_slot = group_slots[g]
             group_slot[:] = tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
-            null = group_slot[:num_real_tokens] < bs  # null entries are released: never written
+            null = group_slot[own] < bs  # null entries are released: never written
             if null.any():
-                b = int(seq_of_token[int(np.argmax(null))])
+                b = int(seq_of_token[own][int(np.argmax(null))])
                 raise ValueError(f"chunk {b}: a token's block is the null block {NULL_BLOCK}")
-            group_slot[num_real_tokens:] = -1
-        pos[num_real_tokens:] = 0
+            if own_mask is not None:
+                group_slot[~own_mask] = -1
+            else:
+                group_slot[num_real_tokens:] = -1
+        if padded:
+            pos[query_start_loc[num_real] :] = 0
+        else:
+            pos[num_real_tokens:] = 0
         logits_idx[:] = logits_indices
         qsl[:] = query_start_loc
         lens[:] = seq_lens
-        return HostBatch(layout, packed64, packed32, int(q_lens.max()), int(seq_lens.max()))
+        return HostBatch(
+            layout, packed64, packed32, int(q_lens.max()), int(seq_lens.max()), num_rows
+        )
 
 
 def _split(buf: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:

@@ -190,7 +190,8 @@ def _build(
         graph_backend = "cuda"
     if graph_backend is not None and graph_sizes:
         backend = CudaGraphBackend() if graph_backend == "cuda" else EagerGraphBackend()
-        runner.capture(graph_sizes, backend)  # every rank, in step
+        verify = 1 + config.num_speculative_tokens if config.num_speculative_tokens else 1
+        runner.capture(graph_sizes, backend, verify)  # every rank, in step
     return runner
 
 

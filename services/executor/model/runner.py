@@ -27,6 +27,7 @@ from services.executor.model.forward_batch import (
     BatchBuilder,
     BatchLayout,
     ForwardBatch,
+    GraphKey,
     PreparedForward,
     SeqChunk,
 )
@@ -127,17 +128,24 @@ class ModelRunner:
         self.workers.send(Op.LORA, header, () if data is None else (data.to(self.device),))
         self.workers.done()
 
-    def capture_decode_graphs(self, sizes: Sequence[int], backend: GraphBackend) -> None:
-        """Capture the decode forward at each of ``sizes``; pure-decode steps of at most
-        ``max(sizes)`` sequences replay them from then on. One rank only: under tensor
-        parallelism every rank captures its own graphs at start-up, in step."""
+    def capture_decode_graphs(
+        self, sizes: Sequence[int], backend: GraphBackend, verify_query_len: int = 1
+    ) -> None:
+        """Capture the decode forward at each of ``sizes`` (and, with ``verify_query_len`` =
+        1 + k, the verification of k drafts: :class:`DecodeGraphs`); the steps they serve
+        replay them from then on. One rank only: under tensor parallelism every rank
+        captures its own graphs at start-up, in step."""
         if self.workers is not None:
             raise RuntimeError("a tensor-parallel runner captures its graphs in build_runner")
-        self.capture(sizes, backend)
+        self.capture(sizes, backend, verify_query_len)
 
-    def capture(self, sizes: Sequence[int], backend: GraphBackend) -> None:
+    def capture(
+        self, sizes: Sequence[int], backend: GraphBackend, verify_query_len: int = 1
+    ) -> None:
         """Capture the decode graphs of ``sizes`` (every rank, in step)."""
-        graphs = DecodeGraphs(self.model, self.kv_cache, self.builder, sizes, backend)
+        graphs = DecodeGraphs(
+            self.model, self.kv_cache, self.builder, sizes, backend, verify_query_len
+        )
         on_cuda = self.device.type == "cuda"
         before = torch.cuda.memory_reserved(self.device) if on_cuda else 0
         graphs.capture()
@@ -145,6 +153,8 @@ class ModelRunner:
         log.info(
             "cuda_graphs_captured",
             sizes=list(graphs.sizes),
+            verify_sizes=list(graphs.verify_sizes),
+            verify_query_len=graphs.verify_query_len,
             seconds=round(graphs.capture_s, 2),
             memory_bytes=used,
         )
@@ -179,17 +189,17 @@ class ModelRunner:
             rows = np.repeat(np.array(ids, dtype=np.int64), [len(c.token_ids) for c in chunks])
             return dataclasses.replace(prepared, lora_rows=rows)
         graphs = self.graphs
-        size = graphs.bucket(chunks) if graphs is not None else None
-        if size is None:
+        key = graphs.bucket(chunks) if graphs is not None else None
+        if key is None:
             return self.builder.prepare(chunks)
         assert graphs is not None
-        return PreparedForward(graphs.host_batch(chunks, size), size, len(chunks))
+        return PreparedForward(graphs.host_batch(chunks, key), key, len(chunks))
 
     @torch.inference_mode()
     def launch(self, prepared: PreparedForward) -> Tensor:
         """The device half of :meth:`execute`: upload, (broadcast to the other ranks,) run."""
-        host, size, graphs = prepared.host, prepared.graph_size, self.graphs
-        if size is None:
+        host, key, graphs = prepared.host, prepared.graph, self.graphs
+        if key is None:
             d64, d32 = self.builder.upload_packed(host)
         else:
             assert graphs is not None
@@ -203,18 +213,18 @@ class ModelRunner:
                 lay.num_logits,
                 host.max_query_len,
                 host.max_seq_len,
-                size or 0,
+                key.num_seqs if key is not None else 0,
             )
             self._map_lora_rows(prepared)
             self.workers.send(Op.FORWARD, header, (d64, d32))
         else:
             self._map_lora_rows(prepared)
         logits = self._forward(
-            host.layout.views(d64, d32, host.max_query_len, host.max_seq_len), size
+            host.layout.views(d64, d32, host.max_query_len, host.max_seq_len), key
         )
         if self.workers is not None:
             self.workers.done()
-        return logits if size is None else logits[: prepared.num_chunks]
+        return logits if key is None else logits[: host.num_rows]
 
     def _map_lora_rows(self, prepared: PreparedForward) -> None:
         """Map the forward's rows to their adapters' slots, on every rank alike (each runs
@@ -231,9 +241,9 @@ class ModelRunner:
         else:
             self.lora.activate(rows)
 
-    def _forward(self, batch: ForwardBatch, graph_size: int | None) -> Tensor:
-        if graph_size and self.graphs is not None:
-            return self.graphs.replay(graph_size)
+    def _forward(self, batch: ForwardBatch, key: GraphKey | None) -> Tensor:
+        if key is not None and self.graphs is not None:
+            return self.graphs.replay(key)
         return self.model(batch, self.kv_cache)
 
     @torch.inference_mode()
@@ -375,4 +385,6 @@ class ModelRunner:
                 d64 = torch.empty(n64, dtype=torch.int64, device=self.device)
                 d32 = torch.empty(n32, dtype=torch.int32, device=self.device)
             channel.recv_payload((d64, d32))
-            self._forward(layout.views(d64, d32, max_query_len, max_seq_len), size)
+            # (a graph's sequences all have its query length: the header's max_query_len)
+            key = GraphKey(size, max_query_len) if size else None
+            self._forward(layout.views(d64, d32, max_query_len, max_seq_len), key)
