@@ -314,6 +314,10 @@ def test_verifying_steps_replay_their_graphs_with_the_tokens_of_plain_decoding(
     graphs = engine.runner.graphs  # type: ignore[attr-defined]
     assert graphs.verify_query_len == (4 if method == "draft_model" else 5)
     assert graphs.num_verify_replays > 0
+    if method == "draft_model":  # its catch-up forwards and its further drafts' too
+        draft_graphs = engine.runner.draft.graphs  # type: ignore[attr-defined]
+        assert draft_graphs.num_verify_replays > 0
+        assert draft_graphs.num_replays > draft_graphs.num_verify_replays
     drafted, accepted = _spec_counts(engine)
     assert drafted > 0 and accepted > 0, (drafted, accepted)
 

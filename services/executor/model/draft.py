@@ -61,8 +61,8 @@ def draft_bytes_per_block(draft: DecoderLM, block_size: int) -> int:
 
 
 def draft_runner(draft: DecoderLM, num_blocks: int, block_size: int) -> ModelRunner:
-    """A runner of ``draft`` over a cache of the target's ``num_blocks`` blocks (eager: no
-    CUDA graphs for the draft yet)."""
+    """A runner of ``draft`` over a cache of the target's ``num_blocks`` blocks (its graphs
+    are captured with the target's, by ``build_runner``)."""
     cache = allocate_kv_cache(
         draft.local_config,
         num_blocks,

@@ -192,6 +192,10 @@ def _build(
         backend = CudaGraphBackend() if graph_backend == "cuda" else EagerGraphBackend()
         verify = 1 + config.num_speculative_tokens if config.num_speculative_tokens else 1
         runner.capture(graph_sizes, backend, verify)  # every rank, in step
+        if runner.draft is not None:
+            # The draft's forwards: catching up (at most 1 + k tokens a sequence, as a
+            # verification) and one token a sequence for each further draft.
+            runner.draft.capture(graph_sizes, backend, verify)
     return runner
 
 
