@@ -3,7 +3,8 @@
 Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON or Server-Sent Events ending with ``data: [DONE]``), vLLM's
 ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` and ``GET /metrics`` (the
-gateway's registry).
+gateway's registry); and Anthropic's ``POST /v1/messages`` (``services.gateway.api.anthropic``,
+whose errors take Anthropic's shape).
 
 Every error is OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``
 (``openai_errors``), with 400 (invalid request, ``param`` naming the field as the request
@@ -32,24 +33,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import time
-from collections.abc import AsyncGenerator, Coroutine, Iterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import structlog
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.v1 import generation_pb2
 from services.common.limits import FieldError
+from services.gateway.api.anthropic.routes import add_messages_routes
+from services.gateway.api.http import Completion, EventStream, as_http, ignored_headers
 from services.gateway.api.openai import errors as openai_errors
 from services.gateway.api.openai.adapters import ModelNames, add_adapter_routes
-from services.gateway.api.openai.errors import HttpError
+from services.gateway.api.openai.errors import HttpError, anthropic_path
 from services.gateway.api.openai.format import Formatter
 from services.gateway.api.openai.protocol import (
     ChatCompletionRequest,
@@ -67,27 +68,33 @@ log = structlog.get_logger(__name__)
 Responses = AsyncGenerator[generation_pb2.GenerateResponse, None]
 
 _OPEN_PATHS = ("/health", "/metrics")
-IGNORED_HEADER = "x-pagedserve-ignored-fields"
-_MAX_NAMED = 32  # ignored fields named in the header and the log
 
 
 class _ApiKeyAuth:
-    """Pure ASGI middleware: every path but ``/health`` and ``/metrics`` needs
-    ``Authorization: Bearer <key>``; anything else is a 401 before the app sees it."""
+    """Pure ASGI middleware: every path but ``/health`` and ``/metrics`` needs the key, as
+    ``Authorization: Bearer <key>`` or (Anthropic's clients) ``x-api-key: <key>``; anything
+    else is a 401 before the app sees it."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._bearer = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            given = Headers(scope=scope).get("authorization", "")
-            if not hmac.compare_digest(given.encode(), self._expected):
+            headers = Headers(scope=scope)
+            bearer = headers.get("authorization", "").encode()
+            key = headers.get("x-api-key", "").encode()
+            # (both compared, whatever the first gives: no timing tells which was sent)
+            ok = hmac.compare_digest(bearer, self._bearer) | hmac.compare_digest(key, self._key)
+            if not ok:
                 error = HttpError(
                     401,
-                    "invalid or missing API key (send `Authorization: Bearer <key>`)",
+                    "invalid or missing API key (send `Authorization: Bearer <key>` or "
+                    "`x-api-key: <key>`)",
                     code="invalid_api_key",
                 )
+                error.anthropic = anthropic_path(scope["path"])
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -151,8 +158,8 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody) -> Response:
-        headers = _ignored(body, "/tokenize")
-        with _as_http(headers):
+        headers = ignored_headers(body, "/tokenize")
+        with as_http(headers):
             check_model(body.model)
             resp = await core.tokenize(body.to_tokenize())
         info = core.pool.info
@@ -167,8 +174,8 @@ def build_app(
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeBody) -> Response:
-        headers = _ignored(body, "/detokenize")
-        with _as_http(headers):
+        headers = ignored_headers(body, "/detokenize")
+        with as_http(headers):
             check_model(body.model)
             out = {"prompt": core.detokenize(body.to_detokenize()).text}
         return JSONResponse(out, headers=headers)
@@ -177,9 +184,9 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
-        headers = _ignored(body, "/v1/completions")
+        headers = ignored_headers(body, "/v1/completions")
         prompt_only = body.prompt_only
-        with _as_http(headers, body.field_names):
+        with as_http(headers, body.field_names):
             lora = check_model(body.model)
             gens = body.to_generates()
             for gen in gens:
@@ -200,8 +207,8 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest) -> Response:
-        headers = _ignored(body, "/v1/chat/completions")
-        with _as_http(headers, body.field_names):
+        headers = ignored_headers(body, "/v1/chat/completions")
+        with as_http(headers, body.field_names):
             lora = check_model(body.model)
             gen = body.to_generate(auto_tools)
             gen.lora_name = lora
@@ -217,55 +224,10 @@ def build_app(
             fmt.reasoning = reasoning
         return _respond(core, [gen], None, body.stream, fmt, headers)
 
+    add_messages_routes(
+        app, core, check_model=check_model, auto_tools=auto_tools, reasoning=reasoning
+    )
     return app
-
-
-@contextlib.contextmanager
-def _as_http(headers: dict[str, str], names: dict[str, str] | None = None) -> Iterator[None]:
-    """A refused request (a bad field in translation, or the core's refusal) as its HTTP
-    error, with the response's ``headers``; ``names``: the request's fields by the internal
-    names they were translated into (filled in as the translation goes)."""
-    try:
-        try:
-            yield
-        except FieldError as exc:
-            raise HttpError.of(GenerationError.invalid(exc), names) from None
-        except GenerationError as exc:
-            raise HttpError.of(exc, names) from None
-    except HttpError as exc:
-        exc.headers = headers
-        raise
-
-
-def ignored_fields(body: BaseModel, prefix: str = "") -> list[str]:
-    """The fields of ``body`` (and of the objects in it) that no field of this server reads,
-    as paths (``max_token``, ``messages[0].nmae``); those sent as null are left out (they
-    change nothing)."""
-    out = [prefix + k for k, v in (body.model_extra or {}).items() if v is not None]
-    for name in type(body).model_fields:
-        value = getattr(body, name)
-        if isinstance(value, BaseModel):
-            out += ignored_fields(value, f"{prefix}{name}.")
-        elif isinstance(value, list):
-            for i, item in enumerate(value):
-                if isinstance(item, BaseModel):
-                    out += ignored_fields(item, f"{prefix}{name}[{i}].")
-    return out
-
-
-def _ignored(body: BaseModel, path: str) -> dict[str, str]:
-    """The response headers that name the fields of ``body`` this server ignored (none if
-    it read them all); each ignored field is logged too (a warning, as vLLM logs them)."""
-    fields = ignored_fields(body)
-    if not fields:
-        return {}
-    named = fields[:_MAX_NAMED]
-    log.warning("openai_fields_ignored", path=path, fields=named, count=len(fields))
-    # (as printable ASCII: a field's name is the client's text, a header is latin-1)
-    value = ", ".join(json.dumps(f)[1:-1] for f in named)
-    if len(fields) > len(named):
-        value += f", (+{len(fields) - len(named)} more)"
-    return {IGNORED_HEADER: value}
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -290,7 +252,7 @@ def _respond(
         )
     else:
         responses = _merged(core, requests, default_max_tokens, fmt)
-    return (_EventStream if stream else _Completion)(responses, fmt, headers)
+    return (EventStream if stream else Completion)(responses, fmt, headers)
 
 
 def _name_the_prompt(exc: GenerationError, i: int) -> None:
@@ -352,91 +314,3 @@ async def _merged(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class _GenerationResponse(Response):
-    """A response that runs its request inside its ASGI call, where the client's ``receive``
-    is at hand: the request is cancelled (and aborted on its executor) the moment the client
-    disconnects, and the core's generator is closed before the call returns."""
-
-    media_type = "application/json"
-    extra_headers: dict[str, str] | None = None
-
-    def __init__(self, responses: Responses, fmt: Formatter, headers: dict[str, str]) -> None:
-        # No Response.__init__: there is no body to render yet.
-        self.responses = responses
-        self.fmt = fmt
-        self.status_code = 200
-        self.background = None
-        self.own_headers = headers  # on the response, whatever it turns out to be
-        self.init_headers({**(self.extra_headers or {}), **headers})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with contextlib.aclosing(self.responses):
-            await _until_disconnect(receive, self._send(scope, receive, send))
-
-    async def _send(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raise NotImplementedError
-
-
-class _Completion(_GenerationResponse):
-    """A whole (non-streaming) completion: one JSON object, or the error's status."""
-
-    async def _send(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            body = await self.fmt.collect(self.responses)
-            response: Response = JSONResponse(body, headers=self.own_headers)
-        except GenerationError as exc:
-            response = self.fmt.error(exc).response(self.own_headers)
-        await response(scope, receive, send)
-
-
-class _EventStream(_GenerationResponse):
-    """Server-Sent Events. The headers wait for the first response, so that an error up to
-    there (refused, invalid, no executor) is the HTTP status."""
-
-    media_type = "text/event-stream"
-    extra_headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-
-    async def _send(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            first = await anext(self.responses, None)
-        except GenerationError as exc:
-            await self.fmt.error(exc).response(self.own_headers)(scope, receive, send)
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        async with contextlib.aclosing(self.fmt.events(first, self.responses)) as events:
-            async for event in events:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _until_disconnect(receive: Receive, work: Coroutine[Any, Any, None]) -> bool:
-    """Run ``work`` (producing a response) until it ends or the client disconnects, whichever
-    comes first; True if it ran to its end. On a disconnect ``work`` is cancelled, and the
-    cancellation unwinds through the core's generator: the request leaves the gateway's queue,
-    or is aborted on its executor. A send to a client that has gone (an ``OSError`` from the
-    server) counts as a disconnect."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        task.cancel()
-        gone.cancel()
-        await asyncio.wait((task, gone))  # both unwound before the generator is closed
-    if task.cancelled():
-        return False
-    exc = task.exception()
-    if isinstance(exc, OSError):
-        return False
-    if exc is not None:
-        raise exc
-    return True
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Return when the client disconnects. The request body has been read by then: the
-    server's next message is ``http.disconnect``, sent the moment the connection drops."""
-    while (await receive())["type"] != "http.disconnect":
-        pass

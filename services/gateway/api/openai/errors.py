@@ -47,11 +47,35 @@ _ERROR_TYPE = {
 }
 
 
+# Anthropic's error types by status (its Messages API at ANTHROPIC_PATHS answers in its shape).
+_ANTHROPIC_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATHS = "/v1/messages"
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether ``path`` is one of Anthropic's routes (whose errors take its shape)."""
+    return path == ANTHROPIC_PATHS or path.startswith(ANTHROPIC_PATHS + "/")
+
+
 class HttpError(Exception):
+    """An HTTP error, in OpenAI's shape or (``anthropic``) in Anthropic's:
+    ``{"type": "error", "error": {"type", "message"}}``."""
+
     def __init__(self, status: int, message: str, param: str | None = None, code: str = ""):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers: Mapping[str, str] | None = None  # the response's own (raised as is)
+        self.anthropic = False
 
     @classmethod
     def of(cls, exc: GenerationError, names: Mapping[str, str] | None = None) -> HttpError:
@@ -64,6 +88,9 @@ class HttpError(Exception):
         return cls(_HTTP_STATUS[exc.kind], message, param, exc.kind.value)
 
     def body(self) -> dict[str, Any]:
+        if self.anthropic:
+            kind = _ANTHROPIC_TYPE.get(self.status, "api_error")
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
         return {
             "error": {
                 "message": self.message,
@@ -99,15 +126,19 @@ def rename(param: str, names: Mapping[str, str]) -> str:
 
 
 def install(app: FastAPI) -> None:
-    """Answer every error of ``app`` in OpenAI's shape."""
+    """Answer every error of ``app`` in OpenAI's shape (Anthropic's on its routes)."""
+
+    def shaped(request: Request, exc: HttpError) -> HttpError:
+        exc.anthropic = exc.anthropic or anthropic_path(request.url.path)
+        return exc
 
     @app.exception_handler(HttpError)
     async def on_http_error(request: Request, exc: HttpError) -> JSONResponse:
-        return exc.response(exc.headers)
+        return shaped(request, exc).response(exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors(), exc.body).response()
+        return shaped(request, validation_error(exc.errors(), exc.body)).response()
 
     @app.exception_handler(HTTPException)
     async def on_route_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -119,12 +150,13 @@ def install(app: FastAPI) -> None:
             message = f"Method not allowed ({where}); this URL takes {allowed}"
         else:
             message = str(exc.detail)
-        return HttpError(exc.status_code, message).response(exc.headers)
+        return shaped(request, HttpError(exc.status_code, message)).response(exc.headers)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("http_internal_error", path=request.url.path, exc_info=exc)
-        return HttpError(500, "internal server error", code="internal").response()
+        error = HttpError(500, "internal server error", code="internal")
+        return shaped(request, error).response()
 
 
 # ---- request bodies that do not fit ---------------------------------------------------------

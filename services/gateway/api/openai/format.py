@@ -200,22 +200,32 @@ class Formatter:
     ) -> AsyncGenerator[bytes, None]:
         """The stream's events, ``[DONE]`` last; an error mid-stream is an error event. The
         caller owns (and closes) ``responses``."""
-        started: set[int] = set()
         try:
-            pending = [first] if first is not None else []
-            while True:
-                for r in pending:
-                    for chunk in self._chunks(r, started):
-                        yield sse(chunk)
-                try:
-                    pending = [await anext(responses)]
-                except StopAsyncIteration:
-                    break
-            if self.include_usage:
-                yield sse(self._chunk([], usage=self._usage_body()))
+            async for chunk in self.chunks(first, responses):
+                yield sse(chunk)
         except GenerationError as exc:
             yield sse(self.error(exc).body())
         yield b"data: [DONE]\n\n"
+
+    async def chunks(
+        self,
+        first: generation_pb2.GenerateResponse | None,
+        responses: AsyncIterator[generation_pb2.GenerateResponse],
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The stream's chunk objects (the usage chunk last, with ``include_usage``); an
+        error mid-stream is raised. The caller owns (and closes) ``responses``."""
+        started: set[int] = set()
+        pending = [first] if first is not None else []
+        while True:
+            for r in pending:
+                for chunk in self._chunks(r, started):
+                    yield chunk
+            try:
+                pending = [await anext(responses)]
+            except StopAsyncIteration:
+                break
+        if self.include_usage:
+            yield self._chunk([], usage=self._usage_body())
 
     def _chunks(self, r: generation_pb2.GenerateResponse, started: set[int]) -> list[dict]:
         """The chunks for one response: none when it has no text yet (its tokens end inside
