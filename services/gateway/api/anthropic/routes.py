@@ -17,9 +17,8 @@ from fastapi.responses import JSONResponse, Response
 from services.gateway.api.anthropic.format import MessagesFormatter
 from services.gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest
 from services.gateway.api.http import Completion, EventStream, as_http, ignored_headers
-from services.gateway.api.openai.errors import rename
-from services.gateway.api.openai.format import Formatter
 from services.gateway.api.openai.protocol import TokenizeBody
+from services.gateway.api.translation import as_chat
 from services.gateway.core.generation import GenerationCore
 from services.gateway.text.reasoning_parsers import ReasoningParser
 from services.gateway.text.tool_parsers import ToolCallParser
@@ -41,23 +40,15 @@ def add_messages_routes(
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest) -> Response:
         headers = ignored_headers(body, "/v1/messages", body.ignored())
-        names: dict[str, str] = {}  # internal field -> the request's (filled in as it goes)
-        with as_http(headers, names):
-            lora = check_model(body.model)
-            chat, translated = body.to_chat()
-            names.update(translated)
-            gen = chat.to_generate(auto_tools)
-            names.update({k: rename(v, translated) for k, v in chat.field_names.items()})
-            gen.lora_name = lora
-            calls = chat.tool_calls(auto_tools)
-        fmt = Formatter(core, "chat", include_usage=True, logprobs=False)
-        fmt.tool_calls = calls
-        fmt.auto_tools = auto_tools if chat.auto_tool_choice() else None
-        fmt.tool_names = frozenset(chat.tool_names())
-        fmt.parallel_tool_calls = chat.parallel_tool_calls
-        fmt.field_names = names
-        if not gen.sampling_params.HasField("structured_outputs"):
-            fmt.reasoning = reasoning
+        gen, fmt = as_chat(
+            core,
+            body.model,
+            body.to_chat,
+            check_model=check_model,
+            auto_tools=auto_tools,
+            reasoning=reasoning,
+            headers=headers,
+        )
         responses = core.generate(gen, default_max_tokens=None, on_prompt=fmt.set_prompt)
         answer = EventStream if body.stream else Completion
         return answer(responses, MessagesFormatter(fmt), headers)

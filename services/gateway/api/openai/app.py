@@ -3,8 +3,9 @@
 Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON or Server-Sent Events ending with ``data: [DONE]``), vLLM's
 ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` and ``GET /metrics`` (the
-gateway's registry); and Anthropic's ``POST /v1/messages`` (``services.gateway.api.anthropic``,
-whose errors take Anthropic's shape).
+gateway's registry); ``POST /v1/responses`` (OpenAI's Responses API, stateless:
+``responses_protocol`` / ``responses_format``); and Anthropic's ``POST /v1/messages``
+(``services.gateway.api.anthropic``, whose errors take Anthropic's shape).
 
 Every error is OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``
 (``openai_errors``), with 400 (invalid request, ``param`` naming the field as the request
@@ -58,6 +59,9 @@ from services.gateway.api.openai.protocol import (
     DetokenizeBody,
     TokenizeBody,
 )
+from services.gateway.api.openai.responses_format import ResponsesFormatter
+from services.gateway.api.openai.responses_protocol import ResponsesRequest
+from services.gateway.api.translation import as_chat
 from services.gateway.core.adapters import AdapterService
 from services.gateway.core.generation import GenerationCore, GenerationError
 from services.gateway.core.validation import DEFAULT_MAX_TOKENS
@@ -223,6 +227,22 @@ def build_app(
         if not gen.sampling_params.HasField("structured_outputs"):
             fmt.reasoning = reasoning
         return _respond(core, [gen], None, body.stream, fmt, headers)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest) -> Response:
+        headers = ignored_headers(body, "/v1/responses", body.ignored())
+        gen, fmt = as_chat(
+            core,
+            body.model,
+            body.to_chat,
+            check_model=check_model,
+            auto_tools=auto_tools,
+            reasoning=reasoning,
+            headers=headers,
+        )
+        out = core.generate(gen, default_max_tokens=None, on_prompt=fmt.set_prompt)
+        answer = EventStream if body.stream else Completion
+        return answer(out, ResponsesFormatter(fmt, body), headers)
 
     add_messages_routes(
         app, core, check_model=check_model, auto_tools=auto_tools, reasoning=reasoning
