@@ -50,6 +50,37 @@ def test_a_quantized_model_keeps_its_logits_close_and_its_top_tokens(
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.75
 
 
+@pytest.mark.parametrize("name", ["llama", "phi3"])
+def test_int8_shards_at_tensor_parallel_two_keep_the_logits_of_one_rank(
+    name: str, tiny_checkpoint: CheckpointFactory
+) -> None:
+    """TP = 2: each rank quantizes its shard (a column-parallel shard's rows keep one rank's
+    scales; a row-parallel shard's rows are scaled over their half), as close to fp32 as one
+    rank's int8 is."""
+    base = load_runner(tiny_checkpoint(name), dtype="float32", num_kv_blocks=16)
+    one = load_runner(tiny_checkpoint(name), dtype="float32", num_kv_blocks=16, quantization="int8")
+    two = load_runner(
+        tiny_checkpoint(name),
+        dtype="float32",
+        num_kv_blocks=16,
+        quantization="int8",
+        tensor_parallel_size=2,
+    )
+    try:
+        prompt = list(range(5, 60))
+        chunk = [SeqChunk(prompt, 0, [1, 2, 3, 4], all_logits=True)]
+        expected, single, sharded = base.execute(chunk), one.execute(chunk), two.execute(chunk)
+    finally:
+        two.close()
+    spread = (expected.max() - expected.min()).item()
+    single_err = (single - expected).abs().mean().item()
+    sharded_err = (sharded - expected).abs().mean().item()
+    assert sharded_err < 0.03 * spread and sharded_err < 2 * single_err + 1e-3 * spread
+    agree = (sharded.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    assert agree >= 0.75
+    assert not torch.equal(sharded, expected)  # (quantized: not the fp32 logits)
+
+
 def test_int8_on_anything_but_fp32_on_the_cpu_is_refused_naming_the_flag(
     tiny_checkpoint: CheckpointFactory,
 ) -> None:
