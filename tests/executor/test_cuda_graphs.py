@@ -14,7 +14,12 @@ from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
 from services.executor.core.engine import Engine
 from services.executor.core.sequence import RequestKey
-from services.executor.model.cuda_graphs import CudaGraphBackend, EagerGraphBackend
+from services.executor.model.cuda_graphs import (
+    CudaGraphBackend,
+    EagerGraphBackend,
+    graph_keys,
+    graph_output_bytes,
+)
 from services.executor.model.forward_batch import GraphKey, SeqChunk
 from services.executor.model.launch import build_runner
 from services.executor.model.runner import ModelRunner
@@ -137,6 +142,20 @@ def test_verification_graphs_compute_what_eager_steps_do(
     assert got.shape == expected.shape == (4 + 1 + 2, eager.config.vocab_size)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kv_cache_sizing_sets_aside_every_graphs_logits() -> None:
+    """Each captured graph keeps its fp32 logits for good (an H200 measured 618 MB of graphs
+    for 35 decode sizes over a 32,000-token vocabulary, 541 MB of them logits)."""
+    assert graph_keys((1, 2, 4, 8), 3) == [
+        *(GraphKey(s) for s in (1, 2, 4, 8)),
+        GraphKey(1, 3),
+        GraphKey(2, 3),
+    ]
+    assert graph_output_bytes((1, 2, 4, 8), 3, 100) == (15 + 3 + 6) * 100 * 4
+    assert graph_output_bytes((), 3, 100) == 0
+    sizes = ExecutorConfig(model="m", max_num_seqs=256).capture_sizes
+    assert graph_output_bytes(sizes, 1, 32000) == 4231 * 32000 * 4
 
 
 def test_steps_the_verification_graphs_cannot_take_run_eagerly(

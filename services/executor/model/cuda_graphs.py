@@ -42,7 +42,14 @@ from services.executor.model.forward_batch import (
 )
 from services.executor.model.models import DecoderLM
 
-__all__ = ["CudaGraphBackend", "DecodeGraphs", "EagerGraphBackend", "GraphBackendName"]
+__all__ = [
+    "CudaGraphBackend",
+    "DecodeGraphs",
+    "EagerGraphBackend",
+    "GraphBackendName",
+    "graph_keys",
+    "graph_output_bytes",
+]
 
 GraphBackendName = Literal["cuda", "eager"]
 
@@ -96,6 +103,25 @@ class EagerGraphBackend:
         return _EagerReplay(fn)
 
 
+def graph_keys(sizes: Sequence[int], verify_query_len: int = 1) -> list[GraphKey]:
+    """The graphs captured for decode ``sizes`` and, with ``verify_query_len`` = 1 + k, for
+    verifying k drafts: the sizes whose ``size * (1 + k)`` tokens are no more than the
+    largest decode size's."""
+    ordered = sorted(set(sizes))
+    keys = [GraphKey(s) for s in ordered]
+    if verify_query_len > 1:
+        q = verify_query_len
+        keys += [GraphKey(s, q) for s in ordered if s * q <= ordered[-1]]
+    return keys
+
+
+def graph_output_bytes(sizes: Sequence[int], verify_query_len: int, vocab_size: int) -> int:
+    """What the captured graphs' outputs keep for good: each graph's fp32 logits, a row per
+    token (the pool shares everything else between graphs)."""
+    keys = graph_keys(sizes, verify_query_len) if sizes else []
+    return sum(k.num_seqs * k.query_len for k in keys) * vocab_size * 4
+
+
 class DecodeGraphs:
     """The captured decode (and verification) forwards of one runner, by :class:`GraphKey`."""
 
@@ -117,12 +143,9 @@ class DecodeGraphs:
         self.builder = builder
         self.sizes = tuple(sorted(set(sizes)))
         self.max_size = self.sizes[-1]
-        q = verify_query_len
-        # Verification graphs: the sizes whose tokens fit the largest decode graph's count.
-        self.verify_query_len = q
-        self.verify_sizes = tuple(s for s in self.sizes if s * q <= self.max_size) if q > 1 else ()
-        self.keys = [GraphKey(s) for s in self.sizes]
-        self.keys += [GraphKey(s, q) for s in self.verify_sizes]
+        self.verify_query_len = verify_query_len
+        self.keys = graph_keys(self.sizes, verify_query_len)
+        self.verify_sizes = tuple(k.num_seqs for k in self.keys if k.query_len > 1)
         mc = model.config
         self.max_model_len = mc.max_model_len
         self.table_width = blocks_for_tokens(mc.max_model_len, builder.block_size)

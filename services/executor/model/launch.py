@@ -163,6 +163,8 @@ def _build(
         config.cache,
         max_num_batched_tokens=config.max_num_batched_tokens,
         graph_sizes=graph_sizes,
+        verify_query_len=1 + config.num_speculative_tokens,
+        graph_copies=2 if draft is not None else 1,
         extra_bytes_per_block=extra,
     )
     kv_cache = allocate_kv_cache(
