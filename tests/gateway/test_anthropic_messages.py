@@ -284,6 +284,13 @@ def _post(
             "stop_sequences",
         ),
         ({"max_tokens": 4, "messages": ASK, "model": "nope"}, 404, "not_found_error", "nope"),
+        ({"max_tokens": 4, "messages": ASK, "seed": "abc"}, 400, "invalid_request_error", "seed"),
+        (
+            {"max_tokens": 4, "messages": [*ASK, {"role": "assistant", "content": "{"}]},
+            400,
+            "invalid_request_error",
+            "messages[1]",
+        ),
     ],
 )
 def test_bad_requests_are_anthropic_errors_naming_the_field(

@@ -15,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 
+from services.gateway.api.openai.responses_protocol import ResponsesRequest
 from tests.gateway.conftest import Stack
 from tests.gateway.test_openai_api import base_url
 from tests.gateway.test_structured_outputs_e2e import TIME, WEATHER
@@ -180,6 +181,7 @@ def test_a_function_call_output_turn_reads_as_the_chat_routes_tool_message(clien
     ("body", "named"),
     [
         ({"store": True}, "store"),
+        ({"top_k": "x"}, "top_k"),
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         (
@@ -203,3 +205,25 @@ def test_bad_requests_are_400s_naming_the_field(client, model, stack, body, name
     error = r.json()["error"]
     assert error["param"] == named, error
     assert stack.wait_blocks_free() == 0
+
+
+def test_a_turns_text_and_its_calls_are_one_assistant_message() -> None:
+    """Replaying a response's output (a message item, then its function calls) gives one
+    assistant turn with its text and calls, as the chat route's request has it."""
+    request = ResponsesRequest(
+        model="m",
+        input=[
+            {"role": "user", "content": ASK},
+            {"type": "message", "role": "assistant", "content": "Let me check."},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "21"},
+            {"type": "function_call_output", "call_id": "c2", "output": "noon"},
+        ],
+    )
+    chat, names = request.to_chat()
+    assert [m.role for m in chat.messages] == ["user", "assistant", "tool", "tool"]
+    turn = chat.messages[1]
+    assert turn.content == "Let me check."
+    assert [c["id"] for c in turn.tool_calls or ()] == ["c1", "c2"]
+    assert names["messages[2]"] == "input[4]"

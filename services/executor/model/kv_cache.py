@@ -19,7 +19,6 @@ import torch
 from pagedserve.kernels.kv_quant import cache_head_dim
 from services.common.blocks import MIN_NUM_BLOCKS, usable_blocks
 from services.executor.model.config import ModelConfig
-from services.executor.model.cuda_graphs import graph_output_bytes
 from services.executor.model.errors import ModelLoadError
 from services.executor.model.forward_batch import SeqChunk, build_forward_batch
 from services.executor.model.models import DecoderLM
@@ -107,8 +106,7 @@ def size_kv_cache(
     *,
     max_num_batched_tokens: int,
     graph_sizes: tuple[int, ...] = (),
-    verify_query_len: int = 1,
-    graph_copies: int = 1,
+    graph_output_bytes: int = 0,
     extra_bytes_per_block: int = 0,
 ) -> int:
     """How many blocks (block 0 included) the executor's KV cache gets, the one place that
@@ -117,9 +115,8 @@ def size_kv_cache(
     CPU default budget. Under tensor parallelism each rank sizes its own shard (its KV heads)
     and the count is the minimum over the ranks, so that one block id means the same slot
     everywhere. The profile runs a forward of ``max_num_batched_tokens`` tokens and sets
-    aside what the CUDA graphs keep: the largest forward's intermediates, and every graph's
-    logits (``graph_sizes``, with verification graphs of ``verify_query_len``; for
-    ``graph_copies`` models: a draft model's graphs too). A budget pays
+    aside what the CUDA graphs keep: the largest of ``graph_sizes``' forward (measured), and
+    ``graph_output_bytes`` besides (the other graphs' logits, which each keeps). A budget pays
     ``extra_bytes_per_block`` per block besides (a draft model's cache of the same blocks).
     Raises ``ValueError`` when one full-length sequence would not fit."""
     mc, bs, device = model.local_config, config.block_size, next(model.parameters()).device
@@ -134,10 +131,9 @@ def size_kv_cache(
         )
     else:
         budget = _profile_budget(model, config, max_num_batched_tokens, graph_sizes)
-        if graph_sizes:
-            outputs = graph_output_bytes(graph_sizes, verify_query_len, mc.vocab_size)
-            budget -= graph_copies * outputs
-            log.info("cuda_graph_outputs_reserved", bytes=graph_copies * outputs)
+        if graph_output_bytes:
+            budget -= graph_output_bytes
+            log.info("cuda_graph_logits_reserved", bytes=graph_output_bytes)
         num_blocks = num_blocks_for_budget(
             mc, bs, model.kv_cache_dtype, budget, slots, extra_bytes_per_block
         )

@@ -26,6 +26,7 @@ from services.executor.model.cuda_graphs import (
     CudaGraphBackend,
     EagerGraphBackend,
     GraphBackendName,
+    graph_output_bytes,
 )
 from services.executor.model.disk_kv import DiskKVStore
 from services.executor.model.draft import draft_bytes_per_block, draft_runner, load_draft
@@ -163,8 +164,7 @@ def _build(
         config.cache,
         max_num_batched_tokens=config.max_num_batched_tokens,
         graph_sizes=graph_sizes,
-        verify_query_len=1 + config.num_speculative_tokens,
-        graph_copies=2 if draft is not None else 1,
+        graph_output_bytes=_graph_logits_bytes(graph_sizes, config, model, draft),
         extra_bytes_per_block=extra,
     )
     kv_cache = allocate_kv_cache(
@@ -199,6 +199,22 @@ def _build(
             # verification) and one token a sequence for each further draft.
             runner.draft.capture(graph_sizes, backend, verify)
     return runner
+
+
+def _graph_logits_bytes(
+    sizes: tuple[int, ...], config: RunnerConfig, model: DecoderLM, draft: DecoderLM | None
+) -> int:
+    """The fp32 logits the CUDA graphs keep for good, beyond the largest decode forward's
+    (which the KV-cache profile measures): every other graph's, decode and verification, and
+    the draft model's graphs' all."""
+    if not sizes:
+        return 0
+    verify = 1 + config.num_speculative_tokens
+    vocab = model.config.vocab_size
+    out = graph_output_bytes(sizes, verify, vocab) - max(sizes) * vocab * 4
+    if draft is not None:
+        out += graph_output_bytes(sizes, verify, draft.config.vocab_size)
+    return out
 
 
 def _host_tier(model: DecoderLM, kv_cache: torch.Tensor, budget: int) -> HostKVCache:

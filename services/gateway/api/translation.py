@@ -6,17 +6,33 @@ formatter's objects in its own shapes."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
+
+from pydantic import ValidationError
 
 from pagedserve.v1 import generation_pb2
 from services.gateway.api.http import as_http
-from services.gateway.api.openai.errors import rename
+from services.gateway.api.openai.errors import rename, validation_error
 from services.gateway.api.openai.format import Formatter
 from services.gateway.api.openai.protocol import ChatCompletionRequest
 from services.gateway.core.generation import GenerationCore
 from services.gateway.text.reasoning_parsers import ReasoningParser
 from services.gateway.text.tool_parsers import ToolCallParser
 
-__all__ = ["as_chat"]
+__all__ = ["as_chat", "checked"]
+
+T = TypeVar("T")
+
+
+def checked(translate: Callable[[], T], headers: dict[str, str]) -> T:
+    """``translate()``, a body's values that the chat request's model refuses (a vLLM extra
+    of the wrong type, passed through as it came) being a 400 naming the field."""
+    try:
+        return translate()
+    except ValidationError as exc:
+        error = validation_error(exc.errors())
+        error.headers = headers
+        raise error from None
 
 
 def as_chat(
@@ -35,7 +51,7 @@ def as_chat(
     names: dict[str, str] = {}  # internal field -> the request's (filled in as it goes)
     with as_http(headers, names):
         lora = check_model(model)
-        chat, translated = translate()
+        chat, translated = checked(translate, headers)
         names.update(translated)
         gen = chat.to_generate(auto_tools)
         names.update({k: rename(v, translated) for k, v in chat.field_names.items()})

@@ -18,7 +18,9 @@ The translation, field by field:
 - ``cache_control`` on any block or tool pins the request's prefix for its TTL (``5m`` by
   default, or ``1h``): the block manager's session pins (``kv_pin_ttl_s``).
 
-Images and documents are refused (the served models read text), naming the block.
+Images and documents are refused (the served models read text), naming the block; so is a
+conversation ending in an assistant turn (Anthropic's prefill, which the reply would
+continue: the chat template here always opens a new turn).
 """
 
 from __future__ import annotations
@@ -135,6 +137,12 @@ class _Conversation(BaseModel):
         if self.system is not None:
             messages.append(
                 {"role": "system", "content": _text(self.system, "system", ttls, allow=())}
+            )
+        if self.messages and self.messages[-1].role == "assistant":
+            raise FieldError(
+                f"messages[{len(self.messages) - 1}]",
+                "a final assistant turn (a prefill the reply would continue) is not "
+                "supported: end the conversation with a user turn",
             )
         for i, m in enumerate(self.messages):
             where = f"messages[{i}]"

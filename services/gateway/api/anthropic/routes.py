@@ -18,7 +18,7 @@ from services.gateway.api.anthropic.format import MessagesFormatter
 from services.gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest
 from services.gateway.api.http import Completion, EventStream, as_http, ignored_headers
 from services.gateway.api.openai.protocol import TokenizeBody
-from services.gateway.api.translation import as_chat
+from services.gateway.api.translation import as_chat, checked
 from services.gateway.core.generation import GenerationCore
 from services.gateway.text.reasoning_parsers import ReasoningParser
 from services.gateway.text.tool_parsers import ToolCallParser
@@ -58,6 +58,8 @@ def add_messages_routes(
         headers = ignored_headers(body, "/v1/messages/count_tokens")
         with as_http(headers):
             check_model(body.model)
-            tokenize = TokenizeBody.model_validate(body.to_tokenize()).to_tokenize()
+            tokenize = checked(
+                lambda: TokenizeBody.model_validate(body.to_tokenize()), headers
+            ).to_tokenize()
             resp = await core.tokenize(tokenize)
         return JSONResponse({"input_tokens": len(resp.token_ids)}, headers=headers)

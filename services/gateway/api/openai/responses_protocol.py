@@ -173,8 +173,9 @@ def _add_item(messages: list[dict[str, Any]], item: InputItem, where: str) -> No
             "function": {"name": item.name, "arguments": item.arguments or "{}"},
         }
         last = messages[-1] if messages else None
-        if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-            last["tool_calls"].append(call)  # (the same turn's calls, one after another)
+        if last is not None and last["role"] == "assistant":
+            # (the same turn's text and calls, one item after another: one assistant turn)
+            last.setdefault("tool_calls", []).append(call)
         else:
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
     elif item.type == "function_call_output":
