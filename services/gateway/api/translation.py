@@ -6,12 +6,14 @@ formatter's objects in its own shapes."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
+from fastapi.responses import Response
 from pydantic import ValidationError
 
 from pagedserve.v1 import generation_pb2
-from services.gateway.api.http import as_http
+from services.gateway.api.http import Completion, EventStream, ResponseFormatter, as_http
 from services.gateway.api.openai.errors import rename, validation_error
 from services.gateway.api.openai.format import Formatter
 from services.gateway.api.openai.protocol import ChatCompletionRequest
@@ -19,9 +21,33 @@ from services.gateway.core.generation import GenerationCore
 from services.gateway.text.reasoning_parsers import ReasoningParser
 from services.gateway.text.tool_parsers import ToolCallParser
 
-__all__ = ["as_chat", "checked"]
+__all__ = ["SAMPLING_EXTRAS", "ChatTranslator", "checked"]
 
 T = TypeVar("T")
+
+#: vLLM's extras of the chat route that a translated request passes through as they come.
+SAMPLING_EXTRAS = (
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "logit_bias",
+    "priority",
+    "cache_salt",
+    "request_id",
+    "kv_retention_priority",
+    "kv_pin_ttl_s",
+    "skip_special_tokens",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 
 def checked(translate: Callable[[], T], headers: dict[str, str]) -> T:
@@ -35,35 +61,57 @@ def checked(translate: Callable[[], T], headers: dict[str, str]) -> T:
         raise error from None
 
 
-def as_chat(
-    core: GenerationCore,
-    model: str,
-    translate: Callable[[], tuple[ChatCompletionRequest, dict[str, str]]],
-    *,
-    check_model: Callable[[str], str],
-    auto_tools: ToolCallParser | None,
-    reasoning: ReasoningParser | None,
-    headers: dict[str, str],
-) -> tuple[generation_pb2.GenerateRequest, Formatter]:
-    """The core's request for the chat request ``translate`` makes (with the request's names
-    of the fields it translated), and the chat formatter of its answer. A refused request
-    raises its HTTP error, naming the request's own fields."""
-    names: dict[str, str] = {}  # internal field -> the request's (filled in as it goes)
-    with as_http(headers, names):
-        lora = check_model(model)
-        chat, translated = checked(translate, headers)
-        names.update(translated)
-        gen = chat.to_generate(auto_tools)
-        names.update({k: rename(v, translated) for k, v in chat.field_names.items()})
-        gen.lora_name = lora
-        calls = chat.tool_calls(auto_tools)
-    fmt = Formatter(core, "chat", include_usage=True, logprobs=False)
-    fmt.tool_calls = calls
-    fmt.auto_tools = auto_tools if chat.auto_tool_choice() else None
-    fmt.tool_names = frozenset(chat.tool_names())
-    fmt.parallel_tool_calls = chat.parallel_tool_calls
-    fmt.field_names = names
-    # (A constrained output is all answer: the grammar leaves no room to think.)
-    if not gen.sampling_params.HasField("structured_outputs"):
-        fmt.reasoning = reasoning
-    return gen, fmt
+@dataclass(frozen=True)
+class ChatTranslator:
+    """Serves a request of another API as a chat request: ``check_model`` gives the LoRA
+    adapter a model name selects ('' for the base model) or refuses it (404);
+    ``auto_tools`` / ``reasoning``: the gateway's tool-call and reasoning parsers."""
+
+    core: GenerationCore
+    check_model: Callable[[str], str]
+    auto_tools: ToolCallParser | None
+    reasoning: ReasoningParser | None
+
+    def respond(
+        self,
+        model: str,
+        translate: Callable[[], tuple[ChatCompletionRequest, dict[str, str]]],
+        stream: bool,
+        headers: dict[str, str],
+        formatter: Callable[[Formatter], ResponseFormatter],
+    ) -> Response:
+        """The response that runs the chat request ``translate`` makes (with the request's
+        names of the fields it translated), its answer formatted by ``formatter`` over the
+        chat formatter. A refused request raises its HTTP error, naming the request's own
+        fields."""
+        gen, fmt = self._chat(model, translate, headers)
+        core = self.core
+        out = core.generate(gen, default_max_tokens=None, on_prompt=fmt.set_prompt)
+        return (EventStream if stream else Completion)(out, formatter(fmt), headers)
+
+    def _chat(
+        self,
+        model: str,
+        translate: Callable[[], tuple[ChatCompletionRequest, dict[str, str]]],
+        headers: dict[str, str],
+    ) -> tuple[generation_pb2.GenerateRequest, Formatter]:
+        auto_tools = self.auto_tools
+        names: dict[str, str] = {}  # internal field -> the request's (filled in as it goes)
+        with as_http(headers, names):
+            lora = self.check_model(model)
+            chat, translated = checked(translate, headers)
+            names.update(translated)
+            gen = chat.to_generate(auto_tools)
+            names.update({k: rename(v, translated) for k, v in chat.field_names.items()})
+            gen.lora_name = lora
+            calls = chat.tool_calls(auto_tools)
+        fmt = Formatter(self.core, "chat", include_usage=True, logprobs=False)
+        fmt.tool_calls = calls
+        fmt.auto_tools = auto_tools if chat.auto_tool_choice() else None
+        fmt.tool_names = frozenset(chat.tool_names())
+        fmt.parallel_tool_calls = chat.parallel_tool_calls
+        fmt.field_names = names
+        # (A constrained output is all answer: the grammar leaves no room to think.)
+        if not gen.sampling_params.HasField("structured_outputs"):
+            fmt.reasoning = self.reasoning
+        return gen, fmt

@@ -33,33 +33,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.common.limits import FieldError
 from services.gateway.api.http import ignored_fields
 from services.gateway.api.openai.protocol import ChatCompletionRequest
+from services.gateway.api.translation import SAMPLING_EXTRAS
 
 __all__ = ["CountTokensRequest", "MessagesRequest"]
 
 _PIN_TTL_S = {"5m": 300.0, "1h": 3600.0}
-# vLLM's sampling extras the chat route reads, passed through from the body as they are.
-_EXTRAS = (
-    "min_p",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_tokens",
-    "ignore_eos",
-    "stop_token_ids",
-    "logit_bias",
-    "priority",
-    "cache_salt",
-    "request_id",
-    "kv_retention_priority",
-    "kv_pin_ttl_s",
-    "skip_special_tokens",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
 
 
 class CacheControl(BaseModel):
@@ -212,14 +190,14 @@ class MessagesRequest(_Conversation):
         if self.metadata is not None and self.metadata.user_id is not None:
             chat["user"] = self.metadata.user_id
         extra = self.model_extra or {}
-        chat.update({k: extra[k] for k in _EXTRAS if extra.get(k) is not None})
+        chat.update({k: extra[k] for k in SAMPLING_EXTRAS if extra.get(k) is not None})
         if ttl is not None and "kv_pin_ttl_s" not in chat:
             chat["kv_pin_ttl_s"] = ttl
         return ChatCompletionRequest.model_validate(chat), names
 
     def ignored(self) -> list[str]:
         """The body's fields nothing reads (the sampling extras above are read)."""
-        return [f for f in ignored_fields(self) if f not in _EXTRAS and f != "thinking"]
+        return [f for f in ignored_fields(self) if f not in SAMPLING_EXTRAS and f != "thinking"]
 
 
 class CountTokensRequest(_Conversation):

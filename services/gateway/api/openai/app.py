@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import time
 from collections.abc import AsyncGenerator
@@ -61,7 +62,7 @@ from services.gateway.api.openai.protocol import (
 )
 from services.gateway.api.openai.responses_format import ResponsesFormatter
 from services.gateway.api.openai.responses_protocol import ResponsesRequest
-from services.gateway.api.translation import as_chat
+from services.gateway.api.translation import ChatTranslator
 from services.gateway.core.adapters import AdapterService
 from services.gateway.core.generation import GenerationCore, GenerationError
 from services.gateway.core.validation import DEFAULT_MAX_TOKENS
@@ -228,25 +229,15 @@ def build_app(
             fmt.reasoning = reasoning
         return _respond(core, [gen], None, body.stream, fmt, headers)
 
+    chat_of = ChatTranslator(core, check_model, auto_tools, reasoning)
+
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest) -> Response:
         headers = ignored_headers(body, "/v1/responses", body.ignored())
-        gen, fmt = as_chat(
-            core,
-            body.model,
-            body.to_chat,
-            check_model=check_model,
-            auto_tools=auto_tools,
-            reasoning=reasoning,
-            headers=headers,
-        )
-        out = core.generate(gen, default_max_tokens=None, on_prompt=fmt.set_prompt)
-        answer = EventStream if body.stream else Completion
-        return answer(out, ResponsesFormatter(fmt, body), headers)
+        fmt = functools.partial(ResponsesFormatter, request=body)
+        return chat_of.respond(body.model, body.to_chat, body.stream, headers, fmt)
 
-    add_messages_routes(
-        app, core, check_model=check_model, auto_tools=auto_tools, reasoning=reasoning
-    )
+    add_messages_routes(app, chat_of)
     return app
 
 

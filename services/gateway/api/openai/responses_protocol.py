@@ -31,33 +31,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.common.limits import FieldError
 from services.gateway.api.http import ignored_fields
 from services.gateway.api.openai.protocol import ChatCompletionRequest
+from services.gateway.api.translation import SAMPLING_EXTRAS
 
 __all__ = ["ResponsesRequest"]
 
-_EXTRAS = (
-    "top_k",
-    "min_p",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_tokens",
-    "ignore_eos",
-    "stop",
-    "stop_token_ids",
-    "logit_bias",
-    "priority",
-    "cache_salt",
-    "request_id",
-    "kv_retention_priority",
-    "kv_pin_ttl_s",
-    "skip_special_tokens",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
+# (and Responses has no top_k nor stop of its own: vLLM's are read)
+_EXTRAS = ("top_k", "stop", *SAMPLING_EXTRAS)
 
 
 class InputItem(BaseModel):
