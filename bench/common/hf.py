@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel
 
-__all__ = ["hf_beams", "hf_generate", "pad_left"]
+__all__ = ["Agreement", "hf_agreement", "hf_beams", "hf_generate", "pad_left"]
 
 
 def pad_left(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,3 +76,40 @@ def hf_beams(
     )
     width = ids.shape[1]
     return [[out[i * k + j, width:].tolist() for j in range(k)] for i in range(len(prompts))]
+
+
+class Agreement(NamedTuple):
+    """One request's greedy tokens against the reference model's, teacher-forced: ``first``
+    is the first position where ours is not the reference's argmax (None: every token
+    agrees), ``margin`` the reference's logit gap there (its max minus our token's logit),
+    ``tie`` whether that gap is within the tolerance (a near-tie that a rounding flips)."""
+
+    first: int | None
+    margin: float
+    tie: bool
+
+
+@torch.inference_mode()
+def hf_agreement(
+    model: PreTrainedModel,
+    prompt: Sequence[int],
+    tokens: Sequence[int],
+    tie_tolerance: float,
+) -> Agreement:
+    """Score ``tokens`` (greedy, after ``prompt``) with one teacher-forced forward of
+    ``model``: where they first leave its argmax and by how much. A gap of at most
+    ``tie_tolerance`` times the largest |logit| there counts as a tie (bf16 keeps 8 bits of
+    mantissa: two orders of accumulation may flip a near-tie)."""
+    if not tokens:
+        return Agreement(None, 0.0, True)
+    ids = torch.tensor([[*prompt, *tokens]], device=model.device)
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # the rows predicting tokens
+    ours = torch.tensor(list(tokens), device=logits.device)
+    best = logits.argmax(-1)
+    differ = (best != ours).nonzero()
+    if differ.numel() == 0:
+        return Agreement(None, 0.0, True)
+    i = int(differ[0])
+    row = logits[i]
+    margin = float(row[best[i]] - row[ours[i]])
+    return Agreement(i, margin, margin <= tie_tolerance * float(row.abs().max()))

@@ -17,7 +17,10 @@ Reported per run: output tok/s over the wall clock; the median decode step at ba
 step (torch profiler: summed kernel time over the step's wall time); the roofline floor of
 that step (weights + the batch's KV read once at the measured device copy rate); and how many
 requests' greedy tokens agree between the graphed and the eager run (bf16 attention splits
-differ between the two, so a late divergence is possible and is reported, not hidden).
+differ between the two, so a late divergence is possible and is reported, not hidden); and
+the graphed run's tokens of the first ``--parity-requests`` requests scored by HF's model in
+the same dtype, teacher-forced: identical, leaving HF's argmax at a near-tie (``--tie-tolerance``
+of the largest |logit|), or leaving it elsewhere (a real mismatch).
 Prints markdown. Not a test.
 """
 
@@ -36,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common.hf import hf_generate
+from bench.common.hf import hf_agreement, hf_generate
 from bench.common.timers import ForwardTimer
 from bench.common.workloads import Req, make_requests
 from services.blockmgr.client import InProcessClient
@@ -264,6 +267,35 @@ def run_hf(model_dir: Path, reqs: list[Req], batch: int, args: argparse.Namespac
     return run
 
 
+def hf_parity(model_dir: Path, reqs: list[Req], run: Run, args: argparse.Namespace) -> str:
+    """The first ``--parity-requests`` requests' greedy tokens of ``run`` scored by HF's model
+    in the same dtype, teacher-forced: identical, left at a near-tie, or left where HF was
+    sure (a real mismatch)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(args.device)
+    model.eval()
+    same = ties = 0
+    wrong: list[str] = []
+    for r in reqs[: args.parity_requests]:
+        got = hf_agreement(model, r.prompt, run.tokens[r.req_id], args.tie_tolerance)
+        if got.first is None:
+            same += 1
+        elif got.tie:
+            ties += 1
+        else:
+            wrong.append(f"{r.req_id}@{got.first} (gap {got.margin:.3f})")
+    del model
+    n = min(len(reqs), args.parity_requests)
+    line = (
+        f"HF parity ({args.dtype}, {run.name}, {n} requests, teacher-forced): {same} identical, "
+        f"{ties} leave HF's argmax at a near-tie (gap <= {args.tie_tolerance} of max |logit|), "
+        f"{len(wrong)} elsewhere"
+    )
+    return line + (f": {', '.join(wrong[:8])}" if wrong else "")
+
+
 def report(
     runs: list[Run], graphed: Run | None, eager: Run | None, overlapped: Run | None = None
 ) -> None:
@@ -316,6 +348,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--hf-batches", type=int, nargs="*", default=[64, 256])
     ap.add_argument("--no-profile", dest="profile", action="store_false")
+    ap.add_argument("--parity-requests", type=int, default=32, help="scored by HF (0: none)")
+    ap.add_argument(
+        "--tie-tolerance",
+        type=float,
+        default=0.01,
+        help="a divergence where HF's logit gap is at most this share of its max |logit| is "
+        "a near-tie",
+    )
     ap.add_argument("--host-profile-after", type=int, default=30, help="full-batch steps")
     ap.add_argument(
         "--cpu-dry-run",
@@ -359,12 +399,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"async-scheduling run: {overlapped.tok_s:,.0f} tok/s", flush=True)
         runs = [graphed, overlapped, eager]
+        parity = hf_parity(model_dir, reqs, graphed, args) if args.parity_requests else ""
         if not args.skip_hf:
             for b in args.hf_batches:
                 runs.append(run_hf(model_dir, reqs, b, args))
                 print(f"{runs[-1].name}: {runs[-1].tok_s:,.0f} tok/s", flush=True)
     print()
     report(runs, graphed, eager, overlapped)
+    if parity:
+        print(parity)
     return 0
 
 

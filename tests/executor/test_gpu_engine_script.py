@@ -31,3 +31,5 @@ def test_gpu_engine_cpu_dry_run_prints_every_row_and_graphed_equals_eager() -> N
         assert row in out
     assert "graphed vs eager greedy tokens: 12/12 requests identical" in out
     assert "async scheduling vs not, greedy tokens: 12/12 requests identical" in out
+    assert "teacher-forced): 12 identical, 0 leave HF's argmax at a near-tie" in out
+    assert "host profile of" in out  # (the warm-up run's cProfile of full-batch steps)
