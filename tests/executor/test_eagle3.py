@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedserve.tools.eagle3_head import Eagle3Reference, target_features, write_random_head
 from services.blockmgr.client import InProcessClient
+from services.common.sampling_params import SamplingParams
 from services.executor.model.eagle import Eagle3Runner, load_eagle3
 from services.executor.model.errors import ModelLoadError
 from services.executor.model.forward_batch import SeqChunk
@@ -261,11 +262,42 @@ def test_a_head_that_cannot_serve_the_target_is_a_load_error_naming_the_field(
 
 @pytest.mark.gpu
 def test_on_cuda_eagle3_speculation_gives_the_tokens_of_graphed_decoding(model_dir, head_dir):
-    """On a GPU: the plain engine decodes through CUDA graphs; the speculating one (graphs
-    off: the features are not captured yet) drafts with the head and verifies eagerly. fp32
-    tokens are identical."""
+    """On a GPU: the plain engine decodes through CUDA graphs; the speculating one verifies
+    through the verification graphs, which keep the features the head reads (its own
+    forwards are eager). fp32 tokens are identical."""
     requests = _requests(seed=1, num=12)
     plain, _ = run_engine(_engine(model_dir, device="cuda"), requests)
     engine = _engine(model_dir, device="cuda", speculative_config=_spec(head_dir))
     assert run_engine(engine, requests)[0] == plain
     assert _spec_counts(engine)[1] > 0
+    assert engine.runner.graphs.num_verify_replays > 0  # type: ignore[attr-defined]
+
+
+def test_under_graphs_the_head_reads_the_features_an_eager_forward_leaves(
+    model_dir, head_dir
+) -> None:
+    """The graphs (the eager stand-in replaying over the persistent buffers) keep the
+    target's features as outputs of their own; a verification graph's are gathered back to
+    the eager rows: the same drafts accepted and the same tokens as without graphs."""
+    # Outputs of 20-70 tokens: speculation is off while more than 4 run (decode graphs,
+    # the head catching up on their features), then on (verification graphs).
+    requests = {
+        rid: (prompt, SamplingParams(temperature=0.0, max_tokens=20 + 10 * i))
+        for i, (rid, (prompt, _)) in enumerate(_requests(seed=1, num=6).items())
+    }
+    spec = _spec(head_dir, disable_by_batch_size=4)
+    plain, _ = run_engine(_engine(model_dir), requests)
+    eager = _engine(model_dir, speculative_config=spec)
+    eager_tokens, _ = run_engine(eager, requests)
+    graphed = _engine(
+        model_dir,
+        speculative_config=spec,
+        graph_backend="eager",
+        cuda_graph_sizes=(1, 2, 4, 8, 16, 24, 32, 40),
+    )
+    tokens, _ = run_engine(graphed, requests)
+    assert tokens == eager_tokens == plain
+    graphs = graphed.runner.graphs  # type: ignore[attr-defined]
+    assert graphs.num_verify_replays > 0 and graphs.num_replays > graphs.num_verify_replays
+    assert _spec_counts(graphed) == _spec_counts(eager)
+    assert _spec_counts(graphed)[1] > 0

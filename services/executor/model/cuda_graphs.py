@@ -49,23 +49,27 @@ __all__ = [
     "GraphBackendName",
     "graph_keys",
     "graph_output_bytes",
+    "graph_rows",
 ]
 
 GraphBackendName = Literal["cuda", "eager"]
 
 
+Outputs = tuple[Tensor, ...]  # a captured forward's: its logits (and an EAGLE-3 head's features)
+
+
 class Replayable(Protocol):
-    output: Tensor
+    output: Outputs
 
     def replay(self) -> None: ...
 
 
 class GraphBackend(Protocol):
-    def capture(self, fn: Callable[[], Tensor]) -> Replayable: ...
+    def capture(self, fn: Callable[[], Outputs]) -> Replayable: ...
 
 
 class _CudaGraph:
-    def __init__(self, fn: Callable[[], Tensor], pool: Any, stream: torch.cuda.Stream) -> None:
+    def __init__(self, fn: Callable[[], Outputs], pool: Any, stream: torch.cuda.Stream) -> None:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.output = fn()
@@ -82,24 +86,25 @@ class CudaGraphBackend:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream()
 
-    def capture(self, fn: Callable[[], Tensor]) -> Replayable:
+    def capture(self, fn: Callable[[], Outputs]) -> Replayable:
         return _CudaGraph(fn, self.pool, self.stream)
 
 
 class _EagerReplay:
-    def __init__(self, fn: Callable[[], Tensor]) -> None:
+    def __init__(self, fn: Callable[[], Outputs]) -> None:
         self.fn = fn
         self.output = fn()
 
     def replay(self) -> None:
-        self.output.copy_(self.fn())
+        for out, new in zip(self.output, self.fn(), strict=True):
+            out.copy_(new)
 
 
 class EagerGraphBackend:
     """Stand-in without CUDA: "capture" runs the function once; replay runs it again over the
-    same persistent buffers and writes into the same output tensor, as a graph would."""
+    same persistent buffers and writes into the same output tensors, as a graph would."""
 
-    def capture(self, fn: Callable[[], Tensor]) -> Replayable:
+    def capture(self, fn: Callable[[], Outputs]) -> Replayable:
         return _EagerReplay(fn)
 
 
@@ -115,11 +120,17 @@ def graph_keys(sizes: Sequence[int], verify_query_len: int = 1) -> list[GraphKey
     return keys
 
 
-def graph_output_bytes(sizes: Sequence[int], verify_query_len: int, vocab_size: int) -> int:
-    """What the captured graphs' outputs keep for good: each graph's fp32 logits, a row per
-    token (the pool shares everything else between graphs)."""
+def graph_rows(sizes: Sequence[int], verify_query_len: int) -> int:
+    """The token rows of every captured graph together: each keeps its outputs (fp32 logits,
+    and an EAGLE-3 head's features) a row per token for good; the pool shares everything
+    else between graphs."""
     keys = graph_keys(sizes, verify_query_len) if sizes else []
-    return sum(k.num_seqs * k.query_len for k in keys) * vocab_size * 4
+    return sum(k.num_seqs * k.query_len for k in keys)
+
+
+def graph_output_bytes(sizes: Sequence[int], verify_query_len: int, vocab_size: int) -> int:
+    """What the captured graphs' logits keep for good (:func:`graph_rows`)."""
+    return graph_rows(sizes, verify_query_len) * vocab_size * 4
 
 
 class DecodeGraphs:
@@ -179,8 +190,10 @@ class DecodeGraphs:
             self._fill_padding(key)
             batch = self._batch(key)
 
-            def forward(batch: ForwardBatch = batch) -> Tensor:
-                return self.model(batch, self.kv_cache)
+            def forward(batch: ForwardBatch = batch) -> Outputs:
+                logits = self.model(batch, self.kv_cache)
+                aux = self.model.aux_hidden if self.model.aux_layers else None
+                return (logits,) if aux is None else (logits, aux)
 
             forward()  # warm-up: JIT compilation and lazy allocations happen outside capture
             self.graphs[key] = self.backend.capture(forward)
@@ -225,11 +238,16 @@ class DecodeGraphs:
             pad_query_to=key.query_len,
         )
 
-    def replay(self, key: GraphKey) -> Tensor:
+    def replay(self, key: GraphKey, own_rows: Tensor | None = None) -> Tensor:
         """Replay the graph of ``key`` over what the buffers hold; fp32 logits, the chunks'
-        rows first (:attr:`HostBatch.num_rows`), then padding's."""
+        rows first (:attr:`HostBatch.num_rows`), then padding's. A model that keeps an
+        EAGLE-3 head's features gets them as an eager forward leaves them: the chunks'
+        tokens' rows in order (``own_rows``, where padding is interleaved), then padding's."""
         graph = self.graphs[key]
         graph.replay()
         self.num_replays += 1
         self.num_verify_replays += key.query_len > 1
-        return graph.output
+        if len(graph.output) > 1:
+            aux = graph.output[1]
+            self.model.aux_hidden = aux if own_rows is None else aux.index_select(0, own_rows)
+        return graph.output[0]

@@ -149,6 +149,8 @@ class HostBatch:
     max_query_len: int
     max_seq_len: int
     num_rows: int  # the logits rows of the chunks (padding's come after them)
+    # Padded query lengths (a verification graph): the token rows of the chunks' own tokens.
+    own_rows: np.ndarray | None = None
 
     def _token_span(self, chunk: int) -> tuple[int, int]:
         qsl = self._qsl_offset
@@ -426,8 +428,9 @@ class BatchBuilder:
         logits_idx[:] = logits_indices
         qsl[:] = query_start_loc
         lens[:] = seq_lens
+        own_rows = np.flatnonzero(own_mask) if own_mask is not None else None
         return HostBatch(
-            layout, packed64, packed32, int(q_lens.max()), int(seq_lens.max()), num_rows
+            layout, packed64, packed32, int(q_lens.max()), int(seq_lens.max()), num_rows, own_rows
         )
 
 

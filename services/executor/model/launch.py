@@ -27,6 +27,7 @@ from services.executor.model.cuda_graphs import (
     EagerGraphBackend,
     GraphBackendName,
     graph_output_bytes,
+    graph_rows,
 )
 from services.executor.model.disk_kv import DiskKVStore
 from services.executor.model.draft import draft_bytes_per_block, draft_runner, load_draft
@@ -141,16 +142,13 @@ def _build(
     # A draft model (speculative decoding) runs on the first rank, its cache of the same
     # blocks sized with the target's.
     draft = load_draft(config.draft_model, model) if config.draft_model and comm.rank == 0 else None
-    # Or an EAGLE-3 head, which reads the target's features: its forwards keep them, which
-    # the decode graphs do not capture (yet).
+    # Or an EAGLE-3 head, which reads the target's features: its forwards keep them, the
+    # graphs' too (as outputs of their own).
     head = (
         load_eagle3(config.eagle3_head, model, config.model)
         if config.eagle3_head and comm.rank == 0
         else None
     )
-    if config.eagle3_head and graph_sizes:
-        log.info("cuda_graphs_disabled", reason="eagle3 speculative decoding")
-        graph_sizes = ()
     # Multi-LoRA: every rank its shard of the slots, allocated before the cache is sized. The
     # rows' slots change every step: no graphs captured (yet).
     lora = LoRASlots(model, config.max_loras, config.max_lora_rank) if config.max_loras else None
@@ -204,9 +202,9 @@ def _build(
 def _graph_logits_bytes(
     sizes: tuple[int, ...], config: RunnerConfig, model: DecoderLM, draft: DecoderLM | None
 ) -> int:
-    """The fp32 logits the CUDA graphs keep for good, beyond the largest decode forward's
-    (which the KV-cache profile measures): every other graph's, decode and verification, and
-    the draft model's graphs' all."""
+    """The outputs the CUDA graphs keep for good, beyond the largest decode forward's (which
+    the KV-cache profile measures): every other graph's fp32 logits, decode and
+    verification, the draft model's graphs' all, and an EAGLE-3 head's features."""
     if not sizes:
         return 0
     verify = 1 + config.num_speculative_tokens
@@ -214,6 +212,9 @@ def _graph_logits_bytes(
     out = graph_output_bytes(sizes, verify, vocab) - max(sizes) * vocab * 4
     if draft is not None:
         out += graph_output_bytes(sizes, verify, draft.config.vocab_size)
+    if model.aux_layers:  # an EAGLE-3 head's features, a row per token of every graph
+        width = len(model.aux_layers) * model.config.hidden_size * model.dtype.itemsize
+        out += graph_rows(sizes, verify) * width
     return out
 
 

@@ -28,6 +28,7 @@ from services.executor.model.forward_batch import (
     BatchLayout,
     ForwardBatch,
     GraphKey,
+    HostBatch,
     PreparedForward,
     SeqChunk,
 )
@@ -220,7 +221,7 @@ class ModelRunner:
         else:
             self._map_lora_rows(prepared)
         logits = self._forward(
-            host.layout.views(d64, d32, host.max_query_len, host.max_seq_len), key
+            host.layout.views(d64, d32, host.max_query_len, host.max_seq_len), key, host
         )
         if self.workers is not None:
             self.workers.done()
@@ -241,9 +242,14 @@ class ModelRunner:
         else:
             self.lora.activate(rows)
 
-    def _forward(self, batch: ForwardBatch, key: GraphKey | None) -> Tensor:
+    def _forward(
+        self, batch: ForwardBatch, key: GraphKey | None, host: HostBatch | None = None
+    ) -> Tensor:
         if key is not None and self.graphs is not None:
-            return self.graphs.replay(key)
+            own = None  # an EAGLE-3 head reads the chunks' features in the eager layout
+            if host is not None and host.own_rows is not None and self.model.aux_layers:
+                own = torch.from_numpy(host.own_rows).to(self.device, non_blocking=True)
+            return self.graphs.replay(key, own)
         return self.model(batch, self.kv_cache)
 
     @torch.inference_mode()

@@ -69,8 +69,8 @@ class RunnerConfig:
     cpu_threads: int | None = None  # torch intra-op threads on the CPU, all ranks together
     draft_model: str | None = None  # speculative decoding's draft checkpoint (first rank)
     eagle3_head: str | None = None  # or its EAGLE-3 head (first rank)
-    # Drafts a step (speculative decoding, n-gram or draft model): its verifying steps, of
-    # 1 + k tokens a sequence, are captured as CUDA graphs too.
+    # Drafts a step (speculative decoding): its verifying steps, of 1 + k tokens a sequence,
+    # are captured as CUDA graphs too.
     num_speculative_tokens: int = 0
     # Multi-LoRA serving: slots for this many adapters up to this rank (every rank its shard;
     # 0: none). Sized before the KV cache; no CUDA graphs then.

@@ -454,9 +454,7 @@ class ExecutorConfig:
             cpu_threads=self.cpu_threads,
             draft_model=spec.model if spec is not None and spec.uses_draft_model else None,
             eagle3_head=spec.model if spec is not None and spec.uses_eagle else None,
-            num_speculative_tokens=(
-                spec.num_speculative_tokens if spec is not None and not spec.uses_eagle else 0
-            ),
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             max_loras=self.lora.max_loras if self.lora.enable_lora else 0,
             max_lora_rank=self.lora.max_lora_rank if self.lora.enable_lora else 0,
             quantization=self.quantization,
