@@ -7,7 +7,7 @@
 #      CUDA against PEFT: that one needs the peft wheel, else it skips; the fp8 / int8 cache
 #      writes rounding as torch does), on 4 xdist workers when pytest-xdist is installed,
 #   3. the engine benchmark with CUDA graphs, graphs + async scheduling, eager, and HF static
-#      batches (bench.internals.gpu_engine),
+#      batches (bench.internals.gpu_engine), then ours again over fp8 and int8 KV caches,
 #   4. the newer families' kernels (sliding window, soft-cap, fused MoE:
 #      bench.internals.gpu_check_families), and attention over bf16 / fp8 / int8 KV caches at
 #      a batch-1 decode of 8k and 32k tokens (bench.internals.gpu_kv_quant),
@@ -17,8 +17,8 @@
 #      `python -m bench.spec_bench --eagle3 4 --eagle3-ceiling --batches 1`),
 #   6. on a host with several GPUs, tensor parallelism over NCCL (bench.internals.tp_bench).
 # Usage: `bash bench/gpu_session.sh` from anywhere; logs go to $OUT when set, else /tmp. A rerun
-# can take some parts only: GPU_SESSION_PARTS="tests engine" (of: check tests engine families
-# kv_quant spec tp).
+# can take some parts only: GPU_SESSION_PARTS="tests engine" (of: check tests engine kv_engine
+# families kv_quant spec tp).
 # A GPU host without network access gets the Python packages it lacks as wheel files: put
 # them in $WHEELS_DIR (default .whl; a relative path is taken from the repository root) and
 # they are installed into .site, put first on PYTHONPATH, before anything runs. Without that
@@ -37,7 +37,7 @@ if [ -d "$wheels" ]; then
 fi
 python3 -m pagedserve._protogen || exit 1
 status=0
-parts=" ${GPU_SESSION_PARTS:-check tests engine families kv_quant spec tp} "
+parts=" ${GPU_SESSION_PARTS:-check tests engine kv_engine families kv_quant spec tp} "
 want() { [[ "$parts" == *" $1 "* ]]; }
 # In order of what matters most, so that a call cut at its limit loses the least.
 want check && { timeout 120 python3 -m bench.internals.gpu_check 2>&1 | tee "$out/gpu_check.log" \
@@ -50,6 +50,11 @@ want tests && { timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider "${w
   --continue-on-collection-errors tests 2>&1 | tee "$out/gpu_tests.log" || status=1; }
 want engine && { timeout 240 python3 -m bench.internals.gpu_engine "$@" 2>&1 | grep -v '"event"' \
   | tee "$out/gpu_engine.log" || status=1; }
+for kv in fp8 int8; do  # the quantized KV caches through the engine (their tok/s, not HF's)
+  want kv_engine && { timeout 60 python3 -m bench.internals.gpu_engine --kv-cache-dtype "$kv" \
+    --skip-hf --parity-requests 0 --no-profile 2>&1 | grep -v '"event"' \
+    | tee "$out/gpu_engine_kv_$kv.log" || status=1; }
+done
 want families && { timeout 60 python3 -m bench.internals.gpu_check_families 2>&1 \
   | tee "$out/gpu_check_families.log" || status=1; }
 want kv_quant && { timeout 45 python3 -m bench.internals.gpu_kv_quant 2>&1 \

@@ -1,6 +1,7 @@
 """GPU engine benchmark: decode speed with CUDA graphs against ``--enforce-eager`` and HF.
 
     python -m bench.internals.gpu_engine [--preset llama-1b] [--num-requests 256] [--skip-hf]
+        [--kv-cache-dtype fp8|int8|...] [--parity-requests N]
     python -m bench.internals.gpu_engine --cpu-dry-run    # every code path, tiny, on the CPU
 
 Writes a random-weight Llama (``llama-1b``: hidden 2048, 16 layers, 32 query / 8 KV heads,
@@ -178,6 +179,7 @@ def run_engine(
         async_scheduling=async_scheduling,
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory=None if device.type == "cuda" else 64 << 20,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     inner = build_runner(config.runner_config())
     if device.type != "cuda" and not eager:  # the dry run exercises the graph path too
@@ -349,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batches", type=int, nargs="*", default=[64, 256])
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--parity-requests", type=int, default=32, help="scored by HF (0: none)")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="the executor's (fp8, int8, ...): every run of ours stores its KV cache so",
+    )
     ap.add_argument(
         "--tie-tolerance",
         type=float,
