@@ -190,12 +190,11 @@ def _build(
         graph_backend = "cuda"
     if graph_backend is not None and graph_sizes:
         backend = CudaGraphBackend() if graph_backend == "cuda" else EagerGraphBackend()
-        verify = 1 + config.num_speculative_tokens if config.num_speculative_tokens else 1
-        runner.capture(graph_sizes, backend, verify)  # every rank, in step
+        runner.capture(graph_sizes, backend, config.verify_query_len)  # every rank, in step
         if runner.draft is not None:
             # The draft's forwards: catching up (at most 1 + k tokens a sequence, as a
             # verification) and one token a sequence for each further draft.
-            runner.draft.capture(graph_sizes, backend, verify)
+            runner.draft.capture(graph_sizes, backend, config.verify_query_len)
     return runner
 
 
@@ -207,7 +206,7 @@ def _graph_logits_bytes(
     verification, the draft model's graphs' all, and an EAGLE-3 head's features."""
     if not sizes:
         return 0
-    verify = 1 + config.num_speculative_tokens
+    verify = config.verify_query_len
     vocab = model.config.vocab_size
     out = graph_output_bytes(sizes, verify, vocab) - max(sizes) * vocab * 4
     if draft is not None:

@@ -93,6 +93,11 @@ class RunnerConfig:
         return max(1, (self.cpu_threads or available_cores()) // num_ranks)
 
     @property
+    def verify_query_len(self) -> int:
+        """The query tokens of a sequence verifying its drafts (1: no speculation)."""
+        return 1 + self.num_speculative_tokens
+
+    @property
     def graph_sizes(self) -> tuple[int, ...]:
         """The decode sizes captured as graphs: none under ``enforce_eager``."""
         return () if self.enforce_eager else self.capture_sizes

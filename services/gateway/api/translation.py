@@ -106,12 +106,6 @@ class ChatTranslator:
             gen.lora_name = lora
             calls = chat.tool_calls(auto_tools)
         fmt = Formatter(self.core, "chat", include_usage=True, logprobs=False)
-        fmt.tool_calls = calls
-        fmt.auto_tools = auto_tools if chat.auto_tool_choice() else None
-        fmt.tool_names = frozenset(chat.tool_names())
-        fmt.parallel_tool_calls = chat.parallel_tool_calls
+        fmt.for_chat(chat, gen, calls, auto_tools, self.reasoning)
         fmt.field_names = names
-        # (A constrained output is all answer: the grammar leaves no room to think.)
-        if not gen.sampling_params.HasField("structured_outputs"):
-            fmt.reasoning = self.reasoning
         return gen, fmt

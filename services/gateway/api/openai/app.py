@@ -219,14 +219,8 @@ def build_app(
             gen.lora_name = lora
             calls = body.tool_calls(auto_tools)
         fmt = Formatter(core, "chat", body.include_usage, body.logprobs, body.continuous_usage)
-        fmt.tool_calls = calls
-        fmt.auto_tools = auto_tools if body.auto_tool_choice() else None
-        fmt.tool_names = frozenset(body.tool_names())
-        fmt.parallel_tool_calls = body.parallel_tool_calls
+        fmt.for_chat(body, gen, calls, auto_tools, reasoning)
         fmt.field_names = body.field_names
-        # (A constrained output is all answer: the grammar leaves no room to think.)
-        if not gen.sampling_params.HasField("structured_outputs"):
-            fmt.reasoning = reasoning
         return _respond(core, [gen], None, body.stream, fmt, headers)
 
     chat_of = ChatTranslator(core, check_model, auto_tools, reasoning)

@@ -15,13 +15,16 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from pagedserve.v1 import common_pb2, generation_pb2
 from services.gateway.api.openai.errors import HttpError
 from services.gateway.core.generation import FINISH_NAMES, GenerationCore, GenerationError
 from services.gateway.text.reasoning_parsers import ReasoningParser
 from services.gateway.text.tool_parsers import ToolCallParser, ToolCalls
+
+if TYPE_CHECKING:
+    from services.gateway.api.openai.protocol import ChatCompletionRequest
 
 
 class Formatter:
@@ -70,6 +73,25 @@ class Formatter:
         self._thinking: dict[int, tuple[str, int, int]] = {}
         # Request fields by the internal names they were translated into (errors name them).
         self.field_names: dict[str, str] = {}
+
+    def for_chat(
+        self,
+        body: ChatCompletionRequest,
+        gen: generation_pb2.GenerateRequest,
+        calls: ToolCalls | None,
+        auto_tools: ToolCallParser | None,
+        reasoning: ReasoningParser | None,
+    ) -> None:
+        """Format the replies of the chat request ``body`` (the chat route's, or a request
+        translated into one), built as ``gen``, whose reply must be ``calls`` if any;
+        ``auto_tools`` / ``reasoning``: the gateway's parsers."""
+        self.tool_calls = calls
+        self.auto_tools = auto_tools if body.auto_tool_choice() else None
+        self.tool_names = frozenset(body.tool_names())
+        self.parallel_tool_calls = body.parallel_tool_calls
+        # (A constrained output is all answer: the grammar leaves no room to think.)
+        if not gen.sampling_params.HasField("structured_outputs"):
+            self.reasoning = reasoning
 
     def error(self, exc: GenerationError) -> HttpError:
         """The core's error, naming the request's own fields."""
