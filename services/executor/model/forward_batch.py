@@ -353,7 +353,6 @@ class BatchBuilder:
             raise ValueError(f"table_width={width} < {max_blocks} blocks needed")
         need_logits = np.full(num_seqs, not padded, np.bool_)  # (padding sequences' rows)
         need_logits[:num_real] = need_col
-        # Each sequence's last own token (padding sequences' one token, unpadded).
         ends = query_start_loc[:-1] + q_real if padded else query_start_loc[1:]
         logits_indices = ends[need_logits] - 1  # [K]
         if any(all_col):  # every token's logits for these chunks, in token order
@@ -362,8 +361,7 @@ class BatchBuilder:
             for b in np.flatnonzero(np.fromiter(all_col, np.bool_, num_real)).tolist():
                 want[query_start_loc[b] : query_start_loc[b] + q_real[b]] = True
             logits_indices = np.flatnonzero(want)
-        # The chunks' rows: all of them padded (padding sequences want none), else all but
-        # the padding sequences' one each.
+        # (padded, padding sequences want no row; unpadded, one each)
         num_rows = int(logits_indices.size) - (0 if padded else num_seqs - num_real)
         if padded:  # a fixed number of rows: the chunks', then row 0 repeated
             rows = np.zeros(num_tokens, np.int64)
