@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 from transformers import PreTrainedModel
 
-__all__ = ["Agreement", "hf_agreement", "hf_beams", "hf_generate", "pad_left"]
+__all__ = ["Agreement", "hf_agreement", "hf_argmax", "hf_beams", "hf_generate", "pad_left"]
 
 
 def pad_left(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,3 +113,11 @@ def hf_agreement(
     row = logits[i]
     margin = float(row[best[i]] - row[ours[i]])
     return Agreement(i, margin, margin <= tie_tolerance * float(row.abs().max()))
+
+
+@torch.inference_mode()
+def hf_argmax(model: PreTrainedModel, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    """``model``'s argmax at each of ``tokens``' positions, teacher-forced on ``tokens`` (one
+    forward; on the CPU): what it would have picked there after the same prefix."""
+    ids = torch.tensor([[*prompt, *tokens]], device=model.device)
+    return model(ids).logits[0, len(prompt) - 1 : -1].float().argmax(-1).cpu()

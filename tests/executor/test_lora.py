@@ -51,9 +51,11 @@ FAMILIES = (
 AdapterFactory = Callable[..., Path]
 
 
-def peft_model(base_dir: Path, adapters: dict[str, Path]) -> PeftModel:
+def peft_model(
+    base_dir: Path, adapters: dict[str, Path], dtype: torch.dtype = torch.float32
+) -> PeftModel:
     """A fresh transformers model of ``base_dir`` with ``adapters`` loaded by name."""
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).eval()
     names = list(adapters)
     model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
     for name in names[1:]:
@@ -398,20 +400,32 @@ def test_adapters_on_cuda_use_the_punica_kernels_and_match_peft(
     logits = runner.execute(chunks).cpu()
     assert slots.context.mapping.token_slots is not None  # the kernels' path
     model = peft_model(base_dir, adapters)
+    # bf16's own error on each row: PEFT in bf16 (on the CPU) against PEFT in fp32
+    model_bf16 = peft_model(base_dir, adapters, torch.bfloat16) if dtype == "bfloat16" else None
     n = len(prompt)
+    errors, own_errors, deltas = {}, {}, {}
     with torch.inference_mode():
         ids = torch.tensor([prompt])
-        errors = {}
+        base_logits = model(ids, adapter_names=["__base__"]).logits[0]
         for j, name in enumerate(("__base__", "a", "b")):
             expected = model(ids, adapter_names=[name]).logits[0]
             errors[name] = (logits[j * n : (j + 1) * n] - expected).abs().max().item()
+            deltas[name] = (expected - base_logits).abs().max().item()
+            if model_bf16 is not None:
+                theirs = model_bf16(ids, adapter_names=[name]).logits[0].float()
+                own_errors[name] = (theirs - expected).abs().max().item()
     if dtype == "float32":
         assert max(errors.values()) < 1e-3, errors
     else:
-        # bf16 against PEFT's fp32: the base row's error is bf16's own (0.46 of logits of
-        # about 5 on an H200); the adapters' rows may add little to it.
-        assert errors["__base__"] < 1.0, errors
-        assert max(errors["a"], errors["b"]) < 1.5 * errors["__base__"] + 0.1, errors
+        # bf16 against PEFT's fp32 may err as much as PEFT's own bf16 does, up to the other
+        # roundings of another device's GEMMs (measured on an H200: 1.2-1.9x); a row whose
+        # adapter were dropped or misscaled would err by the adapter's whole effect (~13).
+        for name in errors:
+            assert errors[name] < 2 * own_errors[name] + 0.1, (errors, own_errors)
+        assert max(errors["a"], errors["b"]) < 0.25 * min(deltas["a"], deltas["b"]), (
+            errors,
+            deltas,
+        )
 
 
 @pytest.mark.parametrize("name", ["llama", "phi3", "llama_odd_sizes"])
