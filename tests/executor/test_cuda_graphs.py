@@ -15,6 +15,7 @@ from services.common.sampling_params import SamplingParams
 from services.executor.core.engine import Engine
 from services.executor.core.sequence import RequestKey
 from services.executor.model.cuda_graphs import (
+    VERIFY_CAPTURE_TOKENS,
     CudaGraphBackend,
     EagerGraphBackend,
     graph_keys,
@@ -130,8 +131,8 @@ def test_verification_graphs_compute_what_eager_steps_do(
     graphed = make_runner("llama", block_size=8, num_blocks=64)
     graphed.capture_decode_graphs((1, 2, 4, 8, 16), EagerGraphBackend(), verify_query_len=4)
     graphs = graphed.graphs
-    assert graphs is not None and graphs.verify_sizes == (1, 2, 4)
-    assert graphs.num_captures == 5 + 3
+    assert graphs is not None and graphs.verify_sizes == (1, 2, 4, 8, 16)
+    assert graphs.num_captures == 5 + 5
     eager = make_runner("llama", block_size=8, num_blocks=64)
     chunks = _verifying_chunks(graphed)
     assert graphs.bucket(chunks) == GraphKey(4, 4)
@@ -149,13 +150,24 @@ def test_the_kv_cache_sizing_sets_aside_every_graphs_logits() -> None:
     for 35 decode sizes over a 32,000-token vocabulary, 541 MB of them logits)."""
     assert graph_keys((1, 2, 4, 8), 3) == [
         *(GraphKey(s) for s in (1, 2, 4, 8)),
-        GraphKey(1, 3),
-        GraphKey(2, 3),
+        *(GraphKey(s, 3) for s in (1, 2, 4, 8)),
     ]
-    assert graph_output_bytes((1, 2, 4, 8), 3, 100) == (15 + 3 + 6) * 100 * 4
+    assert graph_output_bytes((1, 2, 4, 8), 3, 100) == (15 + 15 * 3) * 100 * 4
     assert graph_output_bytes((), 3, 100) == 0
     sizes = ExecutorConfig(model="m", max_num_seqs=256).capture_sizes
     assert graph_output_bytes(sizes, 1, 32000) == 4231 * 32000 * 4
+
+
+def test_verification_graphs_cover_a_lone_sequence_and_stop_at_512_tokens() -> None:
+    """A batch of one verifies under a graph too (an H200 ran batch-1 speculation eagerly
+    when verification graphs had to fit within the largest decode graph's tokens); at 256
+    sequences and 1 + 4 tokens each, the verification graphs stop at 96 sequences (480
+    tokens), and larger verifying steps run eagerly."""
+    assert graph_keys((1,), 5) == [GraphKey(1), GraphKey(1, 5)]
+    sizes = ExecutorConfig(model="m", max_num_seqs=256).capture_sizes
+    verify = [k.num_seqs for k in graph_keys(sizes, 5) if k.query_len == 5]
+    assert verify == [s for s in sizes if s <= 96] and max(sizes) == 256
+    assert max(verify) * 5 <= VERIFY_CAPTURE_TOKENS < (max(verify) + 8) * 5
 
 
 def test_steps_the_verification_graphs_cannot_take_run_eagerly(
@@ -164,11 +176,11 @@ def test_steps_the_verification_graphs_cannot_take_run_eagerly(
     runner = make_runner("llama", block_size=8, num_blocks=64)
     runner.capture_decode_graphs((1, 2, 4, 8), EagerGraphBackend(), verify_query_len=3)
     graphs = runner.graphs
-    assert graphs is not None and graphs.verify_sizes == (1, 2)
+    assert graphs is not None and graphs.verify_sizes == (1, 2, 4, 8)
     two = SeqChunk([5, 6], 10, [1, 2], True, all_logits=True)
     assert graphs.bucket([two]) == GraphKey(1, 3)
-    assert graphs.bucket([two, two]) == GraphKey(2, 3)
-    assert graphs.bucket([two] * 3) is None  # over the largest verification size
+    assert graphs.bucket([two] * 3) == GraphKey(4, 3)
+    assert graphs.bucket([two] * 9) is None  # over the largest graph
     assert graphs.bucket([SeqChunk([5, 6, 7, 8], 10, [1, 2], True)]) is None  # over 1 + k
     near_end = SeqChunk([5], runner.config.max_model_len - 2, [1] * 32, True, all_logits=True)
     assert graphs.bucket([near_end, two]) is None  # its padding would pass max_model_len

@@ -108,15 +108,22 @@ class EagerGraphBackend:
         return _EagerReplay(fn)
 
 
+# Verification graphs are captured up to this many tokens (sequences x (1 + k)), or up to the
+# largest decode graph's if that is more: vLLM's default largest capture (512 tokens). Past
+# it a verifying step runs eagerly; below it, each graph's logits rows are kept for good.
+VERIFY_CAPTURE_TOKENS = 512
+
+
 def graph_keys(sizes: Sequence[int], verify_query_len: int = 1) -> list[GraphKey]:
     """The graphs captured for decode ``sizes`` and, with ``verify_query_len`` = 1 + k, for
-    verifying k drafts: the sizes whose ``size * (1 + k)`` tokens are no more than the
-    largest decode size's."""
+    verifying k drafts: the sizes whose ``size * (1 + k)`` tokens are within
+    :data:`VERIFY_CAPTURE_TOKENS` or the largest decode size, whichever is more."""
     ordered = sorted(set(sizes))
     keys = [GraphKey(s) for s in ordered]
     if verify_query_len > 1:
         q = verify_query_len
-        keys += [GraphKey(s, q) for s in ordered if s * q <= ordered[-1]]
+        limit = max(ordered[-1], VERIFY_CAPTURE_TOKENS)
+        keys += [GraphKey(s, q) for s in ordered if s * q <= limit]
     return keys
 
 
