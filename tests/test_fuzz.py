@@ -55,6 +55,7 @@ RPCS: dict[str, tuple[str, bytes, str]] = {
         "gw",
     ),
     f"/{GW}/GetModelInfo": ("unary_unary", b"", "gw"),
+    f"/{GW}/Embed": ("unary_unary", G.EmbedRequest(text="Hi").SerializeToString(), "gw"),
     f"/{GW_ADAPTERS}/LoadAdapter": (
         "unary_unary",
         G.LoadLoraAdapterRequest(lora_name="a", lora_path="/tmp").SerializeToString(),

@@ -619,3 +619,14 @@ def test_sigterm_drains_running_streams_and_refuses_new_ones(stack):
     assert sum(len(r.token_ids) for r in got) == 80  # the running stream finished whole
     assert gw.proc.wait(30) == 0
     assert "gateway_draining" in gw.events()
+
+
+def test_embed_on_generating_executors_is_invalid_argument_naming_the_runner(stack):
+    request = G.EmbedRequest(text="hello")
+    with pytest.raises(grpc.RpcError) as err:
+        stack.stub().Embed(request, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(
+        "model: this model is served by --runner generate executors; an embedding needs "
+        "--runner pooling"
+    )

@@ -38,6 +38,7 @@ from services.executor.core.outputs import (
     Usage,
 )
 from services.executor.core.plan import MOVE_KINDS
+from services.executor.core.pooling import PoolingParams, wrong_runner
 from services.executor.core.prompt_logprobs import take_prompt_logprobs
 from services.executor.core.runner import PreparingRunner, Runner, seq_chunks
 from services.executor.core.sampler import Sampler, SampleResult, SeededGenerators, sampling_rows
@@ -129,10 +130,14 @@ class Engine(AheadEngine, BeamSearchEngine):
         cache_salt: bytes = b"",
         resume: Resume | None = None,
         lora_name: str = "",
+        pooling: PoolingParams | None = None,
     ) -> None:
         """Queue a request; raises :class:`EngineError` (nothing queued) if it is refused.
         ``resume``: carry on a sample from its earlier output tokens (see :class:`Resume`);
-        ``lora_name``: the adapter it runs with (empty: the base model; core.lora)."""
+        ``lora_name``: the adapter it runs with (empty: the base model; core.lora);
+        ``pooling``: refused here (a :class:`~.engine_pooling.PoolingEngine` serves it)."""
+        if pooling is not None:
+            raise wrong_runner("generate", "pooling")
         if req_id in self.requests:
             raise EngineError(
                 RequestErrorCode.ALREADY_EXISTS,
@@ -291,10 +296,8 @@ class Engine(AheadEngine, BeamSearchEngine):
                 self.link.invalidate()
             raise
         t2 = time.perf_counter()
-        if self._num_prompt_logprobs and logits is not None:
-            # A batch planned ahead never computes a prompt whose log-probabilities are asked
-            # for (plan_ahead refuses): its rows need no change.
-            logits = take_prompt_logprobs(batch, logits)  # before after_forward
+        if logits is not None:
+            logits = self._take_prompt_rows(batch, logits)  # before after_forward
         if launch_first:
             ahead = self._send_ahead(batch)
         sampled = [c.seq for c in batch.chunks if c.need_logits]
@@ -325,6 +328,11 @@ class Engine(AheadEngine, BeamSearchEngine):
         self.last_step_forward_s = t2 - t1
         self.last_step_host_s = (time.perf_counter() - t0) - self.last_step_forward_s
         return outputs
+
+    def _take_prompt_rows(self, batch: ScheduledBatch, logits: Tensor) -> Tensor:
+        """The rows to sample from, once the prompt log-probabilities asked for are taken
+        (a batch planned ahead never computes such a prompt: plan_ahead refuses)."""
+        return take_prompt_logprobs(batch, logits) if self._num_prompt_logprobs else logits
 
     def _distrust(self, plan: SchedulePlan, exc: BadAnswer) -> None:
         """The block manager answered something our plan contradicts: nothing of the answer

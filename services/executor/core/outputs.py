@@ -69,3 +69,4 @@ class SeqOutput:
     usage: Usage | None = None
     # Sample 0's first output of a request that asked for them: prompt tokens 1.. .
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    embedding: list[float] | None = None  # a pooling request's vector (its one output)

@@ -90,6 +90,8 @@ class Sequence:
     # With an EAGLE head: its output at the sequence's last computed position, which its next
     # drafts are made from (a Tensor; core.spec.eagle), until they are.
     draft_state: Any = None
+    # A pooling request's (--runner pooling): its core.pooling.PoolState.
+    pooled: Any = None
     num_unreported: int = 0
     num_surplus_slots: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission

@@ -139,6 +139,8 @@ def _build(
     if config.kv_cache_dtype != "auto":
         model.use_kv_cache_dtype(kv_cache_torch_dtype(config.kv_cache_dtype, model.config))
     graph_sizes = config.graph_sizes if graph_backend is not None or device.type == "cuda" else ()
+    if config.pooling:
+        model.pooling, graph_sizes = True, ()  # prompts only: nothing decodes
     # A draft model (speculative decoding) runs on the first rank, its cache of the same
     # blocks sized with the target's.
     draft = load_draft(config.draft_model, model) if config.draft_model and comm.rank == 0 else None

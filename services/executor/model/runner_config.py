@@ -79,6 +79,9 @@ class RunnerConfig:
     quantization: str | None = None  # "int8": the decoder's projections in int8 (CPU)
     kv_cache_dtype: str = "auto"  # or one of KV_CACHE_DTYPE_NAMES
     calculate_kv_scales: bool = False  # an fp8 cache's scales from a calibration prefill
+    # --runner pooling: the model returns its final hidden states (after the last norm)
+    # instead of logits, for embeddings; no decode graphs (nothing decodes).
+    pooling: bool = False
 
     @property
     def block_size(self) -> int:

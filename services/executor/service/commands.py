@@ -11,6 +11,7 @@ from typing import Any
 
 from services.common.sampling_params import SamplingParams
 from services.executor.core.outputs import RequestError, SeqOutput
+from services.executor.core.pooling import PoolingParams
 from services.executor.core.sequence import Resume
 
 _session_ids = itertools.count(1)
@@ -85,11 +86,16 @@ class Add:
     session: Session
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | None  # None: a pooling request (``pooling`` set)
     priority: int = 0
     cache_salt: bytes = b""
     resume: Resume | None = None
     lora_name: str = ""
+    pooling: PoolingParams | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return self.params.n if self.params is not None else 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from typing import TypeVar
 
 from services.blockmgr.api.types import EvictionPolicyName
 from services.common.auth import InternalSecurity
+from services.executor.core.pooling import PoolerConfig
 from services.executor.core.spec.config import SpeculativeConfig
 from services.executor.model.runner_config import (
     KV_CACHE_DTYPE_NAMES,
@@ -104,6 +105,10 @@ class ExecutorConfig:
     async_scheduling: bool = False  # the next Step's round trip overlaps this forward
     # Speculative decoding, vLLM's JSON: {"method": "ngram", "num_speculative_tokens": 3, ...}
     speculative_config: str | None = None
+    # "generate" (sampling) or "pooling" (embeddings: one vector a prompt; vLLM's --runner),
+    # and how it pools, vLLM's JSON: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize"}.
+    runner: str = "generate"
+    pooler_config: str | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture
     tensor_parallel_size: int = 1  # ranks the model is sharded over (one process each)
     distributed_init_method: str | None = None  # default: a free loopback TCP port
@@ -266,6 +271,19 @@ class ExecutorConfig:
             "full-attention layers: docs/speculative-decoding.md)",
         )
         a(
+            "--runner",
+            choices=("generate", "pooling"),
+            default=cls.runner,
+            help="generate: requests sample tokens; pooling: each request's prompt becomes one "
+            "vector (embeddings: /v1/embeddings, Embed), the model's final hidden states",
+        )
+        a(
+            "--pooler-config",
+            default=None,
+            help='with --runner pooling, vLLM\'s JSON: \'{"pooling_type": "LAST", "normalize": '
+            "true}' (the defaults; MEAN and CLS compute every prompt token: no prefix caching)",
+        )
+        a(
             "--cuda-graph-sizes",
             type=_parse_sizes,
             default=None,
@@ -351,6 +369,18 @@ class ExecutorConfig:
                 SpeculativeConfig.parse(self.speculative_config)
             except ValueError as exc:
                 raise ValueError(f"--speculative-config: {exc}") from None
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"--runner must be generate or pooling, got {self.runner!r}")
+        try:
+            PoolerConfig.parse(self.pooler_config)
+        except ValueError as exc:
+            raise ValueError(f"--pooler-config: {exc}") from None
+        if self.pooler_config and self.runner != "pooling":
+            raise ValueError("--pooler-config needs --runner pooling")
+        if self.runner == "pooling" and self.speculative_config is not None:
+            raise ValueError(
+                "--speculative-config needs --runner generate (pooling drafts nothing)"
+            )
         if not (math.isfinite(self.kv_offloading_size) and self.kv_offloading_size >= 0):
             raise ValueError(
                 f"--kv-offloading-size must be >= 0 GiB, got {self.kv_offloading_size}"
@@ -460,4 +490,5 @@ class ExecutorConfig:
             quantization=self.quantization,
             kv_cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales,
+            pooling=self.runner == "pooling",
         )

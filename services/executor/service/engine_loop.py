@@ -128,29 +128,31 @@ class EngineLoop:
             case Open(session):
                 self._sessions[session.session_id] = session
             case Add(session, request_id, prompt, params, priority, cache_salt, resume, lora):
+                n = command.num_samples
                 try:
-                    if session.num_seqs + params.n > self.max_seqs_per_session:
+                    if session.num_seqs + n > self.max_seqs_per_session:
                         raise EngineError(
                             RequestErrorCode.RESOURCE_EXHAUSTED,
-                            f"this session holds {session.num_seqs} sequences; n={params.n} "
+                            f"this session holds {session.num_seqs} sequences; n={n} "
                             f"more would pass --max-seqs-per-session="
                             f"{self.max_seqs_per_session}; retry later",
                         )
                     self.engine.add_request(
                         RequestKey(session.session_id, request_id),
                         prompt,
-                        params,
+                        params,  # type: ignore[arg-type]  # (None: a pooling engine's)
                         priority=priority,
                         cache_salt=cache_salt,
                         resume=resume,
                         lora_name=lora,
+                        pooling=command.pooling,
                     )
                 except EngineError as exc:
                     errors.setdefault(session.session_id, []).append(
                         RequestError(request_id, exc.code, exc.message)
                     )
                     return
-                session.live[request_id] = params.n
+                session.live[request_id] = n
             case Call(fn, future):
                 if future.set_running_or_notify_cancel():
                     try:

@@ -15,6 +15,7 @@ from services.common.limits import FieldError
 from services.common.sampling_params import SamplingParams, params_from_message
 from services.common.structured_outputs import StructuredOutputs
 from services.executor.core.outputs import RequestError, RequestErrorCode, SeqOutput, TokenLogprob
+from services.executor.core.pooling import PoolingParams
 from services.executor.core.sequence import FinishReason, Resume
 from services.executor.model.parallel import WorkerLost
 from services.executor.service.adapters import AdapterRpcs
@@ -74,6 +75,8 @@ def update_to_pb(out: SeqOutput) -> executor_pb2.SequenceUpdate:
     )
     if out.prompt_logprobs:
         msg.prompt_logprobs.extend(_logprobs_to_pb(out.prompt_logprobs))
+    if out.embedding is not None:
+        msg.embedding.extend(out.embedding)
     if out.finish_reason is not None:
         msg.finish_reason = FINISH_TO_PB[out.finish_reason]
         if out.stop_token_id is not None:
@@ -141,6 +144,10 @@ class ExecutorServicer(AdapterRpcs, executor_pb2_grpc.ExecutorServicer):
             pool_id=served.pool_id,
             tensor_parallel_size=served.tensor_parallel_size,
             resumes_samples=True,
+            runner=served.runner,
+            pooling_type=served.pooler.pooling_type.value if served.pooler else "",
+            pooling_normalize=served.pooler.normalize if served.pooler else False,
+            hidden_size=served.hidden_size,
         )
 
     async def Info(
@@ -187,7 +194,8 @@ class ExecutorServicer(AdapterRpcs, executor_pb2_grpc.ExecutorServicer):
                 kind = req.WhichOneof("kind")
                 if kind == "add":
                     command = _add_command(session, req.add)
-                    spec = command.params.structured_outputs if isinstance(command, Add) else None
+                    params = command.params if isinstance(command, Add) else None
+                    spec = params.structured_outputs if params is not None else None
                     if spec is not None and grammars is not None:
                         assert isinstance(command, Add)
                         task = asyncio.create_task(compile_then_add(command, spec))
@@ -228,22 +236,32 @@ class ExecutorServicer(AdapterRpcs, executor_pb2_grpc.ExecutorServicer):
 
 
 def _add_command(session: Session, add: executor_pb2.AddRequest) -> Add | Refuse:
-    if not add.HasField("sampling_params"):
-        return Refuse(
-            session,
-            RequestError(
-                add.request_id, RequestErrorCode.INVALID_ARGUMENT, "sampling_params: is required"
-            ),
+    pooling = None
+    if add.HasField("pooling"):  # (the engine refuses it unless it is a pooling one)
+        p = add.pooling
+        pooling = PoolingParams(
+            p.dimensions if p.HasField("dimensions") else None,
+            p.normalize if p.HasField("normalize") else None,
         )
+        if add.HasField("sampling_params"):
+            return _refuse(session, add, "sampling_params: must be unset on a pooling request")
+    elif not add.HasField("sampling_params"):
+        return _refuse(session, add, "sampling_params: is required")
     return Add(
         session,
         add.request_id,
         list(add.prompt_token_ids),
-        params_from_pb(add.sampling_params),
+        params_from_pb(add.sampling_params) if pooling is None else None,
         add.priority,
         add.cache_salt,
         Resume(add.resume.sample_index, tuple(add.resume.output_token_ids))
         if add.HasField("resume")
         else None,
         add.lora_name,
+        pooling,
     )
+
+
+def _refuse(session: Session, add: executor_pb2.AddRequest, message: str) -> Refuse:
+    error = RequestError(add.request_id, RequestErrorCode.INVALID_ARGUMENT, message)
+    return Refuse(session, error)

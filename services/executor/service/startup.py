@@ -22,9 +22,11 @@ from services.common.limits import MAX_KV_RETENTION_PRIORITY
 from services.executor.core.blockmgr_link import BlockManagerLink
 from services.executor.core.config import EngineSettings
 from services.executor.core.engine import Engine
+from services.executor.core.engine_pooling import PoolingEngine
 from services.executor.core.grammar import GrammarCompiler
 from services.executor.core.lora import LoRARegistry
 from services.executor.core.outputs import EngineError
+from services.executor.core.pooling import PoolerConfig
 from services.executor.core.scheduler import SchedulerConfig
 from services.executor.core.spec.config import SpeculativeConfig
 from services.executor.model.config import ModelConfig
@@ -53,6 +55,9 @@ class ServedModel:
     device: str
     pool_id: str
     tensor_parallel_size: int = 1
+    runner: str = "generate"
+    pooler: PoolerConfig | None = None  # how a pooling runner pools
+    hidden_size: int = 0
 
 
 def eos_token_ids(model_dir: str | Path, config: ModelConfig) -> tuple[int, ...]:
@@ -197,6 +202,7 @@ def _build_engine(
     except ModelLoadError:
         link.unregister()  # not left held until its lease runs out
         raise
+    pooler = PoolerConfig.parse(config.pooler_config)
     settings = EngineSettings(
         max_model_len=mc.max_model_len,
         vocab_size=mc.vocab_size,
@@ -206,7 +212,8 @@ def _build_engine(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            enable_prefix_caching=config.enable_prefix_caching,
+            # (MEAN / CLS pooling computes every prompt token: no prefix hit is of use)
+            enable_prefix_caching=config.enable_prefix_caching and not pooler.every_row,
             watermark_blocks=max(1, int(config.watermark * usable)) if config.watermark else 0,
             sliding_window=window,
             kv_group_slides=layout.group_slides if len(groups) > 1 else (),
@@ -218,7 +225,11 @@ def _build_engine(
         async_scheduling=config.async_scheduling,
         speculative_config=_speculative(config, groups),
     )
-    engine = Engine(settings, runner, link, grammars, adapters)
+    if config.runner == "pooling":
+        hidden = mc.hidden_size
+        engine: Engine = PoolingEngine(settings, runner, link, pooler, hidden, grammars, adapters)
+    else:
+        engine = Engine(settings, runner, link, grammars, adapters)
     served = ServedModel(
         name=config.served_model_name or Path(config.model).name,
         dtype=str(runner.dtype).removeprefix("torch."),
@@ -230,6 +241,9 @@ def _build_engine(
         device=str(runner.device),
         pool_id=pool_id,
         tensor_parallel_size=runner.model.shard.size,
+        runner=config.runner,
+        pooler=pooler if config.runner == "pooling" else None,
+        hidden_size=mc.hidden_size,
     )
     return engine, served
 

@@ -11,6 +11,7 @@ import grpc
 
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.gateway.core.adapters import AdapterService
+from services.gateway.core.embedding import EmbeddingService
 from services.gateway.core.generation import ErrorKind, GenerationCore, GenerationError
 from services.gateway.fleet.adapters import AdapterSummary
 
@@ -33,6 +34,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: GenerationError) -> Non
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, core: GenerationCore) -> None:
         self.core = core
+        self.embeddings = EmbeddingService(core)
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -59,6 +61,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> generation_pb2.DetokenizeResponse:
         try:
             return self.core.detokenize(request)
+        except GenerationError as exc:
+            await _abort(context, exc)
+            raise
+
+    async def Embed(
+        self, request: generation_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.EmbedResponse:
+        try:
+            return await self.embeddings.embed(request)
         except GenerationError as exc:
             await _abort(context, exc)
             raise

@@ -50,6 +50,7 @@ from services.gateway.core.validation import (
     check_input_kind,
     check_messages,
     check_prompt_bytes,
+    check_runner,
     sampling_to_executor,
 )
 from services.gateway.fleet.executor_client import (
@@ -187,9 +188,10 @@ class GenerationCore:
             info.max_model_len,
             info.vocab_size,
             self.config.max_n,
-            self._max_prompt_bytes(info.max_model_len),
+            self.max_prompt_bytes(info.max_model_len),
         )
         try:
+            check_runner(info.runner, "generate")
             check_request_id(request_id)
             prompt_ids = await self._prompt_ids(request, limits)
             params, options = sampling_to_executor(
@@ -427,8 +429,12 @@ class GenerationCore:
                 self._tokenizer_threads, fn, *args
             )
 
-    def _max_prompt_bytes(self, max_model_len: int) -> int:
+    def max_prompt_bytes(self, max_model_len: int) -> int:
         return self.config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_model_len
+
+    async def encode(self, text: str) -> list[int]:
+        """``text``'s token ids, special tokens added, off the event loop."""
+        return await self._off_loop(self._encode, text, True)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
@@ -445,7 +451,7 @@ class GenerationCore:
         kind = request.WhichOneof("input")
         try:
             info = self.pool.info
-            limit = self._max_prompt_bytes(info.max_model_len if info is not None else 4096)
+            limit = self.max_prompt_bytes(info.max_model_len if info is not None else 4096)
             if kind == "text":
                 check_prompt_bytes(kind, request.text, limit)
                 add = request.add_special_tokens if request.HasField("add_special_tokens") else True

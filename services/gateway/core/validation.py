@@ -145,3 +145,15 @@ def params_to_pb(p: SamplingParams) -> executor_pb2.ExecutorSamplingParams:
     msg = executor_pb2.ExecutorSamplingParams()
     params_to_message(p, msg)
     return msg
+
+
+def check_runner(runner: str, wanted: str) -> None:
+    """The executors' ``--runner`` (``generate`` or ``pooling``; empty: generate) must be
+    the one the request needs, else the field ``model`` is at fault."""
+    runner = runner or "generate"
+    if runner != wanted:
+        what = "an embedding" if wanted == "pooling" else "a generation"
+        raise FieldError(
+            "model",
+            f"this model is served by --runner {runner} executors; {what} needs --runner {wanted}",
+        )

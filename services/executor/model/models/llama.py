@@ -152,6 +152,8 @@ class DecoderLM(nn.Module):
         #: forward keeps, concatenated in this order in :attr:`aux_hidden` ``[T, len * H]``
         #: (none: not kept).
         self.aux_layers: tuple[int, ...] = ()
+        # --runner pooling: forward returns the final hidden states, not logits.
+        self.pooling = False
         self.aux_hidden: Tensor | None = None
         #: The dtype its KV cache stores K/V in (``--kv-cache-dtype``; default: its own).
         self.kv_cache_dtype: torch.dtype = dtype
@@ -221,7 +223,8 @@ class DecoderLM(nn.Module):
         """Run every token of ``batch``, writing its K/V into ``kv_cache``
         ``[S, 2, NB, BS, Hkv, D]`` (this rank's KV heads, a slot per layer of a KV-cache group:
         :attr:`kv_layout`); return fp32 logits ``[K, V]`` for ``batch.logits_indices`` only (on
-        rank 0; other ranks return a placeholder).
+        rank 0; other ranks return a placeholder), or with :attr:`pooling` the final hidden
+        states ``[K, H]`` of those rows.
         """
         c = self.config
         h = self.embed_tokens(batch.input_ids)  # [T, H]
@@ -241,6 +244,8 @@ class DecoderLM(nn.Module):
             self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
         idx = batch.logits_indices  # the norm is per token: only the rows whose logits we need
         h = self.norm(h[idx], residual[idx])  # [K, H]
+        if self.pooling:
+            return h.float().contiguous()  # [K, H] (every rank holds them whole)
         logits = self.lm_head(h)  # [K, V / N padded]
         if self.comm.size > 1:
             logits = self.comm.gather_last_dim(logits)  # rank 0: [K, N * V/N padded]

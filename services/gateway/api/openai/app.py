@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front of the gateway (FastAPI), over the same core as gRPC.
 
 Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
-``POST /v1/chat/completions`` (JSON or Server-Sent Events ending with ``data: [DONE]``), vLLM's
+``POST /v1/chat/completions`` (JSON or Server-Sent Events ending with ``data: [DONE]``),
+``POST /v1/embeddings`` (a pooling executor's vectors: ``openai/embeddings.py``), vLLM's
 ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` and ``GET /metrics`` (the
 gateway's registry); ``POST /v1/responses`` (OpenAI's Responses API, stateless:
 ``responses_protocol`` / ``responses_format``); and Anthropic's ``POST /v1/messages``
@@ -52,6 +53,7 @@ from services.gateway.api.anthropic.routes import add_messages_routes
 from services.gateway.api.http import Completion, EventStream, as_http, ignored_headers
 from services.gateway.api.openai import errors as openai_errors
 from services.gateway.api.openai.adapters import ModelNames, add_adapter_routes
+from services.gateway.api.openai.embeddings import add_embedding_routes
 from services.gateway.api.openai.errors import HttpError, anthropic_path
 from services.gateway.api.openai.format import Formatter
 from services.gateway.api.openai.protocol import (
@@ -232,6 +234,7 @@ def build_app(
         return chat_of.respond(body.model, body.to_chat, body.stream, headers, fmt)
 
     add_messages_routes(app, chat_of)
+    add_embedding_routes(app, core, check_model)
     return app
 
 
