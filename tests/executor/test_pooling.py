@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel
+from transformers import AutoModel, AutoModelForCausalLM
 
 from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
@@ -20,6 +20,7 @@ from services.executor.core.engine import Engine
 from services.executor.core.outputs import EngineError, RequestErrorCode, SeqOutput
 from services.executor.core.pooling import PoolerConfig, PoolingParams, PoolingType, PoolState
 from services.executor.core.sequence import RequestKey
+from services.executor.model.errors import ModelLoadError
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.startup import build_engine
 
@@ -168,6 +169,14 @@ def test_requests_of_the_other_kind_are_refused_naming_the_runner(tiny_checkpoin
         ({"pooler_config": '{"softmax": true}'}, "--pooler-config: softmax: unknown key"),
         ({"runner": "generate", "pooler_config": "{}"}, "--pooler-config needs --runner pooling"),
         (
+            {"pooler_config": '{"classifier_from_token": ["no"]}'},
+            "--pooler-config: classifier_from_token: must be two tokens",
+        ),
+        (
+            {"pooler_config": '{"classifier_from_token": ["no", "yes"], "normalize": true}'},
+            "--pooler-config: normalize: a classifier's one score is not normalized",
+        ),
+        (
             {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'},
             "--speculative-config needs --runner generate",
         ),
@@ -185,3 +194,31 @@ def test_pooler_config_reads_vllms_json() -> None:
     assert PoolerConfig.parse(None) == PoolerConfig()
     cfg = PoolerConfig.parse('{"pooling_type": "mean", "normalize": false}')
     assert (cfg.pooling_type.value, cfg.normalize, cfg.every_row) == ("MEAN", False, True)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_a_reranker_scores_sigmoid_of_the_yes_minus_no_logits(
+    name: str, tiny_checkpoint: Any
+) -> None:
+    """``classifier_from_token`` (Qwen3-Reranker's way): one score a prompt,
+    sigmoid(logit[yes] - logit[no]) at its last token, equal to HF's causal LM's."""
+    model_dir = tiny_checkpoint(name)
+    pooler = {"classifier_from_token": ["a", "b"]}  # (single tokens of the tiny tokenizer)
+    engine = pooling_engine(model_dir, pooler, max_num_batched_tokens=24)
+    prompts = prompts_of(5, [9, 30, 50])
+    finals = embed_all(engine, prompts)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    no, yes = 70, 71  # "a", "b"
+    for rid, prompt in prompts.items():
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt])).logits[0, -1]
+        expected = torch.sigmoid(logits[yes] - logits[no]).item()
+        got = finals[rid].embedding or []
+        assert len(got) == 1 and got[0] == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(EngineError, match=r"pooling\.dimensions: this executor scores"):
+        engine.add_request(RequestKey(0, "d"), [5, 6], pooling=PoolingParams(dimensions=1))
+
+
+def test_a_classifier_token_that_is_not_one_token_fails_at_start(tiny_checkpoint: Any) -> None:
+    with pytest.raises(ModelLoadError, match="classifier_from_token 'yes' is 2 tokens"):
+        pooling_engine(tiny_checkpoint("llama"), {"classifier_from_token": ["a", "yes"]})

@@ -30,18 +30,19 @@ POOL_ID = "embedding-tests"
 TEXTS = ["The cat sat on the mat.", "Paged attention keeps the KV cache in blocks.", "hi"]
 
 
-@pytest.fixture(scope="module")
-def pooling_stack(tiny_model_dir: Path) -> Iterator[Stack]:
+def start_pooling_stack(model_dir: Path, pool_id: str, *executor_flags: str) -> Stack:
+    """Block manager, an executor with ``--runner pooling`` and ``executor_flags``, gateway."""
     blockmgr = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")
     executor = ServiceProcess(
         stack_executor_args(
-            tiny_model_dir,
+            model_dir,
             "--runner",
             "pooling",
             "--blockmgr-address",
             blockmgr.address,
             "--pool-id",
-            POOL_ID,
+            pool_id,
+            *executor_flags,
         ),
         "executor_ready",
     )
@@ -49,7 +50,7 @@ def pooling_stack(tiny_model_dir: Path) -> Iterator[Stack]:
         [
             "gateway",
             "--model",
-            str(tiny_model_dir),
+            str(model_dir),
             "--port",
             "0",
             "--host",
@@ -66,9 +67,19 @@ def pooling_stack(tiny_model_dir: Path) -> Iterator[Stack]:
     metrics_port = int(gateway.wait_for_event("metrics_listening")["metrics_port"])
     http_port = int(gateway.wait_for_event("http_listening")["http_port"])
     wait_serving(gateway.address)
-    yield Stack(tiny_model_dir, blockmgr, executor, gateway, metrics_port, http_port)
-    for proc in (gateway, executor, blockmgr):
+    return Stack(model_dir, blockmgr, executor, gateway, metrics_port, http_port)
+
+
+def stop(stack: Stack) -> None:
+    for proc in (stack.gateway, stack.executor, stack.blockmgr):
         assert proc.stop() == 0, proc.args[0]
+
+
+@pytest.fixture(scope="module")
+def pooling_stack(tiny_model_dir: Path) -> Iterator[Stack]:
+    stack = start_pooling_stack(tiny_model_dir, POOL_ID)
+    yield stack
+    stop(stack)
 
 
 @pytest.fixture(scope="module")
@@ -93,14 +104,14 @@ def assert_close(got: list[float], want: torch.Tensor) -> None:
     torch.testing.assert_close(torch.tensor(got), want, rtol=1e-4, atol=1e-4)
 
 
-def wait_blocks_free(stack: Stack) -> None:
+def wait_blocks_free(stack: Stack, pool_id: str = POOL_ID) -> None:
     """Every block of the pool free (a pooling request's blocks go with the executor's next
     step, just after its vector went out)."""
 
     def free() -> bool:
         client = GrpcClient(stack.blockmgr.address)
         try:
-            return client.stats(POOL_ID).counters.num_in_use_blocks == 0
+            return client.stats(pool_id).counters.num_in_use_blocks == 0
         finally:
             client.close()
 
@@ -182,3 +193,10 @@ def test_generation_on_a_pooling_executor_is_400_naming_the_runner(
         list(pooling_stack.stub().Generate(G.GenerateRequest(prompt="hi"), timeout=30))
     assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     wait_blocks_free(pooling_stack)
+
+
+def test_scores_on_an_embedding_model_are_400_naming_the_model(pooling_stack: Stack) -> None:
+    url = base_url(pooling_stack.http_port)
+    r = httpx.post(f"{url}/rerank", json={"query": "q", "documents": ["d"]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert "not a reranker" in r.json()["error"]["message"]

@@ -47,12 +47,19 @@ class PoolingEngine(Engine):
         hidden_size: int,
         grammars: GrammarCompiler | None = None,
         adapters: LoRARegistry | None = None,
+        classifier: Tensor | None = None,
+        softcap: float | None = None,
     ) -> None:
+        """``classifier``: with ``pooler.classifier_from_token``, the LM head's rows of those
+        two tokens (``[2, H]``); ``softcap``: the model's final-logit soft-cap."""
         if settings.speculative_config is not None:
             raise ValueError("--speculative-config: a pooling runner samples nothing to draft")
         super().__init__(settings, runner, link, grammars, adapters)
         self.pooler = pooler
         self.hidden_size = hidden_size
+        self.classifier, self.softcap = classifier, softcap
+        if pooler.classifier_from_token and classifier is None:
+            raise ValueError("classifier_from_token: the LM head's rows of those tokens")
 
     def add_request(
         self,
@@ -72,6 +79,11 @@ class PoolingEngine(Engine):
                 RequestErrorCode.INVALID_ARGUMENT, "resume: a pooling request has no output"
             )
         dims = pooling.dimensions
+        if dims is not None and self.classifier is not None:
+            raise EngineError(
+                RequestErrorCode.INVALID_ARGUMENT,
+                "pooling.dimensions: this executor scores (a classifier: one value a request)",
+            )
         if dims is not None and not 1 <= dims <= self.hidden_size:
             raise EngineError(
                 RequestErrorCode.INVALID_ARGUMENT,
@@ -99,7 +111,8 @@ class PoolingEngine(Engine):
     ) -> list[SeqOutput]:
         """Each of ``seqs`` computed its whole prompt: its vector, and its end."""
         assert rows is None and len(seqs) == logits.shape[0]
-        vectors = finish(logits, [seq.pooled for seq in seqs], self.pooler)
+        states = [seq.pooled for seq in seqs]
+        vectors = finish(logits, states, self.pooler, self.classifier, self.softcap)
         outs: list[SeqOutput] = []
         for seq, vector in zip(seqs, vectors, strict=True):
             out = SeqOutput(seq.req_id, seq.index, embedding=vector)

@@ -44,6 +44,10 @@ class PoolerConfig:
 
     pooling_type: PoolingType = PoolingType.LAST
     normalize: bool = True
+    # A reranker of a causal LM (vLLM's ``classifier_from_token``, Qwen3-Reranker's
+    # ``["no", "yes"]``): the vector is one score, sigmoid(logit[yes] - logit[no]) of the
+    # pooled state, from those two rows of the LM head.
+    classifier_from_token: tuple[str, ...] = ()
 
     @property
     def every_row(self) -> bool:
@@ -62,16 +66,31 @@ class PoolerConfig:
             raise ValueError(f"not JSON ({exc})") from None
         if not isinstance(raw, dict):
             raise ValueError("must be a JSON object")
-        unknown = sorted(set(raw) - {"pooling_type", "normalize"})
+        unknown = sorted(set(raw) - {"pooling_type", "normalize", "classifier_from_token"})
         if unknown:
-            raise ValueError(f"{unknown[0]}: unknown key (pooling_type, normalize are served)")
+            raise ValueError(
+                f"{unknown[0]}: unknown key (pooling_type, normalize, classifier_from_token are "
+                "served)"
+            )
         kind = raw.get("pooling_type", "LAST")
         if not isinstance(kind, str) or kind.upper() not in PoolingType.__members__:
             raise ValueError(f"pooling_type: must be LAST, MEAN or CLS, got {kind!r}")
-        normalize = raw.get("normalize", True)
+        tokens = raw.get("classifier_from_token", [])
+        if tokens and (
+            not isinstance(tokens, list)
+            or len(tokens) != 2
+            or not all(isinstance(t, str) and t for t in tokens)
+        ):
+            raise ValueError(
+                f'classifier_from_token: must be two tokens, [no, yes] (e.g. ["no", "yes"]), '
+                f"got {tokens!r}"
+            )
+        normalize = raw.get("normalize", not tokens)
         if not isinstance(normalize, bool):
             raise ValueError(f"normalize: must be true or false, got {normalize!r}")
-        return cls(PoolingType(kind.upper()), normalize)
+        if tokens and normalize:
+            raise ValueError("normalize: a classifier's one score is not normalized")
+        return cls(PoolingType(kind.upper()), normalize, tuple(tokens))
 
 
 @dataclass(frozen=True)
@@ -129,9 +148,22 @@ def take_pooled(batch: ScheduledBatch, hidden: Tensor, config: PoolerConfig) -> 
     return torch.stack(pooled) if pooled else hidden[:0]
 
 
-def finish(vectors: Tensor, states: list[PoolState], config: PoolerConfig) -> list[list[float]]:
+def finish(
+    vectors: Tensor,
+    states: list[PoolState],
+    config: PoolerConfig,
+    classifier: Tensor | None = None,
+    softcap: float | None = None,
+) -> list[list[float]]:
     """Each request's vector as it is returned: its first ``dimensions`` values, normalized
-    (L2) unless it or ``config`` says not to."""
+    (L2) unless it or ``config`` says not to; or with a ``classifier`` (the LM head's rows
+    ``[no, yes]``, ``[2, H]``), its one score sigmoid(logit[yes] - logit[no]), the logits
+    soft-capped as the model caps them."""
+    if classifier is not None:
+        logits = vectors.float() @ classifier.float().T  # [n, 2]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return [[s] for s in torch.sigmoid(logits[:, 1] - logits[:, 0]).cpu().tolist()]
     out: list[Tensor] = []
     for vector, state in zip(vectors.float(), states, strict=True):
         p = state.params

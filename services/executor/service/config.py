@@ -375,6 +375,11 @@ class ExecutorConfig:
             PoolerConfig.parse(self.pooler_config)
         except ValueError as exc:
             raise ValueError(f"--pooler-config: {exc}") from None
+        if (
+            self.tensor_parallel_size > 1
+            and PoolerConfig.parse(self.pooler_config).classifier_from_token
+        ):
+            raise ValueError("--pooler-config classifier_from_token needs --tensor-parallel-size 1")
         if self.pooler_config and self.runner != "pooling":
             raise ValueError("--pooler-config needs --runner pooling")
         if self.runner == "pooling" and self.speculative_config is not None:

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
+import torch
+from torch import Tensor
+from transformers import AutoTokenizer
 
 from services.blockmgr.api.errors import BlockManagerError
 from services.blockmgr.api.protocol import BlockManagerClient
@@ -226,8 +229,18 @@ def _build_engine(
         speculative_config=_speculative(config, groups),
     )
     if config.runner == "pooling":
-        hidden = mc.hidden_size
-        engine: Engine = PoolingEngine(settings, runner, link, pooler, hidden, grammars, adapters)
+        head = classifier_rows(config.model, runner.model, pooler.classifier_from_token)
+        engine: Engine = PoolingEngine(
+            settings,
+            runner,
+            link,
+            pooler,
+            mc.hidden_size,
+            grammars,
+            adapters,
+            head,
+            mc.final_logit_softcap,
+        )
     else:
         engine = Engine(settings, runner, link, grammars, adapters)
     served = ServedModel(
@@ -246,6 +259,25 @@ def _build_engine(
         hidden_size=mc.hidden_size,
     )
     return engine, served
+
+
+def classifier_rows(model_dir: str, model: DecoderLM, tokens: tuple[str, ...]) -> Tensor | None:
+    """The LM head's rows of a reranker's ``classifier_from_token`` pair (each must be one
+    token of the checkpoint's tokenizer; :class:`ModelLoadError` names the one that is not),
+    or None without one."""
+    if not tokens:
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    ids = []
+    for token in tokens:
+        found = tokenizer.encode(token, add_special_tokens=False)
+        if len(found) != 1:
+            raise ModelLoadError(
+                f"--pooler-config: classifier_from_token {token!r} is {len(found)} tokens of "
+                "this tokenizer, not one"
+            )
+        ids.append(found[0])
+    return model.lm_head.weight[torch.tensor(ids, device=model.lm_head.weight.device)].detach()
 
 
 def kv_scales_digest(model: DecoderLM) -> str:

@@ -78,8 +78,14 @@ class EmbeddingService:
                 ids = await core.encode(request.text)
             elif kind == "token_ids":
                 ids, kind = list(request.token_ids.ids), "token_ids.ids"
+            elif kind == "pair":
+                pair = request.pair
+                limit = core.max_prompt_bytes(info.max_model_len)
+                check_prompt_bytes("pair.query", pair.query, limit)
+                check_prompt_bytes("pair.document", pair.document, limit)
+                ids = await core.encode(pair.query, pair.document)
             else:
-                raise FieldError("input", "one of text or token_ids is required")
+                raise FieldError("input", "one of text, token_ids or pair is required")
             check_prompt(ids, info.vocab_size, info.max_model_len, kind)
             if request.HasField("dimensions") and not 1 <= request.dimensions <= info.hidden_size:
                 raise FieldError(

@@ -432,9 +432,9 @@ class GenerationCore:
     def max_prompt_bytes(self, max_model_len: int) -> int:
         return self.config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_model_len
 
-    async def encode(self, text: str) -> list[int]:
-        """``text``'s token ids, special tokens added, off the event loop."""
-        return await self._off_loop(self._encode, text, True)
+    async def encode(self, text: str, pair: str | None = None) -> list[int]:
+        """``text``'s (and ``pair``'s, a pair's second) ids, special tokens in, off the loop."""
+        return await self._off_loop(lambda: self.tokenizer(text, pair).input_ids)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids

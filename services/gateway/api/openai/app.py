@@ -3,6 +3,7 @@
 Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON or Server-Sent Events ending with ``data: [DONE]``),
 ``POST /v1/embeddings`` (a pooling executor's vectors: ``openai/embeddings.py``), vLLM's
+``POST /v1/score`` and ``POST /v1/rerank`` (a reranker's scores: ``openai/scoring.py``), vLLM's
 ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` and ``GET /metrics`` (the
 gateway's registry); ``POST /v1/responses`` (OpenAI's Responses API, stateless:
 ``responses_protocol`` / ``responses_format``); and Anthropic's ``POST /v1/messages``
@@ -64,6 +65,7 @@ from services.gateway.api.openai.protocol import (
 )
 from services.gateway.api.openai.responses_format import ResponsesFormatter
 from services.gateway.api.openai.responses_protocol import ResponsesRequest
+from services.gateway.api.openai.scoring import add_scoring_routes
 from services.gateway.api.translation import ChatTranslator
 from services.gateway.core.adapters import AdapterService
 from services.gateway.core.generation import GenerationCore, GenerationError
@@ -235,6 +237,7 @@ def build_app(
 
     add_messages_routes(app, chat_of)
     add_embedding_routes(app, core, check_model)
+    add_scoring_routes(app, core, check_model)
     return app
 
 

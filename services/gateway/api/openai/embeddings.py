@@ -24,7 +24,7 @@ from services.gateway.api.http import as_http, ignored_headers
 from services.gateway.core.embedding import EmbeddingService
 from services.gateway.core.generation import GenerationCore, GenerationError
 
-__all__ = ["EmbeddingsBody", "add_embedding_routes"]
+__all__ = ["EmbeddingsBody", "add_embedding_routes", "embed_all"]
 
 Input = str | list[str] | list[int] | list[list[int]]
 
@@ -74,19 +74,47 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
-def _name_the_input(exc: GenerationError, i: int, many: bool) -> GenerationError:
-    """An error about input ``i`` of several names it (``input[i]``)."""
-    if many and (exc.field or "").startswith(("text", "token_ids", "input")):
-        exc.field = f"input[{i}]"
-        exc.message = f"input[{i}]: {exc.message.split(': ', 1)[-1]}"
-    elif exc.field in ("text", "token_ids.ids"):
-        exc.field = "input"
-        exc.message = f"input: {exc.message.split(': ', 1)[-1]}"
+def _name_the_input(exc: GenerationError, name: str, i: int, many: bool) -> GenerationError:
+    """An error about input ``i`` of several names it (``input[i]``; ``name`` is the
+    request's list of inputs)."""
+    if many and (exc.field or "").startswith(("text", "token_ids", "input", "pair")):
+        exc.field = f"{name}[{i}]"
+        exc.message = f"{exc.field}: {exc.message.split(': ', 1)[-1]}"
+    elif exc.field in ("text", "token_ids.ids") or (exc.field or "").startswith("pair"):
+        exc.field = name
+        exc.message = f"{name}: {exc.message.split(': ', 1)[-1]}"
     return exc
 
 
 def _failed_with(task: asyncio.Future[Any], exc: BaseException) -> bool:
     return task.done() and not task.cancelled() and task.exception() is exc
+
+
+async def embed_all(
+    service: EmbeddingService,
+    core: GenerationCore,
+    requests: list[generation_pb2.EmbedRequest],
+    name: str,
+) -> list[generation_pb2.EmbedResponse]:
+    """Every request's answer, run concurrently; the first to fail fails them all (the
+    others aborted), its error naming ``name[i]``. Raises FieldError past the admission's
+    capacity."""
+    capacity = core.admission.max_running + core.admission.max_queued
+    if len(requests) > capacity:
+        raise FieldError(
+            name,
+            f"{len(requests)} inputs, more than this gateway admits at once ({capacity}: "
+            "--max-concurrent-requests + --max-queued-requests)",
+        )
+    tasks = [asyncio.ensure_future(service.embed(r)) for r in requests]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except GenerationError as exc:
+        i = next(i for i, t in enumerate(tasks) if _failed_with(t, exc))
+        raise _name_the_input(exc, name, i, len(requests) > 1) from None
+    finally:
+        for t in tasks:
+            t.cancel()  # (the others', when one failed: aborted on their executors)
 
 
 def add_embedding_routes(
@@ -98,23 +126,15 @@ def add_embedding_routes(
     async def embeddings(body: EmbeddingsBody) -> Response:
         headers = ignored_headers(body, "/v1/embeddings")
         with as_http(headers):
-            requests = body.to_embeds(check_model(body.model))
-            capacity = core.admission.max_running + core.admission.max_queued
-            if len(requests) > capacity:
+            info = core.pool.info
+            if info is not None and info.num_labels:
                 raise FieldError(
-                    "input",
-                    f"{len(requests)} inputs, more than this gateway admits at once ({capacity}: "
-                    "--max-concurrent-requests + --max-queued-requests)",
+                    "model",
+                    "this model is a reranker (--pooler-config classifier_from_token): use "
+                    "/v1/score or /v1/rerank",
                 )
-            tasks = [asyncio.ensure_future(service.embed(r)) for r in requests]
-            try:
-                results = await asyncio.gather(*tasks)
-            except GenerationError as exc:
-                i = next(i for i, t in enumerate(tasks) if _failed_with(t, exc))
-                raise _name_the_input(exc, i, len(requests) > 1) from None
-            finally:
-                for t in tasks:
-                    t.cancel()  # (the others', when one failed: aborted on their executors)
+            requests = body.to_embeds(check_model(body.model))
+            results = await embed_all(service, core, requests, "input")
         prompt_tokens = sum(r.usage.prompt_tokens for r in results)
         data: list[dict[str, Any]] = [
             {
