@@ -25,7 +25,8 @@ Without ``--llama-cpp`` (or with a tree lacking the binaries) it prints why and 
 nothing else depends on llama.cpp.
 
     .venv/bin/python -m bench.llamacpp_bench --llama-cpp /path/to/llama.cpp \\
-        [--models small,large] [--workloads chat,burst] [--np 64,128] [--rounds 2] [--f16]
+        [--models small,large] [--workloads chat,burst] [--np 64,128] [--rounds 2] [--f16] \\
+        [--ours "t1=--cpu-threads 1"]
 """
 
 from __future__ import annotations
@@ -68,13 +69,17 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 SAMPLE_TEXTS = ["Hello, world!", "The quick brown fox jumps over 13 lazy dogs.", "  spaced\ttabs"]
 # The converter recognises a BPE pre-tokenizer by the hash of its output on a test text; the
-# tiny tokenizer's is GPT-2's split (checked after conversion against llama-tokenize).
+# tiny tokenizer's is GPT-2's split (checked after conversion against llama-tokenize). It
+# tries SentencePiece first, importing it before it looks for a tokenizer.model.
 CONVERT = """
 import sys
 sys.path.insert(0, sys.argv[1] + "/gguf-py")
 sys.path.insert(0, sys.argv[1])
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+def no_sentencepiece(self, *args, **kwargs):  # (no tokenizer.model here: a BPE tokenizer)
+    raise FileNotFoundError("tokenizer.model")
+base.TextModel._set_vocab_sentencepiece = no_sentencepiece
 import convert_hf_to_gguf as convert
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
 convert.main()
@@ -130,7 +135,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{args[0]} exited with {self.proc.returncode}")
             try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:  # (models loaded)
                     break
             except httpx.HTTPError:
                 pass
@@ -185,12 +190,13 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def ours(model: Path) -> Server:
+def ours(model: Path, executor_flags: list[str] = []) -> Server:  # noqa: B006 (never mutated)
     port, grpc, ex, bm = free_ports(4)
     return Server(
         [sys.executable, "-m", "services.cli", "serve", "--model", str(model),
          "--http-port", str(port), "--port", str(grpc), "--executor-port", str(ex),
-         "--blockmgr-port", str(bm), "--metrics-port", "-1", "--log-level", "ERROR"],
+         "--blockmgr-port", str(bm), "--metrics-port", "-1", "--log-level", "ERROR",
+         "--", *executor_flags],
         port,
         f"127.0.0.1:{grpc}",
     )  # fmt: skip
@@ -268,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--f16", action="store_true", help="llama.cpp on an F16 file too")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--ours",
+        action="append",
+        default=[],
+        help="NAME=EXECUTOR FLAGS: pagedserve with those executor flags too (repeatable)",
+    )
     args = p.parse_args(argv)
     if args.llama_cpp is None:
         print("skipped: no --llama-cpp tree given (see docs/benchmarks.md to build one)")
@@ -306,6 +318,9 @@ def run_model(
         requests = workload(name, args.seed)
         slot_len = -(-max(r.prompt_len + r.output_len for r in requests) // 256) * 256
         systems = [("pagedserve (defaults)", lambda: ours(model))]
+        for variant in args.ours:
+            name_, _, flags = variant.partition("=")
+            systems.append((f"pagedserve {name_}", _ours(model, flags.split())))
         for kind, gguf in ggufs.items():
             for n in slot_counts:
                 systems.append((f"llama.cpp {kind} -np {n}", _llama(cpp, gguf, n, slot_len)))
@@ -332,6 +347,10 @@ def run_model(
             best = max(m["tok/s"] for s, m in med.items() if f" {kind} " in s)
             ratio = med["pagedserve (defaults)"]["tok/s"] / best
             print(f"\npagedserve / best llama.cpp {kind}: {ratio:.2f}x")
+
+
+def _ours(model: Path, flags: list[str]):  # type: ignore[no-untyped-def]
+    return lambda: ours(model, flags)
 
 
 def _llama(cpp: LlamaCpp, gguf: Path, slots: int, slot_len: int):  # type: ignore[no-untyped-def]
