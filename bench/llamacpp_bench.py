@@ -50,11 +50,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.common.models import CPU_MODEL, write_bench_model
+from bench.common.serving import drive
 from pagedserve.testing.procs import ROOT, free_ports
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from services.bench.backends import OpenAIBackend
 from services.bench.datasets import BenchRequest, random_requests
-from services.bench.results import summarize
 
 VOCAB = 621  # the tiny tokenizer's
 MODELS: dict[str, dict[str, Any]] = {
@@ -216,14 +216,10 @@ async def _drive(url: str, requests: list[BenchRequest]) -> dict[str, object]:
     backend = OpenAIBackend(f"{url}/v1/completions", f"{url}/v1/models", None, None)
     try:
         await backend.resolve_model()
-        t0 = time.perf_counter()
-        outputs = await asyncio.gather(*(backend.send(r, True) for r in requests))
-        duration = time.perf_counter() - t0
-    finally:
+    except BaseException:
         await backend.close()
-    if any(not o.success for o in outputs):
-        raise RuntimeError(next(o.error for o in outputs if not o.success))
-    return summarize(outputs, duration, t0)
+        raise
+    return await drive(backend, requests)
 
 
 def measure(server: Server, requests: list[BenchRequest]) -> dict[str, float]:

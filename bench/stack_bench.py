@@ -36,12 +36,12 @@ from pathlib import Path
 
 from bench.common.engines import EngineSystem
 from bench.common.models import write_cpu_model
+from bench.common.serving import drive
 from bench.common.workloads import Req
 from bench.engine_bench import our_system, run_ours
 from pagedserve.testing.procs import ROOT, free_ports, wait_serving
 from services.bench.backends import GrpcBackend
 from services.bench.datasets import BenchRequest, random_requests
-from services.bench.results import summarize
 from services.common.logging import configure_logging
 from services.executor.api import available_cores
 
@@ -121,22 +121,9 @@ class Stack:
             self.proc.kill()
 
 
-async def _drive(address: str, requests: list[BenchRequest]) -> dict[str, object]:
-    backend = GrpcBackend(address, None)
-    try:
-        t0 = time.perf_counter()
-        outputs = await asyncio.gather(*(backend.send(r, True) for r in requests))
-        duration = time.perf_counter() - t0
-    finally:
-        await backend.close()
-    if any(not o.success for o in outputs):
-        raise RuntimeError(next(o.error for o in outputs if not o.success))
-    return summarize(outputs, duration, t0)
-
-
 def _stack_run(stack: Stack, requests: list[BenchRequest]) -> dict[str, float]:
     cpu0, client0, t0 = stack.cpu(), time.process_time(), time.perf_counter()
-    result = asyncio.run(_drive(stack.address, requests))
+    result = asyncio.run(drive(GrpcBackend(stack.address, None), requests))
     wall = time.perf_counter() - t0
     cpu1, client1 = stack.cpu(), time.process_time()
     cores = {f"{name} cores": (cpu1[name] - cpu0[name]) / wall for name in cpu0}

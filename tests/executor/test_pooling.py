@@ -28,10 +28,10 @@ from services.executor.service.startup import build_engine
 def pooling_engine(model: Path, pooler: dict[str, Any] | None = None, **kw: Any) -> Engine:
     kw.setdefault("num_kv_blocks", 128)
     kw.setdefault("max_model_len", 512)
+    kw.setdefault("device", "cpu")
     config = ExecutorConfig(
         model=str(model),
         dtype="float32",
-        device="cpu",
         runner="pooling",
         pooler_config=json.dumps(pooler) if pooler is not None else None,
         **kw,
@@ -222,3 +222,19 @@ def test_a_reranker_scores_sigmoid_of_the_yes_minus_no_logits(
 def test_a_classifier_token_that_is_not_one_token_fails_at_start(tiny_checkpoint: Any) -> None:
     with pytest.raises(ModelLoadError, match="classifier_from_token 'yes' is 2 tokens"):
         pooling_engine(tiny_checkpoint("llama"), {"classifier_from_token": ["a", "yes"]})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["LAST", "MEAN"])
+def test_embeddings_on_cuda_equal_hf_pooling(kind: str, tiny_checkpoint: Any) -> None:
+    """The CUDA path (Triton attention, every row of a chunk for MEAN) in fp32 against HF on
+    the CPU."""
+    model_dir = tiny_checkpoint("qwen3")
+    engine = pooling_engine(
+        model_dir, {"pooling_type": kind}, device="cuda", max_num_batched_tokens=24
+    )
+    prompts = prompts_of(6, [7, 33, 61])
+    finals = embed_all(engine, prompts)
+    hf = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for rid, prompt in prompts.items():
+        assert_same_direction(finals[rid].embedding or [], hf_embedding(hf, prompt, kind))

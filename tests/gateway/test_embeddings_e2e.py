@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, PreTrainedTokenizerBase
 
-from pagedserve.testing.procs import ServiceProcess, wait_serving, wait_until
+from pagedserve.testing.procs import ServiceProcess, gateway_args, wait_serving, wait_until
 from pagedserve.v1 import generation_pb2 as G
 from services.blockmgr.client import GrpcClient
 from tests.gateway.conftest import Stack, stack_executor_args
@@ -47,22 +47,7 @@ def start_pooling_stack(model_dir: Path, pool_id: str, *executor_flags: str) -> 
         "executor_ready",
     )
     gateway = ServiceProcess(
-        [
-            "gateway",
-            "--model",
-            str(model_dir),
-            "--port",
-            "0",
-            "--host",
-            "127.0.0.1",
-            "--metrics-port",
-            "0",
-            "--http-port",
-            "0",
-            "--executor",
-            executor.address,
-        ],
-        "gateway_listening",
+        gateway_args(model_dir, executor.address, "--metrics-port", "0"), "gateway_listening"
     )
     metrics_port = int(gateway.wait_for_event("metrics_listening")["metrics_port"])
     http_port = int(gateway.wait_for_event("http_listening")["http_port"])

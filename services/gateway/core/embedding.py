@@ -18,13 +18,8 @@ import structlog
 
 from pagedserve.v1 import common_pb2, executor_pb2, generation_pb2
 from services.common.limits import FieldError, check_prompt, check_request_id, field_of
-from services.gateway.core.generation import (
-    _REFUSAL_KIND,
-    NO_EXECUTOR,
-    ErrorKind,
-    GenerationCore,
-    GenerationError,
-)
+from services.gateway.core.errors import NO_EXECUTOR, REFUSAL_KIND, ErrorKind, GenerationError
+from services.gateway.core.generation import GenerationCore
 from services.gateway.core.resume import Placement
 from services.gateway.core.validation import check_prompt_bytes, check_runner
 from services.gateway.fleet.executor_client import ExecutorUnavailable, Tagged
@@ -43,15 +38,7 @@ class EmbeddingService:
     async def embed(self, request: generation_pb2.EmbedRequest) -> generation_pb2.EmbedResponse:
         """The vector of ``request``'s input; raises :class:`GenerationError`."""
         core = self.core
-        if not core.admission.try_enter():
-            core.metrics.requests.labels("rejected_full").inc()
-            raise GenerationError(
-                ErrorKind.RESOURCE_EXHAUSTED,
-                f"the gateway is at max_concurrent_requests={core.config.max_concurrent_requests}"
-                f" running and max_queued_requests={core.config.max_queued_requests} waiting; "
-                "retry later",
-            )
-        core.metrics.inflight.inc()
+        core.enter()
         request_id = request.request_id or uuid.uuid4().hex
         try:
             add = await self._add_request(request, request_id)
@@ -133,7 +120,7 @@ class EmbeddingService:
                     outcome = "unavailable"
                     raise GenerationError(ErrorKind.UNAVAILABLE, str(item))
                 if isinstance(item, executor_pb2.RequestError):
-                    kind = _REFUSAL_KIND.get(item.code, ErrorKind.INTERNAL)
+                    kind = REFUSAL_KIND.get(item.code, ErrorKind.INTERNAL)
                     outcome = "refused" if kind is not ErrorKind.INTERNAL else "error"
                     field = field_of(item.message) if kind is ErrorKind.INVALID_ARGUMENT else None
                     raise GenerationError(kind, item.message, field)

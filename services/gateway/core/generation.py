@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -34,6 +33,12 @@ from services.common.limits import (
     field_of,
 )
 from services.gateway.core.admission import Admission
+from services.gateway.core.errors import (
+    NO_EXECUTOR,
+    REFUSAL_KIND,
+    ErrorKind,
+    GenerationError,
+)
 from services.gateway.core.metrics import GatewayMetrics
 from services.gateway.core.resume import (
     Placement,
@@ -64,45 +69,6 @@ from services.gateway.text.chat_template import chat_ids
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
-NO_EXECUTOR = (
-    "no executor is serving (starting up, restarting, or waiting for its block manager); "
-    "retry in a few seconds"
-)
-
-
-class ErrorKind(enum.Enum):
-    """Why a request failed; each front maps these to its own statuses."""
-
-    INVALID_ARGUMENT = "invalid_argument"
-    RESOURCE_EXHAUSTED = "resource_exhausted"
-    UNAVAILABLE = "unavailable"
-    ALREADY_EXISTS = "already_exists"
-    INTERNAL = "internal"
-    NOT_FOUND = "not_found"  # a LoRA adapter no executor serves
-    FAILED_PRECONDITION = "failed_precondition"  # an adapter in use, changed, or LoRA off
-    PERMISSION_DENIED = "permission_denied"  # runtime adapter updates are off
-
-
-class GenerationError(Exception):
-    def __init__(self, kind: ErrorKind, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.field = field  # the offending request field, for INVALID_ARGUMENT
-
-    @classmethod
-    def invalid(cls, exc: FieldError) -> GenerationError:
-        return cls(ErrorKind.INVALID_ARGUMENT, str(exc), exc.field)
-
-
-_REFUSAL_KIND = {
-    executor_pb2.REQUEST_ERROR_CODE_INVALID_ARGUMENT: ErrorKind.INVALID_ARGUMENT,
-    executor_pb2.REQUEST_ERROR_CODE_ALREADY_EXISTS: ErrorKind.ALREADY_EXISTS,
-    executor_pb2.REQUEST_ERROR_CODE_RESOURCE_EXHAUSTED: ErrorKind.RESOURCE_EXHAUSTED,
-    executor_pb2.REQUEST_ERROR_CODE_INTERNAL: ErrorKind.INTERNAL,
-    executor_pb2.REQUEST_ERROR_CODE_NOT_FOUND: ErrorKind.NOT_FOUND,
-    executor_pb2.REQUEST_ERROR_CODE_FAILED_PRECONDITION: ErrorKind.FAILED_PRECONDITION,
-}
 FINISH_NAMES = {  # finish reasons as the APIs and metrics name them
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -149,15 +115,7 @@ class GenerationCore:
         ``default_max_tokens`` None: an unset max_tokens fills the model's context.
         ``on_prompt`` is called once with the prompt's token ids, before the first
         response. Close the generator (``contextlib.aclosing``) when leaving it early."""
-        if not self.admission.try_enter():
-            self.metrics.requests.labels("rejected_full").inc()
-            raise GenerationError(
-                ErrorKind.RESOURCE_EXHAUSTED,
-                f"the gateway is at max_concurrent_requests="
-                f"{self.config.max_concurrent_requests} running and max_queued_requests="
-                f"{self.config.max_queued_requests} waiting; retry later",
-            )
-        self.metrics.inflight.inc()
+        self.enter()
         request_id = request.request_id or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
@@ -171,6 +129,19 @@ class GenerationCore:
             self.admission.leave()
             self.metrics.inflight.dec()
             structlog.contextvars.unbind_contextvars("request_id")
+
+    def enter(self) -> None:
+        """Open one request (leave with ``admission.leave()``, ``inflight.dec()``), or raise
+        RESOURCE_EXHAUSTED at once when running and queued requests are both full."""
+        if not self.admission.try_enter():
+            self.metrics.requests.labels("rejected_full").inc()
+            raise GenerationError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"the gateway is at max_concurrent_requests="
+                f"{self.config.max_concurrent_requests} running and max_queued_requests="
+                f"{self.config.max_queued_requests} waiting; retry later",
+            )
+        self.metrics.inflight.inc()
 
     async def _generate(
         self,
@@ -292,7 +263,7 @@ class GenerationCore:
                         raise
                     continue
                 if isinstance(item, executor_pb2.RequestError):
-                    kind = _REFUSAL_KIND.get(item.code, ErrorKind.INTERNAL)
+                    kind = REFUSAL_KIND.get(item.code, ErrorKind.INTERNAL)
                     if resumes:  # the request was fine: the executor carrying it on refused
                         outcome = "unavailable"
                         raise GenerationError(
