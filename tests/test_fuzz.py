@@ -18,6 +18,8 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from smg_grpc_proto.generated import common_pb2 as V_COMMON
+from smg_grpc_proto.generated import vllm_engine_pb2 as V
 
 from pagedserve.testing.procs import ServiceProcess, executor_args, gateway_args, wait_serving
 from pagedserve.v1 import blockmgr_pb2 as B
@@ -37,6 +39,7 @@ STREAM_OPEN_S = 1.0  # a server stream still open this long was accepted
 # method path -> (kind, a valid request to mutate, metadata)
 BM, EX, GW = "pagedserve.v1.BlockManager", "pagedserve.v1.Executor", "pagedserve.v1.Generation"
 GW_ADAPTERS = "pagedserve.v1.Adapters"
+SMG = "vllm.grpc.engine.VllmEngine"
 VALID_PARAMS = E.ExecutorSamplingParams(
     n=1, temperature=0, top_p=1, max_tokens=4, repetition_penalty=1
 )
@@ -90,6 +93,32 @@ RPCS: dict[str, tuple[str, bytes, str]] = {
         ).SerializeToString(),
         "ex",
     ),
+    **{  # SMG's engine proto, served by the executor beside its own service
+        f"/{SMG}/{name}": (kind, body.SerializeToString(), "ex")
+        for name, kind, body in (
+            (
+                "Generate",
+                "unary_stream",
+                V.GenerateRequest(
+                    request_id="s",
+                    tokenized=V.TokenizedInput(input_ids=[1, 5]),
+                    sampling_params=V.SamplingParams(max_tokens=3, temperature=0),
+                    stream=True,
+                ),
+            ),
+            ("Embed", "unary_unary", V.EmbedRequest(tokenized=V.TokenizedInput(input_ids=[1]))),
+            ("HealthCheck", "unary_unary", V.HealthCheckRequest()),
+            ("FlushCache", "unary_unary", V_COMMON.FlushCacheRequest()),
+            ("StartProfile", "unary_unary", V_COMMON.StartProfileRequest()),
+            ("StopProfile", "unary_unary", V_COMMON.StopProfileRequest()),
+            ("Abort", "unary_unary", V.AbortRequest(request_ids=["s"])),
+            ("GetModelInfo", "unary_unary", V.GetModelInfoRequest()),
+            ("GetServerInfo", "unary_unary", V.GetServerInfoRequest()),
+            ("GetLoads", "unary_unary", V.GetLoadsRequest()),
+            ("GetTokenizer", "unary_stream", V_COMMON.GetTokenizerRequest()),
+            ("SubscribeKvEvents", "unary_stream", V_COMMON.SubscribeKvEventsRequest()),
+        )
+    },
     f"/{BM}/Info": (
         "unary_unary",
         B.BlockManagerInfoRequest(pool_id=POOL).SerializeToString(),
@@ -259,7 +288,7 @@ def test_every_rpc_of_every_service_is_fuzzed() -> None:
 
     declared = {
         f"/{svc.full_name}/{m.name}"
-        for module in (blockmgr_pb2, executor_pb2, generation_pb2)
+        for module in (blockmgr_pb2, executor_pb2, generation_pb2, V)
         for svc in module.DESCRIPTOR.services_by_name.values()
         for m in svc.methods
     }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import structlog
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as smg_grpc
 
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 from services.common.bootstrap import InternalServer
@@ -15,6 +16,7 @@ from services.common.grpc_server import set_serving, stop_event
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.engine_loop import EngineLoop
 from services.executor.service.servicer import ExecutorServicer
+from services.executor.service.smg_servicer import SmgEngineServicer
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
@@ -29,6 +31,8 @@ async def serve(config: ExecutorConfig) -> int:
     internal = InternalServer(config.security, SERVICE_NAME, config.host, config.port)
     server, health_servicer = internal.server, internal.health
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
+    smg = SmgEngineServicer()  # SMG's engine proto, for its router (smg_servicer)
+    smg_grpc.add_VllmEngineServicer_to_server(smg, server)
     internal.bind()
 
     async def set_health(serving: bool) -> None:
@@ -66,6 +70,7 @@ async def serve(config: ExecutorConfig) -> int:
         workers.watch(on_worker_lost)
     engine_loop.start()
     servicer.ready(engine_loop, served)
+    smg.ready(engine_loop, served, config.model)
     log.info("gc_frozen", objects=freeze_startup_heap())
     await set_health(engine.link.healthy)
     log.info(
