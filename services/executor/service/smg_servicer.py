@@ -117,6 +117,8 @@ class SmgEngineServicer(pb_grpc.VllmEngineServicer):
         def add(session: Session) -> Add:
             return Add(session, request.request_id, ids, params)
 
+        log.info("smg_request", request_id=request.request_id, num_prompt_tokens=len(ids))
+
         samples = [_Sample() for _ in range(params.n)]
         async for out in self._run(engine_loop, request.request_id, add, context):
             sample = samples[out.index]
