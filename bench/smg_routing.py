@@ -32,7 +32,7 @@ import httpx
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from pagedserve.testing.procs import ServiceProcess, free_ports
+from pagedserve.testing.procs import ServiceProcess, cpu_executor_args, free_ports
 from pagedserve.tools.tiny_model import write_tiny_model
 
 
@@ -81,25 +81,7 @@ def _hit_rate(address: str) -> float:
 
 
 def run(smg: str, model: Path, policy: str, args: argparse.Namespace) -> str:
-    executors = [
-        ServiceProcess(
-            [
-                "executor",
-                "--model",
-                str(model),
-                "--port",
-                "0",
-                "--dtype",
-                "float32",
-                "--num-kv-blocks",
-                "256",
-                "--max-model-len",
-                "512",
-            ],
-            "executor_ready",
-        )
-        for _ in range(2)
-    ]
+    executors = [ServiceProcess(cpu_executor_args(model), "executor_ready") for _ in range(2)]
     try:
         router, url = _router(smg, model, policy, [e.address for e in executors])
         ok = 0

@@ -231,6 +231,25 @@ def executor_args(model: str | Path, blockmgr_address: str, *extra: str) -> list
     ]
 
 
+def cpu_executor_args(model: str | Path, *extra: str) -> list[str]:
+    """An fp32 CPU executor of ``model`` on a free port (its block manager in-process unless
+    ``extra`` says otherwise): 256 KV blocks, ``max_model_len`` 512."""
+    return [
+        "executor",
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "256",
+        "--max-model-len",
+        "512",
+        *extra,
+    ]
+
+
 def gateway_args(model: str | Path, executor_address: str, *extra: str) -> list[str]:
     """A gateway on free loopback ports (gRPC and HTTP) in front of ``executor_address``, no
     metrics."""

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from pagedserve.testing.procs import (
     EVENT_TIMEOUT_S,
     ServiceProcess,
+    cpu_executor_args,
     gateway_args,
     wait_serving,
 )
@@ -88,20 +89,7 @@ def hf_greedy(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:
 def stack_executor_args(model_dir: Path, *extra: str) -> list[str]:
     """The executor of the gateway tests' stacks: fp32 (exact greedy), 256 KV blocks,
     ``max_model_len`` 512, on a free port."""
-    return [
-        "executor",
-        "--model",
-        str(model_dir),
-        "--port",
-        "0",
-        "--dtype",
-        "float32",
-        "--num-kv-blocks",
-        "256",
-        "--max-model-len",
-        "512",
-        *extra,
-    ]
+    return cpu_executor_args(model_dir, *extra)
 
 
 @pytest.fixture(scope="session")
