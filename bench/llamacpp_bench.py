@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import statistics
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -156,21 +158,13 @@ class Server:
         return total
 
     def stop(self) -> None:
-        with _suppress():
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGINT)
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-
-
-class _suppress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return exc[0] is not None and issubclass(exc[0], ProcessLookupError)  # type: ignore[arg-type]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -190,7 +184,7 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def ours(model: Path, executor_flags: list[str] = []) -> Server:  # noqa: B006 (never mutated)
+def ours(model: Path, executor_flags: Sequence[str] = ()) -> Server:
     port, grpc, ex, bm = free_ports(4)
     return Server(
         [sys.executable, "-m", "services.cli", "serve", "--model", str(model),
@@ -345,11 +339,11 @@ def run_model(
             print(f"\npagedserve / best llama.cpp {kind}: {ratio:.2f}x")
 
 
-def _ours(model: Path, flags: list[str]):  # type: ignore[no-untyped-def]
+def _ours(model: Path, flags: list[str]) -> Callable[[], Server]:
     return lambda: ours(model, flags)
 
 
-def _llama(cpp: LlamaCpp, gguf: Path, slots: int, slot_len: int):  # type: ignore[no-untyped-def]
+def _llama(cpp: LlamaCpp, gguf: Path, slots: int, slot_len: int) -> Callable[[], Server]:
     return lambda: theirs(cpp, gguf, slots, slot_len)
 
 
