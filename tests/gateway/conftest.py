@@ -86,10 +86,9 @@ def hf_greedy(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:
     return run
 
 
-def stack_executor_args(model_dir: Path, *extra: str) -> list[str]:
-    """The executor of the gateway tests' stacks: fp32 (exact greedy), 256 KV blocks,
-    ``max_model_len`` 512, on a free port."""
-    return cpu_executor_args(model_dir, *extra)
+# The executor of the gateway tests' stacks: fp32 (exact greedy), 256 KV blocks, max_model_len
+# 512, on a free port.
+stack_executor_args = cpu_executor_args
 
 
 @pytest.fixture(scope="session")

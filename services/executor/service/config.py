@@ -372,13 +372,10 @@ class ExecutorConfig:
         if self.runner not in ("generate", "pooling"):
             raise ValueError(f"--runner must be generate or pooling, got {self.runner!r}")
         try:
-            PoolerConfig.parse(self.pooler_config)
+            pooler = PoolerConfig.parse(self.pooler_config)
         except ValueError as exc:
             raise ValueError(f"--pooler-config: {exc}") from None
-        if (
-            self.tensor_parallel_size > 1
-            and PoolerConfig.parse(self.pooler_config).classifier_from_token
-        ):
+        if self.tensor_parallel_size > 1 and pooler.classifier_from_token:
             raise ValueError("--pooler-config classifier_from_token needs --tensor-parallel-size 1")
         if self.pooler_config and self.runner != "pooling":
             raise ValueError("--pooler-config needs --runner pooling")

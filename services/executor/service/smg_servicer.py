@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from importlib.metadata import PackageNotFoundError, version
 
 import grpc
 import structlog
@@ -53,7 +54,10 @@ from services.executor.service.startup import ServedModel
 __all__ = ["SmgEngineServicer"]
 
 log = structlog.get_logger(__name__)
-VERSION = "pagedserve-0.1.0"
+try:
+    VERSION = f"pagedserve-{version('pagedserve')}"
+except PackageNotFoundError:  # run from a source tree that was not installed
+    VERSION = "pagedserve"
 _STATUS = {
     RequestErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     RequestErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,

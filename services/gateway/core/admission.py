@@ -15,6 +15,8 @@ import contextlib
 from collections import deque
 from collections.abc import AsyncIterator
 
+from services.common.limits import FieldError
+
 
 class Admission:
     def __init__(self, max_running: int, max_queued: int) -> None:
@@ -38,6 +40,18 @@ class Admission:
             return False
         self.num_open += 1
         return True
+
+    def check_fits(self, n: int, field: str, what: str) -> None:
+        """Raise :class:`FieldError` naming ``field`` when one request's ``n`` parts (``what``:
+        prompts, inputs) are more than ever run or wait at once: some could never be admitted
+        while the others hold their places."""
+        capacity = self.max_running + self.max_queued
+        if n > capacity:
+            raise FieldError(
+                field,
+                f"{n} {what}, more than this gateway admits at once ({capacity}: "
+                "--max-concurrent-requests + --max-queued-requests)",
+            )
 
     def leave(self) -> None:
         """The request counted by :meth:`try_enter` is over."""

@@ -10,11 +10,8 @@ fails the input with UNAVAILABLE (it is cheap to retry: nothing was streamed).""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
-
-import structlog
 
 from pagedserve.v1 import common_pb2, executor_pb2, generation_pb2
 from services.common.limits import FieldError, check_prompt, check_request_id, field_of
@@ -25,8 +22,6 @@ from services.gateway.core.validation import check_prompt_bytes, check_runner
 from services.gateway.fleet.executor_client import ExecutorUnavailable, Tagged
 
 __all__ = ["EmbeddingService"]
-
-log = structlog.get_logger(__name__)
 
 
 class EmbeddingService:
@@ -139,6 +134,5 @@ class EmbeddingService:
                     request_id=request_id, embedding=item.embedding, usage=item.usage
                 )
         finally:
-            with contextlib.suppress(Exception):
-                placement.release(abort=outcome != "stop")
+            placement.release(abort=outcome != "stop")
             core.metrics.requests.labels(outcome).inc()

@@ -49,7 +49,6 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.v1 import generation_pb2
-from services.common.limits import FieldError
 from services.gateway.api.anthropic.routes import add_messages_routes
 from services.gateway.api.http import Completion, EventStream, as_http, ignored_headers
 from services.gateway.api.openai import errors as openai_errors
@@ -200,13 +199,7 @@ def build_app(
             gens = body.to_generates()
             for gen in gens:
                 gen.lora_name = lora
-            capacity = core.admission.max_running + core.admission.max_queued
-            if len(gens) > capacity:
-                raise FieldError(
-                    "prompt",
-                    f"{len(gens)} prompts, more than this gateway admits at once ({capacity}: "
-                    "--max-concurrent-requests + --max-queued-requests)",
-                )
+            core.admission.check_fits(len(gens), "prompt", "prompts")
         logprobs = body.logprobs is not None
         fmt = Formatter(core, "completions", body.include_usage, logprobs, body.continuous_usage)
         fmt.echo = body.echo

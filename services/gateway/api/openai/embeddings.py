@@ -99,13 +99,7 @@ async def embed_all(
     """Every request's answer, run concurrently; the first to fail fails them all (the
     others aborted), its error naming ``name[i]``. Raises FieldError past the admission's
     capacity."""
-    capacity = core.admission.max_running + core.admission.max_queued
-    if len(requests) > capacity:
-        raise FieldError(
-            name,
-            f"{len(requests)} inputs, more than this gateway admits at once ({capacity}: "
-            "--max-concurrent-requests + --max-queued-requests)",
-        )
+    core.admission.check_fits(len(requests), name, "inputs")
     tasks = [asyncio.ensure_future(service.embed(r)) for r in requests]
     try:
         return list(await asyncio.gather(*tasks))
