@@ -10,6 +10,7 @@ from services.blockmgr.api.errors import BlockManagerError
 from services.blockmgr.api.types import Admit, Commit, Free, PoolSpec
 from services.blockmgr.eviction.adaptive import ARCPolicy, S3FIFOPolicy
 from services.blockmgr.eviction.policies import make_policy
+from services.blockmgr.eviction.reuse import ReusePolicy
 from services.blockmgr.pool.manager import KVBlockManager
 from tests.blockmgr.helpers import hashes
 
@@ -89,7 +90,7 @@ def test_s3fifo_gives_a_used_block_another_round_in_the_main_queue():
 
 
 def test_an_unknown_policy_names_the_choices():
-    with pytest.raises(ValueError, match="'lru', 'lfu', 'arc', 's3fifo'"):
+    with pytest.raises(ValueError, match="'lru', 'lfu', 'arc', 's3fifo', 'reuse'"):
         make_policy("clock")
 
 
@@ -150,3 +151,83 @@ def test_evictions_report_the_age_and_the_reuse_of_what_they_took():
     m.step([Admit(3, 8, 8, ())])  # 5: the uncached block, then a0 (age 1, reused once)
     assert m.pool.num_evicted == 2
     assert (m.pool.eviction_age_steps, m.pool.eviction_reuse) == (2, 1)
+
+
+def _keyed(keys: dict[int, bytes]) -> ReusePolicy:
+    return ReusePolicy(4, keys.get)  # horizon: 16 frees
+
+
+def test_reuse_with_one_class_of_content_is_lru():
+    policy = _keyed({b: bytes([b]) * 32 for b in range(8)})
+    for b in (3, 1, 2, 0):
+        policy.push(b)
+    assert [policy.pop() for _ in range(4)] == [3, 1, 2, 0]
+
+
+def test_reuse_learns_how_often_each_class_of_content_comes_back():
+    keys = {b: bytes([b]) * 32 for b in range(40)}
+    policy = ReusePolicy(2, keys.get)  # horizon: 8 frees
+    policy.push(0)
+    policy.remove(0)  # first-use content that came back
+    for b in range(1, 21):  # first-use content that never does
+        policy.push(b)
+        policy.pop()
+        policy.forget(b, keys[b])
+    probabilities = policy.reuse_probabilities()
+    # class 0: 1 came back of 13 resolved so far (12 expired), over the prior 1/2
+    assert probabilities[0] == pytest.approx((1 + 1) / (2 + 13))
+    assert probabilities[1:] == [0.5] * (ReusePolicy.CLASSES - 1)
+
+
+def test_reuse_counts_content_computed_again_after_its_eviction_as_used_again():
+    keys = {1: b"a" * 32, 2: b"a" * 32}  # block 2 holds what block 1 held
+    policy = ReusePolicy(8, keys.get)
+    policy.push(1)
+    assert policy.pop() == 1
+    policy.forget(1, keys[1])
+    policy.push(2)  # the same content, computed again and freed: its second use
+    assert policy.reuse_probabilities()[0] == pytest.approx(2 / 3)
+    assert policy._class_of[2] == 1
+
+
+def test_reuse_evicts_younger_one_off_content_before_older_content_that_comes_back():
+    keys = {b: b.to_bytes(4, "big") * 8 for b in range(300)}
+    policy = ReusePolicy(4, keys.get)  # span: 8 frees a factor e; horizon: 16 frees
+    for b in range(100, 110):  # content comes back at its first, second and third use
+        for _ in range(3):
+            policy.push(b)
+            policy.remove(b)
+    for b in range(200, 300):  # first-use content never comes back
+        policy.push(b)
+        policy.pop()
+        policy.forget(b, keys[b])
+    p = policy.reuse_probabilities()
+    assert p[2] == pytest.approx(11 / 12) and p[0] < 0.12
+    policy.push(100)  # used three times: class 3, never seen freed: p = 1/2
+    policy.push(101)  # ... and class 2: p = 11/12
+    for b in range(60, 70):  # ten younger blocks of first-use content
+        policy.push(b)
+    # 101's place moves 8 * ln(p[2] / p[0]) > 16 frees later than its LRU place, 100's
+    # 8 * ln(0.5 / p[0]) > 11: each outlives the ten younger one-off blocks
+    assert [policy.pop() for _ in range(10)] == list(range(60, 70))
+    assert [policy.pop(), policy.pop()] == [100, 101]
+
+
+def _stream(policy: str) -> list[int]:
+    """A 4-block prefix asked for before every 8th of 96 one-off prompts of 3 blocks, in a
+    pool of 16 usable blocks; the prefix's cached tokens each time."""
+    m = KVBlockManager(PoolSpec(17, BS, eviction_policy=policy))
+    system, cached = list(range(1000, 1016)), []
+    for j in range(96):
+        if j % 8 == 0:
+            cached.append(_turn(m, 1000 + j, [*system, 1, 2, 3, 4 + j]))
+        _turn(m, 100 + j, list(range(2000 + 100 * j, 2000 + 100 * j + 12)))
+    assert m.pool.num_evicted > 200
+    return cached
+
+
+def test_reuse_learns_to_keep_a_shared_prefix_that_lru_loses_to_one_off_prompts():
+    assert _stream("lru")[1:] == [0] * 11  # 7 one-off prompts flush it every time
+    # LRU's order until the one-off content's first outcomes are known (64 frees), then the
+    # prefix's class has come back every time and one-off content never: it stays
+    assert _stream("reuse")[-8:] == [16] * 8

@@ -338,6 +338,11 @@ class S3FIFOPoolMachine(PoolMachine):
     policy = "s3fifo"
 
 
+class ReusePoolMachine(PoolMachine):
+    policy = "reuse"
+    windows = (0, 6)  # a full group and a sliding one
+
+
 class HostTierPoolMachine(PoolMachine):
     host_blocks = 6  # evictions offload, admissions onboard
     swaps = False  # a swap-in's onboard may fill a block that had no hash
@@ -690,6 +695,10 @@ class DiskTierS3FIFOPoolMachine(DiskTierPoolMachine):
     tier_policy = "s3fifo"
 
 
+class DiskTierReusePoolMachine(DiskTierPoolMachine):
+    tier_policy = "reuse"
+
+
 class EagleDiskTierPoolMachine(DiskTierPoolMachine):
     hit_margin = 2  # hits stop short on the device or in the tiers (a shortened tier run)
 
@@ -740,6 +749,8 @@ TestPoolInvariantsARC = ARCPoolMachine.TestCase
 TestPoolInvariantsARC.settings = _adaptive_settings
 TestPoolInvariantsS3FIFO = S3FIFOPoolMachine.TestCase
 TestPoolInvariantsS3FIFO.settings = _adaptive_settings
+TestPoolInvariantsReuse = ReusePoolMachine.TestCase
+TestPoolInvariantsReuse.settings = _adaptive_settings
 TestHostTierInvariants = HostTierPoolMachine.TestCase
 TestHostTierInvariants.settings = _adaptive_settings
 TestSwapInvariants = SwapPoolMachine.TestCase
@@ -752,6 +763,8 @@ TestHybridTierInvariants = HybridTierPoolMachine.TestCase
 TestHybridTierInvariants.settings = settings(_settings, max_examples=examples(60))
 TestDiskTierS3FIFOInvariants = DiskTierS3FIFOPoolMachine.TestCase
 TestDiskTierS3FIFOInvariants.settings = settings(_settings, max_examples=examples(40))
+TestDiskTierReuseInvariants = DiskTierReusePoolMachine.TestCase
+TestDiskTierReuseInvariants.settings = settings(_settings, max_examples=examples(40))
 TestEagleDiskTierInvariants = EagleDiskTierPoolMachine.TestCase
 TestEagleDiskTierInvariants.settings = settings(_settings, max_examples=examples(40))
 TestEagleHybridTierInvariants = EagleHybridTierPoolMachine.TestCase

@@ -311,7 +311,7 @@ def test_copy_on_write_of_a_shared_last_block_after_release():
 # ---- eviction order ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "s3fifo"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "s3fifo", "reuse"])
 def test_out_of_window_blocks_are_evicted_before_a_finished_sequences_last_window(policy):
     """vllm#48435: the next turn of a finished conversation (its whole history + a new message)
     must still hit its whole prefix when memory pressure evicts some of its blocks."""
@@ -334,7 +334,7 @@ def test_out_of_window_blocks_are_evicted_before_a_finished_sequences_last_windo
     assert r.block_ids[5:7] == (a.block_ids[5], m.pool.lookup(hashes(history, BS)[6]))
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "s3fifo"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "s3fifo", "reuse"])
 def test_a_conversation_keeps_hitting_its_whole_history_turn_after_turn(policy):
     m = _sliding(24, window=8, policy=policy)
     history: list[int] = []

@@ -36,6 +36,7 @@ POLICY_TO_PB: dict[EvictionPolicyName, pb.EvictionPolicy] = {
     EvictionPolicyName.LFU: pb.EVICTION_POLICY_LFU,
     EvictionPolicyName.ARC: pb.EVICTION_POLICY_ARC,
     EvictionPolicyName.S3FIFO: pb.EVICTION_POLICY_S3FIFO,
+    EvictionPolicyName.REUSE: pb.EVICTION_POLICY_REUSE,
 }
 PB_TO_POLICY: dict[int, EvictionPolicyName] = {v: k for k, v in POLICY_TO_PB.items()}
 DEFAULT_POLICY = EvictionPolicyName.LRU

@@ -19,6 +19,7 @@ class EvictionPolicyName(enum.StrEnum):
     LFU = "lfu"
     ARC = "arc"
     S3FIFO = "s3fifo"
+    REUSE = "reuse"
 
     @classmethod
     def parse(cls, value: str) -> EvictionPolicyName:

@@ -27,6 +27,7 @@ from typing import Protocol
 
 from services.blockmgr.api.types import EvictionPolicyName
 from services.blockmgr.eviction.adaptive import ARCPolicy, KeyOf, S3FIFOPolicy
+from services.blockmgr.eviction.reuse import ReusePolicy
 
 
 class EvictionPolicy(Protocol):
@@ -154,4 +155,6 @@ def make_policy(
         return LFUPolicy()
     if policy is EvictionPolicyName.ARC:
         return ARCPolicy(capacity, key_of)
+    if policy is EvictionPolicyName.REUSE:
+        return ReusePolicy(capacity, key_of)
     return S3FIFOPolicy(capacity, key_of)

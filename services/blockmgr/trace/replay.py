@@ -1,7 +1,7 @@
 """Offline replay of a recorded block-manager trace under other eviction policies and pool sizes:
 compare policies in seconds, without a model.
 
-    pagedserve blockmgr replay TRACE [--policy lru,lfu,arc,s3fifo] [--device-blocks N]
+    pagedserve blockmgr replay TRACE [--policy lru,lfu,arc,s3fifo,reuse] [--device-blocks N]
 
 (A public trace, ``--format mooncake|bailian``, is a cache experiment instead: :mod:`.sweep`.)
 

@@ -239,7 +239,7 @@ def test_restore_refuses_null_entries_in_a_full_pool(client, pool_id, max_groups
 # ---- eviction order -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "s3fifo"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "s3fifo", "reuse"])
 def test_out_of_window_blocks_are_evicted_before_a_finished_sequences_last_window(
     client, pool_id, max_groups, policy
 ):
