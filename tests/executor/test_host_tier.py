@@ -51,6 +51,23 @@ def test_a_conversation_evicted_to_the_host_tier_comes_back_on_its_next_turn(
     _assert_moves_counted_as_ordered(engine, stats)
 
 
+@pytest.mark.parametrize("policy", ["s3fifo", "reuse"])
+def test_a_conversation_comes_back_from_the_host_tier_under_a_learnt_policy(
+    tiny_checkpoint, hf_model, policy
+) -> None:
+    """The device pool and the host tier both ordered by ``policy``: evicted histories still
+    come back on their next turns, with transformers' tokens."""
+    config = _config(tiny_checkpoint, eviction_policy=policy, kv_offloading_eviction_policy=policy)
+    engine = _engine(config, fills_async=False)
+    try:
+        _converse(engine, hf_model("llama"), seed=6)
+    finally:
+        engine.runner.close()
+    stats = engine.link.client.stats(engine.link.pool_id)
+    assert stats.pool.eviction_policy.value == policy == stats.pool.tier_eviction_policy.value
+    assert stats.num_offloaded_blocks > 0 and stats.host_hits_tokens > 0
+
+
 def test_a_sequence_waits_for_its_fill_while_the_rest_of_the_batch_runs(
     tiny_checkpoint, hf_model, tmp_path
 ) -> None:
