@@ -38,7 +38,12 @@ from bench.common.engines import EngineSystem, greedy, run_requests
 from bench.common.trained import copy_prompts, ordinary_vocab, write_spec_fixture
 from services.executor.api import ExecutorConfig, available_cores
 
-DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+DEFAULT_SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 3,
+}
 
 
 def _config(

@@ -48,13 +48,14 @@ def test_copy_corpus_is_deterministic_and_copies() -> None:
     assert set().union(*copy_corpus(0, 4, 64, range(0, 40))) <= set(range(6, 40))
 
 
-def test_copy_prompts_repeat_their_passage() -> None:
+def test_copy_prompts_repeat_their_passage_of_distinct_ids() -> None:
     prompts = copy_prompts(5, 4, 81, ordinary_vocab())
     assert prompts == copy_prompts(5, 4, 81, ordinary_vocab())
     for prompt in prompts:
         assert len(prompt) == 81 and prompt[0] == 1  # BOS
         passage, repeat = prompt[1:71], prompt[71:]
         assert len(repeat) == 10 and repeat == passage[:10]
+        assert len(set(passage)) == len(passage)  # one place to go on from, for each id
 
 
 def test_growing_keeps_the_function(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
