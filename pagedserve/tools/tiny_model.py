@@ -22,6 +22,7 @@ from typing import Any, Literal, get_args
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     Gemma2Config,
     Gemma3Config,
     Gemma3TextConfig,
@@ -141,6 +142,10 @@ class TinyModelSpec:
     sliding_window_pattern: int = 2  # gemma3: one global layer in every this many
     init_std: float = 0.25
     max_shard_size: str | None = None  # e.g. "100KB" for a sharded checkpoint
+    num_labels: int = 0  # > 0: a sequence classifier (``*ForSequenceClassification``)
+
+
+_CLASSIFIER_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2")
 
 
 def write_tiny_model(
@@ -163,7 +168,15 @@ def write_tiny_model(
         assert token_id is not None, f"the tokenizer lacks {tok}"
         special_ids[tok] = token_id
     config = _hf_config(spec, tokenizer.get_vocab_size() + spec.extra_vocab, special_ids)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if spec.num_labels:
+        if spec.arch not in _CLASSIFIER_ARCHS:
+            raise ValueError(f"num_labels: {spec.arch} is written as a causal LM only")
+        config.num_labels = spec.num_labels
+        config.id2label = {i: f"label_{i}" for i in range(spec.num_labels)}
+        config.label2id = {v: k for k, v in config.id2label.items()}
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, spec)
     model.generation_config = GenerationConfig(
         bos_token_id=special_ids[BOS], eos_token_id=special_ids[EOS], pad_token_id=special_ids[PAD]
@@ -362,6 +375,12 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--init-std", type=float, default=defaults.init_std)
     parser.add_argument("--max-shard-size", default=None, help='e.g. "100KB" to shard the weights')
+    parser.add_argument(
+        "--num-labels",
+        type=int,
+        default=0,
+        help="a sequence classifier of this many labels (for --runner pooling)",
+    )
     parser.add_argument("--force", action="store_true", help="write into a non-empty directory")
     parser.add_argument(
         "--eagle3-for",
@@ -429,6 +448,7 @@ def main(argv: list[str]) -> int:
         sliding_window_pattern=args.sliding_window_pattern,
         init_std=args.init_std,
         max_shard_size=args.max_shard_size,
+        num_labels=args.num_labels,
     )
     print(f"wrote tiny {args.arch} checkpoint to {out}")
     return 0

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel, AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from pagedserve.tools.tiny_model import write_tiny_model
 from services.blockmgr.client import InProcessClient
 from services.common.sampling_params import SamplingParams
 from services.executor.core.engine import Engine
@@ -222,6 +223,52 @@ def test_a_reranker_scores_sigmoid_of_the_yes_minus_no_logits(
 def test_a_classifier_token_that_is_not_one_token_fails_at_start(tiny_checkpoint: Any) -> None:
     with pytest.raises(ModelLoadError, match="classifier_from_token 'yes' is 2 tokens"):
         pooling_engine(tiny_checkpoint("llama"), {"classifier_from_token": ["a", "yes"]})
+
+
+@pytest.mark.parametrize(
+    ("arch", "num_labels"), [("llama", 3), ("qwen3", 1), ("gemma2", 2), ("phi3", 4)]
+)
+def test_a_sequence_classifier_scores_its_labels_as_transformers_does(
+    arch: str, num_labels: int, tmp_path: Path
+) -> None:
+    """A ``*ForSequenceClassification`` checkpoint: its score head over the last token's
+    state, softmax over its labels (sigmoid for one: a cross-encoder's relevance), equal to
+    transformers' logits read that way, whatever the chunking."""
+    sizes = {"head_dim": 32} if arch == "qwen3" else {}
+    model_dir = write_tiny_model(tmp_path / arch, arch, 30, num_labels=num_labels, **sizes)
+    config = ExecutorConfig(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        runner="pooling",
+        num_kv_blocks=128,
+        max_model_len=512,
+        max_num_batched_tokens=24,
+    )
+    engine, served = build_engine(config, blockmgr=InProcessClient())
+    assert served.labels == tuple(f"label_{i}" for i in range(num_labels))
+    prompts = prompts_of(7, [6, 31, 52])
+    finals = embed_all(engine, prompts)
+    hf = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
+    for rid, prompt in prompts.items():
+        with torch.inference_mode():
+            logits = hf.eval()(torch.tensor([prompt])).logits[0]
+        expected = torch.sigmoid(logits) if num_labels == 1 else torch.softmax(logits, dim=-1)
+        got = torch.tensor(finals[rid].embedding or [])
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_classifier_checkpoint_is_refused_by_the_generate_runner_and_a_token_pair(
+    tmp_path: Path,
+) -> None:
+    model_dir = write_tiny_model(tmp_path / "cls", "llama", 31, num_labels=2)
+    config = ExecutorConfig(
+        model=str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=512
+    )
+    with pytest.raises(ModelLoadError, match="serve it with --runner pooling"):
+        build_engine(config, blockmgr=InProcessClient())
+    with pytest.raises(ModelLoadError, match="a classifier with a score head of its own"):
+        pooling_engine(model_dir, {"classifier_from_token": ["a", "b"]})
 
 
 @pytest.mark.gpu

@@ -21,6 +21,7 @@ from services.executor.core.lora import LoRARegistry
 from services.executor.core.outputs import EngineError, RequestErrorCode, SeqOutput
 from services.executor.core.plan import ScheduledBatch, SchedulePlan
 from services.executor.core.pooling import (
+    Classifier,
     PoolerConfig,
     PoolingParams,
     PoolState,
@@ -47,18 +48,17 @@ class PoolingEngine(Engine):
         hidden_size: int,
         grammars: GrammarCompiler | None = None,
         adapters: LoRARegistry | None = None,
-        classifier: Tensor | None = None,
-        softcap: float | None = None,
+        classifier: Classifier | None = None,
     ) -> None:
-        """``classifier``: with ``pooler.classifier_from_token``, the LM head's rows of those
-        two tokens (``[2, H]``); ``softcap``: the model's final-logit soft-cap."""
+        """``classifier``: scores instead of vectors (a reranker's ``classifier_from_token``
+        rows of the LM head, or a sequence classifier's score head)."""
         if settings.speculative_config is not None:
             raise ValueError("--speculative-config: a pooling runner samples nothing to draft")
         super().__init__(settings, runner, link, grammars, adapters)
         self.pooler = pooler
         self.hidden_size = hidden_size
-        self.classifier, self.softcap = classifier, softcap
-        if pooler.classifier_from_token and classifier is None:
+        self.classifier = classifier
+        if pooler.classifier_from_token and (classifier is None or not classifier.pair):
             raise ValueError("classifier_from_token: the LM head's rows of those tokens")
 
     def add_request(
@@ -82,7 +82,8 @@ class PoolingEngine(Engine):
         if dims is not None and self.classifier is not None:
             raise EngineError(
                 RequestErrorCode.INVALID_ARGUMENT,
-                "pooling.dimensions: this executor scores (a classifier: one value a request)",
+                "pooling.dimensions: this executor scores (a classifier: its labels' values, "
+                "not a vector)",
             )
         if dims is not None and not 1 <= dims <= self.hidden_size:
             raise EngineError(
@@ -112,7 +113,7 @@ class PoolingEngine(Engine):
         """Each of ``seqs`` computed its whole prompt: its vector, and its end."""
         assert rows is None and len(seqs) == logits.shape[0]
         states = [seq.pooled for seq in seqs]
-        vectors = finish(logits, states, self.pooler, self.classifier, self.softcap)
+        vectors = finish(logits, states, self.pooler, self.classifier)
         outs: list[SeqOutput] = []
         for seq, vector in zip(seqs, vectors, strict=True):
             out = SeqOutput(seq.req_id, seq.index, embedding=vector)

@@ -22,6 +22,7 @@ from services.executor.core.outputs import EngineError, RequestErrorCode
 from services.executor.core.plan import ScheduledBatch
 
 __all__ = [
+    "Classifier",
     "PoolState",
     "PoolerConfig",
     "PoolingParams",
@@ -148,22 +149,43 @@ def take_pooled(batch: ScheduledBatch, hidden: Tensor, config: PoolerConfig) -> 
     return torch.stack(pooled) if pooled else hidden[:0]
 
 
+@dataclass(frozen=True)
+class Classifier:
+    """Scores of a pooled vector in place of the vector. ``pair``: a reranker of a causal LM
+    (``classifier_from_token``): ``rows`` are the LM head's ``[no, yes]`` and the one score is
+    sigmoid(logit[yes] - logit[no]), the logits soft-capped as the model caps them
+    (``softcap``). Else a sequence classifier's ``score`` head (``[num_labels, H]``): one
+    label gives sigmoid(logit), as a cross-encoder's relevance; more give the softmax
+    probabilities of each, as transformers' classifiers are read."""
+
+    rows: Tensor
+    pair: bool = False
+    softcap: float | None = None
+
+    @property
+    def num_labels(self) -> int:
+        return 1 if self.pair else int(self.rows.shape[0])
+
+    def scores(self, vectors: Tensor) -> list[list[float]]:
+        logits = vectors.float() @ self.rows.float().T  # [n, C]
+        if self.pair:
+            if self.softcap is not None:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            return [[s] for s in torch.sigmoid(logits[:, 1] - logits[:, 0]).cpu().tolist()]
+        probs = torch.sigmoid(logits) if logits.shape[1] == 1 else torch.softmax(logits, dim=-1)
+        return probs.cpu().tolist()
+
+
 def finish(
     vectors: Tensor,
     states: list[PoolState],
     config: PoolerConfig,
-    classifier: Tensor | None = None,
-    softcap: float | None = None,
+    classifier: Classifier | None = None,
 ) -> list[list[float]]:
     """Each request's vector as it is returned: its first ``dimensions`` values, normalized
-    (L2) unless it or ``config`` says not to; or with a ``classifier`` (the LM head's rows
-    ``[no, yes]``, ``[2, H]``), its one score sigmoid(logit[yes] - logit[no]), the logits
-    soft-capped as the model caps them."""
+    (L2) unless it or ``config`` says not to; or with a ``classifier``, its scores."""
     if classifier is not None:
-        logits = vectors.float() @ classifier.float().T  # [n, 2]
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        return [[s] for s in torch.sigmoid(logits[:, 1] - logits[:, 0]).cpu().tolist()]
+        return classifier.scores(vectors)
     out: list[Tensor] = []
     for vector, state in zip(vectors.float(), states, strict=True):
         p = state.params

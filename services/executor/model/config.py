@@ -35,7 +35,8 @@ from typing import Any, Literal
 from services.executor.model.errors import ModelLoadError, UnsupportedModelError
 from services.executor.model.rope_config import DEFAULT_ROPE_THETA, RopeConfig, parse_rope
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "MoEConfig", "ModelConfig", "RopeConfig"]
+__all__ = ["CLASSIFIER_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "MoEConfig", "ModelConfig"]
+__all__ += ["RopeConfig"]
 
 #: HF architecture class name -> our family name (HF ``model_type``, Gemma 3 unified).
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -50,6 +51,14 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
 }
+#: Sequence classifiers (a ``score`` head of ``num_labels`` rows over the last token's state),
+#: served by ``--runner pooling``: the families whose text-only decoder we run.
+CLASSIFIER_ARCHITECTURES: dict[str, str] = {
+    arch.replace("ForCausalLM", "ForSequenceClassification"): family
+    for arch, family in SUPPORTED_ARCHITECTURES.items()
+    if arch.endswith("ForCausalLM") and family != "gemma3"
+}
+SUPPORTED_ARCHITECTURES.update(CLASSIFIER_ARCHITECTURES)
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -160,6 +169,9 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()
     sliding_window: int | None = None
     sliding_rope: RopeConfig | None = None  # Gemma 3: the sliding layers' own RoPE
+    #: A sequence classifier's labels (``id2label`` in order; ``num_labels`` of them), its
+    #: ``score`` head in place of the LM head; empty for a causal LM.
+    labels: tuple[str, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -284,7 +296,22 @@ class ModelConfig:
             sliding_layers=sliding_layers,
             sliding_window=sliding_window,
             sliding_rope=sliding_rope,
+            labels=_labels(hf) if architecture in CLASSIFIER_ARCHITECTURES else (),
         )
+
+
+def _labels(hf: Mapping[str, Any]) -> tuple[str, ...]:
+    """A classifier's labels: ``id2label`` by id, else ``LABEL_i`` for ``num_labels``
+    (transformers' default 2)."""
+    id2label = hf.get("id2label") or {}
+    num = hf.get("num_labels", len(id2label) or 2)
+    if not isinstance(num, int) or num < 1:
+        raise ModelLoadError(f"config.json: num_labels must be a positive int, got {num!r}")
+    try:
+        named = {int(k): str(v) for k, v in dict(id2label).items()}
+    except (TypeError, ValueError):
+        raise ModelLoadError("config.json: id2label must map label ids to names") from None
+    return tuple(named.get(i, f"LABEL_{i}") for i in range(max(num, len(named))))
 
 
 def _architecture(hf: Mapping[str, Any]) -> str:

@@ -148,7 +148,8 @@ class ExecutorServicer(AdapterRpcs, executor_pb2_grpc.ExecutorServicer):
             pooling_type=served.pooler.pooling_type.value if served.pooler else "",
             pooling_normalize=served.pooler.normalize if served.pooler else False,
             hidden_size=served.hidden_size,
-            num_labels=1 if served.pooler and served.pooler.classifier_from_token else 0,
+            num_labels=len(served.labels),
+            labels=served.labels,
         )
 
     async def Info(

@@ -29,7 +29,7 @@ from services.executor.core.engine_pooling import PoolingEngine
 from services.executor.core.grammar import GrammarCompiler
 from services.executor.core.lora import LoRARegistry
 from services.executor.core.outputs import EngineError
-from services.executor.core.pooling import PoolerConfig
+from services.executor.core.pooling import Classifier, PoolerConfig
 from services.executor.core.scheduler import SchedulerConfig
 from services.executor.core.spec.config import SpeculativeConfig
 from services.executor.model.config import ModelConfig
@@ -61,6 +61,7 @@ class ServedModel:
     runner: str = "generate"
     pooler: PoolerConfig | None = None  # how a pooling runner pools
     hidden_size: int = 0
+    labels: tuple[str, ...] = ()  # a classifier's (a reranker's one score: "score")
 
 
 def eos_token_ids(model_dir: str | Path, config: ModelConfig) -> tuple[int, ...]:
@@ -128,6 +129,11 @@ def _build_engine(
     on_health: Callable[[bool], None] | None,
 ) -> tuple[Engine, ServedModel]:
     mc = runner.config
+    if mc.labels and config.runner != "pooling":
+        raise ModelLoadError(
+            f"{config.model}: a {mc.architecture} scores its labels and samples nothing: "
+            "serve it with --runner pooling"
+        )
     bs = runner.block_size
     usable = usable_blocks(runner.num_blocks)
     pool_id = default_pool_id(config)
@@ -229,7 +235,6 @@ def _build_engine(
         speculative_config=_speculative(config, groups),
     )
     if config.runner == "pooling":
-        head = classifier_rows(config.model, runner.model, pooler.classifier_from_token)
         engine: Engine = PoolingEngine(
             settings,
             runner,
@@ -238,8 +243,7 @@ def _build_engine(
             mc.hidden_size,
             grammars,
             adapters,
-            head,
-            mc.final_logit_softcap,
+            classifier(config.model, runner.model, pooler),
         )
     else:
         engine = Engine(settings, runner, link, grammars, adapters)
@@ -257,8 +261,23 @@ def _build_engine(
         runner=config.runner,
         pooler=pooler if config.runner == "pooling" else None,
         hidden_size=mc.hidden_size,
+        labels=mc.labels or (("score",) if pooler.classifier_from_token else ()),
     )
     return engine, served
+
+
+def classifier(model_dir: str, model: DecoderLM, pooler: PoolerConfig) -> Classifier | None:
+    """What a pooling runner scores with: a sequence classifier's score head, a reranker's
+    ``classifier_from_token`` rows of the LM head, or None (it returns vectors)."""
+    if model.config.labels:
+        if pooler.classifier_from_token:
+            raise ModelLoadError(
+                "--pooler-config: classifier_from_token reads an LM head; this checkpoint "
+                f"({model.config.architecture}) is a classifier with a score head of its own"
+            )
+        return Classifier(model.score.detach())
+    rows = classifier_rows(model_dir, model, pooler.classifier_from_token)
+    return None if rows is None else Classifier(rows, True, model.config.final_logit_softcap)
 
 
 def classifier_rows(model_dir: str, model: DecoderLM, tokens: tuple[str, ...]) -> Tensor | None:

@@ -25,6 +25,14 @@ MODEL_CLASSES: dict[str, type[DecoderLM]] = {
     "Gemma3ForCausalLM": GemmaLM,
     "Gemma3ForConditionalGeneration": GemmaLM,  # its language model; no vision tower
 }
+# Sequence classifiers: the same decoder, a score head for the LM head (ModelConfig.labels).
+MODEL_CLASSES.update(
+    {
+        arch.replace("ForCausalLM", "ForSequenceClassification"): cls
+        for arch, cls in list(MODEL_CLASSES.items())
+        if arch.endswith("ForCausalLM") and arch != "Gemma3ForCausalLM"
+    }
+)
 
 
 def model_class(architecture: str) -> type[DecoderLM]:

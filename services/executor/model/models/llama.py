@@ -136,6 +136,9 @@ class DecoderLM(nn.Module):
         )
         self.norm = hidden_norm(config, dtype)
         self.lm_head = Linear(config.hidden_size, self.shard.vocab_rows, bias=False, dtype=dtype)
+        if config.labels:  # a sequence classifier: its score head (the LM head is tied: unused)
+            rows = torch.empty(len(config.labels), config.hidden_size, dtype=dtype)
+            self.score = nn.Parameter(rows, requires_grad=False)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len, dtype)
         # Gemma: sqrt(hidden), rounded to the model dtype as transformers rounds it.
         self.embed_scale: float | None = None
@@ -215,7 +218,7 @@ class DecoderLM(nn.Module):
         return model.eval().requires_grad_(False)
 
     def _tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings or self.config.labels:
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
@@ -262,6 +265,8 @@ class DecoderLM(nn.Module):
         names: set[str] = set()
         for name, _ in self.named_parameters():  # a tied lm_head is listed once, as embed
             hf_name = name if name == "lm_head.weight" else f"model.{name}"
+            if name == "score":
+                hf_name = "score.weight"
             expert_names = self._expert_hf_names(hf_name)
             if expert_names is not None:
                 names |= expert_names
@@ -354,6 +359,8 @@ class DecoderLM(nn.Module):
 
     def _place(self, params: dict[str, nn.Parameter], hf_name: str) -> Placement | None:
         """Where checkpoint tensor ``hf_name`` goes on this rank (None: nowhere, an error)."""
+        if hf_name == "score.weight" and self.config.labels:
+            return Placement(params["score"])  # (every rank: pooling reads full states)
         if hf_name == "lm_head.weight":
             name = hf_name
         elif hf_name.startswith("model.") and not hf_name.startswith("model.lm_head."):

@@ -53,6 +53,7 @@ from services.gateway.api.anthropic.routes import add_messages_routes
 from services.gateway.api.http import Completion, EventStream, as_http, ignored_headers
 from services.gateway.api.openai import errors as openai_errors
 from services.gateway.api.openai.adapters import ModelNames, add_adapter_routes
+from services.gateway.api.openai.classify import add_classify_routes
 from services.gateway.api.openai.embeddings import add_embedding_routes
 from services.gateway.api.openai.errors import HttpError, anthropic_path
 from services.gateway.api.openai.format import Formatter
@@ -231,6 +232,7 @@ def build_app(
     add_messages_routes(app, chat_of)
     add_embedding_routes(app, core, check_model)
     add_scoring_routes(app, core, check_model)
+    add_classify_routes(app, core, check_model)
     return app
 
 

@@ -124,8 +124,8 @@ def add_embedding_routes(
             if info is not None and info.num_labels:
                 raise FieldError(
                     "model",
-                    "this model is a reranker (--pooler-config classifier_from_token): use "
-                    "/v1/score or /v1/rerank",
+                    "this model scores instead of embedding: use /classify (a classifier of "
+                    "several labels) or /v1/score and /v1/rerank (a reranker's one score)",
                 )
             requests = body.to_embeds(check_model(body.model))
             results = await embed_all(service, core, requests, "input")

@@ -90,7 +90,8 @@ def _check_reranker(core: GenerationCore) -> None:
         raise FieldError(
             "model",
             "this model is not a reranker: scores need executors started with --runner pooling "
-            'and --pooler-config \'{"classifier_from_token": ["no", "yes"]}\'',
+            'and --pooler-config \'{"classifier_from_token": ["no", "yes"]}\', or serving a '
+            "one-label *ForSequenceClassification checkpoint (a cross-encoder)",
         )
 
 

@@ -1,0 +1,77 @@
+"""vLLM's ``POST /classify`` over a sequence classifier (an executor serving a
+``*ForSequenceClassification`` checkpoint with ``--runner pooling``): ``input`` as a string,
+a list of strings, a token-id list or a list of them; for each, the softmax probabilities of
+the checkpoint's labels (``id2label``), the most likely label and ``num_classes``. The
+inputs run concurrently, as embeddings do."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+from services.common.limits import FieldError
+from services.gateway.api.http import as_http, ignored_headers
+from services.gateway.api.openai.embeddings import EmbeddingsBody, Input, embed_all
+from services.gateway.core.embedding import EmbeddingService
+from services.gateway.core.generation import GenerationCore
+
+__all__ = ["ClassifyBody", "add_classify_routes"]
+
+
+class ClassifyBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: Input
+    user: str | None = None
+    priority: int = 0
+
+
+def _labels(core: GenerationCore) -> list[str]:
+    info = core.pool.info
+    if info is None or len(info.labels) < 2:
+        raise FieldError(
+            "model",
+            "this model is not a classifier: /classify needs executors serving a "
+            "*ForSequenceClassification checkpoint of two labels or more with --runner pooling",
+        )
+    return list(info.labels)
+
+
+def add_classify_routes(
+    app: FastAPI, core: GenerationCore, check_model: Callable[[str | None], str]
+) -> None:
+    service = EmbeddingService(core)
+
+    @app.post("/classify")
+    async def classify(body: ClassifyBody) -> Response:
+        headers = ignored_headers(body, "/classify")
+        with as_http(headers):
+            labels = _labels(core)
+            inputs = EmbeddingsBody(input=body.input, priority=body.priority)
+            results = await embed_all(
+                service, core, inputs.to_embeds(check_model(body.model)), "input"
+            )
+        tokens = sum(r.usage.prompt_tokens for r in results)
+        data: list[dict[str, Any]] = []
+        for i, r in enumerate(results):
+            probs = list(r.embedding)
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append(
+                {"index": i, "label": labels[best], "probs": probs, "num_classes": len(probs)}
+            )
+        out = {
+            "id": f"classify-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": body.model or core.model_name,
+            "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+        }
+        return JSONResponse(out, headers=headers)
