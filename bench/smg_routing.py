@@ -102,9 +102,10 @@ def run(smg: str, model: Path, policy: str, args: argparse.Namespace) -> str:
         for e in executors:
             e.stop()
     served = [e.events().count("smg_request") for e in executors]
+    subscribed = sum(e.events().count("smg_kv_events_subscribed") for e in executors)
     total = args.groups * args.per_group
     cells = " | ".join(f"{r:.0%} / {n}" for r, n in zip(rates, served, strict=True))
-    return f"| {policy} | {ok}/{total} | {cells} |"
+    return f"| {policy} | {ok}/{total} | {cells} | {subscribed} |"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             f"# SMG ({args.smg}) over two executors: {args.groups} groups of "
             f"{args.per_group} completions sharing a {args.prefix_words}-word prefix\n"
         )
-        print("| policy | succeeded | executor 1: hit rate / requests | executor 2 |")
-        print("|---|---:|---:|---:|")
+        print(
+            "| policy | succeeded | executor 1: hit rate / requests | executor 2 "
+            "| KV-event subscriptions |"
+        )
+        print("|---|---:|---:|---:|---:|")
         for policy in args.policies.split(","):
             print(run(args.smg, model, policy, args), flush=True)
     return 0

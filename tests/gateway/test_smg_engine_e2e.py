@@ -2,8 +2,9 @@
 ``smg-grpc-proto`` package) served by a real executor process, driven by that package's
 client: a streamed greedy generation equals HF's, ``n`` samples each complete once, an
 aborted and a cancelled stream free their blocks, loads and model info are reported, the
-tokenizer comes as a zip whose SHA-256 checks and which tokenizes as HF does, and bad input
-is INVALID_ARGUMENT naming the field."""
+tokenizer comes as a zip whose SHA-256 checks and which tokenizes as HF does, the KV events
+carry each stored block's token ids and resume from a cursor, and bad input is
+INVALID_ARGUMENT naming the field."""
 
 from __future__ import annotations
 
@@ -116,6 +117,44 @@ def test_the_tokenizer_comes_as_a_zip_whose_sha256_checks(stub, tokenizer, tmp_p
         remote(text, add_special_tokens=False).input_ids
         == tokenizer(text, add_special_tokens=False).input_ids
     )
+
+
+def _stored_runs(batches: Iterator[smg_common.KvEventBatch], want: int) -> list:
+    """Read ``batches`` until a stored run of ``want`` blocks from the root arrives; every
+    stored run (its batch's sequence number, parent hash or None, its blocks) so far."""
+    runs = []
+    for batch in batches:
+        for event in batch.events:
+            if event.HasField("stored"):
+                stored = event.stored
+                parent = stored.parent_block_hash if stored.HasField("parent_block_hash") else None
+                runs.append((batch.sequence_number, parent, list(stored.blocks)))
+                if parent is None and len(stored.blocks) >= want:
+                    return runs
+    raise AssertionError(f"the stream ended before a run of {want} blocks: {runs}")
+
+
+def test_kv_events_carry_each_stored_blocks_tokens_and_resume_from_a_cursor(stub) -> None:
+    ids = [7 + (i * 13) % 480 for i in range(50)]  # 3 full blocks of 16, then 2 tokens
+    events = stub.SubscribeKvEvents(smg_common.SubscribeKvEventsRequest(), timeout=60)
+    done = [r for r in stub.Generate(generate(ids, 1), timeout=60) if r.HasField("complete")]
+    assert len(done) == 1
+    runs = _stored_runs(events, 3)
+    events.cancel()
+    seq, parent, blocks = runs[-1]
+    assert parent is None and [b.block_size for b in blocks] == [16] * len(blocks)
+    assert [list(b.token_ids) for b in blocks[:3]] == [ids[0:16], ids[16:32], ids[32:48]]
+    assert len({b.block_hash for b in blocks}) == len(blocks)
+    assert all(b.cache_level == 0 for b in blocks)  # on the device
+    # From a cursor: the same run again first, in the batch of that number
+    again = stub.SubscribeKvEvents(
+        smg_common.SubscribeKvEventsRequest(start_sequence_number=seq), timeout=60
+    )
+    first_seq, first_parent, first_blocks = _stored_runs(again, 3)[0]
+    again.cancel()
+    assert first_seq == seq and first_parent is None
+    assert [b.block_hash for b in first_blocks] == [b.block_hash for b in blocks]
+    idle(stub)
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,7 @@ from services.blockmgr.api.types import (
 )
 from services.executor.core.admission import plan_admissions
 from services.executor.core.ahead import ahead_chunks, next_grows
+from services.executor.core.block_tokens import BlockTokens
 from services.executor.core.config import SchedulerConfig
 from services.executor.core.grows import plan_grows
 from services.executor.core.held_back import HeldBackChunks
@@ -89,6 +90,7 @@ class Scheduler:
         self._to_free: list[RestoredSequence] = []  # the pool's view of seqs to free next Step
         self._forks: dict[int, Fork] = {}  # child seq_id -> pending Fork, sent next Step
         self._commits: list[Commit] = []
+        self.block_tokens = BlockTokens(2 * counters.num_usable_blocks + 64)  # (KV events)
         self.num_preemptions = 0
 
     # ---- queue management -----------------------------------------------------------------
@@ -374,10 +376,8 @@ class Scheduler:
             seq.num_computed_tokens = computed = start + k - seq.num_scheduled_drafts
             seq.num_ahead_slots = 0
             if caching and computed // bs > seq.num_committed_blocks:
-                full = computed // bs
-                hashes = seq.full_block_hashes(bs)[seq.num_committed_blocks : full]
-                self._commits.append(Commit(seq.seq_id, seq.num_committed_blocks, tuple(hashes)))
-                seq.num_committed_blocks = full
+                self._commits.append(self.block_tokens.commit(seq, bs, computed // bs))
+                seq.num_committed_blocks = computed // bs
         return num_prompt_tokens
 
     # ---- recovery -------------------------------------------------------------------------

@@ -11,13 +11,14 @@ request, streamed as ``chunk`` messages when ``stream`` is set, then one ``compl
 sample index; a call cancelled or whose client went away aborts its request at the next step
 boundary (its blocks are freed). ``Abort`` aborts by request id. ``Embed`` serves a pooling
 executor (``--runner pooling``). ``GetTokenizer`` streams a zip of the checkpoint's tokenizer
-files with its SHA-256 on the last chunk. Not served yet (UNIMPLEMENTED): ``SubscribeKvEvents``
-(the block manager's KV events in SMG's form: the input of its prefix-aware routing),
-``FlushCache`` and the profiler calls."""
+files with its SHA-256 on the last chunk. ``SubscribeKvEvents`` relays the pool's KV events
+in SMG's form (:mod:`.smg_kv_events`), the input of its event-driven prefix index. Not
+served yet (UNIMPLEMENTED): ``FlushCache`` and the profiler calls."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from importlib.metadata import PackageNotFoundError, version
@@ -28,6 +29,9 @@ from smg_grpc_proto.generated import common_pb2 as smg_common
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
+from services.blockmgr.api.errors import BlockManagerError
+from services.blockmgr.api.protocol import EventStream
+from services.blockmgr.api.types import AttentionKindName, KVEvent
 from services.common.limits import FieldError, check_prompt
 from services.executor.core.outputs import RequestErrorCode, SeqOutput, TokenLogprob
 from services.executor.core.pooling import PoolingParams
@@ -49,6 +53,7 @@ from services.executor.service.smg_convert import (
     params_from_smg,
     tokenizer_chunks,
 )
+from services.executor.service.smg_kv_events import to_smg_batches
 from services.executor.service.startup import ServedModel
 
 __all__ = ["SmgEngineServicer"]
@@ -274,9 +279,54 @@ class SmgEngineServicer(pb_grpc.VllmEngineServicer):
         max_seqs = engine_loop.engine.settings.scheduler.max_num_seqs
         return loads_pb(engine_loop.load, capacity, max_seqs, VERSION)
 
+    async def SubscribeKvEvents(
+        self, request: smg_common.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[smg_common.KvEventBatch]:
+        """The pool's KV events in SMG's form (:mod:`.smg_kv_events`) from
+        ``start_sequence_number`` on (0: whatever the block manager still buffers), until the
+        subscriber goes away; UNAVAILABLE when the block manager's stream breaks (SMG
+        subscribes again from its cursor)."""
+        engine_loop, served = await self._engine(context)
+        engine, link = engine_loop.engine, engine_loop.engine.link
+        groups = link.spec.groups
+        full = frozenset(i for i, g in enumerate(groups) if g.kind is AttentionKindName.FULL)
+        full = full or frozenset({0})  # (no groups: one full-attention group)
+        stream = link.client.events(link.pool_id, max(0, request.start_sequence_number - 1))
+        log.info("smg_kv_events_subscribed", start_sequence_number=request.start_sequence_number)
+        queue: asyncio.Queue[list[KVEvent] | BlockManagerError | None] = asyncio.Queue()
+        threading.Thread(
+            target=_pump, args=(stream, queue, asyncio.get_running_loop()), daemon=True
+        ).start()
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BlockManagerError):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV events: {item}")
+                assert not isinstance(item, BlockManagerError)
+                blocks = engine.scheduler.block_tokens
+                for batch in to_smg_batches(item, blocks, served.block_size, full):
+                    yield batch
+        finally:
+            stream.close()
+
     async def GetTokenizer(
         self, request: smg_common.GetTokenizerRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[smg_common.GetTokenizerChunk]:
         await self._engine(context)
         for chunk in await asyncio.to_thread(tokenizer_chunks, self.model_dir):
             yield chunk
+
+
+def _pump(
+    stream: EventStream,
+    queue: asyncio.Queue[list[KVEvent] | BlockManagerError | None],
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Hand a block-manager event stream's deliveries (blocking) to ``queue`` on ``loop``;
+    its error, then None at its end."""
+    try:
+        for events in stream:
+            loop.call_soon_threadsafe(queue.put_nowait, events)
+    except BlockManagerError as exc:
+        loop.call_soon_threadsafe(queue.put_nowait, exc)
+    finally:
+        loop.call_soon_threadsafe(queue.put_nowait, None)
