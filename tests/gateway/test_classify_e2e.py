@@ -1,8 +1,8 @@
 """A sequence classifier through the whole stack (a ``LlamaForSequenceClassification``
 checkpoint served by ``--runner pooling``): vLLM's ``/classify`` gives transformers' softmax
 over the checkpoint's labels for texts and token ids, the most likely label by its
-``id2label`` name; bad input is a 400 naming the field; embeddings and rerank name what the
-model is instead; no block is left in use."""
+``id2label`` name, and ``/pooling`` the same values; bad input is a 400 naming the field;
+embeddings and rerank name what the model is instead; no block is left in use."""
 
 from __future__ import annotations
 
@@ -58,6 +58,11 @@ def test_classify_gives_transformers_probabilities_and_label(
     assert out["usage"]["prompt_tokens"] == sum(map(len, ids))
     one = httpx.post(url, json={"input": ids[1]}, timeout=30).json()  # token ids
     assert one["data"][0]["probs"] == pytest.approx(out["data"][1]["probs"], abs=1e-6)
+    pooled = httpx.post(url.replace("/classify", "/pooling"), json={"input": TEXTS}, timeout=30)
+    assert [d["object"] for d in pooled.json()["data"]] == ["pooling"] * 3
+    assert [d["data"] for d in pooled.json()["data"]] == [
+        pytest.approx(d["probs"], abs=1e-6) for d in out["data"]
+    ]
     wait_blocks_free(classifier, POOL_ID)
 
 

@@ -139,6 +139,17 @@ def test_dimensions_keep_the_first_values_normalized(
     assert_close(out.data[0].embedding, F.normalize(raw[:8], dim=0))
 
 
+def test_pooling_route_returns_the_embedding_as_it_is(
+    pooling_stack: Stack, hf: AutoModel, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    url = f"{base_url(pooling_stack.http_port).removesuffix('/v1')}/pooling"
+    body = {"input": TEXTS[:2], "encoding_format": "base64"}
+    out = httpx.post(url, json=body, timeout=30).json()
+    assert [d["object"] for d in out["data"]] == ["pooling", "pooling"]
+    for d, text in zip(out["data"], TEXTS, strict=False):
+        assert_close(vector(d["data"]), expected(hf, tokenizer(text).input_ids))
+
+
 def test_grpc_embed_of_token_ids_hits_the_prefix_cache(pooling_stack: Stack, hf: AutoModel) -> None:
     stub = pooling_stack.stub()
     shared = [(7 * i) % 500 + 3 for i in range(40)]

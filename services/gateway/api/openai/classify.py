@@ -1,27 +1,29 @@
 """vLLM's ``POST /classify`` over a sequence classifier (an executor serving a
 ``*ForSequenceClassification`` checkpoint with ``--runner pooling``): ``input`` as a string,
 a list of strings, a token-id list or a list of them; for each, the softmax probabilities of
-the checkpoint's labels (``id2label``), the most likely label and ``num_classes``. The
-inputs run concurrently, as embeddings do."""
+the checkpoint's labels (``id2label``), the most likely label and ``num_classes``. And vLLM's
+``POST /pooling``: whatever a pooling executor returns for each input, as it is (a vector,
+a classifier's probabilities, a reranker's score). The inputs run concurrently, as
+embeddings do."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from services.common.limits import FieldError
 from services.gateway.api.http import as_http, ignored_headers
-from services.gateway.api.openai.embeddings import EmbeddingsBody, Input, embed_all
+from services.gateway.api.openai.embeddings import EmbeddingsBody, Input, embed_all, encode
 from services.gateway.core.embedding import EmbeddingService
 from services.gateway.core.generation import GenerationCore
 
-__all__ = ["ClassifyBody", "add_classify_routes"]
+__all__ = ["ClassifyBody", "PoolingBody", "add_classify_routes"]
 
 
 class ClassifyBody(BaseModel):
@@ -29,6 +31,18 @@ class ClassifyBody(BaseModel):
 
     model: str | None = None
     input: Input
+    user: str | None = None
+    priority: int = 0
+
+
+class PoolingBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: Input
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    normalize: bool | None = None
     user: str | None = None
     priority: int = 0
 
@@ -68,6 +82,38 @@ def add_classify_routes(
             )
         out = {
             "id": f"classify-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": body.model or core.model_name,
+            "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+        }
+        return JSONResponse(out, headers=headers)
+
+    @app.post("/pooling")
+    async def pooling(body: PoolingBody) -> Response:
+        headers = ignored_headers(body, "/pooling")
+        with as_http(headers):
+            inputs = EmbeddingsBody(
+                input=body.input,
+                dimensions=body.dimensions,
+                normalize=body.normalize,
+                priority=body.priority,
+            )
+            results = await embed_all(
+                service, core, inputs.to_embeds(check_model(body.model)), "input"
+            )
+        tokens = sum(r.usage.prompt_tokens for r in results)
+        data = [
+            {
+                "index": i,
+                "object": "pooling",
+                "data": encode(list(r.embedding), body.encoding_format),
+            }
+            for i, r in enumerate(results)
+        ]
+        out = {
+            "id": f"pool-{uuid.uuid4().hex}",
             "object": "list",
             "created": int(time.time()),
             "model": body.model or core.model_name,

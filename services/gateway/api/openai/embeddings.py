@@ -24,7 +24,7 @@ from services.gateway.api.http import as_http, ignored_headers
 from services.gateway.core.embedding import EmbeddingService
 from services.gateway.core.generation import GenerationCore, GenerationError
 
-__all__ = ["EmbeddingsBody", "add_embedding_routes", "embed_all"]
+__all__ = ["EmbeddingsBody", "add_embedding_routes", "embed_all", "encode"]
 
 Input = str | list[str] | list[int] | list[list[int]]
 
@@ -68,7 +68,8 @@ class EmbeddingsBody(BaseModel):
         return out
 
 
-def _encode(vector: list[float], fmt: str) -> list[float] | str:
+def encode(vector: list[float], fmt: str) -> list[float] | str:
+    """A vector as sent: floats, or base64 of little-endian float32."""
     if fmt == "float":
         return vector
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
@@ -134,7 +135,7 @@ def add_embedding_routes(
             {
                 "object": "embedding",
                 "index": i,
-                "embedding": _encode(list(r.embedding), body.encoding_format),
+                "embedding": encode(list(r.embedding), body.encoding_format),
             }
             for i, r in enumerate(results)
         ]
