@@ -5,6 +5,8 @@ the committed blocks' record stays bounded."""
 
 from __future__ import annotations
 
+from smg_grpc_proto.generated import common_pb2 as smg
+
 from services.blockmgr.api.hashing import ROOT_HASH
 from services.blockmgr.api.types import KVEvent, KVEventKind, KVMedium
 from services.common.sampling_params import SamplingParams
@@ -52,9 +54,10 @@ def test_stored_runs_carry_tokens_and_chain_from_their_parent() -> None:
         KVEvent(6, 1, KVEventKind.STORED, a, group=1),  # a sliding group: not published
         KVEvent(7, 1, KVEventKind.REMOVED, (a[2],), medium=KVMedium.HOST),
         KVEvent(8, 1, KVEventKind.CLEARED),
+        KVEvent(9, 1, KVEventKind.STORED, (a[2],), medium=KVMedium.DISK),
     ]
     batches = to_smg_batches(events, blocks, BS, frozenset({0}))
-    assert [batch.sequence_number for batch in batches] == [5, 7, 8]
+    assert [batch.sequence_number for batch in batches] == [5, 7, 8, 9]
     runs = [e.stored for e in batches[0].events]
     assert len(runs) == 2  # a's chain, then b's last block (its parent is a[1], not a[2])
     assert not runs[0].HasField("parent_block_hash") and runs[0].cache_salt == "s"
@@ -70,6 +73,9 @@ def test_stored_runs_carry_tokens_and_chain_from_their_parent() -> None:
     removed = batches[1].events[0].removed
     assert list(removed.block_hashes) == [smg_block_hash(a[2])] and removed.cache_level == 1
     assert batches[2].events[0].HasField("cleared")
+    on_disk = batches[3].events[0].stored  # a tier's copy: its cache level and tier
+    assert on_disk.blocks[0].cache_level == 2 and on_disk.tier == smg.KV_CACHE_TIER_DISK
+    assert on_disk.parent_block_hash == smg_block_hash(a[1])
 
 
 def test_the_64_bit_hash_is_the_first_8_bytes_signed() -> None:

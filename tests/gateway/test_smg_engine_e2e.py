@@ -22,6 +22,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pagedserve.testing.procs import ServiceProcess, wait_until
+from services.blockmgr.api.hashing import ROOT_HASH, hash_block
+from services.executor.service.smg_kv_events import smg_block_hash
 from tests.gateway.conftest import stack_executor_args
 
 PROMPT = "The quick brown fox"
@@ -144,6 +146,10 @@ def test_kv_events_carry_each_stored_blocks_tokens_and_resume_from_a_cursor(stub
     seq, parent, blocks = runs[-1]
     assert parent is None and [b.block_size for b in blocks] == [16] * len(blocks)
     assert [list(b.token_ids) for b in blocks[:3]] == [ids[0:16], ids[16:32], ids[32:48]]
+    parent = ROOT_HASH  # the token ids re-hash to the blocks the executor served
+    for block in blocks[:3]:
+        parent = hash_block(parent, list(block.token_ids))
+        assert block.block_hash == smg_block_hash(parent)
     assert len({b.block_hash for b in blocks}) == len(blocks)
     assert all(b.cache_level == 0 for b in blocks)  # on the device
     # From a cursor: the same run again first, in the batch of that number
