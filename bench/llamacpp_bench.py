@@ -246,12 +246,13 @@ def greedy_tokens(server: Server, prompt: list[int], n: int) -> list[int]:
         return [t for r in stub.Generate(request, timeout=120) for t in r.token_ids]
 
 
-def workload(name: str, seed: int) -> list[BenchRequest]:
+def workload(name: str, seed: int, num: int | None = None) -> list[BenchRequest]:
+    """The named workload, of ``num`` requests instead of its own count if given."""
     if name == "chat":  # prompts 35-254, exactly 64 output tokens
-        reqs = random_requests(64, 145, 64, 0.75, VOCAB, seed)
+        reqs = random_requests(num or 64, 145, 64, 0.75, VOCAB, seed)
         return [replace(r, output_len=64) for r in reqs]
     if name == "burst":
-        return random_requests(200, 128, 64, 0.0, VOCAB, seed)
+        return random_requests(num or 200, 128, 64, 0.0, VOCAB, seed)
     raise SystemExit(f"--workloads: unknown workload {name!r} (chat, burst)")
 
 
@@ -263,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--np", default="64", help="llama-server slot counts to run (-np)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--f16", action="store_true", help="llama.cpp on an F16 file too")
+    p.add_argument("--q8", action="store_true", help="llama.cpp on a Q8_0 file too")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests per workload instead of its own count (fewer for the large model)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--ours",
@@ -287,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             ggufs = {"F32": cpp.convert(model, "f32", Path(tmp) / f"{size}-f32.gguf")}
             if args.f16:
                 ggufs["F16"] = cpp.convert(model, "f16", Path(tmp) / f"{size}-f16.gguf")
+            if args.q8:
+                ggufs["Q8_0"] = cpp.convert(model, "q8_0", Path(tmp) / f"{size}-q8_0.gguf")
             run_model(args, cpp, size, model, ggufs, slot_counts)
     return 0
 
@@ -303,9 +313,9 @@ def run_model(
     same = all(tok(t).input_ids == cpp.token_ids(ggufs["F32"], t) for t in SAMPLE_TEXTS)
     params = sum(int(t.numel()) for t in AutoModelForCausalLM.from_pretrained(model).parameters())
     print(f"\n## {size} model: {params / 1e6:.1f} M parameters; GGUF tokenizer equals HF's: {same}")
-    parity(model, cpp, ggufs)
+    parity(model, cpp, ggufs, args.ours)
     for name in args.workloads.split(","):
-        requests = workload(name, args.seed)
+        requests = workload(name, args.seed, args.num_requests)
         slot_len = -(-max(r.prompt_len + r.output_len for r in requests) // 256) * 256
         systems = [("pagedserve (defaults)", lambda: ours(model))]
         for variant in args.ours:
@@ -347,8 +357,10 @@ def _llama(cpp: LlamaCpp, gguf: Path, slots: int, slot_len: int) -> Callable[[],
     return lambda: theirs(cpp, gguf, slots, slot_len)
 
 
-def parity(model: Path, cpp: LlamaCpp, ggufs: dict[str, Path], n: int = 16) -> None:
-    """Greedy tokens of 8 prompts: HF's against each server's."""
+def parity(
+    model: Path, cpp: LlamaCpp, ggufs: dict[str, Path], variants: list[str], n: int = 16
+) -> None:
+    """Greedy tokens of 8 prompts: HF's against each server's (``variants``: ``--ours``)."""
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     prompts = [[int(t) for t in r.prompt] for r in random_requests(8, 40, n, 0.5, VOCAB, 7)]
     with torch.inference_mode():
@@ -359,6 +371,9 @@ def parity(model: Path, cpp: LlamaCpp, ggufs: dict[str, Path], n: int = 16) -> N
             for p in prompts
         ]
     servers = [("pagedserve", lambda: ours(model))]
+    for variant in variants:
+        label, _, flags = variant.partition("=")
+        servers.append((f"pagedserve {label}", _ours(model, flags.split())))
     for kind, gguf in ggufs.items():
         servers.append((f"llama.cpp {kind}", _llama(cpp, gguf, 1, 512)))
     line = []
