@@ -18,6 +18,8 @@ Systems, each on ``--threads`` torch threads (default: every core this process m
 - ``ours``: the in-process engine (continuous batching, paged KV cache, the fast CPU
   attention of ``pagedserve/kernels/cpu_attention.py``, fp32 linear layers through oneDNN,
   ``pagedserve/kernels/cpu_linear.py``);
+- ``ours-unpacked``: the same with oneDNN reading the plain weights (``PAGEDSERVE_CPU_PREPACK=0``:
+  the projections not packed at load, ``services/executor/model/prepack.py``);
 - ``ours-torch-linear``: the same with ``torch.nn.functional.linear`` (MKL) for the linear
   layers (``PAGEDSERVE_CPU_LINEAR=torch``), as HF runs them;
 - ``ours-reference-attention``: the same as ``ours`` with the reference attention
@@ -66,7 +68,7 @@ from bench.engine_bench import hf_batch, mismatches, model_sizes, our_system, ru
 from pagedserve.kernels import ops
 from pagedserve.kernels.cpu_linear import CPU_LINEAR_ENV
 from services.common.logging import configure_logging
-from services.executor.api import available_cores
+from services.executor.api import PREPACK_ENV, available_cores
 
 WORKLOADS = {"fixed": (64, 64), "variable": (16, 128)}
 FAMILIES = ("llama", "qwen3_moe", "gemma3")
@@ -170,6 +172,7 @@ def _env(variable: str, value: str) -> Iterator[None]:
 
 # The ablations of ours: the environment each runs under.
 ABLATIONS = {
+    "ours-unpacked": (PREPACK_ENV, "0"),
     "ours-torch-linear": (CPU_LINEAR_ENV, "torch"),
     "ours-reference-attention": (ops.CPU_ATTENTION_ENV, "reference"),
 }

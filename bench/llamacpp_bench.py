@@ -19,7 +19,8 @@ layers, 9.6 M parameters; and one where matmuls dominate, hidden 1,536 and 16 la
    pagedserve with its defaults (``pagedserve serve``) and llama.cpp at each ``--np`` (slots;
    ``-t 2 -tb 2 --cont-batching``, each slot's context the longest request padded to 256);
 4. prints the medians (output tok/s, mean TTFT and TPOT, tokens per CPU-second of the
-   server processes) and ours over the best llama.cpp.
+   server processes) and each of ours (defaults, every ``--ours``) over the best llama.cpp
+   of each file type (F32; F16 with ``--f16``; Q8_0 with ``--q8``).
 
 Without ``--llama-cpp`` (or with a tree lacking the binaries) it prints why and exits 0:
 nothing else depends on llama.cpp.
@@ -343,10 +344,12 @@ def run_model(
         for label, m in med.items():
             print(f"| {label} | {m['tok/s']:,.0f} | {m['TTFT ms']:,.0f} | {m['TPOT ms']:.1f} | "
                   f"{m['tok/CPU-s']:,.0f} |")  # fmt: skip
+        print()
         for kind in ggufs:
             best = max(m["tok/s"] for s, m in med.items() if f" {kind} " in s)
-            ratio = med["pagedserve (defaults)"]["tok/s"] / best
-            print(f"\npagedserve / best llama.cpp {kind}: {ratio:.2f}x")
+            for label, m in med.items():
+                if label.startswith("pagedserve"):
+                    print(f"{label} / best llama.cpp {kind}: {m['tok/s'] / best:.2f}x")
 
 
 def _ours(model: Path, flags: list[str]) -> Callable[[], Server]:

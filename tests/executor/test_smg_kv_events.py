@@ -8,7 +8,7 @@ from __future__ import annotations
 from smg_grpc_proto.generated import common_pb2 as smg
 
 from services.blockmgr.api.hashing import ROOT_HASH
-from services.blockmgr.api.types import KVEvent, KVEventKind, KVMedium
+from services.blockmgr.api.types import AdmitResult, KVEvent, KVEventKind, KVMedium, OpStatus
 from services.common.sampling_params import SamplingParams
 from services.executor.core.block_tokens import BlockTokens
 from services.executor.core.sequence import RequestKey, Sequence
@@ -22,8 +22,26 @@ def _seq(seq_id: int, tokens: list[int], salt: bytes = b"") -> Sequence:
     return Sequence(seq_id, RequestKey(0, f"r{seq_id}"), 0, tokens, len(tokens), params, 0, 0, salt)
 
 
-def test_a_commit_records_each_blocks_tokens_parent_and_salt() -> None:
+def _enabled(capacity: int) -> BlockTokens:
+    blocks = BlockTokens(capacity)
+    blocks.enable()
+    return blocks
+
+
+def test_nothing_is_recorded_until_a_publisher_enables_it() -> None:
     blocks = BlockTokens(100)
+    seq = _seq(1, list(range(8)))
+    commit = blocks.commit(seq, BS, 2)
+    assert len(commit.block_hashes) == 2 and len(blocks) == 0
+    blocks.enable()
+    admitted = AdmitResult(OpStatus.OK, num_cached_tokens=7)  # a hit of one full block
+    assert blocks.hit(seq, BS, admitted) == 1
+    assert blocks.get(commit.block_hashes[0]) == (ROOT_HASH, (0, 1, 2, 3), b"", 0)
+    assert blocks.get(commit.block_hashes[1]) is None
+
+
+def test_a_commit_records_each_blocks_tokens_parent_and_salt() -> None:
+    blocks = _enabled(100)
     seq = _seq(1, list(range(10, 22)), b"tenant")
     commit = blocks.commit(seq, BS, 2)
     assert (commit.seq_id, commit.start_block, len(commit.block_hashes)) == (1, 0, 2)
@@ -39,13 +57,13 @@ def test_a_commit_records_each_blocks_tokens_parent_and_salt() -> None:
 
 
 def test_the_record_keeps_the_newest_blocks_past_its_capacity() -> None:
-    blocks = BlockTokens(3)
+    blocks = _enabled(3)
     hashes = [h for i in range(3) for h in blocks.commit(_seq(i, [i] * 8), BS, 2).block_hashes]
     assert len(blocks) == 3 and blocks.get(hashes[0]) is None and blocks.get(hashes[-1])
 
 
 def test_stored_runs_carry_tokens_and_chain_from_their_parent() -> None:
-    blocks = BlockTokens(100)
+    blocks = _enabled(100)
     a = blocks.commit(_seq(1, list(range(12)), b"s"), BS, 3).block_hashes
     b = blocks.commit(_seq(2, [*range(8), 50, 51, 52, 53], b"s"), BS, 3).block_hashes  # shares 2
     unknown = b"\x07" * 32

@@ -253,7 +253,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self.mirror.admit(seq, res.block_ids, res.num_cached_tokens)
             seq.num_computed_tokens = res.num_cached_tokens
-            seq.num_committed_blocks = res.num_cached_tokens // self.config.block_size
+            seq.num_committed_blocks = self.block_tokens.hit(seq, self.config.block_size, res)
             if not seq.admitted_once:  # (a resumed sample's output may hit too: not counted)
                 seq.num_cached_tokens = min(res.num_cached_tokens, seq.prompt_len)
                 seq.admitted_once = True

@@ -49,6 +49,7 @@ from services.executor.model.loader import load_model, read_model_config, resolv
 from services.executor.model.lora.slots import LoRASlots
 from services.executor.model.models import DecoderLM
 from services.executor.model.parallel import Comm, DistComm, ShardPlan, SingleComm
+from services.executor.model.prepack import prepack_model
 from services.executor.model.quantization import quantize_model
 from services.executor.model.runner import ModelRunner
 from services.executor.model.runner_config import RunnerConfig
@@ -128,6 +129,7 @@ def _build(
     )
     if config.quantization is not None:  # before the slots and the cache take their memory
         quantize_model(model, config.quantization)
+    prepack_model(model)  # (fp32 on the CPU: the other projections in oneDNN's layout)
     if config.calculate_kv_scales:  # over the load's own layout: every layer its own slot
         tokens = calibration_tokens(
             config.model,

@@ -6,7 +6,9 @@ STORED event becomes ``KvBlocksStored`` runs, one per chain of consecutive block
 with its tokens (:class:`~services.executor.core.block_tokens.BlockTokens`) and a 64-bit
 hash (the first 8 bytes of ours, signed), the run's parent hash and the tier. REMOVED
 becomes ``KvBlocksRemoved``, CLEARED (the pool registered anew) ``KvCacheCleared``. Only
-full-attention groups are published: a sliding group's blocks feed no prefix index. Each
+full-attention groups are published: a sliding group's blocks feed no prefix index (a model
+whose every layer slides publishes none). Blocks computed with a LoRA adapter are left out:
+their hashes fold in our adapter key, which SMG's request side cannot rebuild. Each
 event is one batch, numbered by its sequence number (the block manager's, increasing per
 pool across restarts), so a subscriber resumes exactly where it left off.
 """
@@ -43,8 +45,8 @@ def _stored_runs(event: KVEvent, blocks: BlockTokens, block_size: int) -> list[s
     previous: bytes | None = None
     for block_hash in event.block_hashes:
         content: BlockContent | None = blocks.get(block_hash)
-        if content is None:
-            previous = None
+        if content is None or content.lora_id:
+            previous = None  # (unknown; or an adapter's, whose key SMG cannot rebuild)
             continue
         if previous is None or content.parent != previous:
             run = smg.KvBlocksStored(
@@ -59,14 +61,12 @@ def _stored_runs(event: KVEvent, blocks: BlockTokens, block_size: int) -> list[s
             elif content.cache_salt:
                 run.cache_salt = content.cache_salt.decode("utf-8", "replace")
             runs.append(run)
-        block = runs[-1].blocks.add(
+        runs[-1].blocks.add(
             block_hash=smg_block_hash(block_hash),
             token_ids=content.token_ids,
             block_size=block_size,
             cache_level=level,
         )
-        if content.lora_id:
-            block.lora_id = content.lora_id
         previous = block_hash
     return runs
 

@@ -18,6 +18,7 @@ served yet (UNIMPLEMENTED): ``FlushCache`` and the profiler calls."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,7 +30,6 @@ from smg_grpc_proto.generated import common_pb2 as smg_common
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from services.blockmgr.api.errors import BlockManagerError
 from services.blockmgr.api.protocol import EventStream
 from services.blockmgr.api.types import AttentionKindName, KVEvent
 from services.common.limits import FieldError, check_prompt
@@ -288,25 +288,28 @@ class SmgEngineServicer(pb_grpc.VllmEngineServicer):
         subscribes again from its cursor)."""
         engine_loop, served = await self._engine(context)
         engine, link = engine_loop.engine, engine_loop.engine.link
-        groups = link.spec.groups
+        groups = link.spec.groups  # (none: one full-attention group)
         full = frozenset(i for i, g in enumerate(groups) if g.kind is AttentionKindName.FULL)
-        full = full or frozenset({0})  # (no groups: one full-attention group)
+        full = full if groups else frozenset({0})  # (a model whose every layer slides: none)
+        blocks = engine.scheduler.block_tokens
+        blocks.enable()
         stream = link.client.events(link.pool_id, max(0, request.start_sequence_number - 1))
         log.info("smg_kv_events_subscribed", start_sequence_number=request.start_sequence_number)
-        queue: asyncio.Queue[list[KVEvent] | BlockManagerError | None] = asyncio.Queue()
+        queue: asyncio.Queue[list[KVEvent] | Exception | None] = asyncio.Queue(maxsize=256)
         threading.Thread(
             target=_pump, args=(stream, queue, asyncio.get_running_loop()), daemon=True
         ).start()
         try:
             while (item := await queue.get()) is not None:
-                if isinstance(item, BlockManagerError):
+                if isinstance(item, Exception):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV events: {item}")
-                assert not isinstance(item, BlockManagerError)
-                blocks = engine.scheduler.block_tokens
+                assert not isinstance(item, Exception)
                 for batch in to_smg_batches(item, blocks, served.block_size, full):
                     yield batch
         finally:
             stream.close()
+            while not queue.empty():  # (a pump waiting on a full queue goes on to its end)
+                queue.get_nowait()
 
     async def GetTokenizer(
         self, request: smg_common.GetTokenizerRequest, context: grpc.aio.ServicerContext
@@ -318,15 +321,24 @@ class SmgEngineServicer(pb_grpc.VllmEngineServicer):
 
 def _pump(
     stream: EventStream,
-    queue: asyncio.Queue[list[KVEvent] | BlockManagerError | None],
+    queue: asyncio.Queue[list[KVEvent] | Exception | None],
     loop: asyncio.AbstractEventLoop,
 ) -> None:
-    """Hand a block-manager event stream's deliveries (blocking) to ``queue`` on ``loop``;
-    its error, then None at its end."""
+    """Hand a block-manager event stream's deliveries (blocking) to ``queue`` on ``loop``,
+    waiting while it is full (a slow subscriber slows the stream, which the block manager
+    buffers); its error, then None at its end."""
+
+    def put(item: list[KVEvent] | Exception | None) -> bool:
+        try:
+            asyncio.run_coroutine_threadsafe(queue.put(item), loop).result(timeout=60)
+        except (TimeoutError, RuntimeError, concurrent.futures.CancelledError):
+            return False  # the subscriber is gone (its loop closed, or it stopped reading)
+        return True
+
     try:
         for events in stream:
-            loop.call_soon_threadsafe(queue.put_nowait, events)
-    except BlockManagerError as exc:
-        loop.call_soon_threadsafe(queue.put_nowait, exc)
-    finally:
-        loop.call_soon_threadsafe(queue.put_nowait, None)
+            if not put(events):
+                return
+        put(None)
+    except Exception as exc:  # (a broken stream: BlockManagerError, or anything unexpected)
+        put(exc)
