@@ -250,10 +250,10 @@ def greedy_tokens(server: Server, prompt: list[int], n: int) -> list[int]:
 def workload(name: str, seed: int, num: int | None = None) -> list[BenchRequest]:
     """The named workload, of ``num`` requests instead of its own count if given."""
     if name == "chat":  # prompts 35-254, exactly 64 output tokens
-        reqs = random_requests(num or 64, 145, 64, 0.75, VOCAB, seed)
+        reqs = random_requests(64 if num is None else num, 145, 64, 0.75, VOCAB, seed)
         return [replace(r, output_len=64) for r in reqs]
     if name == "burst":
-        return random_requests(num or 200, 128, 64, 0.0, VOCAB, seed)
+        return random_requests(200 if num is None else num, 128, 64, 0.0, VOCAB, seed)
     raise SystemExit(f"--workloads: unknown workload {name!r} (chat, burst)")
 
 
@@ -280,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         help="NAME=EXECUTOR FLAGS: pagedserve with those executor flags too (repeatable)",
     )
     args = p.parse_args(argv)
+    if args.num_requests is not None and args.num_requests < 1:
+        p.error("--num-requests must be at least 1")
     if args.llama_cpp is None:
         print("skipped: no --llama-cpp tree given (see docs/benchmarks.md to build one)")
         return 0

@@ -231,3 +231,17 @@ def test_reuse_learns_to_keep_a_shared_prefix_that_lru_loses_to_one_off_prompts(
     # LRU's order until the one-off content's first outcomes are known (64 frees), then the
     # prefix's class has come back every time and one-off content never: it stays
     assert _stream("reuse")[-8:] == [16] * 8
+
+
+def test_reuse_keeps_a_contents_uses_when_it_moves_out_of_a_slot_and_back():
+    """A tier's slot is hit (its content goes to the device) and forgotten; offloaded again
+    later into another slot, the content keeps the uses it had."""
+    keys = {1: b"a" * 32, 2: b"a" * 32}
+    policy = ReusePolicy(8, keys.get)
+    for _ in range(2):
+        policy.push(1)
+        policy.remove(1)  # two hits: 2 uses
+    policy.forget(1, keys[1])
+    policy.push(2)  # the same content in another slot: class 2, not 0
+    assert policy._class_of[2] == 2
+    assert policy.reuse_probabilities()[:2] == [pytest.approx(2 / 3)] * 2

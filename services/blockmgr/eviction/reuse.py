@@ -51,7 +51,8 @@ class ReusePolicy:
         self._tick = 0  # frees so far
         self._reused = [1.0] * self.CLASSES  # per class: content used again in the horizon
         self._resolved = [2.0] * self.CLASSES  # ... and content whose outcome is known
-        # Freed content awaiting its reuse: key -> (class, tick freed, uses), expiring in order.
+        # Freed content awaiting its reuse: key -> (class, tick freed, uses), expiring in order
+        # (class -1: reused already, kept for its uses).
         self._awaited: dict[bytes, tuple[int, int, int]] = {}
         self._expiry: deque[tuple[int, bytes]] = deque()
 
@@ -61,9 +62,11 @@ class ReusePolicy:
         key = self._key_of(block_id)
         if key is not None:
             earlier = self._awaited.pop(key, None)
-            if earlier is not None:  # this content was freed before: used again (computed
-                self._count(earlier[0], reused=True)  # anew after its eviction, or hit)
+            if earlier is not None and earlier[0] >= 0:  # freed before, not hit since: used
+                self._count(earlier[0], reused=True)  # again (computed anew after eviction)
                 uses = max(uses, earlier[2] + 1)
+            elif earlier is not None:  # hit since (maybe in another block: a tier's slot)
+                uses = max(uses, earlier[2])
             self._awaited[key] = (min(uses, self.CLASSES - 1), self._tick, uses)
             self._expiry.append((self._tick, key))
         self._uses[block_id] = uses
@@ -76,9 +79,13 @@ class ReusePolicy:
         self.discard(block_id)
         self.touch(block_id)
         key = self._key_of(block_id)
-        earlier = self._awaited.pop(key, None) if key is not None else None
-        if earlier is not None:
-            self._count(earlier[0], reused=True)
+        earlier = self._awaited.get(key) if key is not None else None
+        if earlier is not None and key is not None:
+            if earlier[0] >= 0:
+                self._count(earlier[0], reused=True)
+            # Resolved (class -1), the entry keeps the content's uses till its expiry: a tier
+            # slot forgets its block's uses when the content moves to the device.
+            self._awaited[key] = (-1, earlier[1], self._uses[block_id])
 
     def discard(self, block_id: int) -> None:
         del self._queues[self._class_of.pop(block_id)][block_id]
@@ -99,7 +106,7 @@ class ReusePolicy:
         self._uses[block_id] = self._uses.get(block_id, 0) + 1
 
     def forget(self, block_id: int, key: bytes) -> None:
-        self._uses.pop(block_id, None)  # the content's uses stay with its awaited key
+        self._uses.pop(block_id, None)  # (the content's uses stay with its awaited key)
 
     def missed(self, key: bytes) -> None:
         pass  # an awaited key is looked at when a block of that key is freed
@@ -120,7 +127,8 @@ class ReusePolicy:
             entry = awaited.get(key)
             if entry is not None and entry[1] == tick:
                 del awaited[key]
-                self._count(entry[0], reused=False)
+                if entry[0] >= 0:
+                    self._count(entry[0], reused=False)
 
     def __len__(self) -> int:
         return len(self._class_of)

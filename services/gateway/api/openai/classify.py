@@ -21,6 +21,7 @@ from services.common.limits import FieldError
 from services.gateway.api.http import as_http, ignored_headers
 from services.gateway.api.openai.embeddings import EmbeddingsBody, Input, embed_all, encode
 from services.gateway.core.embedding import EmbeddingService
+from services.gateway.core.errors import ErrorKind, GenerationError
 from services.gateway.core.generation import GenerationCore
 
 __all__ = ["ClassifyBody", "PoolingBody", "add_classify_routes"]
@@ -49,7 +50,9 @@ class PoolingBody(BaseModel):
 
 def _labels(core: GenerationCore) -> list[str]:
     info = core.pool.info
-    if info is None or len(info.labels) < 2:
+    if info is None:
+        raise GenerationError(ErrorKind.UNAVAILABLE, "no executor is serving yet")
+    if len(info.labels) < 2:
         raise FieldError(
             "model",
             "this model is not a classifier: /classify needs executors serving a "
@@ -76,10 +79,9 @@ def add_classify_routes(
         data: list[dict[str, Any]] = []
         for i, r in enumerate(results):
             probs = list(r.embedding)
-            best = max(range(len(probs)), key=probs.__getitem__)
-            data.append(
-                {"index": i, "label": labels[best], "probs": probs, "num_classes": len(probs)}
-            )
+            best = max(range(len(probs)), key=probs.__getitem__) if probs else 0
+            label = labels[best] if best < len(labels) else f"LABEL_{best}"
+            data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
         out = {
             "id": f"classify-{uuid.uuid4().hex}",
             "object": "list",
