@@ -61,6 +61,18 @@ def _labels(core: GenerationCore) -> list[str]:
     return list(info.labels)
 
 
+def _listing(kind: str, model: str, data: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    """vLLM's answer envelope: an id of ``kind``, the items, the prompt tokens counted."""
+    return {
+        "id": f"{kind}-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": data,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+    }
+
+
 def add_classify_routes(
     app: FastAPI, core: GenerationCore, check_model: Callable[[str | None], str]
 ) -> None:
@@ -82,15 +94,9 @@ def add_classify_routes(
             best = max(range(len(probs)), key=probs.__getitem__) if probs else 0
             label = labels[best] if best < len(labels) else f"LABEL_{best}"
             data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
-        out = {
-            "id": f"classify-{uuid.uuid4().hex}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": body.model or core.model_name,
-            "data": data,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
-        }
-        return JSONResponse(out, headers=headers)
+        return JSONResponse(
+            _listing("classify", body.model or core.model_name, data, tokens), headers=headers
+        )
 
     @app.post("/pooling")
     async def pooling(body: PoolingBody) -> Response:
@@ -114,12 +120,6 @@ def add_classify_routes(
             }
             for i, r in enumerate(results)
         ]
-        out = {
-            "id": f"pool-{uuid.uuid4().hex}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": body.model or core.model_name,
-            "data": data,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
-        }
-        return JSONResponse(out, headers=headers)
+        return JSONResponse(
+            _listing("pool", body.model or core.model_name, data, tokens), headers=headers
+        )
