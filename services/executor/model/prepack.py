@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from pagedserve.kernels.cpu_linear import cpu_linear_impl
-from services.executor.model.layers.linear import Linear
+from services.executor.model.layers.linear import plain_projections
 from services.executor.model.models import DecoderLM
 
 __all__ = ["PACK_ROWS", "PREPACK_ENV", "PackedLinear", "prepack_model"]
@@ -73,17 +73,8 @@ def prepack_model(model: DecoderLM) -> int:
     """Pack ``model``'s decoder projections (see the module docstring); returns how many."""
     if not can_prepack(model):
         return 0
-    count = 0
-    for layer in model.layers:
-        for module in layer.modules():
-            if not isinstance(module, Linear) or module.weight.numel() == 0:
-                continue
-            if module.quantized is not None:
-                continue
-            module.quantized = PackedLinear(module.weight, module.bias)
-            module.weight = torch.nn.Parameter(
-                torch.empty(0, dtype=model.dtype), requires_grad=False
-            )
-            count += 1
-    log.info("model_prepacked", layers=count, rows=PACK_ROWS)
-    return count
+    projections = plain_projections(model.layers)
+    for module in projections:
+        module.replace_weight(PackedLinear(module.weight, module.bias))
+    log.info("model_prepacked", layers=len(projections), rows=PACK_ROWS)
+    return len(projections)

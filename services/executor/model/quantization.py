@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from services.executor.model.errors import ModelLoadError
-from services.executor.model.layers.linear import Linear
+from services.executor.model.layers.linear import plain_projections
 from services.executor.model.models import DecoderLM
 from services.executor.model.runner_config import QUANTIZATION_METHODS
 
@@ -86,24 +86,18 @@ def quantize_model(model: DecoderLM, method: str) -> int:
     if engine is None:
         raise ModelLoadError(f"--quantization {method}: this torch has no int8 CPU engine")
     torch.backends.quantized.engine = engine  # (the packing picks the kernels)
-    count = before = after = 0
-    for layer in model.layers:
-        for module in layer.modules():
-            if not isinstance(module, Linear) or module.weight.numel() == 0:
-                continue
-            before += module.weight.numel() * module.weight.element_size()
-            module.quantized = Int8Linear(module.weight, module.bias)
-            after += module.weight.numel()  # one byte a weight (and a scale per row)
-            module.weight = torch.nn.Parameter(
-                torch.empty(0, dtype=model.dtype), requires_grad=False
-            )
-            count += 1
+    before = after = 0
+    projections = plain_projections(model.layers)
+    for module in projections:
+        before += module.weight.numel() * module.weight.element_size()
+        after += module.weight.numel()  # one byte a weight (and a scale per row)
+        module.replace_weight(Int8Linear(module.weight, module.bias))
     log.info(
         "model_quantized",
         method=method,
         engine=engine,
-        layers=count,
+        layers=len(projections),
         weight_bytes_before=before,
         weight_bytes_after=after,
     )
-    return count
+    return len(projections)

@@ -4,6 +4,7 @@ rank holds) goes in a parameter."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,7 @@ from torch import Tensor, nn
 from pagedserve.kernels import ops
 from services.executor.model.parallel import Comm, ShardPlan
 
-__all__ = ["Linear", "Placement", "VocabParallelEmbedding", "tensor_shape"]
+__all__ = ["Linear", "Placement", "VocabParallelEmbedding", "plain_projections", "tensor_shape"]
 
 
 class Linear(nn.Linear):
@@ -26,12 +27,28 @@ class Linear(nn.Linear):
     lora: Any = None
     quantized: Any = None  # an int8 weight and its matmul (model/quantization.py), if any
 
+    def replace_weight(self, kernel: Any) -> None:
+        """Compute with ``kernel`` (called with the input) from now on; the plain weight is
+        freed."""
+        self.quantized = kernel
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
     def forward(self, x: Tensor) -> Tensor:
         q = self.quantized
         y = ops.linear(x, self.weight, self.bias) if q is None else q(x)
         if self.lora is not None:
             self.lora.add_to(x, y)
         return y
+
+
+def plain_projections(layers: Iterable[nn.Module]) -> list[Linear]:
+    """The :class:`Linear` layers inside ``layers`` that still compute with a plain weight."""
+    return [
+        m
+        for layer in layers
+        for m in layer.modules()
+        if isinstance(m, Linear) and m.quantized is None and m.weight.numel()
+    ]
 
 
 class VocabParallelEmbedding(nn.Module):
