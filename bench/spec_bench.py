@@ -4,18 +4,24 @@ run.
 The model is a benchmark fixture, not a product model: a tiny Llama trained on the CPU on
 text whose second half repeats spans of its first (``bench.common.trained``; written once
 under ``--fixture-dir`` and reused), so that it has learnt to copy, as real models do when
-they edit code or summarise. A random model accepts drafts only by accident.
+they edit code or summarise. A random model accepts drafts only by accident. By default the
+target is that model grown 8 times larger without changing what it computes (``--target
+large``, 19 M parameters), so that a batch-1 step is bound by reading its weights, as with
+real models; the draft model is the fixture's 0.4 M one.
 
 The workload is copy-heavy: each prompt is a passage followed by the start of its repeat
-(``copy_prompts``), greedy, ``ignore_eos``, ``--max-tokens`` each. For each batch size (all
-requests submitted at once, ``max_num_seqs`` = the batch), the same requests run with
-speculation off and on (``--speculative-config``, vLLM's JSON), interleaved, ``--repeats``
-times each:
+(``copy_prompts``), greedy, ``ignore_eos``, ``--max-tokens`` each. For each batch size B,
+``--requests-per-batch`` x B requests are submitted at once with ``max_num_seqs`` = B, so
+that B run at a time and a finished one's place is taken at the next step, as on a server
+at concurrency B (with one set of B, its wall time is its slowest sequence's: one that
+leaves the passage early decodes a token a step while the rest wait done). The same
+requests run with speculation off and on (``--speculative-config``, vLLM's JSON),
+interleaved, ``--repeats`` times each:
 
 - output tok/s (median over the repeats, wall clock of the whole set) and the ratio on/off;
 - mean acceptance length (1 + accepted drafts per verifying step) and acceptance rate;
 - target forwards per output token of one sequence: steps x batch / output tokens (1.0
-  without speculation).
+  without speculation, more where the batch is not full: the run's tail).
 
 The greedy tokens must be identical with and without speculation: exit status 1 otherwise.
 Usage: ``python -m bench.spec_bench [--batches 1,4,16,64] [--repeats 3] [--threads N]
@@ -35,7 +41,12 @@ from pathlib import Path
 
 from bench.common.eagle3 import write_eagle3_fixture, write_workload_head
 from bench.common.engines import EngineSystem, greedy, run_requests
-from bench.common.trained import copy_prompts, ordinary_vocab, write_spec_fixture
+from bench.common.trained import (
+    copy_prompts,
+    ordinary_vocab,
+    write_large_target,
+    write_spec_fixture,
+)
 from services.executor.api import ExecutorConfig, available_cores
 
 DEFAULT_SPEC = {
@@ -62,10 +73,10 @@ def _config(
 
 
 def _measure(
-    model: Path, prompts: list[list[int]], args: argparse.Namespace, spec: str | None
+    model: Path, prompts: list[list[int]], args: argparse.Namespace, spec: str | None, batch: int
 ) -> tuple[list[float], dict[str, list[int]], dict[str, float]]:
-    """Repeated runs of one system: tok/s of each, the tokens, and the counters of the last."""
-    batch = len(prompts)
+    """Repeated runs of one system (``batch`` sequences at once): tok/s of each, the tokens,
+    and the counters of the last."""
     system = EngineSystem(_config(model, batch, args.threads, spec, args.device))
     requests = [(f"r{i}", p, greedy(args.max_tokens)) for i, p in enumerate(prompts)]
     rates: list[float] = []
@@ -90,8 +101,10 @@ def _batches(args: argparse.Namespace) -> list[int]:
 
 
 def _prompts(args: argparse.Namespace, batch: int) -> list[list[int]]:
-    """The copy-heavy prompts of a batch (the same for a given seed)."""
-    return copy_prompts(args.seed + batch, batch, args.prompt_len, ordinary_vocab())
+    """The copy-heavy prompts of a batch's run: ``--requests-per-batch`` times the batch (the
+    same for a given seed)."""
+    num = batch * args.requests_per_batch
+    return copy_prompts(args.seed + batch, num, args.prompt_len, ordinary_vocab())
 
 
 def main() -> int:
@@ -100,9 +113,25 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--prompt-len", type=int, default=72)
+    p.add_argument(
+        "--requests-per-batch",
+        type=int,
+        default=4,
+        metavar="R",
+        help="R x batch requests per run, batch of them running at once (1: one set, its "
+        "wall time its slowest sequence's)",
+    )
     p.add_argument("--threads", type=int, default=available_cores())
     p.add_argument("--fixture-dir", default="models/spec-fixture")
     p.add_argument("--model", default=None, help="a trained checkpoint instead of the fixture's")
+    p.add_argument(
+        "--target",
+        choices=("large", "small"),
+        default=None,
+        help="the fixture's target: large (19 M, grown from small: bound by reading its "
+        "weights, as a real model's decode is; the default) or small (the trained 2.5 M, "
+        "which fits in cache; the default with --eagle3, whose heads read its hidden states)",
+    )
     p.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC))
     p.add_argument(
         "--draft-model",
@@ -139,6 +168,10 @@ def main() -> int:
         target = Path(args.model)
     else:
         target, draft = write_spec_fixture(Path(args.fixture_dir), seed=args.seed)
+        if args.eagle3 and args.target == "large":
+            p.error("--eagle3: the heads are trained for the small target (--target small)")
+        if (args.target or ("small" if args.eagle3 else "large")) == "large":
+            target = write_large_target(Path(args.fixture_dir) / "large", target, args.seed)
         if args.draft_model:
             spec = {"model": str(draft), "num_speculative_tokens": args.draft_model}
             args.speculative_config = json.dumps(spec)
@@ -175,9 +208,10 @@ def main() -> int:
         on_rates: list[float] = []
         for _ in range(2):  # interleaved halves: the machine's drift hits both alike
             half = argparse.Namespace(**{**vars(args), "repeats": max(1, args.repeats // 2)})
-            rates, off_tokens, _ = _measure(target, prompts, half, None)
+            rates, off_tokens, _ = _measure(target, prompts, half, None, batch)
             off_rates += rates
-            rates, on_tokens, counters = _measure(target, prompts, half, args.speculative_config)
+            spec = args.speculative_config
+            rates, on_tokens, counters = _measure(target, prompts, half, spec, batch)
             on_rates += rates
             mismatches += sum(on_tokens[r] != off_tokens[r] for r in off_tokens)
         off, on = statistics.median(off_rates), statistics.median(on_rates)

@@ -99,6 +99,14 @@ def train_eagle3_head(
     return scores
 
 
+def _trained(target: Path) -> object:
+    """What ``target``'s fixture marker records (None without one): a head is retrained
+    when its target is."""
+    from bench.common.trained import read_marker
+
+    return read_marker(target)
+
+
 def _cached(directory: Path, settings: dict[str, object]) -> bool:
     marker = directory / MARKER
     return marker.is_file() and json.loads(marker.read_text()).get("settings") == settings
@@ -113,6 +121,7 @@ def write_workload_head(
     head would give), not a head's quality. Cached like :func:`write_eagle3_fixture`."""
     directory = Path(directory)
     settings = {"prompts": prompts, "max_tokens": max_tokens, "seed": seed, "target": target.name}
+    settings["trained"] = _trained(target)
     if _cached(directory, settings):
         return directory
     model = AutoModelForCausalLM.from_pretrained(
@@ -132,11 +141,12 @@ def write_workload_head(
 def write_eagle3_fixture(directory: Path, target: Path, seed: int = 0) -> Path:
     """``directory``: an EAGLE-3 head for the speculative benchmark's fixture ``target``,
     trained on the copy corpus the target learnt from (another draw of it). Cached: a head
-    whose marker records this target, seed and :data:`FIXTURE` is kept."""
+    whose marker records this target (its training record too), seed and :data:`FIXTURE` is
+    kept."""
     from bench.common.trained import _tokenizer_ids, copy_corpus, ordinary_vocab
 
     directory = Path(directory)
-    settings = {**FIXTURE, "seed": seed, "target": target.name}
+    settings = {**FIXTURE, "seed": seed, "target": target.name, "trained": _trained(target)}
     if _cached(directory, settings):
         return directory
     bos = _tokenizer_ids()[1]

@@ -98,3 +98,41 @@ def test_training_lowers_the_loss(tmp_path: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     assert model.config.hidden_size == 32
     assert AutoTokenizer.from_pretrained(model_dir).bos_token_id == 1
+
+
+def test_the_learning_rate_warms_up_then_decays_to_its_final_value() -> None:
+    factor = trained._lr_factor
+    assert [factor(s, 1000, 0.1) for s in (0, 24, 49)] == [0.02, 0.5, 1.0]
+    assert factor(50, 1000, 0.1) == 1.0 and factor(999, 1000, 0.1) == pytest.approx(0.1, 1e-4)
+    assert factor(525, 1000, 0.1) == pytest.approx(0.55)  # halfway down the cosine
+    assert {factor(s, 1000, 1.0) for s in range(50, 1200, 7)} == {1.0}  # no final_lr: constant
+
+
+def test_the_large_target_computes_what_it_was_grown_from_and_is_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``write_large_target`` (the bench's weight-bound target) is the trained target grown
+    twice as wide and deep: the same logits without the growth's noise; written once per
+    target (its marker names the target's), rewritten when the target changes."""
+    monkeypatch.setattr(trained, "_GROW_NOISE", 0.0)
+    small = dict(hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    monkeypatch.setattr(
+        trained, "LARGE", dict(hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=4)
+    )
+    trained.LARGE["intermediate_size"] = 128
+    target = tmp_path / "target"
+    write_tiny_model(target, num_layers=2, **small, **trained._INIT)
+    (target / trained.MARKER).write_text('{"loss": 1.0}')
+    large = trained.write_large_target(tmp_path / "large", target)
+    ids = torch.tensor(copy_prompts(0, 2, 40, ordinary_vocab()))
+    with torch.no_grad():
+        want = LlamaForCausalLM.from_pretrained(target)(input_ids=ids).logits
+        got = LlamaForCausalLM.from_pretrained(large)(input_ids=ids).logits
+    torch.testing.assert_close(got, want)
+    assert LlamaForCausalLM.from_pretrained(large).config.num_hidden_layers == 4
+    written = (large / "model.safetensors").stat().st_mtime_ns
+    assert trained.write_large_target(tmp_path / "large", target) == large
+    assert (large / "model.safetensors").stat().st_mtime_ns == written  # cached
+    (target / trained.MARKER).write_text('{"loss": 0.5}')  # the target was retrained
+    trained.write_large_target(tmp_path / "large", target)
+    assert read_marker(large)["grown_from"] == {"loss": 0.5}  # type: ignore[index]

@@ -114,6 +114,72 @@ def test_fast_cpu_attention_with_window_and_soft_cap_matches_the_reference(
         torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), HEADS, ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize(
+    ("window", "soft_cap"),
+    [(None, None), (3, None), (20, 2.0), (None, 2.0)],
+    ids=["full", "w3", "w20-cap2", "cap2"],
+)
+def test_short_query_rows_are_batched_and_match_the_reference(
+    block_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    window: int | None,
+    soft_cap: float | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Verification-shaped steps (k + 1 query tokens after a context, some sequences with
+    fewer drafts, some decoding one token, a longer chunk beside them; windows shorter than
+    the query rows): rows of 2 .. MAX_BATCHED_QUERY tokens that share their length with
+    another take the batched path, not the per-sequence prefill call, and every token sees
+    exactly its own causal window."""
+    prefills: list[int] = []
+    real_prefill = cpu_attention._prefill
+
+    def counting_prefill(query: torch.Tensor, *args: object) -> torch.Tensor:
+        prefills.append(query.shape[0])
+        return real_prefill(query, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_attention, "_prefill", counting_prefill)
+    rng = random.Random(block_size * 100 + num_kv_heads * 10 + (window or 0))
+    for trial in range(3):
+        seqs = [(rng.randint(0, 70), q) for q in (1, 1, 2, 2, 5, 5, 5, 16, 16)]
+        seqs += [(0, 5), (rng.randint(1, 40), 3), (rng.randint(1, 40), 17), (800, 5)]
+        rng.shuffle(seqs)  # the 3-token row alone of its length; the 17, the 805 past the cuts
+        batch = make_paged_batch(
+            seqs,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=16,
+            block_size=block_size,
+            num_pad_tokens=trial,
+            seed=trial,
+        )
+        options = {"sliding_window": window, "logits_soft_cap": soft_cap}
+        want = reference.paged_attention(*batch.args(), **options)
+        got = paged_attention_cpu(*batch.args(), **batch.hints(), **options)
+        torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+    # Only the chunk longer than MAX_BATCHED_QUERY, the row over a context past
+    # MAX_BATCHED_CONTEXT, and a row alone of its length (one call either way).
+    assert sorted(prefills) == [3, 3, 3, 5, 5, 5, 17, 17, 17]
+    assert (cpu_attention.MAX_BATCHED_QUERY, cpu_attention.MAX_BATCHED_CONTEXT) == (16, 768)
+
+
+def test_short_query_rows_split_into_buckets_match_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows of k + 1 queries over very different contexts go in different buckets (one row
+    each here), and their outputs land back on their own query tokens."""
+    monkeypatch.setattr(cpu_attention, "SPLIT_BYTES", 1)
+    seqs = [(90, 5), (3, 5), (40, 5), (0, 5), (61, 5)]
+    batch = make_paged_batch(seqs, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=4)
+    for window in (None, 7):
+        want = reference.paged_attention(*batch.args(), sliding_window=window)
+        got = paged_attention_cpu(*batch.args(), **batch.hints(), sliding_window=window)
+        torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+
+
 def test_fast_cpu_decode_with_window_gathers_only_the_window_blocks() -> None:
     """Each decode row gathers from the block holding its window's first key: a row
     whose earlier blocks point at a nonexistent block still works (they are not read)."""
@@ -186,6 +252,6 @@ def test_fast_cpu_decode_split_into_buckets_matches_the_reference(
     want = reference.paged_attention(*batch.args(), **options)
     got = paged_attention_cpu(*batch.args(), **batch.hints(), **options)
     torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
-    assert len(sizes) > 1 and sum(sizes) == 14
+    assert len(sizes) > 1 and sum(sizes) == 14  # the 9- and 5-token rows: one call each
     if split > 1:
         assert max(sizes) > 1
