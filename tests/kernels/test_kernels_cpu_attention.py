@@ -76,6 +76,31 @@ def test_a_query_longer_than_its_context_is_refused_as_by_the_reference() -> Non
         paged_attention_cpu(*args)
 
 
+def _check_against_reference(
+    seqs: list[tuple[int, int]],
+    heads: tuple[int, int],
+    block_size: int,
+    trial: int,
+    window: int | None,
+    soft_cap: float | None,
+) -> None:
+    """The fast path equals the reference on a batch of ``seqs`` (context, query length),
+    ``trial`` padding rows, with the given window and soft-cap."""
+    batch = make_paged_batch(
+        seqs,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=16,
+        block_size=block_size,
+        num_pad_tokens=trial,
+        seed=trial,
+    )
+    options = {"sliding_window": window, "logits_soft_cap": soft_cap}
+    want = reference.paged_attention(*batch.args(), **options)
+    got = paged_attention_cpu(*batch.args(), **batch.hints(), **options)
+    torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), HEADS[1:], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("decode_share", [1.0, 0.6], ids=["decode", "mixed"])
@@ -99,19 +124,8 @@ def test_fast_cpu_attention_with_window_and_soft_cap_matches_the_reference(
     for trial in range(2):
         seqs = _random_batch(rng, rng.randint(1, 10), decode_share)
         seqs.append((rng.randint(60, 90), 1 if decode_share == 1.0 else 40))  # a long one
-        batch = make_paged_batch(
-            seqs,
-            num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=16,
-            block_size=block_size,
-            num_pad_tokens=trial,
-            seed=trial,
-        )
-        options = {"sliding_window": window, "logits_soft_cap": soft_cap}
-        want = reference.paged_attention(*batch.args(), **options)
-        got = paged_attention_cpu(*batch.args(), **batch.hints(), **options)
-        torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+        heads = (num_q_heads, num_kv_heads)
+        _check_against_reference(seqs, heads, block_size, trial, window, soft_cap)
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
@@ -147,19 +161,8 @@ def test_short_query_rows_are_batched_and_match_the_reference(
         seqs = [(rng.randint(0, 70), q) for q in (1, 1, 2, 2, 5, 5, 5, 16, 16)]
         seqs += [(0, 5), (rng.randint(1, 40), 3), (rng.randint(1, 40), 17), (800, 5)]
         rng.shuffle(seqs)  # the 3-token row alone of its length; the 17, the 805 past the cuts
-        batch = make_paged_batch(
-            seqs,
-            num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=16,
-            block_size=block_size,
-            num_pad_tokens=trial,
-            seed=trial,
-        )
-        options = {"sliding_window": window, "logits_soft_cap": soft_cap}
-        want = reference.paged_attention(*batch.args(), **options)
-        got = paged_attention_cpu(*batch.args(), **batch.hints(), **options)
-        torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+        heads = (num_q_heads, num_kv_heads)
+        _check_against_reference(seqs, heads, block_size, trial, window, soft_cap)
     # Only the chunk longer than MAX_BATCHED_QUERY, the row over a context past
     # MAX_BATCHED_CONTEXT, and a row alone of its length (one call either way).
     assert sorted(prefills) == [3, 3, 3, 5, 5, 5, 17, 17, 17]
