@@ -121,9 +121,16 @@ class Stack:
             self.proc.kill()
 
 
+async def _drive(address: str, requests: list[BenchRequest]) -> dict[str, object]:
+    # The client is made in the loop that drives it: a grpc.aio channel made outside a
+    # running loop is bound to another, and its first call fails ("attached to a different
+    # loop").
+    return await drive(GrpcBackend(address, None), requests)
+
+
 def _stack_run(stack: Stack, requests: list[BenchRequest]) -> dict[str, float]:
     cpu0, client0, t0 = stack.cpu(), time.process_time(), time.perf_counter()
-    result = asyncio.run(drive(GrpcBackend(stack.address, None), requests))
+    result = asyncio.run(_drive(stack.address, requests))
     wall = time.perf_counter() - t0
     cpu1, client1 = stack.cpu(), time.process_time()
     cores = {f"{name} cores": (cpu1[name] - cpu0[name]) / wall for name in cpu0}

@@ -3,6 +3,7 @@ there and consistent with what was streamed, and the plots are real PNGs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from pathlib import Path
@@ -10,7 +11,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from bench.stack_bench import _drive
 from pagedserve.testing.procs import wait_serving
+from services.bench.datasets import BenchRequest
 from services.bench.results import parse_goodput
 from services.bench.serve import main
 from tests.gateway.conftest import Stack
@@ -257,3 +260,13 @@ def test_a_300_request_live_replay_with_requests_in_flight_is_within_two_points_
         r["prefix_hit_ratio"],
         r["offline_prefix_hit_ratio"],
     )
+
+
+def test_stack_bench_drives_the_stack_from_its_own_event_loop(stack: Stack) -> None:
+    """``bench.stack_bench`` makes its gRPC client inside the loop that drives it (made
+    before ``asyncio.run``, the client's first call failed: "attached to a different
+    loop"): twice in a row, as its repeats do, every request completes."""
+    requests = [BenchRequest([20 + i, 30, 40 + i], 3, 4) for i in range(3)]
+    for _ in range(2):
+        result = asyncio.run(_drive(stack.gateway.address, requests))
+        assert result["completed"] == 3 and result["total_output_tokens"] == 12
