@@ -44,15 +44,19 @@ def _expected(batch: PagedBatch) -> torch.Tensor:
     return reference.paged_attention(*args)
 
 
-def test_int8_records_round_trip_within_half_a_step_and_keep_their_scale() -> None:
-    x = torch.randn(64, 4, 32) * torch.logspace(-3, 3, 64)[:, None, None]
+@pytest.mark.parametrize("seed", range(8))
+def test_int8_records_round_trip_within_half_a_step_and_keep_their_scale(seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 4, 32, generator=generator) * torch.logspace(-3, 3, 64)[:, None, None]
     x[0, 0] = 0.0  # a zero vector: scale tiny, codes 0, no NaN
     records = kv_quant.quantize_int8(x)
     assert records.dtype == torch.int8 and records.shape == (64, 4, 36)
     back = kv_quant.dequantize(records)
     scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
     assert torch.equal(records[..., 32:].contiguous().view(torch.float32), scale)
-    assert ((back - x).abs() <= scale * 0.5 * (1 + 1e-6)).all()
+    # Half a step, plus fp32's rounding of x / scale (codes up to 127: ~1e-5 of a step;
+    # unseeded, 4 draws in 300 exceeded half a step by 6e-6 of one).
+    assert ((back - x).abs() <= scale * (0.5 + 1e-4)).all()
     assert torch.equal(back[0, 0], torch.zeros(32))
     assert records[..., :32].abs().max() == 127  # each vector's largest element is +-127
 
