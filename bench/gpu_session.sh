@@ -71,8 +71,8 @@ if want spec && [ -f models/spec-fixture/target/config.json ]; then
 fi
 if want spec && [ -f models/spec-fixture/eagle3-workload/eagle3_fixture.json ]; then
   timeout 90 python3 -m bench.spec_bench --device cuda --eagle3 4 --eagle3-ceiling \
-    --batches 1,64 --repeats 2 --requests-per-batch 1 2>&1 | grep -v '"event"' | tee "$out/spec_bench_eagle3.log" \
-    || status=1
+    --batches 1,64 --repeats 2 --requests-per-batch 1 2>&1 | grep -v '"event"' \
+    | tee "$out/spec_bench_eagle3.log" || status=1
 fi
 num_gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if want tp && [ "$num_gpus" -ge 2 ]; then

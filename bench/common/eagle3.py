@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench.common.trained import _tokenizer_ids, copy_corpus, ordinary_vocab, read_marker
 from pagedserve.tools.eagle3_head import Eagle3Reference, head_config, save_head, target_features
 
 __all__ = ["train_eagle3_head", "write_eagle3_fixture", "write_workload_head"]
@@ -99,14 +100,6 @@ def train_eagle3_head(
     return scores
 
 
-def _trained(target: Path) -> object:
-    """What ``target``'s fixture marker records (None without one): a head is retrained
-    when its target is."""
-    from bench.common.trained import read_marker
-
-    return read_marker(target)
-
-
 def _cached(directory: Path, settings: dict[str, object]) -> bool:
     marker = directory / MARKER
     return marker.is_file() and json.loads(marker.read_text()).get("settings") == settings
@@ -121,7 +114,7 @@ def write_workload_head(
     head would give), not a head's quality. Cached like :func:`write_eagle3_fixture`."""
     directory = Path(directory)
     settings = {"prompts": prompts, "max_tokens": max_tokens, "seed": seed, "target": target.name}
-    settings["trained"] = _trained(target)
+    settings["trained"] = read_marker(target)  # a head is retrained when its target is
     if _cached(directory, settings):
         return directory
     model = AutoModelForCausalLM.from_pretrained(
@@ -143,10 +136,8 @@ def write_eagle3_fixture(directory: Path, target: Path, seed: int = 0) -> Path:
     trained on the copy corpus the target learnt from (another draw of it). Cached: a head
     whose marker records this target (its training record too), seed and :data:`FIXTURE` is
     kept."""
-    from bench.common.trained import _tokenizer_ids, copy_corpus, ordinary_vocab
-
     directory = Path(directory)
-    settings = {**FIXTURE, "seed": seed, "target": target.name, "trained": _trained(target)}
+    settings = {**FIXTURE, "seed": seed, "target": target.name, "trained": read_marker(target)}
     if _cached(directory, settings):
         return directory
     bos = _tokenizer_ids()[1]

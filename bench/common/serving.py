@@ -21,7 +21,8 @@ class Backend(Protocol):
 
 async def drive(backend: Backend, requests: list[BenchRequest]) -> dict[str, object]:
     """Send ``requests`` at once (``ignore_eos``) and close ``backend``: the summary of the
-    run; raises ``RuntimeError`` with the first failed request's error."""
+    run; raises ``RuntimeError`` with the first failed request's error. Make ``backend`` in
+    the running loop: a gRPC client made before ``asyncio.run`` is bound to another loop."""
     try:
         t0 = time.perf_counter()
         outputs = await asyncio.gather(*(backend.send(r, True) for r in requests))

@@ -244,7 +244,7 @@ def train_copy_model(
         initial_loss, initial_accuracy = _evaluate(model, seed, 64, max_len - 1)
         corpus = _corpus(seed, steps * batch_size, max_len - 1, ordinary_vocab())
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-        warmup = torch.optim.lr_scheduler.LambdaLR(
+        schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, functools.partial(_lr_factor, steps=steps, final=(final_lr or lr) / lr)
         )
         start, trained = time.perf_counter(), steps
@@ -259,7 +259,7 @@ def train_copy_model(
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
-            warmup.step()
+            schedule.step()
         seconds = time.perf_counter() - start
         model.save_pretrained(directory, safe_serialization=True)
         reloaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)

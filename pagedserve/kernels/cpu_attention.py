@@ -10,10 +10,9 @@ length:
   it), a position mask, two batched matmuls and a softmax; grouped-query attention by
   viewing the query heads as ``[Hkv, group]``, never by repeating K/V;
 - **short query rows** (2 .. :data:`MAX_BATCHED_QUERY` tokens: speculative verification's
-  k + 1, a short chunk) over short contexts: grouped by query length and, where a group has
-  several sequences,
-  done as decode rows are, each query token with its own causal (and window) limit, instead
-  of one call per sequence;
+  k + 1, a short chunk) over contexts up to :data:`MAX_BATCHED_CONTEXT`: grouped by query
+  length and, where a group has several sequences, done as decode rows are, each query
+  token with its own causal (and window) limit, instead of one call per sequence;
 - **prefill chunks** (more query tokens, possibly after cached context): one call each,
   with a bottom-right causal (and sliding-window) mask, gathering only the blocks from the
   first one in the chunk's windows; SDPA, or explicit scores when soft-capping (SDPA
