@@ -29,6 +29,9 @@ Usage: ``python -m bench.spec_bench [--batches 1,4,16,64] [--repeats 3] [--threa
 model drafts K tokens a step; ``--eagle3 K``: an EAGLE-3 head, trained for the fixture's target
 once and cached beside it, drafts K; with ``--eagle3-ceiling``, a head trained on the target's
 own outputs for this run's prompts instead: the machinery's ceiling, not a head's quality).
+With ``--compare-async`` both systems speculate, without and with ``--async-scheduling``
+(the next step planned for the most drafts before this step's forward), over a block manager
+in its own process, as in ``pagedserve serve``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from bench.common.trained import (
     write_large_target,
     write_spec_fixture,
 )
+from pagedserve.testing.procs import ServiceProcess
 from services.executor.api import ExecutorConfig, available_cores
 
 DEFAULT_SPEC = {
@@ -58,7 +62,12 @@ DEFAULT_SPEC = {
 
 
 def _config(
-    model: Path, batch: int, threads: int, spec: str | None, device: str = "cpu"
+    model: Path,
+    batch: int,
+    threads: int,
+    spec: str | None,
+    device: str = "cpu",
+    async_scheduling: bool = False,
 ) -> ExecutorConfig:
     return ExecutorConfig(
         model=str(model),
@@ -69,15 +78,22 @@ def _config(
         max_num_seqs=batch,
         max_model_len=512,
         speculative_config=spec,
+        async_scheduling=async_scheduling,
     )
 
 
 def _measure(
-    model: Path, prompts: list[list[int]], args: argparse.Namespace, spec: str | None, batch: int
+    model: Path,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    spec: str | None,
+    batch: int,
+    async_scheduling: bool = False,
 ) -> tuple[list[float], dict[str, list[int]], dict[str, float]]:
     """Repeated runs of one system (``batch`` sequences at once): tok/s of each, the tokens,
-    and the counters of the last."""
-    system = EngineSystem(_config(model, batch, args.threads, spec, args.device))
+    and the counters of the last. The block manager is ``args.blockmgr``'s, if any."""
+    config = _config(model, batch, args.threads, spec, args.device, async_scheduling)
+    system = EngineSystem(config, args.blockmgr)
     requests = [(f"r{i}", p, greedy(args.max_tokens)) for i, p in enumerate(prompts)]
     rates: list[float] = []
     tokens: dict[str, list[int]] = {}
@@ -161,9 +177,27 @@ def main() -> int:
         metavar="N",
         help="set the speculative config's disable_by_batch_size (no drafts from N sequences)",
     )
+    p.add_argument(
+        "--compare-async",
+        action="store_true",
+        help="speculation on without and with --async-scheduling (instead of off and on), the "
+        "block manager in its own process over gRPC, as in `pagedserve serve`",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cuda: the GPU session's timing")
     args = p.parse_args()
+    args.blockmgr = None
+    if not args.compare_async:
+        return _run(args, p)
+    blockmgr = ServiceProcess(["blockmgr", "--port", "0"], "blockmgr_listening")
+    try:
+        args.blockmgr = blockmgr.address
+        return _run(args, p)
+    finally:
+        blockmgr.stop()
+
+
+def _run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     if args.model:
         target = Path(args.model)
     else:
@@ -196,9 +230,12 @@ def main() -> int:
         args.speculative_config = json.dumps(spec)
     where = f"CPU, {args.threads} threads" if args.device == "cpu" else args.device
     print(f"# Speculative decoding ({where}), `{args.speculative_config}`\n")
+    off_name, on_name = ("sync", "async") if args.compare_async else ("off", "on")
+    if args.compare_async:
+        print("Speculation on in both; the block manager in its own process (gRPC).\n")
     print(
-        "| batch | off tok/s | on tok/s | on/off | acceptance length | acceptance rate "
-        "| forwards/token on |"
+        f"| batch | {off_name} tok/s | {on_name} tok/s | {on_name}/{off_name} "
+        f"| acceptance length | acceptance rate | forwards/token {on_name} |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     mismatches = 0
@@ -208,10 +245,13 @@ def main() -> int:
         on_rates: list[float] = []
         for _ in range(2):  # interleaved halves: the machine's drift hits both alike
             half = argparse.Namespace(**{**vars(args), "repeats": max(1, args.repeats // 2)})
-            rates, off_tokens, _ = _measure(target, prompts, half, None, batch)
-            off_rates += rates
             spec = args.speculative_config
-            rates, on_tokens, counters = _measure(target, prompts, half, spec, batch)
+            baseline = spec if args.compare_async else None
+            rates, off_tokens, _ = _measure(target, prompts, half, baseline, batch)
+            off_rates += rates
+            rates, on_tokens, counters = _measure(
+                target, prompts, half, spec, batch, async_scheduling=args.compare_async
+            )
             on_rates += rates
             mismatches += sum(on_tokens[r] != off_tokens[r] for r in off_tokens)
         off, on = statistics.median(off_rates), statistics.median(on_rates)
@@ -222,7 +262,7 @@ def main() -> int:
             flush=True,
         )
     if mismatches:
-        print(f"\n{mismatches} outputs differ with speculation", file=sys.stderr)
+        print(f"\n{mismatches} outputs differ ({off_name} / {on_name})", file=sys.stderr)
         return 1
     return 0
 

@@ -60,6 +60,25 @@ def test_steady_decode_runs_the_same_forwards_as_sync_with_every_step_sent_ahead
     assert_no_leak(fast, client)
 
 
+@RUNNERS
+def test_a_sequence_ending_by_length_leaves_its_seat_to_an_admission_planned_ahead(preparing):
+    """At ``max_num_seqs``, a sequence whose token sampled now is its last (``max_tokens``)
+    frees its seat in the step planned ahead: the next request is admitted in the same step
+    as without async scheduling, not one later."""
+    sync, sync_runner, _ = make_engine(budget=64, max_num_seqs=2)
+    fast, fast_runner, client = make_engine(
+        budget=64, max_num_seqs=2, async_scheduling=True, preparing=preparing
+    )
+    for engine in (sync, fast):
+        for i, n in enumerate((4, 9, 6, 3)):
+            engine.add_request(RequestKey(0, f"r{i}"), prompt(5, i), greedy(n))
+    want, got = run(sync), run(fast)
+    assert {k: tokens(v) for k, v in got.items()} == {k: tokens(v) for k, v in want.items()}
+    assert fast_runner.calls == sync_runner.calls  # the same batches, step for step
+    assert fast.num_steps_ahead >= len(fast_runner.calls) - 2
+    assert_no_leak(fast, client)
+
+
 @pytest.mark.parametrize("seed", [7, 8, 9])
 @RUNNERS
 def test_random_workload_with_aborts_and_samples_matches_the_reference(seed, preparing):

@@ -69,14 +69,18 @@ def test_a_draft_identical_to_the_target_has_every_draft_accepted(model_dir):
 
 
 #: An identical draft's configurations: forks (n = 2) besides the engine's.
-IDENTICAL = {name: CONFIGS[name] for name in ("chunked", "recompute", "swap", "tp2")} | {"n2": {}}
+IDENTICAL = {
+    name: CONFIGS[name]
+    for name in ("chunked", "recompute", "swap", "tp2", "async", "async-recompute")
+} | {"n2": {}}
 
 
 @pytest.mark.parametrize("name", list(IDENTICAL))
 def test_an_identical_draft_keeps_every_draft_accepted_through_each_configuration(model_dir, name):
     """Output equality holds whatever the draft model's KV holds; this does not: an identical
     draft proposes the target's tokens only if its KV is right at every position, through
-    chunked prefill, preemption (recompute, swap), a draft on the first of two ranks, forks
+    chunked prefill, preemption (recompute, swap), a draft on the first of two ranks, steps
+    planned ahead (async scheduling: the drafts accepted reported a step late), forks
     (n = 2), and sequences left behind while speculation is off for a batch of 6 or more
     (each request has its own length, so the batch shrinks)."""
     config = IDENTICAL[name]

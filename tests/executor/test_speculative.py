@@ -85,7 +85,14 @@ CONFIGS: dict[str, dict] = {
         "preemption_mode": "swap",
         "kv_offloading_size": 0.001,
     },
-    "async": {"async_scheduling": True},  # (planned after sampling while speculating)
+    "async": {"async_scheduling": True},  # steps planned ahead for the most drafts
+    # ... with chunked prefill, drafts cut by the budget, and preemption
+    "async-recompute": {
+        "async_scheduling": True,
+        "max_num_batched_tokens": 48,
+        "num_kv_blocks": 40,
+        "max_num_seqs": 12,
+    },
     "tp2": {"tensor_parallel_size": 2},  # (a draft model runs on the first rank)
 }
 
@@ -106,10 +113,17 @@ def with_and_without(
 
 
 def assert_preempted_as_configured(engine: Engine, config: dict) -> None:
+    """What ``config`` is about happened: preemptions, swaps, steps planned ahead."""
     if "max_num_seqs" in config:
         assert engine.scheduler.num_preemptions > 0
     if config.get("preemption_mode") == "swap":
         assert engine.scheduler.swapping.num_swapped_out > 0
+    if config.get("async_scheduling"):
+        assert engine.num_steps_ahead > engine.num_steps // 2, (
+            engine.num_steps_ahead,
+            engine.num_steps,
+        )
+        assert engine.num_ahead_failures == engine.num_bad_answers == 0
 
 
 def assert_transformers_tokens(engine: Engine, requests: dict, model) -> None:
@@ -142,25 +156,30 @@ def test_every_full_attention_family_speculates_with_transformers_tokens(
     assert_transformers_tokens(engine, _requests(seed=1, num=12), hf_model(name))
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize(
     "name", ["mistral_window", "qwen2_window", "phi3_window", "gemma2", "gemma3"]
 )
 def test_sliding_window_families_speculate_with_transformers_tokens(
-    name, tiny_checkpoint, hf_model
+    name, async_scheduling, tiny_checkpoint, hf_model
 ):
     """Windows of 16 tokens, which the prompts and outputs cross: a grow releases the blocks
-    out of the window of its verified tokens only (drafts may be rejected), batched with
-    chunked prefill."""
-    engine = _engine(str(tiny_checkpoint(name)), speculative_config=SPEC, max_num_batched_tokens=40)
+    out of the window of its verified tokens only (drafts may be rejected; planned ahead,
+    of the tokens the pool is sure of), batched with chunked prefill."""
+    config = {"max_num_batched_tokens": 40, "async_scheduling": async_scheduling}
+    engine = _engine(str(tiny_checkpoint(name)), speculative_config=SPEC, **config)
     assert_transformers_tokens(engine, _requests(seed=1, num=8, max_tokens=60), hf_model(name))
     assert engine.num_bad_answers == 0  # the pool's releases and ours agreed
+    assert_preempted_as_configured(engine, config)
 
 
-@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap", "recompute-async"])
 def test_a_sliding_window_model_speculates_through_preemption(tiny_checkpoint, preemption_mode):
     config = {"num_kv_blocks": 80, "max_num_seqs": 12, "preemption_mode": preemption_mode}
     if preemption_mode == "swap":
         config["kv_offloading_size"] = 0.001
+    if preemption_mode == "recompute-async":
+        config.update(preemption_mode="recompute", async_scheduling=True)
     model = str(tiny_checkpoint("gemma2"))
     (plain, _), (spec, _), engine = with_and_without(model, _requests(seed=2, num=12), SPEC, config)
     assert spec == plain
@@ -270,10 +289,39 @@ def test_samples_that_cannot_be_speculated_run_beside_speculated_ones(model_dir)
     assert _spec_counts(engine)[1] > 0
 
 
-def test_a_blockmgr_restart_mid_speculation_restores_the_lookahead_slots(model_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_between_steps_the_pool_holds_what_the_scheduler_would_restore(model_dir, async_scheduling):
+    """After every step, each sequence's tokens (verified), slots and table in the pool are
+    the scheduler's view of them (what a restart restores), though accepted drafts are
+    reported a step late and steps planned ahead hold the worst case's slots. A draft
+    model identical to the target has every draft accepted: the most drafts in flight."""
+    spec = json.dumps({"model": model_dir, "num_speculative_tokens": 4})
+    engine = _engine(model_dir, speculative_config=spec, async_scheduling=async_scheduling)
+    pool = engine.link.client.core._pools[engine.link.pool_id].manager
+    requests = _requests(seed=3, num=8, max_tokens=40)
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(_key(rid), prompt, params)
+    checked = 0
+    while engine.has_work:
+        engine.step()
+        for view in engine.scheduler.pre_plan_state(None):
+            state = pool.seqs.get(view.seq_id)
+            if state is None or view.host_slots:
+                continue
+            assert (state.num_tokens, state.num_slots) == (view.num_tokens, view.num_slots)
+            assert tuple(state.tables[0]) == view.block_ids
+            checked += state.num_slots > state.num_tokens
+    assert checked > 0 and _spec_counts(engine)[1] > 0
+    assert (engine.num_steps_ahead > 0) == async_scheduling
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_blockmgr_restart_mid_speculation_restores_the_lookahead_slots(
+    model_dir, async_scheduling
+):
     requests = _requests(seed=1, num=12)
     plain, _ = run_engine(_engine(model_dir), requests)
-    engine = _engine(model_dir, speculative_config=SPEC)
+    engine = _engine(model_dir, speculative_config=SPEC, async_scheduling=async_scheduling)
     for rid, (prompt, params) in requests.items():
         engine.add_request(_key(rid), prompt, params)
     tokens: dict[tuple[str, int], list[int]] = {}
@@ -286,6 +334,7 @@ def test_a_blockmgr_restart_mid_speculation_restores_the_lookahead_slots(model_d
             engine.link.invalidate()
     assert tokens == plain
     assert _spec_counts(engine)[1] > 0
+    assert engine.link.num_recoveries == 2 and engine.num_bad_answers == 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "ngram_tp2"])

@@ -19,9 +19,11 @@ def plan_admissions(
     config: SchedulerConfig,
     free: int,
     budget: int,
+    num_leaving: int = 0,
 ) -> None:
     """Add to ``plan`` the admissions of ``waiting`` sequences, in priority order (FCFS within a
-    priority), that fit ``free`` blocks and ``budget`` tokens beside the ``running`` ones.
+    priority), that fit ``free`` blocks and ``budget`` tokens beside the ``running`` ones
+    (``num_leaving`` of which end before the step planned: their seats are free).
 
     An admission must leave ``watermark_blocks`` plus one block per sequence that will be
     running free: each running sequence needs at most one new block in the next
@@ -39,7 +41,7 @@ def plan_admissions(
     cfg = config
     bs, groups = cfg.block_size, cfg.num_kv_groups
     keeping = max(1, cfg.group_slides.count(False))  # groups whose tables only grow
-    num_running = len(running)
+    num_running = len(running) - num_leaving
     speculative = False
     admits = plan.admits
     hold_back = cfg.enable_prefix_caching and cfg.hold_back_shared_prefixes

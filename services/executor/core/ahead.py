@@ -11,10 +11,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from services.common.blocks import blocks_to_grow, needs_cow
-from services.executor.core.plan import ScheduledBatch, ScheduledChunk
+from services.executor.core.plan import ScheduledBatch, ScheduledChunk, SchedulePlan
 from services.executor.core.sequence import Sequence
 
-__all__ = ["AheadGrows", "ahead_chunks", "next_grows"]
+__all__ = ["AheadGrows", "ahead_chunks", "next_grows", "with_drafts"]
 
 
 @dataclass
@@ -23,8 +23,12 @@ class AheadGrows:
 
     grows: list[tuple[Sequence, int]] = field(default_factory=list)  # decodes, then prefills
     grow_blocks: list[int] = field(default_factory=list)  # new blocks each grow must get
-    held: list[int] = field(default_factory=list)  # slots each one holds after the forward
+    held: list[int] = field(default_factory=list)  # the pool's tokens before each grow
+    # Speculative decoding: each grow's (verified tokens, lookahead slots, accepted drafts it
+    # reports), as the Grow carries them (empty when speculation is off).
+    counts: list[tuple[int, int, int]] = field(default_factory=list)
     budget: int = 0  # the tokens left for admissions
+    num_finishing: int = 0  # running sequences whose token sampled now is their last
 
 
 def next_grows(
@@ -35,6 +39,7 @@ def next_grows(
     *,
     block_size: int,
     max_num_batched_tokens: int,
+    num_speculative_tokens: int = 0,
 ) -> AheadGrows | None:
     """The ``running`` sequences' grows in the step after ``batch``, as
     :meth:`~.scheduler.Scheduler.plan` would plan them once ``batch`` has run and been
@@ -42,11 +47,22 @@ def next_grows(
     token turns out to be (one whose token is its last by ``max_tokens`` is left out), then
     prefill chunks go on within the token budget, less the ``granted`` (held-back) chunks'
     tokens. ``refs``: the refcount mirror. None when the next step must be planned after
-    sampling: samples about to fork, or a copy-on-write."""
+    sampling: samples about to fork, or a copy-on-write.
+
+    With speculative decoding (``num_speculative_tokens`` k > 0) the plan takes the worst
+    case, as drafts are made after sampling: a decode's grow computes its token and up to
+    ``L = min(k, budget - 1)`` drafts (its chunk is cut to the drafts made, once they are:
+    :func:`with_drafts`), and holds slots for this step's drafts all accepted and L more.
+    Its verified tokens are those the pool is sure of: the token after this step's first
+    (the one sampled, or the first draft accepted) and the accepted drafts already known;
+    the ones this step accepts are reported by a later grow. A decode whose writes may
+    reach a block another table holds is planned after sampling (no copy-on-write)."""
     scheduled = {c.seq.seq_id: c for c in batch.chunks}
     held_back = {s.seq_id for s, _ in granted}  # they run next with the slots they hold
-    decodes: list[tuple[Sequence, int]] = []  # (seq, slots it holds after this forward)
-    prefills: list[tuple[Sequence, int, int]] = []  # (seq, slots, tokens left)
+    # (seq, slots it holds after this forward, the pool's tokens then, tokens left)
+    decodes: list[tuple[Sequence, int, int, int]] = []
+    num_finishing = 0
+    prefills: list[tuple[Sequence, int, int, int]] = []
     for seq in running:
         if held_back and seq.seq_id in held_back:
             continue
@@ -56,53 +72,81 @@ def next_grows(
             left = len(seq.token_ids) - slots
         elif chunk.need_logits:  # samples a token now
             slots += chunk.num_new_tokens
-            num_output = slots + 1 - seq.prompt_len
+            # (its drafts may all be rejected: it outputs this many tokens at least)
+            num_output = slots - seq.num_scheduled_drafts + 1 - seq.prompt_len
             if num_output == 1 and seq.params.n > 1:
                 return None  # its other samples fork from this token
             if num_output >= seq.params.max_tokens:
-                continue  # this token is its last: nothing to grow
+                num_finishing += 1  # this token is its last: nothing to grow, its seat frees
+                continue
             left = 1
         else:
             slots += chunk.num_new_tokens
             left = len(seq.token_ids) - slots
+        # The pool's tokens once this step's grow is applied: its verified ones.
+        pool = slots - seq.num_scheduled_drafts - seq.num_unreported
         if left == 1:
-            decodes.append((seq, slots))
+            decodes.append((seq, slots, pool, 1))
         else:
-            prefills.append((seq, slots, left))
-    bs = block_size
+            prefills.append((seq, slots, pool, left))
+    bs, k_max = block_size, num_speculative_tokens
     budget = max_num_batched_tokens - sum(k for _, k in granted)
     ahead = AheadGrows()
-    grows, grow_blocks, held = ahead.grows, ahead.grow_blocks, ahead.held
-    for seq, slots, left in itertools.chain(((s, n, 1) for s, n in decodes), prefills):
+    grows, grow_blocks, held, counts = ahead.grows, ahead.grow_blocks, ahead.held, ahead.counts
+    for seq, slots, pool, left in itertools.chain(decodes, prefills):
         if budget <= 0:
             break
         k = min(left, budget)
         tables = seq.tables
-        if tables[0] and any(needs_cow(slots, k, bs, refs[t[-1]]) for t in tables):
+        if k_max:
+            lookahead = 0
+            if left == 1:
+                k += min(k_max, budget - 1)  # the worst case: drafts for every slot
+                lookahead = seq.num_scheduled_drafts + k - 1
+            if tables[0] and any(refs[b] != 1 for t in tables for b in t[pool // bs :]):
+                return None  # its writes may reach a shared block: planned after sampling
+            counts.append(
+                (
+                    k - lookahead + seq.num_scheduled_drafts + seq.num_unreported,
+                    lookahead,
+                    seq.num_unreported,
+                )
+            )
+        elif tables[0] and any(needs_cow(slots, k, bs, refs[t[-1]]) for t in tables):
             return None  # planned after sampling
         grows.append((seq, k))
         grow_blocks.append(blocks_to_grow(slots, k, len(tables[0]), bs) * len(tables))
-        held.append(slots)
+        held.append(pool)
         budget -= k
-    ahead.budget = budget
+    ahead.budget, ahead.num_finishing = budget, num_finishing
     return ahead
 
 
 def ahead_chunks(
-    grows: list[tuple[Sequence, int]],
+    plan: SchedulePlan,
     failed: set[int],
     granted: list[tuple[Sequence, int]],
     admitted: list[tuple[Sequence, int]],
 ) -> list[ScheduledChunk]:
-    """The next step's chunks, granted ahead: the ``grows`` (less the ``failed`` ones), the
+    """The next step's chunks, granted ahead: ``plan``'s grows (less the ``failed`` ones), the
     ``granted`` (held-back) chunks, then the first chunks of the ``admitted`` sequences.
-    Until that batch runs, ``num_ahead_slots`` counts the slots granted ahead."""
+    Until that batch runs, ``num_ahead_slots`` counts the tokens the pool counted ahead.
+    With speculative decoding (the plan's ``ahead_counts``, as :func:`next_grows` made them),
+    a granted grow also holds its lookahead slots, and the accepted drafts it reported are
+    counted."""
     chunks: list[ScheduledChunk] = []
     append, new = chunks.append, tuple.__new__  # hot: every sequence, every step
-    for seq, k in grows:
+    counts = plan.ahead_counts
+    for i, (seq, k) in enumerate(plan.grows):
         if failed and seq.seq_id in failed:
             continue
-        seq.num_ahead_slots = k
+        if counts:
+            n, lookahead, reported = counts[i]
+            seq.num_surplus_slots = max(seq.num_surplus_slots - n, lookahead)
+            seq.num_unreported -= reported
+            seq.num_ahead_slots = n - reported
+        else:
+            seq.num_ahead_slots = k
         # A sequence sampled in this step lacks its token yet: its chunk samples too.
         end = seq.num_computed_tokens + k
         append(new(ScheduledChunk, (seq, k, end >= len(seq.token_ids))))
@@ -112,3 +156,18 @@ def ahead_chunks(
         seq.num_ahead_slots = k
         append(ScheduledChunk(seq, k, seq.num_computed_tokens + k == len(seq.token_ids)))
     return chunks
+
+
+def with_drafts(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    """The chunks of a batch granted ahead with speculative decoding, once this step's drafts
+    are proposed: a decode granted ``1 + L`` tokens (:func:`next_grows`) computes its token
+    and ``min(its planned drafts, L)`` drafts; the other chunks are as granted."""
+    out: list[ScheduledChunk] = []
+    for chunk in chunks:
+        seq, k = chunk.seq, chunk.num_new_tokens
+        if k > 1 and len(seq.token_ids) - seq.num_computed_tokens == 1:
+            drafts = min(seq.num_planned_drafts, k - 1)
+            seq.num_scheduled_drafts = drafts
+            chunk = ScheduledChunk(seq, 1 + drafts, True)
+        out.append(chunk)
+    return out

@@ -42,8 +42,10 @@ class SchedulerConfig:
     # The runner fills blocks from the tiers beside the forward (its ``fills_async``): a
     # chunk whose tables hold a block its Step fills waits for the next step, granted.
     defer_filled_chunks: bool = False
-    # Speculative decoding is on (core.spec): running sequences may compute drafts.
+    # Speculative decoding is on (core.spec): running sequences may compute drafts, up to
+    # this many each (a step planned ahead holds room for that many).
     speculative: bool = False
+    num_speculative_tokens: int = 0
     # Multi-LoRA serving: the distinct adapters running sequences may use at once (the
     # runner's device slots); a sequence whose adapter would be one more waits (0: no LoRA).
     max_loras: int = 0

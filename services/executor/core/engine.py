@@ -5,10 +5,10 @@ The block manager is reached through a :class:`~.blockmgr_link.BlockManagerLink`
 survives outages and restarts; the engine only plans, computes and samples.
 
 With ``async_scheduling``, a step plans the next one before its forward (as if every
-sequence had the token it samples now) and sends that Step without waiting, so the
-block-manager round trip overlaps the forward; the answer is applied after the forward,
-before sampling (see :meth:`Scheduler.plan_ahead`). Samples about to fork, copy-on-write and
-preemption always plan after sampling.
+sequence had the token it samples now, and the most drafts it may verify) and sends that
+Step without waiting, so the block-manager round trip overlaps the forward; the answer is
+applied after the forward, before sampling (see :meth:`Scheduler.plan_ahead`). Samples
+about to fork, copy-on-write, beams and preemption always plan after sampling.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ class Engine(AheadEngine, BeamSearchEngine):
             settings.scheduler,
             defer_filled_chunks=self._fills_async,
             speculative=self.spec is not None,
+            num_speculative_tokens=self.spec.config.num_speculative_tokens if self.spec else 0,
         )
         self.scheduler = Scheduler(scheduler_config, link.counters())
         self._batch_ahead: ScheduledBatch | None = None  # the next step's, already granted
@@ -107,8 +108,10 @@ class Engine(AheadEngine, BeamSearchEngine):
         self._num_beam_requests = 0  # live beam searches (no planning ahead while any runs)
         self._num_structured = 0  # live requests under a grammar (masks are looked for then)
         self._prepared: PreparedBatch | None = None  # and its host batch, when the runner can
-        # (checked once: a runtime-checkable isinstance costs 15 us)
-        preparing = settings.async_scheduling and isinstance(runner, PreparingRunner)
+        # (checked once: an isinstance costs 15 us; not speculating: drafts come after it)
+        preparing = (
+            settings.async_scheduling and self.spec is None and isinstance(runner, PreparingRunner)
+        )
         self._preparing: PreparingRunner | None = runner if preparing else None  # type: ignore[assignment]
         self._launch_returns_early: bool = getattr(
             runner, "launch_returns_early", runner.device.type == "cuda"

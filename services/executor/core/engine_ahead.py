@@ -13,6 +13,7 @@ from torch import Tensor
 
 from services.blockmgr.api.errors import BlockManagerError
 from services.blockmgr.api.protocol import StepCall
+from services.executor.core.ahead import with_drafts
 from services.executor.core.blockmgr_link import RECOVERABLE, BlockManagerLink
 from services.executor.core.plan import BadAnswer, ScheduledBatch, SchedulePlan
 from services.executor.core.runner import PreparingRunner, seq_chunks
@@ -76,6 +77,8 @@ class AheadEngine:
             return None, None
         running = SeqStatus.RUNNING
         chunks = [c for c in batch.chunks if c.seq.status is running]
+        if self.spec is not None:  # (never prepared: its drafts are known now)
+            chunks = with_drafts(chunks)
         if not chunks:
             if batch.has_moves:  # the pool's host tier counts on them, batch or not
                 self._move_blocks(batch)
@@ -119,8 +122,8 @@ class AheadEngine:
         if self._fills_async and self.runner.filling:  # type: ignore[attr-defined]
             # The Step must report the failed ones (none is this batch's: held back).
             self._take_failed_moves(wait=True)
-        if self._num_beam_requests or self.spec is not None:
-            return None  # beams re-fork, and drafts are proposed, after sampling
+        if self._num_beam_requests:
+            return None  # beams re-fork after sampling
         # (Only while a request asks for prompt log-probabilities need it look for one.)
         plan = self.scheduler.plan_ahead(batch, bool(self._num_prompt_logprobs))
         if plan is None:

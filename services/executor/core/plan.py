@@ -102,6 +102,10 @@ class SchedulePlan:
     num_drafts: int = 0  # draft tokens its grows compute (speculative decoding)
     # Speculative decoding is on: grows report accepted drafts and hold lookahead slots.
     speculative: bool = False
+    # A speculative plan made ahead (async scheduling): each grow's (verified tokens,
+    # lookahead slots, accepted drafts it reports), fixed when planned, as the sequences'
+    # counts move before the answer comes (empty: read off the sequences, grow_counts).
+    ahead_counts: list[tuple[int, int, int]] = field(default_factory=list)
     released: list[RestoredSequence] = field(default_factory=list)  # freed by this plan
     fork_ids: set[int] = field(default_factory=set)  # children forked by this plan
     # Grows the mirror counted as copy-on-write: seq_id -> the KV-cache groups to copy in.
@@ -126,7 +130,11 @@ class SchedulePlan:
         if self.grows:
             seq_ids = tuple(s.seq_id for s, _ in self.grows)
             if self.speculative:
-                counts = [grow_counts(s, k) for s, k in self.grows]
+                counts = (
+                    [(n, la) for n, la, _ in self.ahead_counts]
+                    if self.ahead_counts
+                    else [grow_counts(s, k) for s, k in self.grows]
+                )
                 ops.append(
                     Grow(seq_ids, tuple(n for n, _ in counts), tuple(la for _, la in counts))
                 )

@@ -181,7 +181,7 @@ class Scheduler:
                 if stuck is not None:
                     self._recompute_swapped(stuck, plan)
             else:
-                self._plan_admissions(plan, free, budget)
+                plan_admissions(plan, self.waiting, self.running, self.config, free, budget)
         return plan
 
     def _open_plan(self) -> tuple[SchedulePlan, int]:
@@ -198,9 +198,6 @@ class Scheduler:
             plan.free_seq_ids.append(view.seq_id)
         self._to_free, self._commits = [], []
         return plan, free
-
-    def _plan_admissions(self, plan: SchedulePlan, free: int, budget: int) -> None:
-        plan_admissions(plan, self.waiting, self.running, self.config, free, budget)
 
     # ---- phase two: apply the block manager's answer ---------------------------------------
 
@@ -295,11 +292,11 @@ class Scheduler:
         so that its Step round trip overlaps the forward: the running sequences' grows as
         :meth:`plan` would plan them once ``batch`` has run and been sampled
         (:func:`~.ahead.next_grows`; one that finishes gives its slot back in the step after),
-        then admissions. None (nothing changed) when the next step must be planned after
-        sampling: samples about to fork, a copy-on-write, too few free blocks without a
-        preemption, or (``prompt_logprobs``: some request asks for them) a prompt whose every
-        logits row is read. Admissions that only the blocks freed by this step's finished
-        sequences would make fit wait one step."""
+        then admissions, in seats that this step's last tokens free too. None (nothing
+        changed) when the next step must be planned after sampling: samples about to fork, a
+        copy-on-write, too few free blocks without a preemption, or (``prompt_logprobs``:
+        some request asks for them) a prompt whose every logits row is read. Admissions that
+        only the blocks freed by this step's finished sequences would make fit wait one step."""
         if not batch.chunks or self._forks or self.swapping.swapped:
             return None  # (swapped-out sequences come back in a step planned after sampling)
         if prompt_logprobs and any(
@@ -315,6 +312,7 @@ class Scheduler:
             self.mirror.refs,
             block_size=cfg.block_size,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
+            num_speculative_tokens=cfg.num_speculative_tokens,
         )
         if ahead is None:
             return None
@@ -323,6 +321,7 @@ class Scheduler:
             return None  # (this step's frees are not counted: conservative)
         plan, free = self._open_plan()
         plan.grows, plan.grow_blocks, plan.granted = ahead.grows, ahead.grow_blocks, granted
+        plan.ahead_counts = ahead.counts  # (speculating: what each grow reports and holds)
         if cfg.sliding_window:
             # What the grows will release, applied with the answer: this step's forward,
             # whose batch may not be built yet, still reads these tables.
@@ -331,7 +330,8 @@ class Scheduler:
                 first_live_after(s, held)
                 for (s, _), held in zip(ahead.grows, ahead.held, strict=True)
             ]
-        self._plan_admissions(plan, free - need, ahead.budget)
+        room = (free - need, ahead.budget, ahead.num_finishing)
+        plan_admissions(plan, self.waiting, self.running, cfg, *room)
         return plan
 
     def apply_ahead(self, plan: SchedulePlan, result: StepResult) -> ScheduledBatch:
@@ -355,9 +355,8 @@ class Scheduler:
         # (no copy-on-write either: one is rejected)
         self.mirror.check_answer(plan, grow, admitted, num_blocks=self.num_usable_blocks + 1)
         failed = self._apply_grow(plan, grow)[0] if grow is not None else set()
-        chunks = ahead_chunks(
-            plan.grows, failed, self.held_back.take(plan), self._apply_admissions(plan, admitted)
-        )
+        granted, admitted_chunks = self.held_back.take(plan), self._apply_admissions(plan, admitted)
+        chunks = ahead_chunks(plan, failed, granted, admitted_chunks)
         self.num_free_blocks = result.counters.num_free_blocks
         return step_batch(self.held_back.hold_back(chunks, result), [], result, self.config)
 
@@ -373,11 +372,12 @@ class Scheduler:
             if start < seq.prompt_len:
                 num_prompt_tokens += min(start + k, seq.prompt_len) - start
             # (its drafts, if any, count once verified: accept_drafts)
-            seq.num_computed_tokens = computed = start + k - seq.num_scheduled_drafts
+            seq.num_computed_tokens = start + k - seq.num_scheduled_drafts
             seq.num_ahead_slots = 0
-            if caching and computed // bs > seq.num_committed_blocks:
-                self._commits.append(self.block_tokens.commit(seq, bs, computed // bs))
-                seq.num_committed_blocks = computed // bs
+            full = seq.num_pool_tokens // bs  # (accepted drafts it has not reported wait)
+            if caching and full > seq.num_committed_blocks:
+                self._commits.append(self.block_tokens.commit(seq, bs, full))
+                seq.num_committed_blocks = full
         return num_prompt_tokens
 
     # ---- recovery -------------------------------------------------------------------------

@@ -257,8 +257,8 @@ class ExecutorConfig:
             default=cls.async_scheduling,
             help="plan the next step before this step's forward and send its block-manager "
             "Step without waiting, so the round trip overlaps the forward (outputs are "
-            "unchanged; samples about to fork, copy-on-write and preemption still plan "
-            "after sampling)",
+            "unchanged; speculating, it plans for the most drafts; samples about to fork, "
+            "beam search, copy-on-write and preemption still plan after sampling)",
         )
         a(
             "--speculative-config",

@@ -342,11 +342,6 @@ def _speculative(
             f"--speculative-config: every layer of this model slides, and {spec.method} reads "
             "the blocks of a full-attention KV-cache group: use the ngram method"
         )
-    if config.async_scheduling:
-        log.warning(
-            "async_scheduling_off_while_speculating",
-            consequence="every step is planned after sampling (drafts are proposed then)",
-        )
     return spec
 
 
