@@ -263,14 +263,15 @@ def test_a_head_that_cannot_serve_the_target_is_a_load_error_naming_the_field(
 @pytest.mark.gpu
 def test_on_cuda_eagle3_speculation_gives_the_tokens_of_graphed_decoding(model_dir, head_dir):
     """On a GPU: the plain engine decodes through CUDA graphs; the speculating one verifies
-    through the verification graphs, which keep the features the head reads (its own
-    forwards are eager). fp32 tokens are identical."""
+    through the verification graphs, which keep the features the head reads, and the head
+    drafts through graphs of its own (its catch-up is eager). fp32 tokens are identical."""
     requests = _requests(seed=1, num=12)
     plain, _ = run_engine(_engine(model_dir, device="cuda"), requests)
     engine = _engine(model_dir, device="cuda", speculative_config=_spec(head_dir))
     assert run_engine(engine, requests)[0] == plain
     assert _spec_counts(engine)[1] > 0
     assert engine.runner.graphs.num_verify_replays > 0  # type: ignore[attr-defined]
+    assert engine.runner.eagle.graphs.num_replays > 0  # type: ignore[attr-defined]
 
 
 def test_under_graphs_the_head_reads_the_features_an_eager_forward_leaves(
@@ -278,7 +279,9 @@ def test_under_graphs_the_head_reads_the_features_an_eager_forward_leaves(
 ) -> None:
     """The graphs (the eager stand-in replaying over the persistent buffers) keep the
     target's features as outputs of their own; a verification graph's are gathered back to
-    the eager rows: the same drafts accepted and the same tokens as without graphs."""
+    the eager rows; the head's own drafting forwards replay graphs of theirs, fed its state
+    through a persistent buffer: the same drafts accepted and the same tokens as without
+    graphs."""
     # Outputs of 20-70 tokens: speculation is off while more than 4 run (decode graphs,
     # the head catching up on their features), then on (verification graphs).
     requests = {
@@ -299,5 +302,6 @@ def test_under_graphs_the_head_reads_the_features_an_eager_forward_leaves(
     assert tokens == eager_tokens == plain
     graphs = graphed.runner.graphs  # type: ignore[attr-defined]
     assert graphs.num_verify_replays > 0 and graphs.num_replays > graphs.num_verify_replays
+    assert graphed.runner.eagle.graphs.num_replays > 0  # type: ignore[attr-defined]
     assert _spec_counts(graphed) == _spec_counts(eager)
     assert _spec_counts(graphed)[1] > 0

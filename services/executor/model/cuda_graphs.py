@@ -16,6 +16,7 @@ padding that writes nowhere and whose rows are not returned (:meth:`BatchBuilder
 ``pad_query_to``), for the sizes whose ``B * (1 + k)`` tokens are no more than the largest
 decode size's. A graph is a :class:`GraphKey` (sequences, query length).
 
+An EAGLE-3 head's drafting forwards are captured the same way (:mod:`.eagle_graphs`).
 Prefill and mixed steps, and decode batches above the largest size, run eagerly. The graph
 machinery is injected (:class:`GraphBackend`): CUDA graphs on a GPU, an eager stand-in that
 re-runs the captured function on replay for tests on the CPU, which then exercise the
@@ -43,6 +44,7 @@ from services.executor.model.forward_batch import (
 from services.executor.model.models import DecoderLM
 
 __all__ = [
+    "CapturedForwards",
     "CudaGraphBackend",
     "DecodeGraphs",
     "EagerGraphBackend",
@@ -140,23 +142,24 @@ def graph_output_bytes(sizes: Sequence[int], verify_query_len: int, vocab_size: 
     return graph_rows(sizes, verify_query_len) * vocab_size * 4
 
 
-class DecodeGraphs:
-    """The captured decode (and verification) forwards of one runner, by :class:`GraphKey`."""
+class CapturedForwards:
+    """Forwards captured by :class:`GraphKey` over persistent input buffers: the keys, the
+    buffers, capture (largest first) and bucketing. What a graph runs is a subclass's
+    :meth:`_outputs`; a graph serves ``max_model_len`` positions."""
 
     def __init__(
         self,
-        model: DecoderLM,
         kv_cache: Tensor,
         builder: BatchBuilder,
         sizes: Sequence[int],
         backend: GraphBackend,
+        max_model_len: int,
         verify_query_len: int = 1,
     ) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"cuda graph sizes must be positive, got {list(sizes)}")
         if verify_query_len < 1:
             raise ValueError(f"verify_query_len must be positive, got {verify_query_len}")
-        self.model = model
         self.kv_cache = kv_cache
         self.builder = builder
         self.sizes = tuple(sorted(set(sizes)))
@@ -164,9 +167,8 @@ class DecodeGraphs:
         self.verify_query_len = verify_query_len
         self.keys = graph_keys(self.sizes, verify_query_len)
         self.verify_sizes = tuple(k.num_seqs for k in self.keys if k.query_len > 1)
-        mc = model.config
-        self.max_model_len = mc.max_model_len
-        self.table_width = blocks_for_tokens(mc.max_model_len, builder.block_size)
+        self.max_model_len = max_model_len
+        self.table_width = blocks_for_tokens(max_model_len, builder.block_size)
         device = kv_cache.device
         n64 = max(sum(self._layout(key).sizes64) for key in self.keys)
         n32 = max(sum(self._layout(key).sizes32) for key in self.keys)
@@ -178,6 +180,10 @@ class DecodeGraphs:
         self.num_replays = 0
         self.num_verify_replays = 0
         self.capture_s = 0.0
+
+    def _outputs(self, batch: ForwardBatch, key: GraphKey) -> Outputs:
+        """The forward a graph of ``key`` captures, over ``batch`` (the buffers' views)."""
+        raise NotImplementedError
 
     def _layout(self, key: GraphKey) -> BatchLayout:
         tokens = key.num_seqs * key.query_len
@@ -197,10 +203,8 @@ class DecodeGraphs:
             self._fill_padding(key)
             batch = self._batch(key)
 
-            def forward(batch: ForwardBatch = batch) -> Outputs:
-                logits = self.model(batch, self.kv_cache)
-                aux = self.model.aux_hidden if self.model.aux_layers else None
-                return (logits,) if aux is None else (logits, aux)
+            def forward(batch: ForwardBatch = batch, key: GraphKey = key) -> Outputs:
+                return self._outputs(batch, key)
 
             forward()  # warm-up: JIT compilation and lazy allocations happen outside capture
             self.graphs[key] = self.backend.capture(forward)
@@ -245,16 +249,43 @@ class DecodeGraphs:
             pad_query_to=key.query_len,
         )
 
+    def _replay(self, key: GraphKey) -> Outputs:
+        """Replay the graph of ``key`` over what the buffers hold; its outputs."""
+        graph = self.graphs[key]
+        graph.replay()
+        self.num_replays += 1
+        self.num_verify_replays += key.query_len > 1
+        return graph.output
+
+
+class DecodeGraphs(CapturedForwards):
+    """The captured decode (and verification) forwards of one model's runner."""
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        kv_cache: Tensor,
+        builder: BatchBuilder,
+        sizes: Sequence[int],
+        backend: GraphBackend,
+        verify_query_len: int = 1,
+    ) -> None:
+        self.model = model
+        max_model_len = model.config.max_model_len
+        super().__init__(kv_cache, builder, sizes, backend, max_model_len, verify_query_len)
+
+    def _outputs(self, batch: ForwardBatch, key: GraphKey) -> Outputs:
+        logits = self.model(batch, self.kv_cache)
+        aux = self.model.aux_hidden if self.model.aux_layers else None
+        return (logits,) if aux is None else (logits, aux)
+
     def replay(self, key: GraphKey, own_rows: Tensor | None = None) -> Tensor:
         """Replay the graph of ``key`` over what the buffers hold; fp32 logits, the chunks'
         rows first (:attr:`HostBatch.num_rows`), then padding's. A model that keeps an
         EAGLE-3 head's features gets them as an eager forward leaves them: the chunks'
         tokens' rows in order (``own_rows``, where padding is interleaved), then padding's."""
-        graph = self.graphs[key]
-        graph.replay()
-        self.num_replays += 1
-        self.num_verify_replays += key.query_len > 1
-        if len(graph.output) > 1:
-            aux = graph.output[1]
+        output = self._replay(key)
+        if len(output) > 1:
+            aux = output[1]
             self.model.aux_hidden = aux if own_rows is None else aux.index_select(0, own_rows)
-        return graph.output[0]
+        return output[0]

@@ -28,6 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from services.executor.model.config import ModelConfig
+from services.executor.model.cuda_graphs import GraphBackend
+from services.executor.model.eagle_graphs import HeadGraphs
 from services.executor.model.errors import ModelLoadError
 from services.executor.model.forward_batch import BatchBuilder, ForwardBatch, SeqChunk
 from services.executor.model.kv_cache import allocate_kv_cache, bytes_per_block
@@ -311,7 +313,8 @@ def eagle3_bytes_per_block(head: Eagle3Head, block_size: int) -> int:
 
 
 class Eagle3Runner:
-    """Runs ``head`` over its own cache of the target's ``num_blocks`` blocks (eager)."""
+    """Runs ``head`` over its own cache of the target's ``num_blocks`` blocks: eagerly, or
+    its drafting forwards through :class:`~.eagle_graphs.HeadGraphs` once captured."""
 
     def __init__(self, head: Eagle3Head, num_blocks: int, block_size: int) -> None:
         mc = head.config.model
@@ -326,10 +329,25 @@ class Eagle3Runner:
             vocab_size=mc.vocab_size,
             num_groups=1,
         )
+        self.graphs: HeadGraphs | None = None
+
+    def capture(self, sizes: Sequence[int], backend: GraphBackend) -> None:
+        """Capture the head's drafting forwards (one token a sequence) for batch ``sizes``."""
+        graphs = HeadGraphs(self.head, self.kv_cache, self.builder, sizes, backend)
+        graphs.capture()
+        log.info(
+            "eagle3_graphs_captured", sizes=list(graphs.sizes), seconds=round(graphs.capture_s, 2)
+        )
+        self.graphs = graphs
 
     def execute(self, chunks: Sequence[SeqChunk], hidden: Tensor) -> tuple[Tensor, Tensor]:
         """One forward of ``chunks``, ``hidden`` a row per token (see :meth:`Eagle3Head.forward`):
         (logits, pre-norm output) of the rows ``need_logits`` asks for."""
+        graphs = self.graphs
+        key = graphs.serves(chunks, hidden) if graphs is not None else None
+        if key is not None:
+            assert graphs is not None
+            return graphs.run(chunks, hidden, key)
         host = self.builder.prepare(chunks).host
         d64, d32 = self.builder.upload_packed(host)
         batch = host.layout.views(d64, d32, host.max_query_len, host.max_seq_len)

@@ -31,7 +31,12 @@ from services.executor.model.cuda_graphs import (
 )
 from services.executor.model.disk_kv import DiskKVStore
 from services.executor.model.draft import draft_bytes_per_block, draft_runner, load_draft
-from services.executor.model.eagle import Eagle3Runner, eagle3_bytes_per_block, load_eagle3
+from services.executor.model.eagle import (
+    Eagle3Head,
+    Eagle3Runner,
+    eagle3_bytes_per_block,
+    load_eagle3,
+)
 from services.executor.model.errors import ModelLoadError
 from services.executor.model.host_kv import HostKVCache
 from services.executor.model.kv_cache import (
@@ -166,7 +171,7 @@ def _build(
         config.cache,
         max_num_batched_tokens=config.max_num_batched_tokens,
         graph_sizes=graph_sizes,
-        graph_output_bytes=_graph_logits_bytes(graph_sizes, config, model, draft),
+        graph_output_bytes=_graph_logits_bytes(graph_sizes, config, model, draft, head),
         extra_bytes_per_block=extra,
     )
     kv_cache = allocate_kv_cache(
@@ -199,15 +204,22 @@ def _build(
             # The draft's forwards: catching up (at most 1 + k tokens a sequence, as a
             # verification) and one token a sequence for each further draft.
             runner.draft.capture(graph_sizes, backend, config.verify_query_len)
+        if runner.eagle is not None:  # its drafts after the first, one token a sequence
+            runner.eagle.capture(graph_sizes, backend)
     return runner
 
 
 def _graph_logits_bytes(
-    sizes: tuple[int, ...], config: RunnerConfig, model: DecoderLM, draft: DecoderLM | None
+    sizes: tuple[int, ...],
+    config: RunnerConfig,
+    model: DecoderLM,
+    draft: DecoderLM | None,
+    head: Eagle3Head | None = None,
 ) -> int:
     """The outputs the CUDA graphs keep for good, beyond the largest decode forward's (which
     the KV-cache profile measures): every other graph's fp32 logits, decode and
-    verification, the draft model's graphs' all, and an EAGLE-3 head's features."""
+    verification, the draft model's graphs' all, and an EAGLE-3 head's features, and its
+    own graphs' logits and states (a row per sequence of each size)."""
     if not sizes:
         return 0
     verify = config.verify_query_len
@@ -218,6 +230,9 @@ def _graph_logits_bytes(
     if model.aux_layers:  # an EAGLE-3 head's features, a row per token of every graph
         width = len(model.aux_layers) * model.config.hidden_size * model.dtype.itemsize
         out += graph_rows(sizes, verify) * width
+    if head is not None:
+        mc = head.config.model
+        out += sum(sizes) * (vocab * 4 + mc.hidden_size * head.dtype.itemsize)
     return out
 
 
