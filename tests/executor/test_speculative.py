@@ -294,11 +294,16 @@ def test_between_steps_the_pool_holds_what_the_scheduler_would_restore(model_dir
     """After every step, each sequence's tokens (verified), slots and table in the pool are
     the scheduler's view of them (what a restart restores), though accepted drafts are
     reported a step late and steps planned ahead hold the worst case's slots. A draft
-    model identical to the target has every draft accepted: the most drafts in flight."""
-    spec = json.dumps({"model": model_dir, "num_speculative_tokens": 4})
+    model identical to the target has every draft accepted: the most drafts in flight; with
+    more than 5 sequences running, speculation is off (steps planned ahead hold no room for
+    drafts then, but still report the drafts accepted before)."""
+    spec = json.dumps({"model": model_dir, "num_speculative_tokens": 4, "disable_by_batch_size": 6})
     engine = _engine(model_dir, speculative_config=spec, async_scheduling=async_scheduling)
     pool = engine.link.client.core._pools[engine.link.pool_id].manager
-    requests = _requests(seed=3, num=8, max_tokens=40)
+    requests = {  # of their own lengths: the batch shrinks, speculation starts
+        rid: (prompt, dataclasses.replace(params, max_tokens=16 + 8 * i, ignore_eos=True))
+        for i, (rid, (prompt, params)) in enumerate(_requests(seed=3, num=8).items())
+    }
     for rid, (prompt, params) in requests.items():
         engine.add_request(_key(rid), prompt, params)
     checked = 0

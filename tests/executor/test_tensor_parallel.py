@@ -235,7 +235,7 @@ def test_every_rank_replays_its_decode_graphs_in_step(make_runner, tiny_checkpoi
     ("name", "async_scheduling", "num_kv_blocks"),
     [
         ("llama", False, 14),
-        ("llama", True, 14),
+        ("llama", True, 13),
         # A hybrid KV cache (a sliding and a full group, one layer each): every rank reads its
         # slot through the broadcast tables of both groups.
         ("gemma3", False, 26),

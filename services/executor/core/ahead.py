@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from services.common.blocks import blocks_to_grow, needs_cow
+from services.executor.core.config import SchedulerConfig
 from services.executor.core.plan import ScheduledBatch, ScheduledChunk, SchedulePlan
 from services.executor.core.sequence import Sequence
 
@@ -36,27 +37,26 @@ def next_grows(
     running: list[Sequence],
     granted: list[tuple[Sequence, int]],
     refs: Counter[int],
-    *,
-    block_size: int,
-    max_num_batched_tokens: int,
-    num_speculative_tokens: int = 0,
+    config: SchedulerConfig,
 ) -> AheadGrows | None:
     """The ``running`` sequences' grows in the step after ``batch``, as
     :meth:`~.scheduler.Scheduler.plan` would plan them once ``batch`` has run and been
     sampled: a sequence that samples a token now grows by that token's slot, whatever the
     token turns out to be (one whose token is its last by ``max_tokens`` is left out), then
-    prefill chunks go on within the token budget, less the ``granted`` (held-back) chunks'
-    tokens. ``refs``: the refcount mirror. None when the next step must be planned after
-    sampling: samples about to fork, or a copy-on-write.
+    prefill chunks go on within the token budget (``config``'s), less the ``granted``
+    (held-back) chunks' tokens. ``refs``: the refcount mirror. None when the next step must
+    be planned after sampling: samples about to fork, or a copy-on-write.
 
-    With speculative decoding (``num_speculative_tokens`` k > 0) the plan takes the worst
+    With speculative decoding (``config.num_speculative_tokens`` k > 0) it takes the worst
     case, as drafts are made after sampling: a decode's grow computes its token and up to
-    ``L = min(k, budget - 1)`` drafts (its chunk is cut to the drafts made, once they are:
-    :func:`with_drafts`), and holds slots for this step's drafts all accepted and L more.
-    Its verified tokens are those the pool is sure of: the token after this step's first
-    (the one sampled, or the first draft accepted) and the accepted drafts already known;
-    the ones this step accepts are reported by a later grow. A decode whose writes may
-    reach a block another table holds is planned after sampling (no copy-on-write)."""
+    ``L <= k`` drafts (from the budget left once every decode has its token, no more than it
+    may still output, none in a batch of ``spec_disable_by_batch_size`` sequences; its chunk
+    is cut to the drafts made, once they are: :func:`with_drafts`), and holds slots for this
+    step's drafts all accepted and L more. Its verified tokens are those the pool is sure
+    of: the token after this step's first (the one sampled, or the first draft accepted) and
+    the accepted drafts already known; the ones this step accepts are reported by a later
+    grow. A decode whose writes may reach a block another table holds is planned after
+    sampling (no copy-on-write)."""
     scheduled = {c.seq.seq_id: c for c in batch.chunks}
     held_back = {s.seq_id for s, _ in granted}  # they run next with the slots they hold
     # (seq, slots it holds after this forward, the pool's tokens then, tokens left)
@@ -89,8 +89,16 @@ def next_grows(
             decodes.append((seq, slots, pool, 1))
         else:
             prefills.append((seq, slots, pool, left))
-    bs, k_max = block_size, num_speculative_tokens
-    budget = max_num_batched_tokens - sum(k for _, k in granted)
+    bs, k_max, cap = (
+        config.block_size,
+        config.num_speculative_tokens,
+        config.spec_disable_by_batch_size,
+    )
+    speculative = config.speculative
+    if cap and len(running) - num_finishing >= cap:
+        k_max = 0  # (off for the batch: no drafts to hold room for, but this step's)
+    budget = config.max_num_batched_tokens - sum(k for _, k in granted)
+    spare = budget - len(decodes)  # the tokens for drafts, once every decode has its own
     ahead = AheadGrows()
     grows, grow_blocks, held, counts = ahead.grows, ahead.grow_blocks, ahead.held, ahead.counts
     for seq, slots, pool, left in itertools.chain(decodes, prefills):
@@ -98,10 +106,13 @@ def next_grows(
             break
         k = min(left, budget)
         tables = seq.tables
-        if k_max:
+        if speculative:  # (every grow reports its counts, drafts planned or not)
             lookahead = 0
-            if left == 1:
-                k += min(k_max, budget - 1)  # the worst case: drafts for every slot
+            if left == 1:  # the worst case, within what it may still output
+                room = seq.params.max_tokens - (pool + 1 - seq.prompt_len) - 1
+                drafts = max(0, min(k_max, spare, room))
+                k += drafts
+                spare -= drafts
                 lookahead = seq.num_scheduled_drafts + k - 1
             if tables[0] and any(refs[b] != 1 for t in tables for b in t[pool // bs :]):
                 return None  # its writes may reach a shared block: planned after sampling

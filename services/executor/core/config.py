@@ -46,6 +46,7 @@ class SchedulerConfig:
     # this many each (a step planned ahead holds room for that many).
     speculative: bool = False
     num_speculative_tokens: int = 0
+    spec_disable_by_batch_size: int = 0  # (its speculative config's: no drafts from so many)
     # Multi-LoRA serving: the distinct adapters running sequences may use at once (the
     # runner's device slots); a sequence whose adapter would be one more waits (0: no LoRA).
     max_loras: int = 0

@@ -99,8 +99,7 @@ class Engine(AheadEngine, BeamSearchEngine):
         scheduler_config = replace(
             settings.scheduler,
             defer_filled_chunks=self._fills_async,
-            speculative=self.spec is not None,
-            num_speculative_tokens=self.spec.config.num_speculative_tokens if self.spec else 0,
+            **(self.spec.scheduler_settings() if self.spec is not None else {}),
         )
         self.scheduler = Scheduler(scheduler_config, link.counters())
         self._batch_ahead: ScheduledBatch | None = None  # the next step's, already granted

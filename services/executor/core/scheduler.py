@@ -305,15 +305,7 @@ class Scheduler:
         ):
             return None  # a prompt whose every token's logits are read: planned after sampling
         cfg, granted = self.config, self.held_back.running()
-        ahead = next_grows(
-            batch,
-            self.running,
-            granted,
-            self.mirror.refs,
-            block_size=cfg.block_size,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            num_speculative_tokens=cfg.num_speculative_tokens,
-        )
+        ahead = next_grows(batch, self.running, granted, self.mirror.refs, cfg)
         if ahead is None:
             return None
         need = sum(ahead.grow_blocks)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import Any
 
 from torch import Tensor
 
@@ -112,6 +113,15 @@ class Speculation:
         features = (lambda: runner.aux_hidden) if head is not None else None  # type: ignore[attr-defined]
         draft = getattr(runner, "draft", None)
         return cls(settings, sampler, generators, grammars, draft, head, features)
+
+    def scheduler_settings(self) -> dict[str, Any]:
+        """What the scheduler's config takes of speculation (SchedulerConfig's fields)."""
+        cfg = self.config
+        return {
+            "speculative": True,
+            "num_speculative_tokens": cfg.num_speculative_tokens,
+            "spec_disable_by_batch_size": cfg.disable_by_batch_size,
+        }
 
     def verify(self, chunks: Seq[ScheduledChunk], logits: Tensor) -> Tensor:
         """Verify the drafts the forward computed; returns the logits rows of the other
