@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from services.common.blocks import blocks_to_grow, needs_cow
 from services.executor.core.config import SchedulerConfig
-from services.executor.core.plan import ScheduledBatch, ScheduledChunk, SchedulePlan
+from services.executor.core.plan import ScheduledBatch, ScheduledChunk, SchedulePlan, grant
 from services.executor.core.sequence import Sequence
 
 __all__ = ["AheadGrows", "ahead_chunks", "next_grows", "with_drafts"]
@@ -107,22 +107,16 @@ def next_grows(
         k = min(left, budget)
         tables = seq.tables
         if speculative:  # (every grow reports its counts, drafts planned or not)
-            lookahead = 0
+            drafts = 0
             if left == 1:  # the worst case, within what it may still output
                 room = seq.params.max_tokens - (pool + 1 - seq.prompt_len) - 1
                 drafts = max(0, min(k_max, spare, room))
                 k += drafts
                 spare -= drafts
-                lookahead = seq.num_scheduled_drafts + k - 1
             if tables[0] and any(refs[b] != 1 for t in tables for b in t[pool // bs :]):
                 return None  # its writes may reach a shared block: planned after sampling
-            counts.append(
-                (
-                    k - lookahead + seq.num_scheduled_drafts + seq.num_unreported,
-                    lookahead,
-                    seq.num_unreported,
-                )
-            )
+            u = seq.num_unreported
+            counts.append((k - drafts + u, seq.num_scheduled_drafts + drafts, u))
         elif tables[0] and any(needs_cow(slots, k, bs, refs[t[-1]]) for t in tables):
             return None  # planned after sampling
         grows.append((seq, k))
@@ -153,8 +147,7 @@ def ahead_chunks(
             continue
         if counts:
             n, lookahead, reported = counts[i]
-            seq.num_surplus_slots = max(seq.num_surplus_slots - n, lookahead)
-            seq.num_unreported -= reported
+            grant(seq, n, lookahead, reported)
             seq.num_ahead_slots = n - reported
         else:
             seq.num_ahead_slots = k

@@ -38,6 +38,7 @@ __all__ = [
     "ScheduledChunk",
     "check_answer",
     "extend_tables",
+    "grant",
     "granted_grows",
     "grow_counts",
     "hold_back_filled",
@@ -62,13 +63,18 @@ def grow_counts(seq: Sequence, k: int) -> tuple[int, int]:
     return k - drafts + seq.num_unreported, drafts
 
 
+def grant(seq: Sequence, n: int, lookahead: int, reported: int) -> None:
+    """The pool granted ``seq`` a grow of ``n`` verified tokens, ``reported`` of them accepted
+    drafts, holding ``lookahead`` slots beyond them (speculative decoding on)."""
+    seq.num_surplus_slots = max(seq.num_surplus_slots - n, lookahead)
+    seq.num_unreported -= reported
+
+
 def granted_grows(grows: Iterable[tuple[Sequence, int]]) -> None:
-    """The pool granted these grows (speculative decoding on): it counts their sequences'
+    """The pool granted these grows, planned after sampling: it counts their sequences'
     accepted drafts now, and holds their lookahead slots."""
     for seq, k in grows:
-        n, lookahead = grow_counts(seq, k)
-        seq.num_surplus_slots = max(seq.num_surplus_slots - n, lookahead)
-        seq.num_unreported = 0
+        grant(seq, *grow_counts(seq, k), seq.num_unreported)
 
 
 class BadAnswer(Exception):

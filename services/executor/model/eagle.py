@@ -333,7 +333,17 @@ class Eagle3Runner:
 
     def capture(self, sizes: Sequence[int], backend: GraphBackend) -> None:
         """Capture the head's drafting forwards (one token a sequence) for batch ``sizes``."""
-        graphs = HeadGraphs(self.head, self.kv_cache, self.builder, sizes, backend)
+        head, mc = self.head, self.head.config.model
+        graphs = HeadGraphs(
+            head,
+            mc.hidden_size,
+            head.dtype,
+            mc.max_model_len,
+            self.kv_cache,
+            self.builder,
+            sizes,
+            backend,
+        )
         graphs.capture()
         log.info(
             "eagle3_graphs_captured", sizes=list(graphs.sizes), seconds=round(graphs.capture_s, 2)

@@ -11,8 +11,7 @@ the graph's, a row per sequence, padding's last."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -20,34 +19,34 @@ from torch import Tensor
 from services.executor.model.cuda_graphs import CapturedForwards, GraphBackend, Outputs
 from services.executor.model.forward_batch import BatchBuilder, ForwardBatch, GraphKey, SeqChunk
 
-if TYPE_CHECKING:
-    from services.executor.model.eagle import Eagle3Head
+__all__ = ["HeadForward", "HeadGraphs"]
 
-__all__ = ["HeadGraphs"]
+# A head's forward: (batch, its KV cache, a state row per token) -> (logits, pre-norm output).
+HeadForward = Callable[[ForwardBatch, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 class HeadGraphs(CapturedForwards):
-    """The captured one-token-a-sequence forwards of ``head`` over its ``kv_cache``, for the
-    batch ``sizes`` (no verification shapes: its catch-up runs eagerly)."""
+    """The captured one-token-a-sequence runs of a head's ``forward`` over its ``kv_cache``,
+    fed states ``width`` wide of ``dtype``, for the batch ``sizes`` of at most
+    ``max_model_len`` positions (no verification shapes: its catch-up runs eagerly)."""
 
     def __init__(
         self,
-        head: Eagle3Head,
+        forward: HeadForward,
+        width: int,
+        dtype: torch.dtype,
+        max_model_len: int,
         kv_cache: Tensor,
         builder: BatchBuilder,
         sizes: Sequence[int],
         backend: GraphBackend,
     ) -> None:
-        mc = head.config.model
-        super().__init__(kv_cache, builder, sizes, backend, mc.max_model_len)
-        self.head = head
-        self.width = mc.hidden_size
-        self.state = torch.zeros(
-            self.max_size, self.width, dtype=head.dtype, device=kv_cache.device
-        )
+        super().__init__(kv_cache, builder, sizes, backend, max_model_len)
+        self.forward, self.width = forward, width
+        self.state = torch.zeros(self.max_size, width, dtype=dtype, device=kv_cache.device)
 
     def _outputs(self, batch: ForwardBatch, key: GraphKey) -> Outputs:
-        return self.head(batch, self.kv_cache, self.state[: key.num_seqs])
+        return self.forward(batch, self.kv_cache, self.state[: key.num_seqs])
 
     def serves(self, chunks: Sequence[SeqChunk], hidden: Tensor) -> GraphKey | None:
         """The graph that runs ``chunks`` fed ``hidden``, or None (run eagerly): one token and
