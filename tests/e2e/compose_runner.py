@@ -283,6 +283,11 @@ class ComposeStack:
         self.poll_s = poll_s
         services = self.compose["services"]
         self.order = start_order(services)
+        self._assign_ports()
+
+    def _assign_ports(self) -> None:
+        """Free local ports for every container port, and the services' plans over them."""
+        services = self.compose["services"]
         all_ports = {name: container_ports(services[name]) for name in self.order}
         locals_ = iter(free_ports(sum(len(p) for p in all_ports.values())))
         self.ports = {name: {p: next(locals_) for p in ports} for name, ports in all_ports.items()}
@@ -364,8 +369,25 @@ class ComposeStack:
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
         return {**inherited, **service.env}
 
-    def up(self, timeout: float = 60.0) -> None:
-        """Start every service in order; each must pass its healthcheck within ``timeout``."""
+    def up(self, timeout: float = 60.0, attempts: int = 3) -> None:
+        """Start every service in order; each must pass its healthcheck within ``timeout``.
+        A service refused a port another process took since it was found free (a busy
+        machine's race) starts the stack again on new ports, up to ``attempts`` times."""
+        for attempt in range(1, attempts + 1):
+            try:
+                self._up(timeout)
+                return
+            except RuntimeError:
+                lost = any(
+                    r.get("error") == "PortInUseError"
+                    for service in self.services.values()
+                    for r in service.log_records()
+                )
+                if not lost or attempt == attempts:
+                    raise
+                self._assign_ports()
+
+    def _up(self, timeout: float) -> None:
         try:
             for name in self.order:
                 for dep, condition in depends_on(self.compose["services"][name]).items():

@@ -24,6 +24,7 @@ config``, GPU scheduling and the network isolation itself.
 
 from __future__ import annotations
 
+import socket
 import sys
 
 import grpc
@@ -291,3 +292,18 @@ def test_durations():
     assert parse_duration(None, 7) == 7
     with pytest.raises(ValueError):
         parse_duration("5 seconds", 0)
+
+
+def test_a_port_taken_after_it_was_found_free_starts_the_stack_again_on_new_ports(tmp_path):
+    """Another process binds the executor's port between the pick and its start (a busy
+    machine): the executor refuses it, naming the flag, and the stack starts again on new
+    ports instead of failing."""
+    model = write_tiny_model(tmp_path / "model")
+    stack = ComposeStack({MODEL_TARGET: model}, shell_env=SHELL, log_dir=tmp_path / "logs")
+    taken = stack.ports["executor"][EXECUTOR_PORT]
+    with socket.socket() as squatter, stack:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        stack.up(timeout=45)
+        assert stack.ports["executor"][EXECUTOR_PORT] != taken
+        assert all(stack.check_health(name) for name in stack.order)
