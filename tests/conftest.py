@@ -34,10 +34,11 @@ from tests.markers import MARKERS, mark_by_behaviour
 # Hypothesis example counts come from a profile (``--hypothesis-profile``, or the
 # HYPOTHESIS_PROFILE variable): ``ci`` (the default) runs each test's own count, ``fast`` a
 # quarter of it (``make test-fast``), ``soak`` ten times it. Tests give their counts through
-# ``tests.hypothesis_budget.examples(n)``, which scales by the profile loaded.
-settings.register_profile("ci", max_examples=100)
-settings.register_profile("fast", max_examples=25)
-settings.register_profile("soak", max_examples=1000)
+# ``tests.hypothesis_budget.examples(n)``, which scales by the profile loaded. No profile has
+# a per-example deadline: on a busy machine an example's wall time says nothing about it.
+settings.register_profile("ci", max_examples=100, deadline=None)
+settings.register_profile("fast", max_examples=25, deadline=None)
+settings.register_profile("soak", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(1)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedserve.kernels.cpu_decode_native import decode_attention_native
 from pagedserve.kernels.kv_quant import dequantize
 from pagedserve.kernels.reference import check_window_and_soft_cap
 
@@ -70,9 +71,13 @@ def paged_attention_cpu(
     if num_decode:
         q = query if rows is None else query[rows]
         rows_tables, rows_lens = block_tables[decode], seq_lens[decode]
-        decoded = _decode_bucketed(
+        decoded = decode_attention_native(
             q, key_cache, value_cache, rows_tables, rows_lens, scale, window, soft_cap
         )
+        if decoded is None:
+            decoded = _decode_bucketed(
+                q, key_cache, value_cache, rows_tables, rows_lens, scale, window, soft_cap
+            )
         decoded = decoded.to(query.dtype)
     if pure:
         assert decoded is not None

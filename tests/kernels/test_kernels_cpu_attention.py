@@ -1,6 +1,7 @@
 """The fast CPU attention (``pagedserve/kernels/cpu_attention.py``, what ``ops`` serves on the CPU)
 against the reference on random paged batches: mixed decode, chunked prefill and prefix
-hits, pure decode, batch padding, MHA / GQA / MQA, block sizes 1, 16 and 32."""
+hits, pure decode, batch padding, MHA / GQA / MQA, block sizes 1, 16 and 32. Each test runs
+twice: decode rows on the native kernel (where it is built) and on the torch path."""
 
 from __future__ import annotations
 
@@ -11,9 +12,25 @@ import torch
 
 from pagedserve.kernels import cpu_attention, ops, reference
 from pagedserve.kernels.cpu_attention import decode_buckets, paged_attention_cpu
+from pagedserve.kernels.cpu_native import NATIVE_ENV
 from pagedserve.kernels.testing import MIXED_BATCH, TOLERANCES, make_paged_batch
 
 HEADS = [(4, 4), (8, 2), (8, 1)]  # (query heads, KV heads): MHA, GQA, MQA
+# Tests of the torch decode path's own buckets: run once, on the torch path.
+TORCH_DECODE_ONLY = (
+    "test_fast_cpu_decode_split_into_buckets_matches_the_reference",
+    "test_short_query_rows_split_into_buckets_match_the_reference",
+)
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def decode_rows_on(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Decode rows on the native kernel (the default where it builds) or on torch."""
+    if request.param == "torch":
+        monkeypatch.setenv(NATIVE_ENV, "0")
+    elif request.node.originalname in TORCH_DECODE_ONLY:
+        pytest.skip("a test of the torch decode path's buckets")
+    return str(request.param)
 
 
 def _random_batch(rng: random.Random, num_seqs: int, decode_share: float) -> list[tuple[int, int]]:
