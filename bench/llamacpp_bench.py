@@ -126,12 +126,14 @@ class LlamaCpp:
 class Server:
     """A server process on a free loopback port, its HTTP API ready."""
 
-    def __init__(self, args: list[str], port: int, grpc_address: str = "") -> None:
+    def __init__(
+        self, args: list[str], port: int, grpc_address: str = "", env: dict[str, str] | None = None
+    ) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.grpc_address = grpc_address  # ours: the gateway's gRPC API
         self.proc = subprocess.Popen(
             args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
+            start_new_session=True, env={**os.environ, **(env or {})},
         )  # fmt: skip
         deadline = time.monotonic() + 300
         while True:
@@ -186,6 +188,10 @@ def _descendants(pid: int) -> list[int]:
 
 
 def ours(model: Path, executor_flags: Sequence[str] = ()) -> Server:
+    """``pagedserve serve`` with ``executor_flags``; words ``VAR=VALUE`` among them (an
+    upper-case name) go to the environment of its services instead."""
+    env = dict(w.split("=", 1) for w in executor_flags if _is_env(w))
+    executor_flags = [w for w in executor_flags if not _is_env(w)]
     port, grpc, ex, bm = free_ports(4)
     return Server(
         [sys.executable, "-m", "services.cli", "serve", "--model", str(model),
@@ -194,7 +200,13 @@ def ours(model: Path, executor_flags: Sequence[str] = ()) -> Server:
          "--", *executor_flags],
         port,
         f"127.0.0.1:{grpc}",
+        env,
     )  # fmt: skip
+
+
+def _is_env(word: str) -> bool:
+    name, eq, _ = word.partition("=")
+    return bool(eq) and name.isupper() and not name.startswith("-")
 
 
 def theirs(cpp: LlamaCpp, gguf: Path, slots: int, slot_len: int) -> Server:
@@ -277,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         "--ours",
         action="append",
         default=[],
-        help="NAME=EXECUTOR FLAGS: pagedserve with those executor flags too (repeatable)",
+        help="NAME=EXECUTOR FLAGS: pagedserve with those executor flags too (repeatable); "
+        "words VAR=VALUE among them set the servers' environment instead (e.g. "
+        '"torch-attention=PAGEDSERVE_CPU_NATIVE=0")',
     )
     args = p.parse_args(argv)
     if args.num_requests is not None and args.num_requests < 1:

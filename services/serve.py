@@ -130,8 +130,10 @@ def _parser() -> argparse.ArgumentParser:
         "--cpu-reserved-cores",
         type=_non_negative,
         default=1,
-        help="cores left to the gateway, the block manager and local clients: the executor "
-        "computes on the others (its --cpu-threads; not when OMP_NUM_THREADS is set)",
+        help="cores left to the gateway, the block manager and local clients during the "
+        "executor's small steps (a small model's decode steps), which compute on the others; "
+        "its other steps use every core (its --cpu-decode-threads and --cpu-threads; not when "
+        "OMP_NUM_THREADS is set)",
     )
     p.add_argument(
         "executor_args",
@@ -333,14 +335,18 @@ def executor_defaults(args: argparse.Namespace) -> list[str]:
 
     - ``--async-scheduling``: the block manager is another process, so its round trip
       overlaps the forward, as in ``compose.yaml``;
-    - ``--cpu-threads``: every core but ``--cpu-reserved-cores``, unless ``OMP_NUM_THREADS``
-      is set. On the CPU the forward's threads meet at a barrier in every op, so a thread
-      preempted by the gateway or a client stalls them all (vLLM's CPU backend reserves a
-      core the same way)."""
+    - ``--cpu-threads``: every core, and ``--cpu-decode-threads``: every core but
+      ``--cpu-reserved-cores``, unless ``OMP_NUM_THREADS`` is set. On the CPU the forward's
+      threads meet at a barrier in every op, so a thread preempted by the gateway or a
+      client stalls them all: small steps (a small model's decode steps, hundreds of short
+      ops) leave the reserved cores to those (vLLM's CPU backend reserves a core the same
+      way); large ones (prefill chunks; any step of a model whose weights take long to
+      stream) are worth every core (``services/executor/model/cpu_threads.py``)."""
     flags = ["--async-scheduling"]
     if "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, available_cores() - args.cpu_reserved_cores)
-        flags += ["--cpu-threads", str(threads)]
+        cores = available_cores()
+        flags += ["--cpu-threads", str(cores)]
+        flags += ["--cpu-decode-threads", str(max(1, cores - args.cpu_reserved_cores))]
     return flags
 
 

@@ -269,7 +269,7 @@ def test_no_secret_reaches_any_service_log(ctrl_c_run) -> None:
     assert configs["gateway"]["api_key"] == "***"
 
 
-def test_serve_gives_the_executor_async_scheduling_and_all_but_the_reserved_cores(
+def test_serve_gives_the_executor_async_scheduling_every_core_and_decodes_on_all_but_the_reserved(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The executor's defaults go first, so a flag after ``--`` overrides them; with
@@ -278,19 +278,30 @@ def test_serve_gives_the_executor_async_scheduling_and_all_but_the_reserved_core
     monkeypatch.setattr(serve, "available_cores", lambda: 8)
     args = serve._parser().parse_args(["--", "--no-async-scheduling", "--max-num-seqs", "4"])
     executor = serve._specs(args, Path("m"))["executor"]
-    tail = executor[-6:]
+    tail = executor[-8:]
     assert tail == [
         "--async-scheduling",
         "--cpu-threads",
+        "8",
+        "--cpu-decode-threads",
         "7",
         "--no-async-scheduling",  # the caller's, later: it wins
         "--max-num-seqs",
         "4",
     ]
     config = ExecutorConfig.from_args(["--model", "m", *tail])
-    assert (config.async_scheduling, config.cpu_threads, config.max_num_seqs) == (False, 7, 4)
+    assert (config.async_scheduling, config.max_num_seqs) == (False, 4)
+    assert (config.cpu_threads, config.cpu_decode_threads) == (8, 7)
+    assert config.runner_config().decode_threads(1) == 7
+    assert config.runner_config().decode_threads(2) == 3  # split between ranks as the others
     args = serve._parser().parse_args(["--cpu-reserved-cores", "8"])
-    assert serve.executor_defaults(args) == ["--async-scheduling", "--cpu-threads", "1"]
+    assert serve.executor_defaults(args) == [
+        "--async-scheduling",
+        "--cpu-threads",
+        "8",
+        "--cpu-decode-threads",
+        "1",
+    ]
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert serve.executor_defaults(args) == ["--async-scheduling"]
 

@@ -5,6 +5,7 @@ around every forward."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from services.blockmgr.client import InProcessClient
 from services.executor.api import (
@@ -17,6 +18,7 @@ from services.executor.api import (
     RequestErrorCode,
     SamplingParams,
 )
+from services.executor.model import cpu_threads
 from services.executor.model.loader import load_tokenizer
 
 from .greedy import hf_greedy, shared_prefix_workload
@@ -36,8 +38,14 @@ def workload(hf_model) -> list[tuple[list[int], int, list[int]]]:
 
 
 def _config(model: str, **flags) -> ExecutorConfig:
-    flags = {"num_kv_blocks": 64, "max_model_len": 512, "max_num_batched_tokens": 128, **flags}
-    return ExecutorConfig(model=model, dtype="float32", device="cpu", cpu_threads=1, **flags)
+    flags = {
+        "num_kv_blocks": 64,
+        "max_model_len": 512,
+        "max_num_batched_tokens": 128,
+        "cpu_threads": 1,
+        **flags,
+    }
+    return ExecutorConfig(model=model, dtype="float32", device="cpu", **flags)
 
 
 def greedy(n: int) -> SamplingParams:
@@ -116,6 +124,34 @@ def test_runner_hook_is_called_once_per_forward(llama, flags):
     assert calls[0] == ForwardInfo(1, len(prompt), len(prompt))
     assert all(c.is_decode for c in calls[1:])
     assert [c.num_context_tokens for c in calls[1:]] == [len(prompt) + i for i in range(1, 5)]
+
+
+def test_cpu_decode_threads_run_small_steps_on_fewer_threads_with_transformers_tokens(
+    llama, hf_model, monkeypatch
+):
+    """``--cpu-decode-threads 1`` beside ``--cpu-threads 2``: the 300-token prompt's step runs
+    on 2 threads, the decode steps on 1, and the tokens are transformers'. (The tiny model's
+    small-step bound is set to 256 of its tokens.)"""
+    params = sum(p.numel() for p in hf_model("llama").parameters())
+    monkeypatch.setattr(cpu_threads, "SMALL_STEP_WORK", 256 * params)
+    prompt = [1, *(5 + (i * 7) % 200 for i in range(299))]
+    expected, _ = hf_greedy(hf_model("llama"), prompt, 6)
+    threads: list[tuple[int, int]] = []  # (tokens of the step, torch threads it ran on)
+
+    def hook(info, forward):
+        out = forward()
+        threads.append((info.num_tokens, torch.get_num_threads()))
+        return out
+
+    flags = {"cpu_threads": 2, "cpu_decode_threads": 1, "max_num_batched_tokens": 512}
+    try:
+        with InProcessEngine(_config(llama, **flags), runner_hook=hook) as engine:
+            (out,) = engine.generate([prompt], greedy(6))
+    finally:
+        torch.set_num_threads(1)  # the suite's own
+    assert list(out.outputs[0].token_ids) == expected
+    assert threads[0] == (300, 2)
+    assert threads[1:] == [(1, 1)] * 5
 
 
 def test_submit_and_step_alongside_generate(llama, workload):

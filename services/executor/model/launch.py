@@ -22,6 +22,7 @@ import torch
 from services.common.gc_policy import freeze_startup_heap
 from services.common.logging import configure_logging
 from services.common.malloc_policy import keep_large_blocks
+from services.executor.model.cpu_threads import StepThreads
 from services.executor.model.cuda_graphs import (
     CudaGraphBackend,
     EagerGraphBackend,
@@ -132,6 +133,7 @@ def _build(
         shard=lambda mc: ShardPlan.of(mc, comm.rank, comm.size),
         comm=comm,
     )
+    num_params = sum(p.numel() for p in model.parameters())  # this rank's, before packing
     if config.quantization is not None:  # before the slots and the cache take their memory
         quantize_model(model, config.quantization)
     prepack_model(model)  # (fp32 on the CPU: the other projections in oneDNN's layout)
@@ -189,6 +191,8 @@ def _build(
             host.disk = _disk_tier(host, config.cache.disk_tier_bytes, config.cache.disk_tier_path)
         host.report_failures = comm.rank == 0  # (another rank's failure stops the executor)
     runner = ModelRunner(model, kv_cache, config.block_size, workers, host)
+    if device.type == "cpu" and (small := config.decode_threads(comm.size)) is not None:
+        runner.step_threads = StepThreads.for_model(torch.get_num_threads(), small, num_params)
     if lora is not None:
         runner.use_lora(lora)
     if draft is not None:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from pagedserve.kernels import ops
 from services.executor.model.config import ModelConfig
+from services.executor.model.cpu_threads import StepThreads
 from services.executor.model.cuda_graphs import (
     DecodeGraphs,
     GraphBackend,
@@ -94,6 +95,8 @@ class ModelRunner:
         self.eagle: Eagle3Runner | None = None
         # Multi-LoRA serving: the adapters' device slot table (attach_lora).
         self.lora: LoRASlots | None = None
+        # On the CPU with --cpu-decode-threads: fewer threads for small steps.
+        self.step_threads: StepThreads | None = None
         self.builder = BatchBuilder(
             block_size,
             self.device,
@@ -250,6 +253,8 @@ class ModelRunner:
             if host is not None and host.own_rows is not None and self.model.aux_layers:
                 own = torch.from_numpy(host.own_rows).to(self.device, non_blocking=True)
             return self.graphs.replay(key, own)
+        if self.step_threads is not None:
+            self.step_threads.apply(batch.num_tokens)
         return self.model(batch, self.kv_cache)
 
     @torch.inference_mode()

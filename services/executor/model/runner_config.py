@@ -67,6 +67,8 @@ class RunnerConfig:
     distributed_timeout: float = 600.0
     log_level: str = "INFO"  # of the rank worker processes
     cpu_threads: int | None = None  # torch intra-op threads on the CPU, all ranks together
+    # Threads of a small step (model/cpu_threads.py; None: as cpu_threads).
+    cpu_decode_threads: int | None = None
     draft_model: str | None = None  # speculative decoding's draft checkpoint (first rank)
     eagle3_head: str | None = None  # or its EAGLE-3 head (first rank)
     # Drafts a step (speculative decoding): its verifying steps, of 1 + k tokens a sequence,
@@ -94,6 +96,16 @@ class RunnerConfig:
         if self.cpu_threads is None and "OMP_NUM_THREADS" in os.environ:
             return None
         return max(1, (self.cpu_threads or available_cores()) // num_ranks)
+
+    def decode_threads(self, num_ranks: int) -> int | None:
+        """Intra-op threads of each of ``num_ranks`` CPU ranks for a small step
+        (``model/cpu_threads.py``) when ``cpu_decode_threads`` gives fewer than
+        :meth:`torch_threads`; else None (every step on those)."""
+        large = self.torch_threads(num_ranks)
+        if self.cpu_decode_threads is None or large is None:
+            return None
+        small = max(1, self.cpu_decode_threads // num_ranks)
+        return small if small < large else None
 
     @property
     def verify_query_len(self) -> int:

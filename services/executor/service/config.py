@@ -20,6 +20,7 @@ from services.executor.model.runner_config import (
     RunnerConfig,
 )
 from services.executor.service.lora_config import LoRAConfig
+from services.executor.service.tier_flags import add_tier_args
 
 
 def _parse_bytes(text: str) -> int:
@@ -115,6 +116,7 @@ class ExecutorConfig:
     distributed_timeout: float = 600.0  # seconds a collective (or the join) may take
     log_level: str = "INFO"
     cpu_threads: int | None = None  # torch intra-op threads on the CPU (default: all cores)
+    cpu_decode_threads: int | None = None  # threads of small steps (default: as above)
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -141,44 +143,7 @@ class ExecutorConfig:
             help="KV-cache bytes (e.g. 512MiB); the CPU default is 256MiB",
         )
         a("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
-        a(
-            "--kv-offloading-size",
-            type=float,
-            default=0.0,
-            metavar="GIB",
-            help="GiB of host memory for a KV tier behind the KV cache: evicted blocks are "
-            "offloaded there and onboarded on a prefix hit (0: none)",
-        )
-        a(
-            "--kv-offloading-backend",
-            default="native",
-            choices=["native"],
-            help="how blocks move to and from the host tier (native: copies between tensors)",
-        )
-        a(
-            "--kv-offloading-disk-path",
-            default=None,
-            metavar="DIR",
-            help="directory for a KV tier on disk below the host tier (one file of "
-            "--kv-offloading-disk-size GiB): host-tier blocks evicted for others are spilled "
-            "there and loaded back on a prefix hit",
-        )
-        a(
-            "--kv-offloading-disk-size",
-            type=float,
-            default=0.0,
-            metavar="GIB",
-            help="GiB of the disk tier (0: none; needs --kv-offloading-size and "
-            "--kv-offloading-disk-path)",
-        )
-        a(
-            "--kv-offloading-eviction-policy",
-            type=EvictionPolicyName,
-            default=cls.kv_offloading_eviction_policy,
-            choices=list(EvictionPolicyName),
-            help="the order in which the host and disk tiers reuse their cached slots (the "
-            "KV cache's own is --eviction-policy)",
-        )
+        add_tier_args(p, cls.kv_offloading_eviction_policy)
         a(
             "--preemption-mode",
             default="recompute",
@@ -296,6 +261,15 @@ class ExecutorConfig:
             default=None,
             help="torch intra-op threads on the CPU, shared by the tensor-parallel ranks "
             "(default: OMP_NUM_THREADS if set, else every core this process may use)",
+        )
+        a(
+            "--cpu-decode-threads",
+            type=int,
+            default=None,
+            help="fewer torch threads on the CPU for small steps (under 256 tokens of a 10 M "
+            "parameter model, fewer of a larger one; a 160 M model's are all large), whose short "
+            "ops stall when a thread is preempted: the cores left serve the gateway and clients "
+            "(default: --cpu-threads for every step)",
         )
         a(
             "--tensor-parallel-size",
@@ -428,6 +402,8 @@ class ExecutorConfig:
             raise ValueError("--cuda-graph-sizes must be positive integers")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError("--cpu-threads must be >= 1")
+        if self.cpu_decode_threads is not None and self.cpu_decode_threads < 1:
+            raise ValueError("--cpu-decode-threads must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be >= 1")
         if self.distributed_timeout <= 0:
@@ -484,6 +460,7 @@ class ExecutorConfig:
             distributed_timeout=self.distributed_timeout,
             log_level=self.log_level,
             cpu_threads=self.cpu_threads,
+            cpu_decode_threads=self.cpu_decode_threads,
             draft_model=spec.model if spec is not None and spec.uses_draft_model else None,
             eagle3_head=spec.model if spec is not None and spec.uses_eagle else None,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
