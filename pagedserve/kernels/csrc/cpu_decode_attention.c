@@ -89,11 +89,12 @@ static inline const float *row_f16(const _Float16 *src, float *dst, int64_t d) {
             }                                                                                  \
             for (int64_t t0 = first; t0 < len; t0 += TILE) {                                   \
                 const int64_t nt = len - t0 < TILE ? len - t0 : TILE;                          \
+                int64_t off[TILE]; /* each position's row, for K and then V */                \
                 for (int64_t j = 0; j < nt; j++) {                                             \
                     const int64_t p = t0 + j;                                                  \
-                    const int64_t off = (int64_t)table[p / block_size] * block_stride          \
-                                        + (p % block_size) * token_stride + h * d;             \
-                    const float *k = ROW(key_cache + off, kr, d);                              \
+                    off[j] = (int64_t)table[p / block_size] * block_stride                     \
+                             + (p % block_size) * token_stride + h * d;                        \
+                    const float *k = ROW(key_cache + off[j], kr, d);                           \
                     for (int64_t g = 0; g < ng; g++) {                                         \
                         float dot = 0.0f;                                                      \
                         _Pragma("omp simd reduction(+ : dot)")                                 \
@@ -123,10 +124,7 @@ static inline const float *row_f16(const _Float16 *src, float *dst, int64_t d) {
                     for (int64_t i = 0; i < d; i++) acc[g][i] *= corr;                         \
                 }                                                                              \
                 for (int64_t j = 0; j < nt; j++) {                                             \
-                    const int64_t p = t0 + j;                                                  \
-                    const int64_t off = (int64_t)table[p / block_size] * block_stride          \
-                                        + (p % block_size) * token_stride + h * d;             \
-                    const float *v = ROW(value_cache + off, vr, d);                            \
+                    const float *v = ROW(value_cache + off[j], vr, d);                         \
                     for (int64_t g = 0; g < ng; g++) {                                         \
                         const float w = s[g][j];                                               \
                         _Pragma("omp simd")                                                    \
