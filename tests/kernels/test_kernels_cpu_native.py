@@ -162,6 +162,26 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone() -> None:
     assert float(torch.tensor([1e-45]) * 1.0) > 0
 
 
+def test_a_peaked_softmax_flushes_subnormal_weights_and_every_thread_keeps_its_float_mode() -> (
+    None
+):
+    """Scores hundreds apart make exp(s - max) subnormal (the kernel flushes those to zero
+    while it runs: a change below 1e-38 against a weight of 1); the answer is still the
+    reference's, and afterwards every torch thread computes with subnormals again."""
+    batch = _decode_batch(3, 8, 2, 64, 16, torch.float32)
+    batch.args()[0].mul_(400.0)
+    want = reference.paged_attention(*batch.args())
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            torch.testing.assert_close(_native(batch), want, **TOLERANCES[torch.float32])
+            tiny = torch.full((1 << 20,), 1e-40)  # split over every thread by torch
+            assert bool(((tiny * 1.0) > 0).all())
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_a_source_that_does_not_compile_falls_back_with_a_logged_reason(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
