@@ -112,13 +112,25 @@ static inline const float *row_f16(const _Float16 *src, float *dst, int64_t d) {
                 m[g] = -FLT_MAX;                                                               \
                 l[g] = 0.0f;                                                                   \
             }                                                                                  \
+            int64_t column = first / block_size, slot = first % block_size;                   \
             for (int64_t t0 = first; t0 < len; t0 += TILE) {                                   \
                 const int64_t nt = len - t0 < TILE ? len - t0 : TILE;                          \
                 int64_t off[TILE]; /* each position's row, for K and then V */                \
+                /* The tile's rows first, their K and V lines asked for before any is read \
+                 * (a block's slot and column kept as running counts: no division). */        \
                 for (int64_t j = 0; j < nt; j++) {                                             \
-                    const int64_t p = t0 + j;                                                  \
-                    off[j] = (int64_t)table[p / block_size] * block_stride                     \
-                             + (p % block_size) * token_stride + h * d;                        \
+                    off[j] = (int64_t)table[column] * block_stride + slot * token_stride       \
+                             + h * d;                                                          \
+                    if (++slot == block_size) {                                                \
+                        slot = 0;                                                              \
+                        column++;                                                              \
+                    }                                                                          \
+                    for (int64_t i = 0; i < d; i += 64 / (int64_t)sizeof(T)) {                 \
+                        __builtin_prefetch(key_cache + off[j] + i);                            \
+                        __builtin_prefetch(value_cache + off[j] + i);                          \
+                    }                                                                          \
+                }                                                                              \
+                for (int64_t j = 0; j < nt; j++) {                                             \
                     const float *k = ROW(key_cache + off[j], kr, d);                           \
                     for (int64_t g = 0; g < ng; g++) {                                         \
                         float dot = 0.0f;                                                      \
