@@ -3,7 +3,9 @@
 Each op has the signature of its reference in :mod:`pagedserve.kernels.reference`. CUDA tensors go
 to the Triton kernels; CPU tensors go to torch: attention to the fast CPU path
 (:mod:`pagedserve.kernels.cpu_attention`; ``PAGEDSERVE_CPU_ATTENTION=reference`` selects the
-reference instead), the other ops to their reference, unless the environment
+reference instead), the residual add with RMSNorm, rotary, SiLU-and-mul and the K/V write in
+fp32 to one native pass each (:mod:`pagedserve.kernels.cpu_layer_ops`), the other ops to
+their reference, unless the environment
 variable ``PAGEDSERVE_FORCE_TRITON=1`` is set (tests use it to run the Triton kernels
 under the interpreter, ``TRITON_INTERPRET=1``). Triton is imported lazily, on first use,
 so a CPU-only process never needs it and a test can set ``TRITON_INTERPRET`` first.
@@ -23,7 +25,7 @@ import os
 import torch
 from torch import Tensor
 
-from pagedserve.kernels import reference
+from pagedserve.kernels import cpu_layer_ops, reference
 from pagedserve.kernels.cpu_attention import paged_attention_cpu
 from pagedserve.kernels.cpu_linear import cpu_linear
 from pagedserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
@@ -134,7 +136,7 @@ def reshape_and_cache(
         from pagedserve.kernels.reshape_and_cache import reshape_and_cache_triton
 
         reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
-    else:
+    elif not cpu_layer_ops.write_kv(key, value, key_cache, value_cache, slot_mapping):
         reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
@@ -247,6 +249,9 @@ def fused_add_rms_norm(
         from pagedserve.kernels.fused_add_rms_norm import fused_add_rms_norm_triton
 
         return fused_add_rms_norm_triton(x, residual, weight, eps, unit_offset)
+    out = cpu_layer_ops.add_rms_norm(x, residual, weight, eps, unit_offset)
+    if out is not None:
+        return out
     return reference.fused_add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
@@ -258,7 +263,7 @@ def rotary_embedding(
         from pagedserve.kernels.rotary_embedding import rotary_embedding_triton
 
         rotary_embedding_triton(positions, query, key, cos, sin)
-    else:
+    elif not cpu_layer_ops.rotary(positions, query, key, cos, sin):
         reference.rotary_embedding(positions, query, key, cos, sin)
 
 
@@ -268,7 +273,8 @@ def silu_and_mul(x: Tensor) -> Tensor:  # [T, 2I] -> [T, I]
         from pagedserve.kernels.silu_and_mul import silu_and_mul_triton
 
         return silu_and_mul_triton(x)
-    return reference.silu_and_mul(x)
+    out = cpu_layer_ops.silu_and_mul(x)
+    return reference.silu_and_mul(x) if out is None else out
 
 
 def gelu_tanh_and_mul(x: Tensor) -> Tensor:  # [T, 2I] -> [T, I]

@@ -232,8 +232,10 @@ def test_logprobs_of_accepted_drafts_equal_those_without_speculation(model_dir):
     assert spec.keys() == plain.keys()
     for key, lps in plain.items():
         assert [lp.token_id for lp in spec[key]] == [lp.token_id for lp in lps]
+        # The same positions through other kernels (k + 1 query rows, other row counts in
+        # the matmuls): equal up to fp32 rounding, relative to the logprob's size.
         assert [lp.logprob for lp in spec[key]] == pytest.approx(
-            [lp.logprob for lp in lps], abs=1e-5
+            [lp.logprob for lp in lps], rel=1e-5, abs=1e-5
         )
     assert _spec_counts(engine)[1] > 0
 

@@ -162,9 +162,7 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone() -> None:
     assert float(torch.tensor([1e-45]) * 1.0) > 0
 
 
-def test_a_peaked_softmax_flushes_subnormal_weights_and_every_thread_keeps_its_float_mode() -> (
-    None
-):
+def test_a_peaked_softmax_flushes_subnormal_weights_and_every_thread_keeps_its_float_mode() -> None:
     """Scores hundreds apart make exp(s - max) subnormal (the kernel flushes those to zero
     while it runs: a change below 1e-38 against a weight of 1); the answer is still the
     reference's, and afterwards every torch thread computes with subnormals again."""
