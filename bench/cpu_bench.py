@@ -68,7 +68,7 @@ from bench.engine_bench import hf_batch, mismatches, model_sizes, our_system, ru
 from pagedserve.kernels import ops
 from pagedserve.kernels.cpu_linear import CPU_LINEAR_ENV
 from services.common.logging import configure_logging
-from services.executor.api import PREPACK_ENV, available_cores
+from services.executor.api import PREPACK_ENV, PackedLinear, available_cores
 
 WORKLOADS = {"fixed": (64, 64), "variable": (16, 128)}
 FAMILIES = ("llama", "qwen3_moe", "gemma3")
@@ -219,9 +219,9 @@ def run_hf_continuous(model: Any, reqs: list[Req]) -> dict[str, list[int]]:
 
 
 class _Timers:
-    """Wall time in the attention op and in linear layers (``ops.linear``, and
-    ``torch.nn.functional.linear`` called elsewhere, e.g. by MoE experts) while installed
-    (the CPU runs each op synchronously, so wall time is the op's time)."""
+    """Wall time in the attention op and in linear layers (``ops.linear``, the packed
+    projections, and ``torch.nn.functional.linear`` called elsewhere, e.g. by MoE experts)
+    while installed (the CPU runs each op synchronously, so wall time is the op's time)."""
 
     def __init__(self) -> None:
         self.attention = self.linear = 0.0
@@ -244,13 +244,16 @@ class _Timers:
     @contextmanager
     def installed(self) -> Iterator[None]:
         saved = ops.paged_attention, ops.linear, torch.nn.functional.linear
+        packed = PackedLinear.__call__  # the decoder's projections packed at load
         ops.paged_attention = self._timed(saved[0], "attention")
         ops.linear = self._timed(saved[1], "linear")
         torch.nn.functional.linear = self._timed(saved[2], "linear")
+        PackedLinear.__call__ = self._timed(packed, "linear")  # type: ignore[method-assign]
         try:
             yield
         finally:
             ops.paged_attention, ops.linear, torch.nn.functional.linear = saved
+            PackedLinear.__call__ = packed  # type: ignore[method-assign]
 
 
 def decode_breakdown(system: EngineSystem, reqs: list[Req], num_seqs: int) -> dict[str, float]:

@@ -50,7 +50,7 @@ from services.executor.api.types import (
 )
 from services.executor.core.outputs import EngineError, RequestErrorCode, TokenLogprob, Usage
 from services.executor.core.sequence import FinishReason
-from services.executor.model.prepack import PREPACK_ENV
+from services.executor.model.prepack import PREPACK_ENV, PackedLinear
 from services.executor.model.runner_config import available_cores
 from services.executor.service.config import ExecutorConfig
 from services.executor.service.lora_config import LoRAConfig, LoRAModulePath
@@ -69,6 +69,7 @@ __all__ = [
     "LoRAConfig",
     "LoRAModulePath",
     "LoadedModel",
+    "PackedLinear",
     "RequestErrorCode",
     "RequestOutput",
     "RunnerHook",
