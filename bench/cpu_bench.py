@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     a(
         "--quantization",
-        choices=["int8"],
+        choices=["int8", "bf16", "fp16"],
         default=None,
         help="also run ours with the executor's --quantization (a system of its own)",
     )

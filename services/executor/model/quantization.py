@@ -1,4 +1,5 @@
-"""Int8 linear layers on the CPU (``--quantization int8``).
+"""Quantized linear layers on the CPU: int8 (``--quantization int8``, below) and 16-bit weights
+(``bf16``, ``fp16``: :mod:`services.executor.model.half_weights`).
 
 At load, every projection of the decoder layers (q/k/v, o, gate/up, down: the model's
 :class:`~services.executor.model.layers.linear.Linear` inside its layers) is quantized: its
@@ -30,12 +31,14 @@ import structlog
 import torch
 from torch import Tensor
 
+from pagedserve.kernels import cpu_native
 from services.executor.model.errors import ModelLoadError
-from services.executor.model.layers.linear import plain_projections
+from services.executor.model.half_weights import FP16_MAX, HalfWeightLinear
+from services.executor.model.layers.linear import Linear, plain_projections
 from services.executor.model.models import DecoderLM
 from services.executor.model.runner_config import QUANTIZATION_METHODS
 
-__all__ = ["QUANTIZATION_METHODS", "Int8Linear", "quantize_model"]
+__all__ = ["QUANTIZATION_METHODS", "HalfWeightLinear", "Int8Linear", "quantize_model"]
 
 log = structlog.get_logger(__name__)
 
@@ -78,20 +81,24 @@ def quantize_model(model: DecoderLM, method: str) -> int:
     device = next(model.parameters()).device
     if device.type != "cpu" or model.dtype != torch.float32:
         raise ModelLoadError(
-            f"--quantization {method}: int8 layers run on the CPU in float32 (this model is "
+            f"--quantization {method}: these layers run on the CPU in float32 (this model is "
             f"{model.dtype} on {device}); drop the flag or use --device cpu --dtype float32"
         )
-    engines = torch.backends.quantized.supported_engines
-    engine = next((e for e in _ENGINES if e in engines), None)
-    if engine is None:
-        raise ModelLoadError(f"--quantization {method}: this torch has no int8 CPU engine")
-    torch.backends.quantized.engine = engine  # (the packing picks the kernels)
-    before = after = 0
     projections = plain_projections(model.layers)
-    for module in projections:
-        before += module.weight.numel() * module.weight.element_size()
-        after += module.weight.numel()  # one byte a weight (and a scale per row)
-        module.replace_weight(Int8Linear(module.weight, module.bias))
+    before = sum(m.weight.numel() * m.weight.element_size() for m in projections)
+    after = sum(m.weight.numel() for m in projections) * (1 if method == "int8" else 2)
+    if method == "int8":
+        engine = _int8_engine()
+        for module in projections:
+            module.replace_weight(Int8Linear(module.weight, module.bias))
+    else:
+        engine = "native" if cpu_native.load("cpu_linear_w16") is not None else "torch"
+        if engine == "torch":
+            log.warning("half_weights_without_native_kernel", detail="widened on every call")
+        if method == "fp16":
+            _check_fp16_range(projections)
+        for module in projections:
+            module.replace_weight(HalfWeightLinear(module.weight, module.bias, method))
     log.info(
         "model_quantized",
         method=method,
@@ -101,3 +108,22 @@ def quantize_model(model: DecoderLM, method: str) -> int:
         weight_bytes_after=after,
     )
     return len(projections)
+
+
+def _int8_engine() -> str:
+    engines = torch.backends.quantized.supported_engines
+    engine = next((e for e in _ENGINES if e in engines), None)
+    if engine is None:
+        raise ModelLoadError("--quantization int8: this torch has no int8 CPU engine")
+    torch.backends.quantized.engine = engine  # (the packing picks the kernels)
+    return engine
+
+
+def _check_fp16_range(projections: list[Linear]) -> None:
+    for module in projections:
+        largest = float(module.weight.detach().abs().max())
+        if largest > FP16_MAX:
+            raise ModelLoadError(
+                f"--quantization fp16: a projection weight reaches {largest:g}, past fp16's "
+                f"{FP16_MAX:g}; use --quantization bf16"
+            )

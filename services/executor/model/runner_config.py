@@ -16,7 +16,7 @@ __all__ = [
 ]
 
 #: ``--quantization`` values (model/quantization.py).
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "bf16", "fp16")
 #: ``--kv-cache-dtype`` values other than ``auto``, vLLM's names (model/kv_cache.py).
 KV_CACHE_DTYPE_NAMES = ("bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int8_per_token_head")
 
@@ -78,7 +78,7 @@ class RunnerConfig:
     # 0: none). Sized before the KV cache; no CUDA graphs then.
     max_loras: int = 0
     max_lora_rank: int = 0
-    quantization: str | None = None  # "int8": the decoder's projections in int8 (CPU)
+    quantization: str | None = None  # int8, bf16, fp16: the decoder's projections (CPU)
     kv_cache_dtype: str = "auto"  # or one of KV_CACHE_DTYPE_NAMES
     calculate_kv_scales: bool = False  # an fp8 cache's scales from a calibration prefill
     # --runner pooling: the model returns its final hidden states (after the last norm)

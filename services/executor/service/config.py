@@ -92,7 +92,7 @@ class ExecutorConfig:
     watermark: float = 0.01  # share of blocks admissions keep free
     # Share of the KV blocks session pins (a request's kv_pin_ttl_s) may keep once free.
     session_pin_budget: float = 0.1
-    quantization: str | None = None  # "int8": the decoder's projections in int8 (CPU, fp32)
+    quantization: str | None = None  # int8, bf16, fp16: the decoder's projections (CPU, fp32)
     kv_cache_dtype: str = "auto"  # vLLM's: auto (the model's), bfloat16, fp8*, int8*
     calculate_kv_scales: bool = False  # an fp8 cache's scales from a calibration prefill
     seed: int = 0
@@ -184,8 +184,10 @@ class ExecutorConfig:
             "-q",
             choices=QUANTIZATION_METHODS,
             default=None,
-            help="int8: the decoder's projections in int8 on the CPU (weights per row, "
-            "activations per batch, oneDNN; the LM head and embeddings stay fp32)",
+            help="the decoder's projections on the CPU (an fp32 model; the LM head and "
+            "embeddings stay fp32): int8 (weights per row, activations per token, oneDNN), "
+            "bf16 or fp16 (weights stored in 16 bits, multiplied in fp32: half the bytes, "
+            "for CPUs without 16-bit arithmetic)",
         )
         a(
             "--kv-cache-dtype",
