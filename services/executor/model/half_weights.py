@@ -6,8 +6,7 @@ its fp32 weight rounded to bf16 or fp16 (to nearest even), laid out for
 :mod:`pagedserve.kernels.cpu_linear_w16` and freed: half the weight memory, and half the bytes
 a decode step streams. Activations, norms, attention, the KV cache, the embeddings and the LM
 head stay fp32, so the only change to the model's arithmetic is the weights' rounding (fp16
-keeps 10 bits of mantissa, bf16 7; fp16 overflows past 65,504, which no checkpoint's
-projection weights approach, and is checked at load).
+keeps 10 bits of mantissa, bf16 7; a weight past fp16's 65,504 is refused at load).
 
 This is the 16-bit mode for a CPU without bf16 or fp16 arithmetic, where a ``--dtype
 bfloat16`` model is slower than fp32 (every torch matmul converts its operands), and the way
@@ -17,15 +16,12 @@ docs/benchmarks.md).
 
 from __future__ import annotations
 
-import structlog
 import torch
 from torch import Tensor
 
 from pagedserve.kernels import cpu_linear_w16
 
 __all__ = ["FP16_MAX", "HalfWeightLinear"]
-
-log = structlog.get_logger(__name__)
 
 FP16_MAX = 65504.0
 
